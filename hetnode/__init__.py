@@ -1,0 +1,4 @@
+"""hetnode: heterogeneous decentralised pre-training (anchors + compressed chains + SparseLoCo)."""
+
+__version__ = "0.1.0"
+PROTOCOL_VERSION = 1

@@ -1,0 +1,246 @@
+"""SparseLoCo compression of pseudo-gradients with error feedback (DESIGN §2.1–2.2).
+
+Per tensor: tile-wise top-k by |value| (see `tiling`), then 2-bit quantisation of the kept signed values
+with one parameter set per tensor (shift + a 4-entry table of bin means), then bit packing (12-bit positions,
+2-bit codes). Error feedback keeps what was not sent and subtracts exactly the dequantised payload that the
+receivers will see, so no signal is lost, only delayed (SparseLoCo, arXiv:2508.15706; error feedback as in
+EF-SGD, Karimireddy et al. 2019).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Literal
+
+import numpy as np
+import torch
+
+from hetnode.algo.packing import pack_uint2, pack_uint12, unpack_uint2, unpack_uint12
+from hetnode.algo.tiling import TileGrid, tile_grid
+
+NUM_BINS = 4
+CENTRE_CODE = 2
+
+
+@dataclass(frozen=True)
+class CompressedTensor:
+    """One tensor's SparseLoCo payload.
+
+    `indices`: packed 12-bit within-tile positions, tile-major, exactly k per tile, ascending in each tile.
+    `codes`: packed 2-bit codes, same order. Dequantised value = float32(shift) + float32(table[code]).
+    """
+
+    shape: tuple[int, ...]
+    indices: bytes
+    codes: bytes
+    shift: float
+    table: tuple[float, float, float, float]
+
+    @property
+    def nbytes(self) -> int:
+        """Payload bytes: packed indices + packed codes + 5 float32 (shift and table)."""
+        return len(self.indices) + len(self.codes) + 5 * 4
+
+
+def quantize_2bit(vals: torch.Tensor) -> tuple[torch.Tensor, float, tuple[float, float, float, float]]:
+    """2-bit quantisation of a 1-D float32 vector with one parameter set (DESIGN §2.2).
+
+    shift = mean, σ = population std of the centred values, scale = 6σ/4,
+    code = clamp(round(c/scale + 2), 0, 3). The table holds the mean centred value of each bin (bin centre
+    (b−2)·scale if empty), which is the least-squares reconstruction for the chosen bins. σ = 0 (constant or
+    single value) gives scale 1 and a zero table, i.e. every value decodes to the shift.
+    Returns (codes int64, shift, table) with float32-exact Python floats.
+    """
+    vals = vals.detach().reshape(-1).to(torch.float32)
+    if vals.numel() == 0:
+        raise ValueError("cannot quantise an empty vector")
+    shift = vals.mean()
+    centred = vals - shift
+    sigma = centred.square().mean().sqrt()
+    if float(sigma) == 0.0:
+        codes = torch.full_like(vals, CENTRE_CODE, dtype=torch.int64)
+        return codes, float(shift), (0.0, 0.0, 0.0, 0.0)
+    scale = sigma * 6.0 / 4.0
+    codes = torch.round(centred / scale + CENTRE_CODE).clamp_(0, NUM_BINS - 1).to(torch.int64)
+    sums = torch.zeros(NUM_BINS, dtype=torch.float32, device=vals.device).scatter_add_(0, codes, centred)
+    counts = torch.bincount(codes, minlength=NUM_BINS).to(torch.float32)
+    centres = (torch.arange(NUM_BINS, dtype=torch.float32, device=vals.device) - CENTRE_CODE) * scale
+    table = torch.where(counts > 0, sums / counts.clamp(min=1.0), centres)
+    t = table.cpu().tolist()
+    return codes, float(shift), (t[0], t[1], t[2], t[3])
+
+
+def dequantize_2bit(
+    codes: torch.Tensor, shift: float, table: tuple[float, ...], device: torch.device | str | None = None
+) -> torch.Tensor:
+    """float32(shift) + float32(table)[codes], computed the same way by sender and every receiver."""
+    table_t = torch.tensor(table, dtype=torch.float32, device=device)
+    shift_t = torch.tensor(shift, dtype=torch.float32, device=device)
+    return table_t[codes.to(device=table_t.device, dtype=torch.int64)] + shift_t
+
+
+class SparseLoCoCodec:
+    """Tile-wise top-k + 2-bit quantisation codec (DESIGN §2.2). Stateless; error feedback lives outside."""
+
+    def __init__(self, topk: int = 64, tile: int = 64) -> None:
+        self.topk = topk
+        self.tile = tile
+        tile_grid((tile, tile), tile, topk)  # validate the parameters now rather than at first use
+
+    def grid(self, shape: tuple[int, ...]) -> TileGrid:
+        return tile_grid(tuple(int(s) for s in shape), self.tile, self.topk)
+
+    def compress(self, t: torch.Tensor) -> CompressedTensor:
+        """Keep the k largest-|v| entries of every tile (vectorised over all tiles), quantise, pack."""
+        grid = self.grid(tuple(t.shape))
+        tiles = grid.to_tiles(t.detach().to(torch.float32))
+        _, pos = torch.topk(tiles.abs(), grid.k, dim=1, sorted=False)
+        pos, _ = torch.sort(pos, dim=1)
+        vals = tiles.gather(1, pos).reshape(-1)
+        if not bool(torch.isfinite(vals).all()):
+            # topk ranks NaN/inf first, so a non-finite tensor always shows up here.
+            raise ValueError(f"non-finite values in tensor of shape {grid.shape}")
+        codes, shift, table = quantize_2bit(vals)
+        return CompressedTensor(
+            shape=grid.shape,
+            indices=pack_uint12(pos.reshape(-1).cpu().numpy()),
+            codes=pack_uint2(codes.cpu().numpy()),
+            shift=shift,
+            table=table,
+        )
+
+    def _unpack(self, ct: CompressedTensor) -> tuple[TileGrid, torch.Tensor, torch.Tensor]:
+        """Validate a (possibly remote) payload; return (grid, positions [num_tiles, k], codes [n*k])."""
+        grid = self.grid(ct.shape)
+        if len(ct.table) != NUM_BINS:
+            raise ValueError(f"table must have {NUM_BINS} entries, got {len(ct.table)}")
+        if not all(math.isfinite(x) for x in (ct.shift, *ct.table)):
+            raise ValueError("non-finite shift or table")
+        pos_np = unpack_uint12(ct.indices, grid.total_selected).reshape(grid.num_tiles, grid.k)
+        if pos_np.size and int(pos_np.max()) >= grid.tile_elems:
+            raise ValueError(f"tile position ≥ tile size {grid.tile_elems}")
+        if grid.k > 1 and not bool(np.all(pos_np[:, 1:] > pos_np[:, :-1])):
+            raise ValueError("tile positions must be strictly ascending inside each tile")
+        codes = torch.from_numpy(unpack_uint2(ct.codes, grid.total_selected))
+        return grid, torch.from_numpy(pos_np), codes
+
+    def decompress(self, ct: CompressedTensor, device: torch.device | str | None = None) -> torch.Tensor:
+        """Dense float32 tensor of the original shape: dequantised values at the sent positions, else 0."""
+        grid, pos, codes = self._unpack(ct)
+        vals = dequantize_2bit(codes, ct.shift, ct.table, device=device).reshape(grid.num_tiles, grid.k)
+        tiles = torch.zeros(grid.num_tiles, grid.tile_elems, dtype=torch.float32, device=vals.device)
+        tiles.scatter_(1, pos.to(vals.device), vals)
+        return grid.from_tiles(tiles)
+
+    def sparse(self, ct: CompressedTensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(flat indices into the flattened tensor, dequantised float32 values); tile-major order."""
+        grid, pos, codes = self._unpack(ct)
+        return grid.flat_indices(pos), dequantize_2bit(codes, ct.shift, ct.table)
+
+
+DenseDtype = Literal["fp32", "bf16"]
+
+
+@dataclass(frozen=True)
+class DenseTensor:
+    """Uncompressed baseline payload: little-endian fp32 or bf16 bytes, row-major."""
+
+    shape: tuple[int, ...]
+    dtype: DenseDtype
+    data: bytes
+
+    @property
+    def nbytes(self) -> int:
+        return len(self.data)
+
+
+class DenseCodec:
+    """Dense fp32/bf16 codec for the DiLoCo baselines (no compression beyond the dtype)."""
+
+    _NP = {"fp32": np.dtype("<f4"), "bf16": np.dtype("<i2")}
+
+    def __init__(self, dtype: DenseDtype = "fp32") -> None:
+        if dtype not in self._NP:
+            raise ValueError(f"dtype must be 'fp32' or 'bf16', got {dtype!r}")
+        self.dtype: DenseDtype = dtype
+
+    def compress(self, t: torch.Tensor) -> DenseTensor:
+        t = t.detach().cpu().contiguous()
+        if self.dtype == "fp32":
+            arr = t.to(torch.float32).numpy()
+        else:
+            arr = t.to(torch.bfloat16).view(torch.int16).numpy()
+        return DenseTensor(tuple(t.shape), self.dtype, arr.astype(self._NP[self.dtype], copy=False).tobytes())
+
+    def decompress(self, dt: DenseTensor, device: torch.device | str | None = None) -> torch.Tensor:
+        """Dense float32 tensor of the original shape."""
+        if dt.dtype not in self._NP:
+            raise ValueError(f"unknown dense dtype {dt.dtype!r}")
+        np_dtype = self._NP[dt.dtype]
+        numel = math.prod(dt.shape)
+        if len(dt.data) != numel * np_dtype.itemsize:
+            raise ValueError(f"dense payload: expected {numel * np_dtype.itemsize} bytes, got {len(dt.data)}")
+        arr = np.frombuffer(dt.data, dtype=np_dtype).astype(np_dtype.newbyteorder("="))
+        t = torch.from_numpy(arr)
+        if dt.dtype == "bf16":
+            t = t.view(torch.bfloat16)
+        return t.to(device=device, dtype=torch.float32).reshape(dt.shape)
+
+    def nbytes(self, shape: tuple[int, ...]) -> int:
+        """Payload size for a tensor of `shape`, without compressing it."""
+        return math.prod(shape) * self._NP[self.dtype].itemsize
+
+
+class ErrorFeedback:
+    """Per-tensor error-feedback buffers around a SparseLoCo codec (DESIGN §2.1).
+
+    e ← β·e + Δ; send ct = compress(e); e ← e − decompress(ct). Subtracting the dequantised payload (not the
+    pre-quantisation top-k) keeps sent + residual equal to β·e + Δ up to float32 rounding.
+    """
+
+    def __init__(self, codec: SparseLoCoCodec, beta: float = 0.95) -> None:
+        self.codec = codec
+        self.beta = beta
+        self.buffers: dict[str, torch.Tensor] = {}
+
+    def compress(self, pseudo_grads: dict[str, torch.Tensor]) -> dict[str, CompressedTensor]:
+        out: dict[str, CompressedTensor] = {}
+        for name, delta in pseudo_grads.items():
+            delta = delta.detach().to(torch.float32)
+            buf = self.buffers.get(name)
+            if buf is None:
+                buf = delta.clone()
+            elif buf.shape != delta.shape:
+                raise ValueError(f"{name}: shape {tuple(delta.shape)} != buffer shape {tuple(buf.shape)}")
+            else:
+                buf.mul_(self.beta).add_(delta.to(buf.device))
+            ct = self.codec.compress(buf)
+            buf.sub_(self.codec.decompress(ct, device=buf.device))
+            self.buffers[name] = buf
+            out[name] = ct
+        return out
+
+    def state_dict(self) -> dict[str, object]:
+        return {"beta": self.beta, "buffers": {n: b.detach().clone() for n, b in self.buffers.items()}}
+
+    def load_state_dict(self, state: dict[str, object]) -> None:
+        buffers = state["buffers"]
+        if not isinstance(buffers, dict):
+            raise ValueError("error-feedback state: 'buffers' must be a dict")
+        self.beta = float(state["beta"])  # type: ignore[arg-type]
+        self.buffers = {str(n): torch.as_tensor(b, dtype=torch.float32).clone() for n, b in buffers.items()}
+
+
+def pseudo_gradient(
+    global_params: dict[str, torch.Tensor], local_params: dict[str, torch.Tensor]
+) -> dict[str, torch.Tensor]:
+    """Δ = θ_global − θ_local in float32 (DESIGN §2.1): the direction the inner steps moved, sign-flipped."""
+    if global_params.keys() != local_params.keys():
+        missing = sorted(set(global_params) ^ set(local_params))
+        raise ValueError(f"global and local parameters differ in names: {missing}")
+    return {
+        name: g.detach().to(torch.float32)
+        - local_params[name].detach().to(device=g.device, dtype=torch.float32)
+        for name, g in global_params.items()
+    }

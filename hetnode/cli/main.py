@@ -1,0 +1,59 @@
+"""`hetnode` entry point: parse the subcommand, set up logging once, map errors to exit codes."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from collections.abc import Sequence
+
+from hetnode import __version__
+from hetnode.cli import train
+from hetnode.errors import ConfigError, HetnodeError
+
+EXIT_ERROR = 1
+EXIT_USAGE = 2  # bad config or arguments
+
+SUBCOMMANDS = (train,)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="hetnode",
+        description="Decentralised heterogeneous pre-training: anchors, compressed chains, SparseLoCo sync.",
+    )
+    parser.add_argument("--version", action="version", version=f"hetnode {__version__}")
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for module in SUBCOMMANDS:
+        module.register(commands)
+    return parser
+
+
+def setup_logging(verbose: bool, prefix: str = "hetnode") -> None:
+    logging.basicConfig(
+        level=logging.DEBUG if verbose else logging.INFO,
+        format=f"%(asctime)s {prefix} %(levelname)s %(name)s: %(message)s",
+        datefmt="%H:%M:%S",
+        stream=sys.stderr,
+    )
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    setup_logging(args.verbose)
+    try:
+        return int(args.handler(args) or 0)
+    except ConfigError as exc:
+        print(f"hetnode: config error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except HetnodeError as exc:
+        print(f"hetnode: {exc}", file=sys.stderr)
+        return EXIT_ERROR
+    except KeyboardInterrupt:
+        print("hetnode: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

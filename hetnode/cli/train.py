@@ -1,0 +1,52 @@
+"""`hetnode train`: one local replica, no network (the inner loop every role reuses)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+from pathlib import Path
+
+import torch
+
+from hetnode.config import load_config
+from hetnode.errors import ConfigError
+from hetnode.training.local_run import run_local_training
+
+log = logging.getLogger(__name__)
+
+
+def register(commands: argparse._SubParsersAction) -> None:
+    parser = commands.add_parser("train", help="train one local replica (no network)")
+    parser.add_argument(
+        "--config", required=True, type=Path, help="run config (TOML), e.g. configs/tiny.toml"
+    )
+    parser.add_argument("--max-steps", type=int, default=None, help="override train.max_steps")
+    parser.add_argument("--out", type=Path, default=None, help="output folder (default runs/<run name>)")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    parser.add_argument("--resume", action="store_true", help="continue from <out>/checkpoint.pt")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar (logs only)")
+    parser.set_defaults(handler=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    config = load_config(args.config)
+    if args.max_steps is not None and args.max_steps <= 0:
+        raise ConfigError("--max-steps", "train.max_steps", f"must be > 0, got {args.max_steps}")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("--device", "device", "cuda requested but no CUDA device is available (use cpu)")
+    out_dir = args.out or Path("runs") / config.run.name
+    log.info("effective config (%s): %s", args.config, json.dumps(config.to_dict(), sort_keys=True))
+    summary = run_local_training(
+        config,
+        out_dir,
+        max_steps=args.max_steps,
+        resume=args.resume,
+        device=args.device,
+        progress=not args.no_progress,
+    )
+    s = summary
+    print(f"steps {s.steps}  tokens {s.tokens:,}  tokens/s {s.tokens_per_second:,.0f}")
+    print(f"train loss {s.train_loss:.4f}  eval loss {s.first_eval_loss:.4f} -> {s.eval_loss:.4f}")
+    print(f"outputs: {s.out_dir}/metrics.jsonl  {s.out_dir}/loss.png  {s.out_dir}/checkpoint.pt")
+    return 0

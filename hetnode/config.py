@@ -1,0 +1,328 @@
+"""Run configuration: one frozen dataclass per component, loaded from TOML and validated on load.
+
+Validation is strict on purpose: an unknown key, a wrong type or an impossible value raises one
+`ConfigError` naming the file and the dotted key, so a typo in a volunteer's config never silently
+falls back to a default.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import tomllib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from hetnode.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    name: str = "tiny"
+    seed: int = 0
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    vocab_size: int = 320
+    d_model: int = 128
+    n_layers: int = 4
+    n_heads: int = 4
+    ffn_hidden: int = 352
+    max_seq_len: int = 128
+    tie_embeddings: bool = False
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+    init_std: float = 0.02
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_heads
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    # "wiki" (bundled Wikipedia summaries), "dir:<folder of .txt/.jsonl>", or "bin:<uint16 token file>"
+    source: str = "wiki"
+    tokenizer: Literal["bytes", "bpe"] = "bytes"
+    bpe_vocab_size: int = 4096
+    seq_len: int = 128
+    batch_size: int = 16
+    eval_fraction: float = 0.02
+    data_dir: str = "~/.cache/hetnode"
+
+
+@dataclass(frozen=True)
+class InnerConfig:
+    """The inner (local) optimiser and its schedule."""
+
+    optimizer: Literal["adamw", "nadam", "rotated_adamw"] = "adamw"
+    lr: float = 3e-3
+    min_lr_ratio: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    weight_decay: float = 0.1
+    grad_clip: float = 1.0
+    warmup_steps: int = 20
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """The local training loop (also the inner loop that anchors and chains run)."""
+
+    max_steps: int = 300
+    eval_every: int = 50
+    eval_batches: int = 8
+    checkpoint_every: int = 100
+    log_every: int = 10
+
+
+@dataclass(frozen=True)
+class OuterConfig:
+    """SparseLoCo outer sync (DESIGN §2.1-2.2)."""
+
+    inner_steps: int = 30  # H
+    topk: int = 64  # kept entries per 4096-element tile
+    tile: int = 64  # tile side; a 2-D tile is tile x tile
+    error_feedback: float = 0.95  # beta
+    lr: float = 1.0  # alpha
+    weight_decay: float = 0.0
+
+
+@dataclass(frozen=True)
+class PipelineConfig:
+    stages: int = 2
+    subspace_rank: int = 16
+    compression: Literal["none", "selective", "everything"] = "selective"
+    chain_optimizer: Literal["adamw", "nadam", "rotated_adamw"] = "rotated_adamw"
+    max_in_flight: int = 4
+
+
+@dataclass(frozen=True)
+class NetworkConfig:
+    anchor_min_up_mbps: float = 500.0
+    anchor_min_down_mbps: float = 500.0
+    stage_min_up_mbps: float = 5.0
+    max_frame_mb: float = 64.0
+    heartbeat_s: float = 10.0
+    record_ttl_s: float = 30.0
+
+
+@dataclass(frozen=True)
+class Config:
+    run: RunConfig = field(default_factory=RunConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    inner: InnerConfig = field(default_factory=InnerConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    outer: OuterConfig = field(default_factory=OuterConfig)
+    pipeline: PipelineConfig = field(default_factory=PipelineConfig)
+    network: NetworkConfig = field(default_factory=NetworkConfig)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def load_config(path: str | Path) -> Config:
+    """Load and validate a TOML run config; raise `ConfigError` naming the file and key at fault."""
+    path = Path(path)
+    shown = str(path)
+    try:
+        raw = tomllib.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise ConfigError(shown, "<file>", "no such file") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(shown, "<file>", f"not valid TOML ({exc})") from None
+    return config_from_dict(raw, source=shown)
+
+
+def config_from_dict(raw: dict[str, Any], source: str = "<dict>") -> Config:
+    config = _build(Config, raw, source, prefix="")
+    validate(config, source)
+    return config
+
+
+def replace(config: Config, section: str, **changes: Any) -> Config:
+    """Return a copy of `config` with some fields of one section changed, validated again."""
+    new = dataclasses.replace(config, **{section: dataclasses.replace(getattr(config, section), **changes)})
+    validate(new, "<override>")
+    return new
+
+
+def _build(cls: type, raw: Any, source: str, prefix: str) -> Any:
+    if not isinstance(raw, dict):
+        raise ConfigError(
+            source, prefix.rstrip(".") or "<root>", f"expected a table, got {type(raw).__name__}"
+        )
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    for key in raw:
+        if key not in fields:
+            known = ", ".join(sorted(fields))
+            raise ConfigError(source, prefix + key, f"unknown key (known here: {known})")
+    values: dict[str, Any] = {}
+    for name, value in raw.items():
+        hint = hints[name]
+        dotted = prefix + name
+        if dataclasses.is_dataclass(hint):
+            values[name] = _build(hint, value, source, dotted + ".")
+        else:
+            values[name] = _coerce(hint, value, source, dotted)
+    return cls(**values)
+
+
+def _coerce(hint: Any, value: Any, source: str, key: str) -> Any:
+    origin = typing.get_origin(hint)
+    if origin is Literal:
+        allowed = typing.get_args(hint)
+        if value not in allowed:
+            raise ConfigError(source, key, f"must be one of {list(allowed)}, got {value!r}")
+        return value
+    if origin in (typing.Union, types.UnionType):
+        raise TypeError(f"union config types are not supported ({key})")
+    # bool is a subclass of int in Python; a config must not accept `true` for a number or vice versa.
+    if hint is bool:
+        ok = isinstance(value, bool)
+    elif hint is int:
+        ok = isinstance(value, int) and not isinstance(value, bool)
+    elif hint is float:
+        ok = isinstance(value, int | float) and not isinstance(value, bool)
+        value = float(value) if ok else value
+    elif hint is str:
+        ok = isinstance(value, str)
+    else:
+        raise TypeError(f"unsupported config type {hint!r} ({key})")
+    if not ok:
+        raise ConfigError(source, key, f"expected {hint.__name__}, got {type(value).__name__} {value!r}")
+    return value
+
+
+def _require(condition: bool, source: str, key: str, message: str) -> None:
+    if not condition:
+        raise ConfigError(source, key, message)
+
+
+def validate(config: Config, source: str) -> None:
+    """Check the values that no type can express (ranges and cross-field rules)."""
+    m, d, t, i, o, p, n = (
+        config.model,
+        config.data,
+        config.train,
+        config.inner,
+        config.outer,
+        config.pipeline,
+        config.network,
+    )
+    _require(bool(config.run.name.strip()), source, "run.name", "must not be empty")
+    _require(config.run.seed >= 0, source, "run.seed", f"must be >= 0, got {config.run.seed}")
+    for key in ("vocab_size", "d_model", "n_layers", "n_heads", "ffn_hidden", "max_seq_len"):
+        value = getattr(m, key)
+        _require(value > 0, source, f"model.{key}", f"must be > 0, got {value}")
+    _require(m.vocab_size <= 65536, source, "model.vocab_size", "must fit uint16 token ids (<= 65536)")
+    _require(
+        m.d_model % m.n_heads == 0,
+        source,
+        "model.d_model",
+        f"must be divisible by model.n_heads ({m.d_model} % {m.n_heads} != 0)",
+    )
+    _require(
+        m.head_dim % 2 == 0, source, "model.n_heads", "head dimension d_model/n_heads must be even (RoPE)"
+    )
+    _require(m.rope_theta > 0, source, "model.rope_theta", "must be > 0")
+    _require(0 < m.norm_eps < 1, source, "model.norm_eps", "must be in (0, 1)")
+    _require(m.init_std > 0, source, "model.init_std", "must be > 0")
+
+    _require(
+        d.tokenizer != "bytes" or m.vocab_size >= 257,
+        source,
+        "model.vocab_size",
+        f"must be >= 257 for the byte tokenizer (256 bytes + end-of-text), got {m.vocab_size}",
+    )
+    _require(
+        d.tokenizer != "bpe" or d.bpe_vocab_size <= m.vocab_size,
+        source,
+        "data.bpe_vocab_size",
+        f"must be <= model.vocab_size ({d.bpe_vocab_size} > {m.vocab_size})",
+    )
+    _require(d.bpe_vocab_size >= 260, source, "data.bpe_vocab_size", "must be >= 260")
+    _require(d.seq_len > 0, source, "data.seq_len", f"must be > 0, got {d.seq_len}")
+    _require(
+        d.seq_len <= m.max_seq_len,
+        source,
+        "data.seq_len",
+        f"must be <= model.max_seq_len ({d.seq_len} > {m.max_seq_len})",
+    )
+    _require(d.batch_size > 0, source, "data.batch_size", f"must be > 0, got {d.batch_size}")
+    _require(
+        0 < d.eval_fraction < 0.5, source, "data.eval_fraction", f"must be in (0, 0.5), got {d.eval_fraction}"
+    )
+    src_ok = d.source == "wiki" or d.source.startswith(("dir:", "bin:"))
+    _require(src_ok, source, "data.source", f"must be 'wiki', 'dir:<path>' or 'bin:<path>', got {d.source!r}")
+
+    _require(i.lr > 0, source, "inner.lr", f"must be > 0, got {i.lr}")
+    _require(0 <= i.min_lr_ratio <= 1, source, "inner.min_lr_ratio", "must be in [0, 1]")
+    for key in ("beta1", "beta2"):
+        _require(0 <= getattr(i, key) < 1, source, f"inner.{key}", "must be in [0, 1)")
+    _require(i.eps > 0, source, "inner.eps", "must be > 0")
+    _require(i.weight_decay >= 0, source, "inner.weight_decay", "must be >= 0")
+    _require(i.grad_clip >= 0, source, "inner.grad_clip", "must be >= 0 (0 disables clipping)")
+    _require(i.warmup_steps >= 0, source, "inner.warmup_steps", "must be >= 0")
+
+    for key in ("max_steps", "eval_every", "eval_batches", "checkpoint_every", "log_every"):
+        value = getattr(t, key)
+        _require(value > 0, source, f"train.{key}", f"must be > 0, got {value}")
+
+    _require(o.inner_steps > 0, source, "outer.inner_steps", f"must be > 0, got {o.inner_steps}")
+    _require(
+        1 <= o.tile <= 64, source, "outer.tile", f"must be in [1, 64] (12-bit tile indices), got {o.tile}"
+    )
+    _require(
+        1 <= o.topk <= o.tile * o.tile,
+        source,
+        "outer.topk",
+        f"must be in [1, tile*tile={o.tile * o.tile}], got {o.topk}",
+    )
+    _require(0 <= o.error_feedback < 1, source, "outer.error_feedback", "must be in [0, 1)")
+    _require(o.lr > 0, source, "outer.lr", f"must be > 0, got {o.lr}")
+    _require(o.weight_decay >= 0, source, "outer.weight_decay", "must be >= 0")
+
+    _require(p.stages >= 1, source, "pipeline.stages", f"must be >= 1, got {p.stages}")
+    _require(
+        p.stages <= m.n_layers,
+        source,
+        "pipeline.stages",
+        f"must be <= model.n_layers ({p.stages} > {m.n_layers}); every stage needs a layer",
+    )
+    _require(
+        1 <= p.subspace_rank < m.d_model,
+        source,
+        "pipeline.subspace_rank",
+        f"must be in [1, model.d_model), got {p.subspace_rank}",
+    )
+    _require(p.max_in_flight >= 1, source, "pipeline.max_in_flight", "must be >= 1")
+
+    for key in (
+        "anchor_min_up_mbps",
+        "anchor_min_down_mbps",
+        "stage_min_up_mbps",
+        "max_frame_mb",
+        "heartbeat_s",
+        "record_ttl_s",
+    ):
+        value = getattr(n, key)
+        _require(value > 0, source, f"network.{key}", f"must be > 0, got {value}")
+    _require(
+        n.stage_min_up_mbps <= n.anchor_min_up_mbps,
+        source,
+        "network.stage_min_up_mbps",
+        "must be <= network.anchor_min_up_mbps",
+    )
+    _require(
+        n.record_ttl_s > n.heartbeat_s,
+        source,
+        "network.record_ttl_s",
+        "must be > network.heartbeat_s, or records expire between heartbeats",
+    )

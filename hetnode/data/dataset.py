@@ -1,0 +1,274 @@
+"""Token streams, the held-out eval split, and the deterministic per-slot batch schedule.
+
+Peers in a run never talk about data: each computes its batches from (seed, slot, step) alone. So
+the schedule must be a pure function of those numbers and of the corpus, identical on every machine
+(no Python `hash()`, no numpy Generator methods whose output may change between versions).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from hetnode.config import DataConfig
+from hetnode.data.sources import (
+    Document,
+    check_ids,
+    documents_fingerprint,
+    load_documents,
+    load_token_file,
+    parse_source,
+)
+from hetnode.data.tokenizer import BpeTokenizer, ByteTokenizer, Tokenizer, make_tokenizer
+from hetnode.errors import DataError
+
+log = logging.getLogger(__name__)
+
+Batch = tuple[torch.Tensor, torch.Tensor]
+
+
+def is_eval_key(key: str, eval_fraction: float) -> bool:
+    """A document is held out iff a keyed hash of its key lands below `eval_fraction`: stable everywhere."""
+    digest = hashlib.blake2b(key.encode("utf-8"), digest_size=8, person=b"hetnode-eval").digest()
+    return int.from_bytes(digest, "little") / 2**64 < eval_fraction
+
+
+def split_documents(docs: Sequence[Document], eval_fraction: float) -> tuple[list[Document], list[Document]]:
+    """(train, eval) by `is_eval_key`; adding documents never moves an existing one across the split."""
+    train: list[Document] = []
+    held: list[Document] = []
+    for doc in docs:
+        (held if is_eval_key(doc.key, eval_fraction) else train).append(doc)
+    return train, held
+
+
+def epoch_permutation(num_windows: int, seed: int, epoch: int) -> np.ndarray:
+    """Window order of one epoch. Raw PCG64 output is stable across numpy versions; Generator methods
+    (permutation, shuffle) are not, and peers must agree on the order."""
+    keys = np.random.PCG64(np.random.SeedSequence([seed, epoch])).random_raw(num_windows)
+    return np.argsort(keys, kind="stable")
+
+
+class TokenDataset:
+    """Train and eval token streams (uint16) cut into windows of seq_len + 1 tokens."""
+
+    def __init__(
+        self,
+        *,
+        source: str,
+        tokenizer: Tokenizer,
+        train: np.ndarray,
+        held_out: np.ndarray,
+        seq_len: int,
+        batch_size: int,
+        seed: int,
+    ) -> None:
+        if seq_len < 1 or batch_size < 1 or seed < 0:
+            raise ValueError(
+                f"need seq_len >= 1, batch_size >= 1, seed >= 0 (got {seq_len}, {batch_size}, {seed})"
+            )
+        self.source = source
+        self.tokenizer = tokenizer
+        self.seq_len = seq_len
+        self.batch_size = batch_size
+        self.seed = seed
+        self.train_tokens = int(train.size)
+        self.eval_tokens = int(held_out.size)
+        width = seq_len + 1
+        self.num_train_windows = self.train_tokens // width
+        self.num_eval_batches = self.eval_tokens // width // batch_size
+        need = f"one batch needs {batch_size} x {width} = {batch_size * width} tokens"
+        if self.num_train_windows < batch_size:
+            raise DataError(f"{source}: too little training data ({self.train_tokens} tokens; {need})")
+        if self.num_eval_batches < 1:
+            raise DataError(
+                f"{source}: eval split too small ({self.eval_tokens} tokens; {need}); "
+                "raise data.eval_fraction or add data"
+            )
+        self._train = train[: self.num_train_windows * width].reshape(-1, width)
+        n_eval = self.num_eval_batches * batch_size
+        self._eval = held_out[: n_eval * width].reshape(-1, width)
+        self._perms: dict[int, np.ndarray] = {}
+
+    @classmethod
+    def build(cls, cfg: DataConfig, vocab_size: int, seed: int, data_dir: Path | None = None) -> TokenDataset:
+        """Load the source, split off eval, tokenise (or load cached streams), check ids < vocab_size."""
+        if not 0 < vocab_size <= 65536:
+            raise ValueError(f"vocab_size must be in [1, 65536] to store ids as uint16, got {vocab_size}")
+        start = time.perf_counter()
+        data_dir = Path(data_dir) if data_dir is not None else Path(cfg.data_dir).expanduser()
+        kind, path = parse_source(cfg.source)
+        if kind == "bin" and path is not None:
+            tokenizer, train, held = _bin_streams(cfg, path, vocab_size)
+        else:
+            tokenizer, train, held = _document_streams(cfg, vocab_size, data_dir)
+        dataset = cls(
+            source=cfg.source,
+            tokenizer=tokenizer,
+            train=train,
+            held_out=held,
+            seq_len=cfg.seq_len,
+            batch_size=cfg.batch_size,
+            seed=seed,
+        )
+        log.info("%s (%.2f s)", dataset.describe(), time.perf_counter() - start)
+        return dataset
+
+    def windows_for(self, slot: int, num_slots: int, step: int) -> np.ndarray:
+        """Window ids of the batch of (slot, step): positions (step*num_slots + slot)*B .. +B of the epochs.
+
+        Each epoch is a seeded permutation of all windows, truncated to a whole number of steps
+        (a multiple of num_slots*B), so no batch straddles two epochs: slots never share a window at
+        a step and no window repeats within an epoch. The few dropped windows differ per epoch.
+        """
+        if num_slots < 1:
+            raise ValueError(f"num_slots must be >= 1, got {num_slots}")
+        if not 0 <= slot < num_slots:
+            raise ValueError(f"slot must be in [0, {num_slots}), got {slot}")
+        if step < 0:
+            raise ValueError(f"step must be >= 0, got {step}")
+        per_step = num_slots * self.batch_size
+        steps_per_epoch = self.num_train_windows // per_step
+        if steps_per_epoch == 0:
+            raise DataError(
+                f"{self.source}: {self.num_train_windows} training windows cannot feed "
+                f"{num_slots} slots x batch {self.batch_size} in one step"
+            )
+        epoch, step_in_epoch = divmod(step, steps_per_epoch)
+        offset = step_in_epoch * per_step + slot * self.batch_size
+        return self._permutation(epoch)[offset : offset + self.batch_size].copy()
+
+    def train_batch(self, slot: int, num_slots: int, step: int) -> Batch:
+        """(inputs, targets), LongTensor [B, seq_len] each; pure in (seed, slot, num_slots, step)."""
+        windows = self._train[self.windows_for(slot, num_slots, step)]
+        return _to_batch(windows)
+
+    def eval_batches(self, n: int) -> list[Batch]:
+        """The first min(n, available) eval batches in stream order: the same every call, on every peer."""
+        if n < 1:
+            raise ValueError(f"n must be >= 1, got {n}")
+        b = self.batch_size
+        return [_to_batch(self._eval[i * b : (i + 1) * b]) for i in range(min(n, self.num_eval_batches))]
+
+    def describe(self) -> str:
+        tok = self.tokenizer
+        return (
+            f"data source={self.source} tokenizer={tok.name} (vocab {tok.vocab_size}) "
+            f"train={self.train_tokens:,} tokens "
+            f"({self.num_train_windows:,} windows of {self.seq_len + 1}) "
+            f"eval={self.eval_tokens:,} tokens ({self.num_eval_batches} batches of {self.batch_size})"
+        )
+
+    def _permutation(self, epoch: int) -> np.ndarray:
+        perm = self._perms.get(epoch)
+        if perm is None:
+            if len(self._perms) >= 2:  # consecutive steps touch at most two epochs
+                self._perms.pop(min(self._perms))
+            perm = self._perms[epoch] = epoch_permutation(self.num_train_windows, self.seed, epoch)
+        return perm
+
+
+def _to_batch(windows: np.ndarray) -> Batch:
+    inputs = torch.from_numpy(windows[:, :-1].astype(np.int64))
+    targets = torch.from_numpy(windows[:, 1:].astype(np.int64))
+    return inputs, targets
+
+
+def _bin_streams(cfg: DataConfig, path: Path, vocab_size: int) -> tuple[Tokenizer, np.ndarray, np.ndarray]:
+    """A pre-tokenised stream has no documents, so its last eval_fraction is the held-out split."""
+    if cfg.tokenizer != "bytes":
+        raise DataError(
+            f"{path}: a 'bin:' source is already tokenised; a BPE cannot be trained without "
+            "text (set data.tokenizer = 'bytes')"
+        )
+    tokens = load_token_file(path, vocab_size)
+    n_eval = int(round(tokens.size * cfg.eval_fraction))
+    if n_eval < 1 or n_eval >= tokens.size:
+        raise DataError(
+            f"{path}: {tokens.size} tokens are too few to split off an eval fraction of {cfg.eval_fraction}"
+        )
+    split = tokens.size - n_eval
+    return ByteTokenizer(), tokens[:split], tokens[split:]
+
+
+def _document_streams(
+    cfg: DataConfig, vocab_size: int, data_dir: Path
+) -> tuple[Tokenizer, np.ndarray, np.ndarray]:
+    docs = load_documents(cfg.source)
+    train_docs, eval_docs = split_documents(docs, cfg.eval_fraction)
+    if not train_docs or not eval_docs:
+        which = "eval" if not eval_docs else "train"
+        raise DataError(
+            f"{cfg.source}: no document of {len(docs)} fell in the {which} split "
+            f"(eval_fraction={cfg.eval_fraction}); add documents (or split large files)"
+        )
+    # BPE sees training documents only, so eval text never shapes the vocabulary.
+    tokenizer = make_tokenizer(cfg, [d.text for d in train_docs], data_dir)
+    if tokenizer.vocab_size > vocab_size:
+        raise DataError(
+            f"{cfg.source}: tokenizer {tokenizer.name} has {tokenizer.vocab_size} ids, "
+            f"more than the model vocab {vocab_size}"
+        )
+    stem = f"tokens-{documents_fingerprint(docs)[:16]}-{tokenizer.name}-ef{cfg.eval_fraction!r}"
+    paths = (data_dir / f"{stem}.train.npy", data_dir / f"{stem}.eval.npy")
+    cached = _load_streams(paths)
+    if cached is not None:
+        train, held = cached
+    else:
+        train, held = _encode(tokenizer, train_docs), _encode(tokenizer, eval_docs)
+        _save_streams(paths, (train, held))
+    check_ids(train, vocab_size, f"{cfg.source} (train stream)")
+    check_ids(held, vocab_size, f"{cfg.source} (eval stream)")
+    return tokenizer, train, held
+
+
+def _encode(tokenizer: Tokenizer, docs: Sequence[Document]) -> np.ndarray:
+    """Concatenate documents, each followed by eos."""
+    texts = [d.text for d in docs]
+    if isinstance(tokenizer, ByteTokenizer):
+        ids: list[np.ndarray] = [tokenizer.encode_array(t) for t in texts]
+    elif isinstance(tokenizer, BpeTokenizer):
+        ids = [np.asarray(x, dtype=np.uint16) for x in tokenizer.encode_batch(texts)]
+    else:
+        ids = [np.asarray(tokenizer.encode(t), dtype=np.uint16) for t in texts]
+    eos = np.array([tokenizer.eos_id], dtype=np.uint16)
+    parts = [p for x in ids for p in (x, eos)]
+    return np.concatenate(parts).astype(np.uint16, copy=False)
+
+
+def _load_streams(paths: tuple[Path, Path]) -> tuple[np.ndarray, np.ndarray] | None:
+    if not all(p.is_file() for p in paths):
+        return None
+    try:
+        arrays = tuple(np.load(p, allow_pickle=False) for p in paths)
+    except (OSError, ValueError) as exc:
+        log.warning("ignoring unreadable token cache %s: %s", paths[0], exc)
+        return None
+    if any(a.dtype != np.uint16 or a.ndim != 1 for a in arrays):
+        log.warning("ignoring token cache %s with unexpected dtype/shape", paths[0])
+        return None
+    return arrays[0], arrays[1]
+
+
+def _save_streams(paths: tuple[Path, Path], arrays: tuple[np.ndarray, np.ndarray]) -> None:
+    """Atomic per file, and the eval file last: a reader needs both, so it never sees half a cache."""
+    try:
+        paths[0].parent.mkdir(parents=True, exist_ok=True)
+        for path, array in zip(paths, arrays, strict=True):
+            fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+            try:
+                with os.fdopen(fd, "wb") as fh:
+                    np.save(fh, array, allow_pickle=False)
+                os.replace(tmp, path)
+            finally:
+                Path(tmp).unlink(missing_ok=True)
+    except OSError as exc:
+        log.warning("could not cache token streams in %s: %s", paths[0].parent, exc)

@@ -1,0 +1,23 @@
+"""One error hierarchy for hetnode; every error names what it is about (a key, a field, a peer)."""
+
+
+class HetnodeError(Exception):
+    """Base class of every error hetnode raises on purpose."""
+
+
+class ConfigError(HetnodeError):
+    """A run config is invalid. Carries the file and the dotted key at fault."""
+
+    def __init__(self, path: str, key: str, message: str) -> None:
+        self.path = path
+        self.key = key
+        self.message = message
+        super().__init__(f"{path}: {key}: {message}")
+
+
+class DataError(HetnodeError):
+    """A data source is missing, empty or cannot be decoded."""
+
+
+class CheckpointError(HetnodeError):
+    """A checkpoint cannot be read or does not match the model it is loaded into."""

@@ -1,0 +1,116 @@
+"""`hetnode train`: a local training run with progress bar, eval, checkpoints, metrics and a loss plot."""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from tqdm import tqdm
+
+from hetnode.config import Config
+from hetnode.data import TokenDataset
+from hetnode.model import build_model, count_parameters
+from hetnode.training.plots import plot_losses
+from hetnode.training.trainer import InnerTrainer, load_checkpoint, save_checkpoint
+
+log = logging.getLogger(__name__)
+
+CHECKPOINT_NAME = "checkpoint.pt"
+METRICS_NAME = "metrics.jsonl"
+PLOT_NAME = "loss.png"
+
+
+@dataclass(frozen=True)
+class TrainSummary:
+    steps: int
+    tokens: int
+    train_loss: float
+    eval_loss: float
+    first_eval_loss: float
+    seconds: float
+    tokens_per_second: float
+    out_dir: Path
+
+
+def run_local_training(
+    config: Config,
+    out_dir: Path,
+    max_steps: int | None = None,
+    resume: bool = False,
+    device: str = "cpu",
+    progress: bool = True,
+) -> TrainSummary:
+    """Train one replica alone until `max_steps` (default: config.train.max_steps)."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    total_steps = max_steps if max_steps is not None else config.train.max_steps
+    dataset = TokenDataset.build(config.data, config.model.vocab_size, seed=config.run.seed)
+    log.info("data: %s", dataset.describe())
+    model = build_model(config.model, seed=config.run.seed)
+    log.info("model: %.2fM parameters", count_parameters(config.model) / 1e6)
+    trainer = InnerTrainer(config, model, dataset, device=device)
+
+    metrics_path = out_dir / METRICS_NAME
+    checkpoint_path = out_dir / CHECKPOINT_NAME
+    if resume:
+        trainer.load_state_dict(load_checkpoint(checkpoint_path))
+        log.info("resumed from %s at step %d", checkpoint_path, trainer.step)
+    else:
+        metrics_path.unlink(missing_ok=True)
+
+    train_cfg = config.train
+    first_eval = trainer.evaluate()
+    eval_loss, train_loss = first_eval, float("nan")
+    start, start_tokens = time.perf_counter(), trainer.tokens
+    with (
+        metrics_path.open("a", encoding="utf-8") as metrics,
+        tqdm(
+            total=total_steps,
+            initial=trainer.step,
+            desc="train",
+            unit="step",
+            disable=not progress,
+            leave=True,
+        ) as bar,
+    ):
+        if trainer.step == 0:
+            _write(metrics, step=0, loss=None, eval_loss=first_eval, tokens=0, seconds=0.0)
+        while trainer.step < total_steps:
+            result = trainer.train_step()
+            train_loss = result.loss
+            record = {
+                "step": result.step,
+                "loss": round(result.loss, 5),
+                "tokens": trainer.tokens,
+                "seconds": round(time.perf_counter() - start, 3),
+            }
+            if result.step % train_cfg.eval_every == 0 or result.step == total_steps:
+                eval_loss = trainer.evaluate()
+                record["eval_loss"] = round(eval_loss, 5)
+            if result.step % train_cfg.log_every == 0 or "eval_loss" in record:
+                _write(metrics, **record)
+            if result.step % train_cfg.checkpoint_every == 0:
+                save_checkpoint(checkpoint_path, trainer.state_dict())
+            bar.set_postfix(loss=f"{result.loss:.3f}", eval=f"{eval_loss:.3f}", lr=f"{result.lr:.1e}")
+            bar.update(1)
+    save_checkpoint(checkpoint_path, trainer.state_dict())
+    seconds = time.perf_counter() - start
+    plot_losses(metrics_path, out_dir / PLOT_NAME, title=f"{config.run.name}: local training")
+    done_tokens = trainer.tokens - start_tokens
+    return TrainSummary(
+        steps=trainer.step,
+        tokens=trainer.tokens,
+        train_loss=train_loss,
+        eval_loss=eval_loss,
+        first_eval_loss=first_eval,
+        seconds=seconds,
+        tokens_per_second=done_tokens / seconds if seconds > 0 else 0.0,
+        out_dir=out_dir,
+    )
+
+
+def _write(stream, **record) -> None:
+    stream.write(json.dumps({k: v for k, v in record.items() if v is not None}) + "\n")
+    stream.flush()

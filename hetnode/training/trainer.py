@@ -1,0 +1,123 @@
+"""`InnerTrainer`: one replica's inner optimisation loop on its own data shard.
+
+This is the unit later roles reuse: `hetnode train` runs it alone; an anchor runs it for H steps per
+outer round and then syncs. It knows nothing about networks.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from hetnode.algo.optim import build_optimizer
+from hetnode.config import Config
+from hetnode.data import TokenDataset
+from hetnode.errors import CheckpointError
+from hetnode.training.schedule import warmup_cosine
+
+
+@dataclass(frozen=True)
+class StepResult:
+    step: int  # steps done after this one
+    loss: float
+    tokens: int  # tokens in this step's batch
+    lr: float
+
+
+class InnerTrainer:
+    """AdamW inner steps with gradient clipping and warmup + cosine, on batches of one data slot."""
+
+    def __init__(
+        self,
+        config: Config,
+        model: nn.Module,
+        dataset: TokenDataset,
+        device: torch.device | str = "cpu",
+        slot: int = 0,
+        num_slots: int = 1,
+    ) -> None:
+        self.config = config
+        self.device = torch.device(device)
+        self.model = model.to(self.device)
+        self.dataset = dataset
+        self.slot = slot
+        self.num_slots = num_slots
+        self.optimizer = build_optimizer(self.model, config.inner)
+        self.step = 0
+        self.tokens = 0
+
+    def lr_at(self, step: int) -> float:
+        inner = self.config.inner
+        return warmup_cosine(
+            step, inner.lr, inner.warmup_steps, self.config.train.max_steps, inner.min_lr_ratio
+        )
+
+    def train_step(self) -> StepResult:
+        """One optimiser step on the batch that (slot, step) selects."""
+        inputs, targets = self.dataset.train_batch(self.slot, self.num_slots, self.step)
+        inputs, targets = inputs.to(self.device), targets.to(self.device)
+        self.model.train()
+        loss = self.model.loss(inputs, targets)
+        if not torch.isfinite(loss):
+            raise FloatingPointError(f"non-finite training loss at step {self.step}: {loss.item()}")
+        self.optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        if self.config.inner.grad_clip > 0:
+            nn.utils.clip_grad_norm_(self.model.parameters(), self.config.inner.grad_clip)
+        lr = self.lr_at(self.step)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        self.optimizer.step()
+        self.step += 1
+        self.tokens += inputs.numel()
+        return StepResult(step=self.step, loss=loss.item(), tokens=inputs.numel(), lr=lr)
+
+    @torch.no_grad()
+    def evaluate(self, num_batches: int | None = None) -> float:
+        """Mean loss over the fixed held-out batches (the same ones every call)."""
+        batches = self.dataset.eval_batches(num_batches or self.config.train.eval_batches)
+        self.model.eval()
+        total = 0.0
+        for inputs, targets in batches:
+            total += self.model.loss(inputs.to(self.device), targets.to(self.device)).item()
+        return total / len(batches)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "model": self.model.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "step": self.step,
+            "tokens": self.tokens,
+            "model_config": self.config.model.__dict__.copy(),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state.get("model_config") != self.config.model.__dict__:
+            written, wanted = state.get("model_config"), self.config.model.__dict__
+            raise CheckpointError(f"checkpoint was written for model {written}, not {wanted}")
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.step = int(state["step"])
+        self.tokens = int(state["tokens"])
+
+
+def save_checkpoint(path: Path, state: dict[str, Any]) -> None:
+    """Write atomically (temp file + rename) so a crash never leaves a half-written checkpoint."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    torch.save(state, tmp)
+    os.replace(tmp, path)
+
+
+def load_checkpoint(path: Path) -> dict[str, Any]:
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except FileNotFoundError:
+        raise CheckpointError(f"{path}: no checkpoint to resume from") from None
+    except Exception as exc:  # torch raises many types for corrupt files
+        raise CheckpointError(f"{path}: unreadable checkpoint ({exc})") from exc

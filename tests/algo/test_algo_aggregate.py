@@ -1,0 +1,126 @@
+"""Aggregation and outer steps (DESIGN §2.1–2.2)."""
+
+import random
+
+import pytest
+import torch
+
+from hetnode.algo.aggregate import NesterovOuter, aggregate_dense, aggregate_sparse, outer_sgd_step
+from hetnode.algo.sparseloco import SparseLoCoCodec
+
+
+def _sp(idx: list[int], vals: list[float]) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.tensor(idx, dtype=torch.int64), torch.tensor(vals, dtype=torch.float32)
+
+
+def test_single_and_shared_coordinates() -> None:
+    # equal norms (5) → no clipping
+    contribs = [
+        ("peer-a", {"w": _sp([0, 1], [3.0, 4.0])}),
+        ("peer-b", {"w": _sp([1, 3], [4.0, -3.0])}),
+    ]
+    out = aggregate_sparse(contribs, {"w": (2, 2), "unused": (3,)})
+    assert out["w"].tolist() == [[3.0, 4.0], [0.0, -3.0]]
+    assert out["w"].dtype == torch.float32
+    assert torch.equal(out["unused"], torch.zeros(3))
+
+
+def test_median_clipping_scales_outlier_only() -> None:
+    contribs = [
+        ("a", {"w": _sp([0], [1.0])}),
+        ("b", {"w": _sp([1], [2.0])}),
+        ("c", {"w": _sp([2, 3], [30.0, 40.0])}),  # norm 50, median norm is 2
+    ]
+    out = aggregate_sparse(contribs, {"w": (4,)})
+    assert torch.allclose(out["w"], torch.tensor([1.0, 2.0, 1.2, 1.6]))
+    # even count: lower median (1.0) → b is scaled down to norm 1, a untouched, never scaled up
+    out2 = aggregate_sparse(contribs[:2], {"w": (4,)})
+    assert out2["w"].tolist() == [1.0, 1.0, 0.0, 0.0]
+
+
+def test_mean_uses_clipped_values() -> None:
+    contribs = [
+        ("a", {"w": _sp([0], [1.0])}),
+        ("b", {"w": _sp([0], [1.0])}),
+        ("c", {"w": _sp([0, 1], [-6.0, 8.0])}),  # norm 10 → scaled to 1: (-0.6, 0.8)
+    ]
+    out = aggregate_sparse(contribs, {"w": (2,)})
+    assert torch.allclose(out["w"], torch.tensor([(1.0 + 1.0 - 0.6) / 3, 0.8]))
+
+
+def test_order_independent_bit_identical() -> None:
+    torch.manual_seed(3)
+    codec = SparseLoCoCodec()
+    shapes = {"w": (128, 192), "b": (257,)}
+    contribs = []
+    for i in range(7):
+        cts = {n: codec.compress(torch.randn(s) * (i + 1)) for n, s in shapes.items()}
+        contribs.append((f"peer-{i:02d}", {n: codec.sparse(ct) for n, ct in cts.items()}))
+    ref = aggregate_sparse(contribs, shapes)
+    rng = random.Random(0)
+    for _ in range(5):
+        shuffled = contribs[:]
+        rng.shuffle(shuffled)
+        out = aggregate_sparse(shuffled, shapes)
+        assert all(torch.equal(out[n], ref[n]) for n in shapes)
+    dense = [(c, {n: torch.randn(s) for n, s in shapes.items()}) for c in ("x", "y", "z", "w")]
+    ref_d = aggregate_dense(dense)
+    out_d = aggregate_dense(dense[::-1])
+    assert all(torch.equal(out_d[n], ref_d[n]) for n in shapes)
+    assert torch.allclose(ref_d["w"], torch.stack([d["w"] for _, d in dense]).mean(0), atol=1e-6)
+
+
+def test_aggregate_rejects_bad_contributions() -> None:
+    shapes = {"w": (4,)}
+    with pytest.raises(ValueError):
+        aggregate_sparse([("a", {"w": _sp([0], [1.0])}), ("a", {"w": _sp([1], [1.0])})], shapes)
+    with pytest.raises(ValueError):
+        aggregate_sparse([("a", {"w": _sp([4], [1.0])})], shapes)
+    with pytest.raises(ValueError):
+        aggregate_sparse([("a", {"w": _sp([1, 1], [1.0, 2.0])})], shapes)
+    with pytest.raises(ValueError):
+        aggregate_sparse([("a", {"v": _sp([1], [1.0])})], shapes)
+    with pytest.raises(ValueError):
+        aggregate_sparse([("a", {"w": _sp([1], [float("nan")])})], shapes)
+    assert aggregate_dense([]) == {}
+
+
+def test_outer_sgd_matches_torch_sgd() -> None:
+    torch.manual_seed(4)
+    for wd in (0.0, 0.1):
+        init = {"a": torch.randn(16, 8), "b": torch.randn(5)}
+        mine = {n: t.clone() for n, t in init.items()}
+        ref = {n: torch.nn.Parameter(t.clone()) for n, t in init.items()}
+        opt = torch.optim.SGD(list(ref.values()), lr=0.7, weight_decay=wd)
+        for _ in range(3):
+            delta = {n: torch.randn_like(t) for n, t in init.items()}
+            outer_sgd_step(mine, delta, lr=0.7, weight_decay=wd)
+            for n, p in ref.items():
+                p.grad = delta[n].clone()
+            opt.step()
+        for n in init:
+            assert torch.allclose(mine[n], ref[n].detach(), rtol=1e-6, atol=1e-6)
+    with pytest.raises(ValueError):
+        outer_sgd_step({"a": torch.zeros(2)}, {"b": torch.zeros(2)})
+
+
+def test_nesterov_matches_torch_sgd() -> None:
+    torch.manual_seed(5)
+    init = {"a": torch.randn(16, 8), "b": torch.randn(5)}
+    mine = {n: t.clone() for n, t in init.items()}
+    ref = {n: torch.nn.Parameter(t.clone()) for n, t in init.items()}
+    opt = torch.optim.SGD(list(ref.values()), lr=0.7, momentum=0.9, nesterov=True)
+    outer = NesterovOuter(lr=0.7, momentum=0.9)
+    for step in range(6):
+        delta = {n: torch.randn_like(t) for n, t in init.items()}
+        outer.step(mine, delta)
+        for n, p in ref.items():
+            p.grad = delta[n].clone()
+        opt.step()
+        for n in init:
+            assert torch.allclose(mine[n], ref[n].detach(), rtol=1e-6, atol=1e-6)
+        if step == 2:  # checkpoint round trip mid-run
+            restored = NesterovOuter(lr=0.1, momentum=0.1)
+            restored.load_state_dict(outer.state_dict())
+            outer = restored
+    assert outer.lr == 0.7 and outer.momentum == 0.9
