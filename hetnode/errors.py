@@ -21,3 +21,12 @@ class DataError(HetnodeError):
 
 class CheckpointError(HetnodeError):
     """A checkpoint cannot be read or does not match the model it is loaded into."""
+
+
+class WireError(HetnodeError):
+    """A message from the network failed validation. `field` names the part at fault."""
+
+    def __init__(self, field: str, message: str) -> None:
+        self.field = field
+        self.message = message
+        super().__init__(f"{field}: {message}")

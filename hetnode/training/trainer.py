@@ -7,6 +7,7 @@ outer round and then syncs. It knows nothing about networks.
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -30,7 +31,11 @@ class StepResult:
 
 
 class InnerTrainer:
-    """AdamW inner steps with gradient clipping and warmup + cosine, on batches of one data slot."""
+    """AdamW inner steps with gradient clipping and warmup + cosine, on the batches of its data slots.
+
+    Normally a replica owns one slot. Given several, a step averages the gradients of all their
+    batches: exactly what synchronous data parallelism over those slots computes (the DDP baseline).
+    """
 
     def __init__(
         self,
@@ -38,14 +43,16 @@ class InnerTrainer:
         model: nn.Module,
         dataset: TokenDataset,
         device: torch.device | str = "cpu",
-        slot: int = 0,
+        slots: Sequence[int] = (0,),
         num_slots: int = 1,
     ) -> None:
+        if not slots or any(not 0 <= s < num_slots for s in slots):
+            raise ValueError(f"slots {list(slots)} must be a non-empty subset of range({num_slots})")
         self.config = config
         self.device = torch.device(device)
         self.model = model.to(self.device)
         self.dataset = dataset
-        self.slot = slot
+        self.slots = tuple(slots)
         self.num_slots = num_slots
         self.optimizer = build_optimizer(self.model, config.inner)
         self.step = 0
@@ -58,15 +65,18 @@ class InnerTrainer:
         )
 
     def train_step(self) -> StepResult:
-        """One optimiser step on the batch that (slot, step) selects."""
-        inputs, targets = self.dataset.train_batch(self.slot, self.num_slots, self.step)
-        inputs, targets = inputs.to(self.device), targets.to(self.device)
+        """One optimiser step on the batches that (slot, step) selects for each of this trainer's slots."""
         self.model.train()
-        loss = self.model.loss(inputs, targets)
-        if not torch.isfinite(loss):
-            raise FloatingPointError(f"non-finite training loss at step {self.step}: {loss.item()}")
         self.optimizer.zero_grad(set_to_none=True)
-        loss.backward()
+        total_loss, tokens = 0.0, 0
+        for slot in self.slots:
+            inputs, targets = self.dataset.train_batch(slot, self.num_slots, self.step)
+            loss = self.model.loss(inputs.to(self.device), targets.to(self.device))
+            if not torch.isfinite(loss):
+                raise FloatingPointError(f"non-finite training loss at step {self.step}: {loss.item()}")
+            (loss / len(self.slots)).backward()
+            total_loss += loss.item() / len(self.slots)
+            tokens += inputs.numel()
         if self.config.inner.grad_clip > 0:
             nn.utils.clip_grad_norm_(self.model.parameters(), self.config.inner.grad_clip)
         lr = self.lr_at(self.step)
@@ -74,8 +84,8 @@ class InnerTrainer:
             group["lr"] = lr
         self.optimizer.step()
         self.step += 1
-        self.tokens += inputs.numel()
-        return StepResult(step=self.step, loss=loss.item(), tokens=inputs.numel(), lr=lr)
+        self.tokens += tokens
+        return StepResult(step=self.step, loss=total_loss, tokens=tokens, lr=lr)
 
     @torch.no_grad()
     def evaluate(self, num_batches: int | None = None) -> float:

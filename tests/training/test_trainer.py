@@ -77,9 +77,27 @@ def test_checkpoint_of_another_model_is_refused(tiny_config: Config, dataset: To
 
 
 def test_slots_train_on_different_batches(tiny_config: Config, dataset: TokenDataset):
-    a = InnerTrainer(tiny_config, build_model(tiny_config.model), dataset, slot=0, num_slots=2)
-    b = InnerTrainer(tiny_config, build_model(tiny_config.model), dataset, slot=1, num_slots=2)
+    a = InnerTrainer(tiny_config, build_model(tiny_config.model), dataset, slots=[0], num_slots=2)
+    b = InnerTrainer(tiny_config, build_model(tiny_config.model), dataset, slots=[1], num_slots=2)
     assert a.train_step().loss != b.train_step().loss
+
+
+def test_multi_slot_step_averages_the_slots_gradients(tiny_config: Config, dataset: TokenDataset):
+    """One trainer over slots {0, 1} takes the step synchronous DDP over two replicas would take."""
+    config = replace(tiny_config, "inner", grad_clip=0.0)
+    both = InnerTrainer(config, build_model(config.model), dataset, slots=[0, 1], num_slots=2)
+    both.train_step()
+    model = build_model(config.model)
+    for slot in (0, 1):
+        inputs, targets = dataset.train_batch(slot, 2, 0)
+        (model.loss(inputs, targets) / 2).backward()
+    reference = InnerTrainer(config, model, dataset)
+    for group in reference.optimizer.param_groups:
+        group["lr"] = reference.lr_at(0)
+    reference.optimizer.step()
+    for (name, a), b in zip(both.model.state_dict().items(), model.state_dict().values(), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7, msg=name)
+    assert both.tokens == 2 * config.data.batch_size * config.data.seq_len
 
 
 def test_cli_train_writes_outputs_and_resumes(tiny_config: Config, tmp_path: Path, capsys):
