@@ -31,7 +31,7 @@ class TrainSummary:
     eval_loss: float
     first_eval_loss: float
     seconds: float
-    tokens_per_second: float
+    tokens_per_second: float  # training steps only (evaluation and checkpoints excluded)
     out_dir: Path
 
 
@@ -47,7 +47,6 @@ def run_local_training(
     out_dir.mkdir(parents=True, exist_ok=True)
     total_steps = max_steps if max_steps is not None else config.train.max_steps
     dataset = TokenDataset.build(config.data, config.model.vocab_size, seed=config.run.seed)
-    log.info("data: %s", dataset.describe())
     model = build_model(config.model, seed=config.run.seed)
     log.info("model: %.2fM parameters", count_parameters(config.model) / 1e6)
     trainer = InnerTrainer(config, model, dataset, device=device)
@@ -63,7 +62,7 @@ def run_local_training(
     train_cfg = config.train
     first_eval = trainer.evaluate()
     eval_loss, train_loss = first_eval, float("nan")
-    start, start_tokens = time.perf_counter(), trainer.tokens
+    start, start_tokens, train_seconds = time.perf_counter(), trainer.tokens, 0.0
     with (
         metrics_path.open("a", encoding="utf-8") as metrics,
         tqdm(
@@ -78,7 +77,9 @@ def run_local_training(
         if trainer.step == 0:
             _write(metrics, step=0, loss=None, eval_loss=first_eval, tokens=0, seconds=0.0)
         while trainer.step < total_steps:
+            step_start = time.perf_counter()
             result = trainer.train_step()
+            train_seconds += time.perf_counter() - step_start
             train_loss = result.loss
             record = {
                 "step": result.step,
@@ -106,7 +107,7 @@ def run_local_training(
         eval_loss=eval_loss,
         first_eval_loss=first_eval,
         seconds=seconds,
-        tokens_per_second=done_tokens / seconds if seconds > 0 else 0.0,
+        tokens_per_second=done_tokens / train_seconds if train_seconds > 0 else 0.0,
         out_dir=out_dir,
     )
 

@@ -155,13 +155,17 @@ def _decode_sparse(entry: dict, shape: tuple[int, ...], codec: SparseLoCoCodec, 
     q = _expect(entry, "q", list, where)
     want_idx = math.ceil(grid.total_selected / 2) * 3
     if len(idx) != want_idx:
-        raise WireError(f"{where}.idx", f"expected {want_idx} bytes for {grid.total_selected} indices, got {len(idx)}")
+        raise WireError(
+            f"{where}.idx", f"expected {want_idx} bytes for {grid.total_selected} indices, got {len(idx)}"
+        )
     want_codes = math.ceil(grid.total_selected / 4)
     if len(codes) != want_codes:
         raise WireError(f"{where}.codes", f"expected {want_codes} bytes, got {len(codes)}")
     if len(q) != 5 or not all(isinstance(x, float | int) and math.isfinite(x) for x in q):
         raise WireError(f"{where}.q", "must be 5 finite numbers (shift + 4-entry table)")
-    ct = CompressedTensor(shape, idx, codes, float(q[0]), (float(q[1]), float(q[2]), float(q[3]), float(q[4])))
+    ct = CompressedTensor(
+        shape, idx, codes, float(q[0]), (float(q[1]), float(q[2]), float(q[3]), float(q[4]))
+    )
     try:
         return codec.sparse(ct)
     except ValueError as exc:  # out-of-range or unordered indices, bad padding
