@@ -67,6 +67,10 @@ class InnerConfig:
     weight_decay: float = 0.1
     grad_clip: float = 1.0
     warmup_steps: int = 20
+    nadam_beta1: float = 0.99  # the Nesterov baseline for async pipelines (arXiv 2602.03515)
+    rotation: Literal["two_sided", "one_sided"] = "two_sided"  # rotated_adamw only
+    rotation_refresh: int = 10  # steps between basis refreshes
+    rotation_decay: float = 0.999  # decay of the GG^T / G^TG statistics
 
 
 @dataclass(frozen=True)
@@ -270,6 +274,9 @@ def validate(config: Config, source: str) -> None:
     _require(i.weight_decay >= 0, source, "inner.weight_decay", "must be >= 0")
     _require(i.grad_clip >= 0, source, "inner.grad_clip", "must be >= 0 (0 disables clipping)")
     _require(i.warmup_steps >= 0, source, "inner.warmup_steps", "must be >= 0")
+    _require(0 <= i.nadam_beta1 < 1, source, "inner.nadam_beta1", "must be in [0, 1)")
+    _require(i.rotation_refresh >= 1, source, "inner.rotation_refresh", "must be >= 1")
+    _require(0 <= i.rotation_decay < 1, source, "inner.rotation_decay", "must be in [0, 1)")
 
     for key in ("max_steps", "eval_every", "eval_batches", "checkpoint_every", "log_every"):
         value = getattr(t, key)

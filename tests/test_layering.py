@@ -13,11 +13,11 @@ ALLOWED = {
     "data": set(),
     "wire": {"algo"},
     "training": {"algo", "model", "data"},
-    "sim": {"algo", "model", "data", "training", "wire"},
+    "sim": {"algo", "model", "data", "training", "wire", "planning"},
     "net": {"wire"},
     "daemon": {"algo", "model", "data", "training", "planning", "wire", "net", "sim"},
     "cli": {"algo", "model", "data", "training", "planning", "wire", "net", "daemon", "sim", "bench"},
-    "bench": {"algo", "model", "data", "training", "wire", "sim"},
+    "bench": {"algo", "model", "data", "training", "wire", "sim", "planning"},
 }
 SHARED = {"config", "errors", "__init__"}
 PURE = {"algo", "planning", "model", "wire", "data"}  # no I/O libraries, no network stacks

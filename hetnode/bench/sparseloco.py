@@ -21,7 +21,7 @@ from tqdm import tqdm  # noqa: E402
 from hetnode.config import Config, replace  # noqa: E402
 from hetnode.data import TokenDataset  # noqa: E402
 from hetnode.model import count_parameters  # noqa: E402
-from hetnode.sim.replicas import ReplicaSimulation, RoundStats, SyncMethod  # noqa: E402
+from hetnode.sim.simulation import ReplicaSimulation, RoundStats, Swarm, SyncMethod  # noqa: E402
 
 log = logging.getLogger(__name__)
 
@@ -47,10 +47,11 @@ def default_methods(h: int = 30) -> tuple[SyncMethod, ...]:
     )
 
 
-def plan_for(quick: bool) -> BenchPlan:
+def plan_for(quick: bool, steps: int | None = None) -> BenchPlan:
+    """--quick: tiny, R=2; full: small, R=4. `steps` (a multiple of 150 so every H divides it) overrides."""
     if quick:
-        return BenchPlan(replicas=2, steps=150, batch_size=8, methods=default_methods())
-    return BenchPlan(replicas=4, steps=300, batch_size=4, methods=default_methods())
+        return BenchPlan(replicas=2, steps=steps or 150, batch_size=8, methods=default_methods())
+    return BenchPlan(replicas=4, steps=steps or 150, batch_size=4, methods=default_methods())
 
 
 def run_benchmark(config: Config, plan: BenchPlan, out_dir: Path, progress: bool = True) -> dict:
@@ -68,7 +69,7 @@ def run_benchmark(config: Config, plan: BenchPlan, out_dir: Path, progress: bool
     results: dict[str, dict] = {}
     with tqdm(total=total_rounds, desc="sparseloco bench", unit="round", disable=not progress) as bar:
         for method in plan.methods:
-            sim = ReplicaSimulation(config, dataset, plan.replicas, method)
+            sim = ReplicaSimulation(config, dataset, method, Swarm(anchors=plan.replicas))
             start = time.perf_counter()
             rounds: list[RoundStats] = []
             for _ in range(plan.steps // method.inner_steps):

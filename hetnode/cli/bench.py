@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from hetnode.bench.sparseloco import plan_for, run_benchmark
+from hetnode.bench import sparseloco, staleness, subspace
 from hetnode.config import load_config
 
 CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs"
@@ -20,14 +20,29 @@ def register(commands: argparse._SubParsersAction) -> None:
         "--config", type=Path, default=None, help="run config (default: tiny if --quick, else small)"
     )
     sparse.add_argument("--out", type=Path, default=Path("benchmarks/results"), help="output folder")
+    sparse.add_argument("--steps", type=int, default=None, help="inner steps per replica (multiple of 150)")
     sparse.add_argument("--no-progress", action="store_true")
     sparse.set_defaults(handler=run_sparseloco)
+    for name, text, handler in (
+        ("subspace", "full replicas vs anchors + compressed chains, over compression ratios", run_subspace),
+        ("staleness", "async pipelines P in {1,2,4,8}: adamw vs nadam vs rotated_adamw", run_staleness),
+    ):
+        bench = benches.add_parser(name, help=text)
+        bench.add_argument("--quick", action="store_true", help="tiny config (a few minutes)")
+        bench.add_argument("--config", type=Path, default=None, help="default: tiny if --quick, else small")
+        bench.add_argument("--out", type=Path, default=Path("benchmarks/results"), help="output folder")
+        bench.add_argument("--steps", type=int, default=None, help="override the number of inner steps")
+        bench.add_argument("--no-progress", action="store_true")
+        bench.set_defaults(handler=handler)
+
+
+def _config(args: argparse.Namespace):
+    return load_config(args.config or CONFIG_DIR / ("tiny.toml" if args.quick else "small.toml"))
 
 
 def run_sparseloco(args: argparse.Namespace) -> int:
-    config_path = args.config or CONFIG_DIR / ("tiny.toml" if args.quick else "small.toml")
-    config = load_config(config_path)
-    report = run_benchmark(config, plan_for(args.quick), args.out, progress=not args.no_progress)
+    plan = sparseloco.plan_for(args.quick, args.steps)
+    report = sparseloco.run_benchmark(_config(args), plan, args.out, progress=not args.no_progress)
     header = ("method", "eval loss", "bytes/round", "total bytes", "vs fp32", "codec/inner")
     print("{:<22} {:>9} {:>12} {:>12} {:>8} {:>11}".format(*header))
     for name, r in report["methods"].items():
@@ -38,4 +53,33 @@ def run_sparseloco(args: argparse.Namespace) -> int:
             f"{(ratio or 0) * 100:>10.2f}%"
         )
     print(f"wrote {args.out / 'sparseloco.json'} and {args.out / 'sparseloco.png'}")
+    return 0
+
+
+def run_subspace(args: argparse.Namespace) -> int:
+    plan = subspace.plan_for(args.quick, args.steps)
+    report = subspace.run_subspace(_config(args), plan, args.out, progress=not args.no_progress)
+    print(
+        "{:<16} {:>6} {:>9} {:>12} {:>11}".format("run", "ratio", "eval loss", "act B/tok/bd", "projection")
+    )
+    for name, r in report["runs"].items():
+        ratio = r.get("compression_ratio")
+        act = r.get("activation_bytes_per_token_per_boundary")
+        proj = r.get("projection_overhead")
+        loss = r["final_eval_loss"]
+        print(f"{name:<16} {ratio or 0:>6.1f} {loss:>9.4f} {act or 0:>12.1f} {(proj or 0) * 100:>10.2f}%")
+    print(f"wrote {args.out / 'subspace.json'} and {args.out / 'subspace.png'}")
+    return 0
+
+
+def run_staleness(args: argparse.Namespace) -> int:
+    plan = staleness.plan_for(args.quick, args.steps)
+    report = staleness.run_staleness(_config(args), plan, args.out, progress=not args.no_progress)
+    print(f"target eval loss (P=1 AdamW): {report['target_eval_loss']:.4f}")
+    print("{:<20} {:>9} {:>12} {:>10}".format("run", "eval loss", "its→target", "opt share"))
+    for name, r in report["runs"].items():
+        its = r["iterations_to_target"]
+        loss, share = r["final_eval_loss"], r["optimizer_share"] * 100
+        print(f"{name:<20} {loss:>9.4f} {its if its else '-':>12} {share:>9.1f}%")
+    print(f"wrote {args.out / 'staleness.json'} and {args.out / 'staleness.png'}")
     return 0

@@ -46,12 +46,15 @@ class DecoderStage(nn.Module):
         cos, sin = rotary_tables(cfg.max_seq_len, cfg.head_dim, cfg.rope_theta)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
+        # Frozen random embedding T_fix added at the input when activations are subspace-compressed.
+        self.fixed_embedding: torch.Tensor | None = None
         init_parameters(self, cfg, seed)
 
     def embed_tokens(self, tokens: torch.Tensor) -> torch.Tensor:
         if not self.first:
             raise RuntimeError("only the first stage embeds tokens")
-        return self.embed(tokens)
+        x = self.embed(tokens)
+        return x if self.fixed_embedding is None else x + self.fixed_embedding[tokens]
 
     def run_blocks(self, x: torch.Tensor) -> torch.Tensor:
         for block in self.blocks.values():
@@ -65,16 +68,23 @@ class DecoderStage(nn.Module):
         weight = self.embed.weight if self.cfg.tie_embeddings else self.head.weight
         return F.linear(x, weight)
 
-    def forward(self, inputs: torch.Tensor) -> torch.Tensor:
-        """Token ids (first stage) or hidden states (later stages) in; hidden states or logits out."""
+    def forward(self, inputs: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+        """Token ids (first stage) or hidden states (later stages) in; hidden states or logits out,
+        or, on a last stage given `targets`, the mean next-token cross-entropy."""
         x = self.embed_tokens(inputs) if self.first else inputs
         x = self.run_blocks(x)
-        return self.logits(x) if self.last else x
+        if not self.last:
+            return x
+        logits = self.logits(x)
+        if targets is None:
+            return logits
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1))
 
     def loss(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Mean next-token cross-entropy; only on a last stage."""
-        logits = self(inputs)
-        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1))
+        if not self.last:
+            raise RuntimeError("only the last stage computes the loss")
+        return self(inputs, targets)
 
 
 def build_model(cfg: ModelConfig, seed: int = 0) -> DecoderStage:

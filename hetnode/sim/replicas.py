@@ -1,64 +1,27 @@
-"""R replicas in one process, syncing through real encoded payload bytes (DESIGN §2.1).
+"""Replicas as the outer loop sees them: an anchor (one full model) or a chain (a pipeline of stages).
 
-Each replica keeps its own copy of the global parameters and computes the aggregate itself from the
-decoded bytes of every contributor, exactly as networked replicas will; the only thing this simulator
-replaces is the transport. Bytes are counted from the encoded messages, never from formulas.
+Both keep the global parameters θ^t exactly as every other replica has them, train a *working copy*
+for H inner steps, and report the pseudo-gradient against the copy they started from. Under the subspace
+constraint the working copy is P(θ^t) and the embedding's out-of-subspace part joins the frozen table,
+T_fix' = T_fix + (T_S − P(T_S)), so the working input embedding equals the global one (DESIGN §2.3).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
-import time
 from collections import defaultdict
-from dataclasses import dataclass
-from typing import Literal
 
 import torch
 
-from hetnode.algo.aggregate import NesterovOuter, aggregate_dense, aggregate_sparse, outer_sgd_step
-from hetnode.algo.sparseloco import DenseCodec, ErrorFeedback, SparseLoCoCodec, pseudo_gradient
-from hetnode.config import Config
-from hetnode.data import TokenDataset
-from hetnode.model import build_model, layer_of
+from hetnode.algo.aggregate import NesterovOuter
+from hetnode.algo.sparseloco import ErrorFeedback, SparseLoCoCodec
+from hetnode.model import layer_of
+from hetnode.model.subspace import SubspaceConstraint
+from hetnode.sim.pipeline import ChainStats, PipelineChain
 from hetnode.training.trainer import InnerTrainer
-from hetnode.wire.sync_payload import (
-    DecodedPayload,
-    ShardSpec,
-    SyncPayload,
-    decode_payload,
-    encode_payload,
-)
 
-MethodKind = Literal["ddp", "diloco", "sparseloco"]
 Params = dict[str, torch.Tensor]
-
-
-@dataclass(frozen=True)
-class SyncMethod:
-    """How replicas synchronise. `inner_steps` is H (for DDP: steps between evaluations)."""
-
-    name: str
-    kind: MethodKind
-    inner_steps: int = 30
-    topk: int = 64
-    tile: int = 64
-    error_feedback: float = 0.95
-    outer_lr: float = 1.0  # SparseLoCo α; DiLoCo uses its own Nesterov lr below
-    diloco_lr: float = 0.7
-    diloco_momentum: float = 0.9
-
-
-@dataclass(frozen=True)
-class RoundStats:
-    round: int
-    steps: int  # inner steps per replica so far
-    tokens: int  # tokens processed by all replicas so far
-    eval_loss: float
-    bytes_per_replica: int  # sent by one replica in this round (mean over replicas), encoded messages
-    dense_fp32_bytes: int  # one replica's encoded payload had it sent dense fp32 pseudo-gradients
-    syncs: int  # exchanges in this round (H for DDP, 1 otherwise)
-    codec_seconds: float  # encode + decode + aggregate + outer step, per replica (mean)
-    inner_seconds: float  # the inner steps, per replica (mean)
 
 
 def shard_names(params: Params) -> dict[str, list[str]]:
@@ -81,11 +44,29 @@ def layer_digests(params: Params, prefix_chars: int = 16) -> dict[str, str]:
     return digests
 
 
-class _Replica:
-    def __init__(self, index: int, trainer: InnerTrainer, method: SyncMethod) -> None:
-        self.id = f"replica-{index:03d}"
-        self.trainer = trainer
-        self.global_params: Params = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+@dataclasses.dataclass
+class WorkingCopy:
+    """Builds a round's working copy from the global parameters (projection + embedding drift)."""
+
+    constraint: SubspaceConstraint | None  # None: train the global parameters as they are
+    base_fixed: torch.Tensor | None  # T_fix of the architecture (None when no subspace mode is on)
+
+    def prepare(self, global_params: Params) -> tuple[Params, torch.Tensor | None]:
+        if self.constraint is None:
+            return {n: t.clone() for n, t in global_params.items()}, self.base_fixed
+        reference = {n: self.constraint.project_tensor(n, t) for n, t in global_params.items()}
+        embed = global_params["embed.weight"]
+        return reference, self.base_fixed + (embed - reference["embed.weight"])
+
+
+class Replica:
+    """What the outer loop needs of any replica; subclasses say how the working copy trains."""
+
+    def __init__(self, replica_id: str, global_params: Params, working: WorkingCopy, method) -> None:
+        self.id = replica_id
+        self.global_params = {n: t.detach().clone() for n, t in global_params.items()}
+        self.working = working
+        self.reference: Params = {}
         self.feedback = (
             ErrorFeedback(SparseLoCoCodec(method.topk, method.tile), method.error_feedback)
             if method.kind == "sparseloco"
@@ -94,153 +75,76 @@ class _Replica:
         self.outer = (
             NesterovOuter(method.diloco_lr, method.diloco_momentum) if method.kind == "diloco" else None
         )
+        self.activation_bytes = 0  # chain boundary frames sent forward (activations)
+        self.gradient_bytes = 0  # and backward (activation gradients)
+
+    def begin_round(self) -> None:
+        self.reference, fixed = self.working.prepare(self.global_params)
+        with torch.no_grad():
+            for name, param in self.local_params().items():
+                param.copy_(self.reference[name])
+        self._set_fixed(fixed)
+
+    def local_params(self) -> Params:
+        raise NotImplementedError
+
+    def train(self, steps: int) -> None:
+        raise NotImplementedError
+
+    @property
+    def tokens(self) -> int:
+        raise NotImplementedError
+
+    def _set_fixed(self, fixed: torch.Tensor | None) -> None:
+        raise NotImplementedError
+
+
+class AnchorReplica(Replica):
+    def __init__(self, replica_id: str, trainer: InnerTrainer, working: WorkingCopy, method) -> None:
+        self.trainer = trainer
+        super().__init__(replica_id, dict(trainer.model.named_parameters()), working, method)
 
     def local_params(self) -> Params:
         return dict(self.trainer.model.named_parameters())
 
-    def reset_to_global(self) -> None:
-        with torch.no_grad():
-            for name, param in self.trainer.model.named_parameters():
-                param.copy_(self.global_params[name])
+    def train(self, steps: int) -> None:
+        for _ in range(steps):
+            self.trainer.train_step()
+
+    @property
+    def tokens(self) -> int:
+        return self.trainer.tokens
+
+    def _set_fixed(self, fixed: torch.Tensor | None) -> None:
+        self.trainer.model.fixed_embedding = fixed
 
 
-class ReplicaSimulation:
-    """Train `num_replicas` replicas on disjoint data slots, syncing every H steps with `method`."""
+class ChainReplica(Replica):
+    def __init__(self, replica_id: str, chain: PipelineChain, working: WorkingCopy, method) -> None:
+        self.chain = chain
+        self._tokens = 0
+        self.last_stats: ChainStats | None = None
+        super().__init__(replica_id, chain.params(), working, method)
 
-    def __init__(self, config: Config, dataset: TokenDataset, num_replicas: int, method: SyncMethod) -> None:
-        if num_replicas < 1:
-            raise ValueError("need at least one replica")
-        self.config = config
-        self.method = method
-        self.num_replicas = num_replicas
-        self.round = 0
-        seed = config.run.seed
-        if method.kind == "ddp":
-            # Synchronous DDP = one trainer whose every step averages all replicas' batches.
-            model = build_model(config.model, seed=seed)
-            trainer = InnerTrainer(config, model, dataset, slots=range(num_replicas), num_slots=num_replicas)
-            self.replicas = [_Replica(0, trainer, method)]
-        else:
-            self.replicas = [
-                _Replica(
-                    r,
-                    InnerTrainer(
-                        config,
-                        build_model(config.model, seed=seed),
-                        dataset,
-                        slots=[r],
-                        num_slots=num_replicas,
-                    ),
-                    method,
-                )
-                for r in range(num_replicas)
-            ]
-        first = self.replicas[0].global_params
-        self.shards = shard_names(first)
-        codec = "sparseloco" if method.kind == "sparseloco" else "fp32"
-        max_bytes = int(config.network.max_frame_mb * 2**20)
-        self.specs = {
-            shard: ShardSpec(
-                shard, {n: tuple(first[n].shape) for n in names}, codec, method.topk, method.tile, max_bytes
-            )
-            for shard, names in self.shards.items()
-        }
-        self._dense_bytes = sum(len(b) for b in self._encode_dense(self.replicas[0].id, first).values())
+    def local_params(self) -> Params:
+        return self.chain.params()
 
-    # -- one round --------------------------------------------------------------------------------
-    def run_round(self) -> RoundStats:
-        if self.method.kind == "ddp":
-            return self._ddp_round()
-        inner_seconds, codec_seconds, sent = [], [], []
-        outgoing: dict[str, dict[str, bytes]] = {}
-        for replica in self.replicas:
-            replica.reset_to_global()
-            start = time.perf_counter()
-            for _ in range(self.method.inner_steps):
-                replica.trainer.train_step()
-            inner_seconds.append(time.perf_counter() - start)
-            start = time.perf_counter()
-            delta = pseudo_gradient(replica.global_params, replica.local_params())
-            outgoing[replica.id] = self._encode(replica, delta)
-            codec_seconds.append(time.perf_counter() - start)
-            sent.append(sum(len(b) for b in outgoing[replica.id].values()))
-        for i, replica in enumerate(self.replicas):
-            start = time.perf_counter()
-            self._apply(replica, outgoing)
-            codec_seconds[i] += time.perf_counter() - start
-        self.round += 1
-        return self._stats(sent, 1, codec_seconds, inner_seconds)
+    def train(self, steps: int) -> None:
+        stats = self.chain.run(steps)  # drains at the end: one bubble per outer step
+        self.chain.round += 1
+        self._tokens += stats.tokens
+        self.activation_bytes += stats.activation_bytes
+        self.gradient_bytes += stats.gradient_bytes
+        self.last_stats = stats
 
-    def _encode(self, replica: _Replica, delta: Params) -> dict[str, bytes]:
-        if replica.feedback is None:
-            return self._encode_dense(replica.id, delta)
-        compressed = replica.feedback.compress(delta)
-        return {
-            shard: encode_payload(
-                SyncPayload(replica.id, self.round, shard, "sparseloco", {n: compressed[n] for n in names})
-            )
-            for shard, names in self.shards.items()
-        }
+    @property
+    def tokens(self) -> int:
+        return self._tokens
 
-    def _encode_dense(self, replica_id: str, tensors: Params) -> dict[str, bytes]:
-        codec = DenseCodec("fp32")
-        return {
-            shard: encode_payload(
-                SyncPayload(
-                    replica_id, self.round, shard, "fp32", {n: codec.compress(tensors[n]) for n in names}
-                )
-            )
-            for shard, names in self.shards.items()
-        }
-
-    def _apply(self, replica: _Replica, outgoing: dict[str, dict[str, bytes]]) -> None:
-        """Decode every contributor's bytes, aggregate per shard, take the outer step on the global copy."""
-        for shard, spec in self.specs.items():
-            decoded: list[DecodedPayload] = [decode_payload(msgs[shard], spec) for msgs in outgoing.values()]
-            params = {n: replica.global_params[n] for n in spec.shapes}
-            if self.method.kind == "sparseloco":
-                delta = aggregate_sparse([(d.replica, d.sparse) for d in decoded], dict(spec.shapes))
-                outer_sgd_step(
-                    params, delta, lr=self.method.outer_lr, weight_decay=self.config.outer.weight_decay
-                )
-            else:
-                delta = aggregate_dense([(d.replica, d.dense) for d in decoded])
-                replica.outer.step(params, delta)
-
-    def _ddp_round(self) -> RoundStats:
-        replica = self.replicas[0]
-        trainer = replica.trainer
-        inner, codec, sent = 0.0, 0.0, 0
-        for _ in range(self.method.inner_steps):
-            start = time.perf_counter()
-            trainer.train_step()
-            inner += time.perf_counter() - start
-            # Every step, each replica would send its dense fp32 gradient: count a real encoded message.
-            start = time.perf_counter()
-            grads = {n: p.grad for n, p in trainer.model.named_parameters()}
-            sent += sum(len(b) for b in self._encode_dense(replica.id, grads).values())
-            codec += time.perf_counter() - start
-        with torch.no_grad():
-            for name, param in trainer.model.named_parameters():
-                replica.global_params[name].copy_(param)
-        self.round += 1
-        return self._stats([sent], self.method.inner_steps, [codec], [inner])
-
-    def _stats(self, sent: list[int], syncs: int, codec: list[float], inner: list[float]) -> RoundStats:
-        trainer = self.replicas[0].trainer
-        self.replicas[0].reset_to_global()  # evaluate the global model
-        eval_loss = trainer.evaluate()
-        return RoundStats(
-            round=self.round,
-            steps=trainer.step,
-            tokens=sum(r.trainer.tokens for r in self.replicas),
-            eval_loss=eval_loss,
-            bytes_per_replica=round(sum(sent) / len(sent)),
-            dense_fp32_bytes=self._dense_bytes * syncs,
-            syncs=syncs,
-            codec_seconds=sum(codec) / len(codec),
-            inner_seconds=sum(inner) / len(inner),
-        )
-
-    def global_params(self, replica: int) -> Params:
-        return self.replicas[replica].global_params
+    def _set_fixed(self, fixed: torch.Tensor | None) -> None:
+        # Every stage that encodes or decodes uses this round's T_fix'; the first stage also adds it.
+        for worker in self.chain.workers:
+            if worker.constraint is not None and fixed is not None:
+                worker.constraint = dataclasses.replace(worker.constraint, fixed=fixed)
+            if worker.stage.first:
+                worker.stage.fixed_embedding = fixed

@@ -19,6 +19,7 @@ from hetnode.algo.optim import build_optimizer
 from hetnode.config import Config
 from hetnode.data import TokenDataset
 from hetnode.errors import CheckpointError
+from hetnode.model.subspace import SubspaceConstraint
 from hetnode.training.schedule import warmup_cosine
 
 
@@ -45,6 +46,7 @@ class InnerTrainer:
         device: torch.device | str = "cpu",
         slots: Sequence[int] = (0,),
         num_slots: int = 1,
+        constraint: SubspaceConstraint | None = None,
     ) -> None:
         if not slots or any(not 0 <= s < num_slots for s in slots):
             raise ValueError(f"slots {list(slots)} must be a non-empty subset of range({num_slots})")
@@ -55,6 +57,10 @@ class InnerTrainer:
         self.slots = tuple(slots)
         self.num_slots = num_slots
         self.optimizer = build_optimizer(self.model, config.inner)
+        # Compress-everything mode keeps an anchor's residual writers in span(U) too.
+        self.constraint = constraint
+        if constraint is not None:
+            constraint.attach(self.model)
         self.step = 0
         self.tokens = 0
 
@@ -77,12 +83,16 @@ class InnerTrainer:
             (loss / len(self.slots)).backward()
             total_loss += loss.item() / len(self.slots)
             tokens += inputs.numel()
+        if self.constraint is not None:
+            self.constraint.project_gradients(self.model)
         if self.config.inner.grad_clip > 0:
             nn.utils.clip_grad_norm_(self.model.parameters(), self.config.inner.grad_clip)
         lr = self.lr_at(self.step)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         self.optimizer.step()
+        if self.constraint is not None:
+            self.constraint.project_parameters(self.model)
         self.step += 1
         self.tokens += tokens
         return StepResult(step=self.step, loss=total_loss, tokens=tokens, lr=lr)

@@ -5,7 +5,8 @@ import torch
 
 from hetnode.config import Config, replace
 from hetnode.data import TokenDataset
-from hetnode.sim.replicas import ReplicaSimulation, SyncMethod, layer_digests
+from hetnode.sim.replicas import layer_digests
+from hetnode.sim.simulation import ReplicaSimulation, Swarm, SyncMethod
 
 
 @pytest.fixture(scope="module")
@@ -20,8 +21,10 @@ def dataset(config: Config) -> TokenDataset:
 
 
 def test_three_replicas_learn_and_agree_bit_for_bit(config: Config, dataset: TokenDataset):
-    sim = ReplicaSimulation(config, dataset, 3, SyncMethod("sl", "sparseloco", inner_steps=10, topk=64))
-    before = sim.replicas[0].trainer.evaluate()
+    sim = ReplicaSimulation(
+        config, dataset, SyncMethod("sl", "sparseloco", inner_steps=10, topk=64), Swarm(3)
+    )
+    before = sim.evaluate()
     losses = []
     for _ in range(4):
         stats = sim.run_round()
@@ -43,7 +46,7 @@ def test_three_replicas_learn_and_agree_bit_for_bit(config: Config, dataset: Tok
 
 def test_global_model_moves_only_through_the_aggregate(config: Config, dataset: TokenDataset):
     """After a round, the global copy differs from the start by exactly what the outer step applied."""
-    sim = ReplicaSimulation(config, dataset, 2, SyncMethod("sl", "sparseloco", inner_steps=5, topk=64))
+    sim = ReplicaSimulation(config, dataset, SyncMethod("sl", "sparseloco", inner_steps=5, topk=64), Swarm(2))
     start = {n: t.clone() for n, t in sim.global_params(0).items()}
     sim.run_round()
     moved = {n: (sim.global_params(0)[n] - start[n]) for n in start}
@@ -55,8 +58,8 @@ def test_global_model_moves_only_through_the_aggregate(config: Config, dataset: 
 
 @pytest.mark.parametrize("kind", ["diloco", "ddp"])
 def test_baselines_run_and_learn(config: Config, dataset: TokenDataset, kind: str):
-    sim = ReplicaSimulation(config, dataset, 2, SyncMethod(kind, kind, inner_steps=10))
-    before = sim.replicas[0].trainer.evaluate()
+    sim = ReplicaSimulation(config, dataset, SyncMethod(kind, kind, inner_steps=10), Swarm(2))
+    before = sim.evaluate()
     stats = [sim.run_round() for _ in range(2)]
     assert stats[-1].eval_loss < before - 0.5
     assert stats[-1].bytes_per_replica == pytest.approx(stats[-1].dense_fp32_bytes, rel=0.01)

@@ -1,0 +1,230 @@
+"""AdamW in a slowly refreshed eigenbasis of the gradient covariance (basis rotation, arXiv 2602.03515).
+
+Asynchronous pipelines apply updates computed on stale weights; the paper shows that rotating each weight
+matrix's coordinates into the eigenbasis of its gradient statistics makes Adam's diagonal preconditioner fit
+the curvature much better, which is what makes the stale updates tolerable. For a weight G ∈ R^{m×n}:
+
+    L ← d·L + (1−d)·G Gᵀ      R ← d·R + (1−d)·Gᵀ G          (d = stat_decay, e.g. 0.999)
+    m ← β1 m + (1−β1) G                                      (first moment, original coordinates)
+    G̃ = Q_Lᵀ G Q_R            v ← β2 v + (1−β2) G̃²           (second moment, rotated coordinates)
+    θ ← θ − lr·wd·θ − lr · Q_L [ (Q_Lᵀ m Q_R)/(1−β1ᵗ) / (√(v/(1−β2ᵗ)) + ε) ] Q_Rᵀ
+
+Choices made here (all of them documented because they change numbers):
+
+* L and R are **not** bias-corrected: only their eigenvectors (and the order of their Rayleigh quotients) are
+  used, and both are invariant to a positive scale.
+* Bases are refreshed at steps 1, 1+k, 1+2k, ... (k = ``refresh_every``), after L and R took in that step's
+  gradient. Step 1 uses ``torch.linalg.eigh`` (eigenvectors by descending eigenvalue), so there is no AdamW
+  warm-up phase; later refreshes do one power-iteration step and a QR, ``Q ← qr(L·Q_old)``, then order the
+  columns by the estimated eigenvalues ``diag(Qᵀ L Q)``, descending.
+* When a basis changes, v is re-projected so it stays aligned with the new coordinates. With the overlaps
+  ``P_L = Q_L,newᵀ Q_L,old`` and ``P_R = Q_R,newᵀ Q_R,old`` the rotated gradient moves as
+  ``G̃_new = P_L G̃_old P_Rᵀ``; treating the entries of G̃_old as independent with variances v gives
+  ``v_new = (P_L∘P_L) v (P_R∘P_R)ᵀ``. The squared overlaps are doubly stochastic, so the total second-moment
+  mass is kept, and when the new basis is only a re-ordering (or sign flip) of the old one this is exactly the
+  SOAP-style permutation of v.
+* The one-sided variant rotates only the smaller side (the left one when m ≤ n) and keeps the identity on the
+  other, cutting the extra memory from m² + n² to min(m, n)² (times two: statistic and basis).
+* Parameters that are not matrices, and every parameter of a group with ``rotate=False``, get plain AdamW
+  (the identical update to ``torch.optim.AdamW`` with decoupled decay). ``identity_bases=True`` sets the
+  default ``rotate=False``; tests use it to check the AdamW equivalence.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+
+
+class RotatedAdamW(torch.optim.Optimizer):
+    """AdamW whose second moment lives in the eigenbasis of E[GGᵀ] / E[GᵀG] (arXiv 2602.03515).
+
+    Group options: ``lr``, ``betas``, ``eps``, ``weight_decay``, ``stat_decay``, ``refresh_every``,
+    ``one_sided`` and ``rotate`` (False: plain AdamW for that group, e.g. embeddings, norms and the head).
+    """
+
+    def __init__(
+        self,
+        params: Iterable[torch.Tensor] | Iterable[dict[str, Any]],
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.95),
+        eps: float = 1e-8,
+        weight_decay: float = 0.0,
+        stat_decay: float = 0.999,
+        refresh_every: int = 10,
+        one_sided: bool = False,
+        identity_bases: bool = False,
+    ) -> None:
+        if lr < 0 or eps < 0 or weight_decay < 0:
+            raise ValueError(f"lr, eps and weight_decay must be >= 0, got {lr}, {eps}, {weight_decay}")
+        if not all(0.0 <= b < 1.0 for b in (*betas, stat_decay)):
+            raise ValueError(f"betas {betas} and stat_decay {stat_decay} must lie in [0, 1)")
+        if refresh_every < 1:
+            raise ValueError(f"refresh_every must be >= 1, got {refresh_every}")
+        defaults = {
+            "lr": lr,
+            "betas": tuple(betas),
+            "eps": eps,
+            "weight_decay": weight_decay,
+            "stat_decay": stat_decay,
+            "refresh_every": refresh_every,
+            "one_sided": one_sided,
+            "rotate": not identity_bases,
+        }
+        super().__init__(params, defaults)
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                if p.grad.is_sparse:
+                    raise RuntimeError("RotatedAdamW does not support sparse gradients")
+                self._step_param(p, group)
+        return loss
+
+    def _step_param(self, p: torch.Tensor, group: dict[str, Any]) -> None:
+        state = self.state[p]
+        grad = p.grad
+        if not state:
+            _init_state(state, p, group)
+        state["step"] += 1
+        t = state["step"]
+        beta1, beta2 = group["betas"]
+        lr, eps = group["lr"], group["eps"]
+        bias1, bias2 = 1.0 - beta1**t, 1.0 - beta2**t
+
+        rotated = "Q_L" in state or "Q_R" in state
+        if rotated:
+            _update_statistics(state, grad, group["stat_decay"])
+            if (t - 1) % group["refresh_every"] == 0:
+                _refresh_bases(state, first=t == 1)
+
+        p.mul_(1.0 - lr * group["weight_decay"])
+        exp_avg, exp_avg_sq = state["exp_avg"], state["exp_avg_sq"]
+        exp_avg.lerp_(grad, 1.0 - beta1)
+        if not rotated:  # the exact torch.optim.AdamW arithmetic
+            exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1.0 - beta2)
+            denom = (exp_avg_sq.sqrt() / bias2**0.5).add_(eps)
+            p.addcdiv_(exp_avg, denom, value=-lr / bias1)
+            return
+        q_left, q_right = state.get("Q_L"), state.get("Q_R")
+        grad_rot = to_basis(grad.float(), q_left, q_right)
+        exp_avg_sq.mul_(beta2).addcmul_(grad_rot, grad_rot, value=1.0 - beta2)
+        denom = (exp_avg_sq.sqrt() / bias2**0.5).add_(eps)
+        step_rot = to_basis(exp_avg.float(), q_left, q_right).div_(denom)
+        p.add_(from_basis(step_rot, q_left, q_right).to(p.dtype), alpha=-lr / bias1)
+
+
+def to_basis(x: torch.Tensor, q_left: torch.Tensor | None, q_right: torch.Tensor | None) -> torch.Tensor:
+    """Q_Lᵀ x Q_R, with None standing for the identity (the unrotated side of the one-sided variant)."""
+    if q_left is not None:
+        x = q_left.T @ x
+    if q_right is not None:
+        x = x @ q_right
+    return x
+
+
+def from_basis(x: torch.Tensor, q_left: torch.Tensor | None, q_right: torch.Tensor | None) -> torch.Tensor:
+    """Q_L x Q_Rᵀ: the inverse of `to_basis` (both bases are orthogonal)."""
+    if q_left is not None:
+        x = q_left @ x
+    if q_right is not None:
+        x = x @ q_right.T
+    return x
+
+
+def rotated_sides(shape: torch.Size | tuple[int, ...], one_sided: bool) -> tuple[bool, bool]:
+    """Which sides (left, right) of a matrix get a basis; one-sided keeps only the smaller one."""
+    if len(shape) != 2:
+        return False, False
+    if not one_sided:
+        return True, True
+    return (True, False) if shape[0] <= shape[1] else (False, True)
+
+
+def _init_state(state: dict[str, Any], p: torch.Tensor, group: dict[str, Any]) -> None:
+    state["step"] = 0
+    state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+    left, right = rotated_sides(p.shape, group["one_sided"]) if group["rotate"] else (False, False)
+    # v is kept in float32 when rotated: it is filled from float32 rotations, not from the raw gradient.
+    sq_dtype = torch.float32 if left or right else p.dtype
+    state["exp_avg_sq"] = torch.zeros(p.shape, dtype=sq_dtype, device=p.device)
+    for side, on, dim in (("L", left, 0), ("R", right, 1)):
+        if on:
+            size = p.shape[dim]
+            state[f"stat_{side}"] = torch.zeros(size, size, dtype=torch.float32, device=p.device)
+            state[f"Q_{side}"] = torch.eye(size, dtype=torch.float32, device=p.device)
+
+
+def _update_statistics(state: dict[str, Any], grad: torch.Tensor, decay: float) -> None:
+    g = grad.float()
+    for side in ("L", "R"):
+        key = f"stat_{side}"
+        if key not in state:
+            continue
+        if state[key].dtype != torch.float32:  # load_state_dict casts state to the parameter's dtype
+            state[key] = state[key].float()
+            state[f"Q_{side}"] = state[f"Q_{side}"].float()
+        outer = g @ g.T if side == "L" else g.T @ g
+        state[key].mul_(decay).add_(outer, alpha=1.0 - decay)
+    if state["exp_avg_sq"].dtype != torch.float32:
+        state["exp_avg_sq"] = state["exp_avg_sq"].float()
+
+
+def _refresh_bases(state: dict[str, Any], first: bool) -> None:
+    """New Q_L / Q_R from the statistics, and v re-projected onto them (see the module docstring)."""
+    old: dict[str, torch.Tensor | None] = {"L": None, "R": None}
+    new: dict[str, torch.Tensor | None] = {"L": None, "R": None}
+    for side in ("L", "R"):
+        key = f"stat_{side}"
+        if key not in state:
+            continue
+        basis = eigenbasis(state[key]) if first else power_qr_step(state[key], state[f"Q_{side}"])
+        if basis is not None:  # None: the solver failed (e.g. non-finite statistics), keep the old basis
+            old[side], new[side] = state[f"Q_{side}"], basis
+            state[f"Q_{side}"] = basis
+    state["exp_avg_sq"] = reproject_second_moment(state["exp_avg_sq"], old["L"], new["L"], old["R"], new["R"])
+
+
+def reproject_second_moment(
+    v: torch.Tensor,
+    left_old: torch.Tensor | None,
+    left_new: torch.Tensor | None,
+    right_old: torch.Tensor | None = None,
+    right_new: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """v in the new basis: (P_L∘P_L) v (P_R∘P_R)ᵀ with P = Q_newᵀ Q_old; a side whose bases are None is kept.
+
+    Exact for a basis that is a permutation (with sign flips) of the old one; keeps the total of v otherwise.
+    """
+    if left_old is not None and left_new is not None:
+        v = (left_new.T @ left_old).square_() @ v
+    if right_old is not None and right_new is not None:
+        v = v @ (right_new.T @ right_old).square_().T
+    return v.clamp(min=0.0)
+
+
+def eigenbasis(stat: torch.Tensor) -> torch.Tensor | None:
+    """Eigenvectors of a symmetric PSD matrix as columns, by descending eigenvalue; None if eigh fails."""
+    try:
+        _, vectors = torch.linalg.eigh(stat)
+    except torch.linalg.LinAlgError:
+        return None
+    return vectors.flip(-1).contiguous()
+
+
+def power_qr_step(stat: torch.Tensor, old: torch.Tensor) -> torch.Tensor | None:
+    """One power-iteration step Q ← qr(stat·Q_old), columns re-sorted by diag(Qᵀ stat Q) descending."""
+    if not torch.isfinite(stat).all():
+        return None
+    q, _ = torch.linalg.qr(stat @ old)
+    estimated = (q * (stat @ q)).sum(dim=0)
+    return q[:, torch.argsort(estimated, descending=True)].contiguous()

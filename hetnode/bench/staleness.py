@@ -1,0 +1,133 @@
+"""`hetnode bench staleness`: asynchronous pipelines of P ∈ {1, 2, 4, 8} stages, three optimisers.
+
+Every run trains the same model on the same batches; only the pipeline depth (hence the staleness
+τ_s = P−1−s) and the optimiser differ. The target is the final eval loss of P=1 AdamW (no staleness);
+we report how many updates each run needs to reach it (arXiv 2602.03515 reports 76.8 % fewer iterations
+for basis rotation than the best async baseline at 1B).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+from tqdm import tqdm  # noqa: E402
+
+from hetnode.config import Config, replace  # noqa: E402
+from hetnode.data import TokenDataset  # noqa: E402
+from hetnode.model import count_parameters  # noqa: E402
+from hetnode.planning.layer_split import split_layers  # noqa: E402
+from hetnode.sim.pipeline import PipelineChain, build_chain_workers  # noqa: E402
+
+OPTIMIZERS = ("adamw", "nadam", "rotated_adamw")
+DEPTHS = (1, 2, 4, 8)
+
+
+@dataclass(frozen=True)
+class StalenessPlan:
+    steps: int
+    batch_size: int
+    eval_every: int
+    n_layers: int = 8  # P=8 needs a layer per stage
+
+
+def plan_for(quick: bool, steps: int | None = None) -> StalenessPlan:
+    if quick:
+        return StalenessPlan(steps=steps or 150, batch_size=8, eval_every=15)
+    return StalenessPlan(steps=steps or 300, batch_size=4, eval_every=20)
+
+
+def run_staleness(config: Config, plan: StalenessPlan, out_dir: Path, progress: bool = True) -> dict:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    config = replace(config, "model", n_layers=plan.n_layers)
+    config = replace(config, "data", batch_size=plan.batch_size)
+    config = replace(config, "train", max_steps=plan.steps, eval_batches=4)
+    dataset = TokenDataset.build(config.data, config.model.vocab_size, seed=config.run.seed)
+    runs: dict[str, dict] = {}
+    with tqdm(
+        total=len(DEPTHS) * len(OPTIMIZERS) * plan.steps,
+        desc="staleness bench",
+        unit="upd",
+        disable=not progress,
+    ) as bar:
+        for depth in DEPTHS:
+            for optimizer in OPTIMIZERS:
+                splits = split_layers(config.model.n_layers, [1.0] * depth)
+                workers = build_chain_workers(
+                    config, splits, optimizer, compress=False, constrained=False, seed=config.run.seed
+                )
+                chain = PipelineChain(workers, dataset)
+                curve: list[list[float]] = [[0, chain.evaluate(config.train.eval_batches)]]
+
+                def record(done: int, chain=chain, curve=curve, name=f"P{depth}-{optimizer}") -> None:
+                    curve.append([done, chain.evaluate(config.train.eval_batches)])
+                    bar.set_postfix(run=name, loss=f"{curve[-1][1]:.3f}")
+                    bar.update(plan.eval_every)
+
+                chain.run(plan.steps, eval_every=plan.eval_every, on_eval=record)
+                kinds = ("compute", "optimizer", "projection")
+                timing = {k: sum(w.timings[k] for w in workers) for k in kinds}  # evaluation excluded
+                seconds = sum(timing.values())
+                max_delay = max(d for w in workers for _, d in w.staleness)
+                runs[f"P{depth}-{optimizer}"] = {
+                    "depth": depth,
+                    "optimizer": optimizer,
+                    "final_eval_loss": curve[-1][1],
+                    "curve": curve,
+                    "max_delay": max_delay,
+                    "optimizer_share": timing["optimizer"] / sum(timing.values()),
+                    "seconds": seconds,
+                }
+    target = runs["P1-adamw"]["final_eval_loss"]
+    for run in runs.values():
+        run["iterations_to_target"] = next((int(s) for s, loss in run["curve"] if loss <= target), None)
+    for depth in DEPTHS:
+        base = runs[f"P{depth}-adamw"]
+        for optimizer in OPTIMIZERS:
+            run = runs[f"P{depth}-{optimizer}"]
+            run["time_overhead_vs_adamw"] = run["seconds"] / base["seconds"] - 1.0
+            if run["iterations_to_target"] and base["iterations_to_target"]:
+                run["fewer_iterations_vs_adamw"] = (
+                    1.0 - run["iterations_to_target"] / base["iterations_to_target"]
+                )
+    report = {
+        "config": config.run.name,
+        "parameters": count_parameters(config.model),
+        "n_layers": config.model.n_layers,
+        "steps": plan.steps,
+        "batch_size": plan.batch_size,
+        "target_eval_loss": target,
+        "runs": runs,
+    }
+    (out_dir / "staleness.json").write_text(json.dumps(report, indent=2))
+    plot_staleness(report, out_dir / "staleness.png")
+    return report
+
+
+def plot_staleness(report: dict, path: Path) -> None:
+    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
+    for optimizer in OPTIMIZERS:
+        its = [report["runs"][f"P{p}-{optimizer}"]["iterations_to_target"] for p in DEPTHS]
+        xs = [p for p, i in zip(DEPTHS, its, strict=True) if i is not None]
+        left.plot(xs, [i for i in its if i is not None], "o-", label=optimizer)
+        finals = [report["runs"][f"P{p}-{optimizer}"]["final_eval_loss"] for p in DEPTHS]
+        right.plot(DEPTHS, finals, "o-", label=optimizer)
+    left.set_xscale("log", base=2)
+    left.set_xlabel("pipeline stages P (max delay P−1)")
+    left.set_ylabel(f"updates to reach eval loss {report['target_eval_loss']:.3f}")
+    left.set_title("iterations to target (missing point = not reached)")
+    right.set_xscale("log", base=2)
+    right.set_xlabel("pipeline stages P")
+    right.set_ylabel("final eval loss")
+    right.set_title(f"{report['config']}, {report['n_layers']} layers, {report['steps']} updates")
+    for ax in (left, right):
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

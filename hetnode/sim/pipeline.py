@@ -1,0 +1,170 @@
+"""A chain of P stage workers in one process, run on the asynchronous 1F1B schedule (DESIGN §2.4).
+
+Time advances in cycles. In cycle c, stage s runs the forward of micro-batch c−s (a forward sweep from
+the first stage to the last), then every stage runs the backward of micro-batch c−(P−1) (a sweep back).
+Stage s therefore holds P−s micro-batches in flight and each update it applies was computed on weights
+P−1−s updates old; the last stage is never stale. After the last micro-batch of a round no new forward
+starts and the pipeline drains (one bubble per outer step). Frames pass through the wire codec when a
+`FrameSpec` is given, so bytes are counted from encoded messages and validated like network input.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from hetnode.algo.optim import build_optimizer
+from hetnode.config import Config
+from hetnode.data import TokenDataset
+from hetnode.model import build_stages
+from hetnode.model.subspace import SubspaceConstraint
+from hetnode.training.schedule import warmup_cosine
+from hetnode.training.stage_worker import Frame, StageWorker
+from hetnode.wire.activation_frame import FrameLimits, decode_frame, encode_frame
+
+
+@dataclass
+class ChainStats:
+    losses: list[float] = field(default_factory=list)
+    activation_bytes: int = 0  # forward frames, all boundaries
+    gradient_bytes: int = 0  # backward frames, all boundaries
+    tokens: int = 0
+
+
+class PipelineChain:
+    """P stage workers fed from one data slot; the transport is a direct call (or the wire codec)."""
+
+    def __init__(
+        self,
+        workers: Sequence[StageWorker],
+        dataset: TokenDataset,
+        slot: int = 0,
+        num_slots: int = 1,
+        limits: FrameLimits | None = None,
+    ) -> None:
+        if not workers or not workers[0].stage.first or not workers[-1].stage.last:
+            raise ValueError("a chain runs from a first stage to a last stage")
+        self.workers = list(workers)
+        self.dataset = dataset
+        self.slot = slot
+        self.num_slots = num_slots
+        self.limits = limits
+        self.step = 0  # micro-batches started so far (indexes the data schedule)
+        self.round = 0
+
+    @property
+    def depth(self) -> int:
+        return len(self.workers)
+
+    def run(
+        self, micro_batches: int, eval_every: int = 0, on_eval: Callable[[int], None] | None = None
+    ) -> ChainStats:
+        """Push `micro_batches` through the pipeline and drain it; each one is one update per stage.
+
+        With `on_eval`, call it after every `eval_every` updates: right after a backward sweep every stage
+        holds the same number of updates, so the chain's newest weights are a consistent model."""
+        stats = ChainStats()
+        pending: dict[tuple[int, int], Frame] = {}  # (stage, mb) -> frame waiting for that stage
+        last = self.depth - 1
+        first_mb = self.step
+        for cycle in range(micro_batches + last):
+            for s, worker in enumerate(self.workers):
+                mb = first_mb + cycle - s
+                if not first_mb <= mb < first_mb + micro_batches:
+                    continue
+                if s == 0:
+                    incoming = self.dataset.train_batch(self.slot, self.num_slots, mb)
+                    stats.tokens += incoming[0].numel()
+                else:
+                    incoming = pending.pop((s, mb))
+                out = worker.forward(mb, incoming)
+                if s < last:
+                    pending[(s + 1, mb)] = self._carry(out, stats, backward=False)
+                else:
+                    stats.losses.append(out)
+            mb = first_mb + cycle - last
+            if first_mb <= mb < first_mb + micro_batches:
+                grad = None
+                for s in range(last, -1, -1):
+                    grad = self.workers[s].backward(mb, grad)
+                    if grad is not None:
+                        grad = self._carry_grad(mb, grad, stats)
+                done = mb - first_mb + 1
+                if on_eval is not None and eval_every > 0 and done % eval_every == 0:
+                    on_eval(done)
+        self.step += micro_batches
+        return stats
+
+    def _carry(self, frame: Frame, stats: ChainStats, backward: bool) -> Frame:
+        if self.limits is None:
+            return frame
+        data = encode_frame("act", self.round, frame.mb, frame.tensor, frame.tokens, frame.targets)
+        stats.activation_bytes += len(data)
+        decoded = decode_frame(data, self.limits, expect_kind="act")
+        return Frame(decoded.mb, decoded.tensor, decoded.tokens, decoded.targets)
+
+    def _carry_grad(self, mb: int, grad: torch.Tensor, stats: ChainStats) -> torch.Tensor:
+        if self.limits is None:
+            return grad
+        data = encode_frame("grad", self.round, mb, grad)
+        stats.gradient_bytes += len(data)
+        return decode_frame(data, self.limits, expect_kind="grad").tensor
+
+    @torch.no_grad()
+    def evaluate(self, batches: int) -> float:
+        """Mean eval loss of the chain's newest weights, through the same boundary codec."""
+        total = 0.0
+        evals = self.dataset.eval_batches(batches)
+        for tokens, targets in evals:
+            x = tokens
+            for worker in self.workers:
+                x = worker.infer(x, tokens, targets)
+            total += x.item()
+        return total / len(evals)
+
+    def params(self) -> dict[str, torch.Tensor]:
+        """The chain's parameters by global name (a tied embedding appears once, from the first stage)."""
+        out: dict[str, torch.Tensor] = {}
+        for worker in self.workers:
+            for name, param in worker.stage.named_parameters():
+                out.setdefault(name, param)
+        return out
+
+
+def build_chain_workers(
+    config: Config,
+    splits: Sequence[range],
+    optimizer: str,
+    compress: bool,
+    constrained: bool,
+    seed: int,
+    wire_dtype: torch.dtype | None = None,
+) -> list[StageWorker]:
+    """Stage workers for a chain over `splits`, optionally subspace-constrained and compressed.
+
+    Wire dtype defaults to bf16 for compressed boundaries and fp32 otherwise."""
+    inner = config.inner
+    stages = build_stages(config.model, list(splits), seed=seed)
+    constraint = None
+    if (constrained or compress) and len(splits) > 1:
+        constraint = SubspaceConstraint.create(
+            config.model, config.pipeline.subspace_rank, splits[-1].start, config.run.seed
+        )
+    dtype = wire_dtype or (torch.bfloat16 if compress else torch.float32)
+
+    def lr_at(step: int) -> float:
+        return warmup_cosine(step, inner.lr, inner.warmup_steps, config.train.max_steps, inner.min_lr_ratio)
+
+    workers = []
+    for stage in stages:
+        if constraint is not None:
+            constraint.attach(stage)
+        optim = build_optimizer(stage, inner, optimizer)
+        workers.append(
+            StageWorker(
+                stage, optim, lr_at, inner.grad_clip, constraint, compress and constraint is not None, dtype
+            )
+        )
+    return workers

@@ -1,0 +1,154 @@
+"""Activation frames between chain stages: msgpack maps carrying one tensor plus token ids.
+
+Forward frames (`act`) carry activations or their subspace coefficients with the token ids and
+targets; backward frames (`grad`) carry the gradient for the same micro-batch. Decoding checks the size
+before parsing, then the version, kind, dtype, the exact shape (width = subspace rank k when compressed,
+d otherwise), the byte count, token ids < vocab and finite values. Violations raise `WireError(field)`.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import msgpack
+import numpy as np
+import torch
+
+from hetnode.errors import WireError
+
+FRAME_VERSION = 1
+FrameKind = Literal["act", "grad"]
+_DTYPES: dict[str, tuple[torch.dtype, np.dtype]] = {
+    "bf16": (torch.bfloat16, np.dtype("<i2")),  # bf16 bits travel as int16
+    "fp32": (torch.float32, np.dtype("<f4")),
+}
+_NAMES = {torch.bfloat16: "bf16", torch.float32: "fp32"}
+
+
+@dataclass(frozen=True)
+class FrameLimits:
+    """What a receiving stage accepts: batch shape, width, dtype, vocabulary and size."""
+
+    batch_size: int
+    seq_len: int
+    width: int  # k when compressed, d otherwise
+    dtype: Literal["bf16", "fp32"]
+    vocab_size: int
+    max_bytes: int = 64 * 2**20
+
+
+@dataclass(frozen=True)
+class DecodedFrame:
+    kind: FrameKind
+    round: int
+    mb: int
+    tensor: torch.Tensor  # (B, T, width) in the frame dtype
+    tokens: torch.Tensor | None
+    targets: torch.Tensor | None
+
+
+def _tensor_bytes(t: torch.Tensor) -> tuple[str, bytes]:
+    name = _NAMES.get(t.dtype)
+    if name is None:
+        raise ValueError(f"unsupported frame dtype {t.dtype}")
+    t = t.detach().cpu().contiguous()
+    arr = t.view(torch.int16).numpy() if name == "bf16" else t.numpy()
+    return name, arr.astype(_DTYPES[name][1], copy=False).tobytes()
+
+
+def encode_frame(
+    kind: FrameKind,
+    round_: int,
+    mb: int,
+    tensor: torch.Tensor,
+    tokens: torch.Tensor | None = None,
+    targets: torch.Tensor | None = None,
+) -> bytes:
+    dtype, data = _tensor_bytes(tensor)
+    message: dict[str, Any] = {
+        "type": "frame",
+        "v": FRAME_VERSION,
+        "kind": kind,
+        "round": round_,
+        "mb": mb,
+        "dtype": dtype,
+        "shape": list(tensor.shape),
+        "data": data,
+    }
+    if tokens is not None and targets is not None and torch.equal(tokens[:, 1:], targets[:, :-1]):
+        # Targets are the inputs shifted by one: send the T+1 window once (≈ 2 bytes per token, not 4).
+        message["ids"] = _id_bytes(torch.cat([tokens, targets[:, -1:]], dim=1))
+    else:
+        if tokens is not None:
+            message["tokens"] = _id_bytes(tokens)
+        if targets is not None:
+            message["targets"] = _id_bytes(targets)
+    return msgpack.packb(message, use_bin_type=True)
+
+
+def _id_bytes(ids: torch.Tensor) -> bytes:
+    return ids.to(torch.int32).cpu().numpy().astype("<u2").tobytes()
+
+
+def decode_frame(
+    data: bytes, limits: FrameLimits, expect_kind: FrameKind, expect_round: int | None = None
+) -> DecodedFrame:
+    if len(data) > limits.max_bytes:
+        raise WireError("size", f"{len(data)} bytes exceeds the limit of {limits.max_bytes}")
+    try:
+        message = msgpack.unpackb(
+            data, raw=False, max_bin_len=limits.max_bytes, max_map_len=16, max_array_len=8
+        )
+    except Exception as exc:
+        raise WireError("msgpack", f"not a valid msgpack message ({type(exc).__name__})") from None
+    if not isinstance(message, dict) or message.get("type") != "frame":
+        raise WireError("type", "not an activation frame")
+    if message.get("v") != FRAME_VERSION:
+        raise WireError("v", f"unknown frame version {message.get('v')!r} (this peer speaks {FRAME_VERSION})")
+    if message.get("kind") != expect_kind:
+        raise WireError("kind", f"expected {expect_kind!r}, got {message.get('kind')!r}")
+    round_, mb = message.get("round"), message.get("mb")
+    for field, value in (("round", round_), ("mb", mb)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            raise WireError(field, "must be a non-negative integer")
+    if expect_round is not None and round_ != expect_round:
+        raise WireError("round", f"frame of round {round_}, this stage is in round {expect_round}")
+    if message.get("dtype") != limits.dtype:
+        raise WireError("dtype", f"expected {limits.dtype!r}, got {message.get('dtype')!r}")
+    shape = message.get("shape")
+    want = [limits.batch_size, limits.seq_len, limits.width]
+    if not isinstance(shape, list) or len(shape) != 3 or shape[2] != limits.width:
+        raise WireError("shape", f"expected (B, T, {limits.width}), got {shape}")
+    if not (0 < shape[0] <= limits.batch_size and 0 < shape[1] <= limits.seq_len):
+        raise WireError("shape", f"batch shape {shape[:2]} exceeds {want[:2]}")
+    torch_dtype, np_dtype = _DTYPES[limits.dtype]
+    payload = message.get("data")
+    if not isinstance(payload, bytes) or len(payload) != math.prod(shape) * np_dtype.itemsize:
+        raise WireError("data", f"expected {math.prod(shape) * np_dtype.itemsize} bytes")
+    array = np.frombuffer(payload, dtype=np_dtype).astype(np_dtype.newbyteorder("="))
+    tensor = torch.from_numpy(array).view(torch_dtype).reshape(shape)
+    if not bool(torch.isfinite(tensor.float()).all()):
+        raise WireError("data", "contains NaN or Inf")
+    window = _ids(message, "ids", [shape[0], shape[1] + 1], limits.vocab_size)
+    if window is not None:
+        tokens, targets = window[:, :-1], window[:, 1:]
+    else:
+        tokens = _ids(message, "tokens", shape[:2], limits.vocab_size)
+        targets = _ids(message, "targets", shape[:2], limits.vocab_size)
+    if expect_kind == "act" and (tokens is None or targets is None):
+        raise WireError("tokens", "forward frames must carry tokens and targets")
+    return DecodedFrame(expect_kind, round_, mb, tensor, tokens, targets)
+
+
+def _ids(message: dict, field: str, shape: list[int], vocab: int) -> torch.Tensor | None:
+    raw = message.get(field)
+    if raw is None:
+        return None
+    if not isinstance(raw, bytes) or len(raw) != math.prod(shape) * 2:
+        raise WireError(field, f"expected {math.prod(shape) * 2} bytes of uint16 ids")
+    ids = np.frombuffer(raw, dtype="<u2").astype(np.int64)
+    if ids.size and int(ids.max()) >= vocab:
+        raise WireError(field, f"token id {int(ids.max())} >= vocab size {vocab}")
+    return torch.from_numpy(ids).reshape(shape)
