@@ -63,6 +63,7 @@ class Replica:
     """What the outer loop needs of any replica; subclasses say how the working copy trains."""
 
     def __init__(self, replica_id: str, global_params: Params, working: WorkingCopy, method) -> None:
+        """`global_params`: θ⁰ as every replica holds it (never a projected working copy)."""
         self.id = replica_id
         self.global_params = {n: t.detach().clone() for n, t in global_params.items()}
         self.working = working
@@ -100,9 +101,11 @@ class Replica:
 
 
 class AnchorReplica(Replica):
-    def __init__(self, replica_id: str, trainer: InnerTrainer, working: WorkingCopy, method) -> None:
+    def __init__(
+        self, replica_id: str, trainer: InnerTrainer, global_params: Params, working: WorkingCopy, method
+    ) -> None:
         self.trainer = trainer
-        super().__init__(replica_id, dict(trainer.model.named_parameters()), working, method)
+        super().__init__(replica_id, global_params, working, method)
 
     def local_params(self) -> Params:
         return dict(self.trainer.model.named_parameters())
@@ -120,11 +123,13 @@ class AnchorReplica(Replica):
 
 
 class ChainReplica(Replica):
-    def __init__(self, replica_id: str, chain: PipelineChain, working: WorkingCopy, method) -> None:
+    def __init__(
+        self, replica_id: str, chain: PipelineChain, global_params: Params, working: WorkingCopy, method
+    ) -> None:
         self.chain = chain
         self._tokens = 0
         self.last_stats: ChainStats | None = None
-        super().__init__(replica_id, chain.params(), working, method)
+        super().__init__(replica_id, global_params, working, method)
 
     def local_params(self) -> Params:
         return self.chain.params()

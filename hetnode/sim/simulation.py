@@ -87,6 +87,7 @@ class ReplicaSimulation:
         self.round = 0
         seed = config.run.seed
         self.eval_model = build_model(config.model, seed=seed)
+        initial = dict(self.eval_model.named_parameters())  # θ⁰, the same on every replica
         base_fixed = None
         if swarm.mode != "none":
             cfg = config.model
@@ -108,7 +109,9 @@ class ReplicaSimulation:
                 slots=range(swarm.anchors),
                 num_slots=swarm.anchors,
             )
-            self.replicas.append(AnchorReplica("ddp", trainer, WorkingCopy(None, base_fixed), method))
+            self.replicas.append(
+                AnchorReplica("ddp", trainer, initial, WorkingCopy(None, base_fixed), method)
+            )
         else:
             anchor_constraint = constraint if swarm.mode == "everything" else None
             for r in range(swarm.anchors):
@@ -121,7 +124,7 @@ class ReplicaSimulation:
                     constraint=anchor_constraint,
                 )
                 working = WorkingCopy(anchor_constraint, base_fixed)
-                self.replicas.append(AnchorReplica(f"anchor-{r:03d}", trainer, working, method))
+                self.replicas.append(AnchorReplica(f"anchor-{r:03d}", trainer, initial, working, method))
             compress = swarm.mode != "none"
             width = config.pipeline.subspace_rank if compress else config.model.d_model
             limits = FrameLimits(
@@ -146,7 +149,9 @@ class ReplicaSimulation:
                     workers, dataset, slot=swarm.anchors + c, num_slots=swarm.replicas, limits=limits
                 )
                 self.replicas.append(
-                    ChainReplica(f"chain-{c:03d}", chain, WorkingCopy(constraint, base_fixed), method)
+                    ChainReplica(
+                        f"chain-{c:03d}", chain, initial, WorkingCopy(constraint, base_fixed), method
+                    )
                 )
         first = self.replicas[0].global_params
         self.shards = shard_names(first)

@@ -63,3 +63,32 @@ def test_baselines_run_and_learn(config: Config, dataset: TokenDataset, kind: st
     stats = [sim.run_round() for _ in range(2)]
     assert stats[-1].eval_loss < before - 0.5
     assert stats[-1].bytes_per_replica == pytest.approx(stats[-1].dense_fp32_bytes, rel=0.01)
+
+
+@pytest.mark.parametrize("mode", ["selective", "everything"])
+def test_mixed_swarm_of_anchors_and_a_compressed_chain(config: Config, dataset: TokenDataset, mode: str):
+    """2 anchors + 1 chain of 2 stages: every copy of the global model stays identical, loss falls, and a
+    chain's pseudo-gradient for constrained weights lies in span(U) (it is P(θ) − θ_local)."""
+    swarm = Swarm(anchors=2, chains=1, chain_stages=2, mode=mode)
+    sim = ReplicaSimulation(config, dataset, SyncMethod("sl", "sparseloco", inner_steps=5, topk=64), swarm)
+    before = sim.evaluate()
+    for _ in range(3):
+        stats = sim.run_round()
+        digests = {tuple(sorted(layer_digests(sim.global_params(r)).items())) for r in range(3)}
+        assert len(digests) == 1
+    assert stats.activation_bytes > 0
+    assert stats.eval_loss < before - 0.5
+    chain = sim.replicas[2]
+    constraint = chain.working.constraint
+    delta = chain.reference["blocks.0.attn.wo.weight"] - chain.local_params()["blocks.0.attn.wo.weight"]
+    torch.testing.assert_close(
+        constraint.project_tensor("blocks.0.attn.wo.weight", delta), delta, atol=1e-6, rtol=0
+    )
+    # at the start of a round the working input embedding equals the global one: P(T_S) + T_fix' = T_S + T_fix
+    stage0 = chain.chain.workers[0].stage
+    chain.begin_round()
+    working_input = stage0.embed.weight + stage0.fixed_embedding
+    global_input = chain.global_params["embed.weight"] + sim.eval_model.fixed_embedding
+    torch.testing.assert_close(working_input, global_input, atol=1e-6, rtol=0)
+    anchor_constrained = sim.replicas[0].trainer.constraint is not None
+    assert anchor_constrained == (mode == "everything")
