@@ -5,7 +5,7 @@ pseudo-gradient with a little per-replica noise) runs what a round costs each re
 encode of every shard, decode of all R contributors, aggregation and the outer step. Bytes come from the
 encoded messages; the dense-fp32 reference is the encoded dense payload of the same tensors.
 
-    .venv/bin/python benchmarks/codec_cost.py --config configs/small.toml --replicas 4 --out benchmarks/results
+    .venv/bin/python benchmarks/codec_cost.py --config configs/small.toml --replicas 4
 """
 
 from __future__ import annotations
@@ -47,10 +47,10 @@ def main() -> None:
 
     shards = shard_names(delta)
     max_bytes = int(config.network.max_frame_mb * 2**20)
-    specs = {
-        s: ShardSpec(s, {n: tuple(delta[n].shape) for n in names}, "sparseloco", outer.topk, outer.tile, max_bytes)
-        for s, names in shards.items()
-    }
+    specs = {}
+    for s, names in shards.items():
+        shapes = {n: tuple(delta[n].shape) for n in names}
+        specs[s] = ShardSpec(s, shapes, "sparseloco", outer.topk, outer.tile, max_bytes)
     generator = torch.Generator().manual_seed(0)
     payloads: dict[str, dict[str, bytes]] = {}
     encode_seconds = []
@@ -59,8 +59,9 @@ def main() -> None:
         feedback = ErrorFeedback(SparseLoCoCodec(outer.topk, outer.tile), outer.error_feedback)
         start = time.perf_counter()
         compressed = feedback.compress(noisy)
-        payloads[f"replica-{r}"] = {
-            s: encode_payload(SyncPayload(f"replica-{r}", 0, s, "sparseloco", {n: compressed[n] for n in names}))
+        rid = f"replica-{r}"
+        payloads[rid] = {
+            s: encode_payload(SyncPayload(rid, 0, s, "sparseloco", {n: compressed[n] for n in names}))
             for s, names in shards.items()
         }
         encode_seconds.append(time.perf_counter() - start)
