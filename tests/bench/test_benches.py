@@ -1,0 +1,53 @@
+"""The benchmark runners work end to end on tiny plans and write the JSON and PNG they promise."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from hetnode.bench import sparseloco, staleness, subspace
+from hetnode.config import Config, replace
+from hetnode.sim.simulation import SyncMethod
+
+pytestmark = pytest.mark.slow
+
+
+def test_sparseloco_bench_side_by_side(tiny_config: Config, tmp_path: Path):
+    methods = (
+        SyncMethod("ddp", "ddp", inner_steps=5),
+        SyncMethod("diloco", "diloco", inner_steps=5),
+        SyncMethod("sl", "sparseloco", inner_steps=5, topk=64),
+    )
+    plan = sparseloco.BenchPlan(replicas=2, steps=10, batch_size=2, methods=methods)
+    report = sparseloco.run_benchmark(tiny_config, plan, tmp_path, progress=False)
+    saved = json.loads((tmp_path / "sparseloco.json").read_text())
+    assert saved["methods"].keys() == {"ddp", "diloco", "sl"}
+    assert (tmp_path / "sparseloco.png").stat().st_size > 1000
+    sl, diloco = report["methods"]["sl"], report["methods"]["diloco"]
+    assert sl["compression_vs_dense_fp32"] > 80
+    assert diloco["compression_vs_dense_fp32"] == pytest.approx(1.0, rel=0.01)
+    assert report["methods"]["ddp"]["syncs_per_round"] == 5 and sl["rounds"] == 2
+
+
+def test_subspace_bench_reports_bytes_per_ratio(tiny_config: Config, tmp_path: Path):
+    plan = subspace.SubspacePlan(steps=4, inner_steps=4, batch_size=2)
+    report = subspace.run_subspace(tiny_config, plan, tmp_path, progress=False)
+    runs = report["runs"]
+    assert (tmp_path / "subspace.png").stat().st_size > 1000
+    dense = runs["mixed-dense"]["activation_bytes_per_token_per_boundary"]
+    for ratio in subspace.RATIOS:
+        compressed = runs[f"selective-{ratio}x"]["activation_bytes_per_token_per_boundary"]
+        assert dense / compressed == pytest.approx(ratio, rel=0.1)
+        assert 0 < runs[f"everything-{ratio}x"]["projection_overhead"] < 0.5
+
+
+def test_staleness_bench_records_delays(tiny_config: Config, tmp_path: Path):
+    config = replace(tiny_config, "inner", rotation_refresh=2)
+    plan = staleness.StalenessPlan(steps=4, batch_size=2, eval_every=2)
+    report = staleness.run_staleness(config, plan, tmp_path, progress=False)
+    assert (tmp_path / "staleness.png").stat().st_size > 1000
+    for depth in staleness.DEPTHS:
+        for optimizer in staleness.OPTIMIZERS:
+            run = report["runs"][f"P{depth}-{optimizer}"]
+            assert run["max_delay"] == min(depth - 1, plan.steps - 1)
+            assert [step for step, _ in run["curve"]] == [0, 2, 4]
