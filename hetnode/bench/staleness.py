@@ -34,12 +34,23 @@ class StalenessPlan:
     batch_size: int
     eval_every: int
     n_layers: int = 8  # P=8 needs a layer per stage
+    depths: tuple[int, ...] = DEPTHS
+    optimizers: tuple[str, ...] = OPTIMIZERS
 
 
-def plan_for(quick: bool, steps: int | None = None) -> StalenessPlan:
+def plan_for(
+    quick: bool,
+    steps: int | None = None,
+    depths: tuple[int, ...] = DEPTHS,
+    optimizers: tuple[str, ...] = OPTIMIZERS,
+) -> StalenessPlan:
+    if "adamw" not in optimizers or not set(optimizers) <= set(OPTIMIZERS) or not set(depths) <= set(DEPTHS):
+        raise ValueError(
+            f"optimizers must include adamw (the baseline) and come from {OPTIMIZERS}; depths from {DEPTHS}"
+        )
     if quick:
-        return StalenessPlan(steps=steps or 150, batch_size=8, eval_every=15)
-    return StalenessPlan(steps=steps or 300, batch_size=4, eval_every=20)
+        return StalenessPlan(150 if steps is None else steps, 8, 15, depths=depths, optimizers=optimizers)
+    return StalenessPlan(300 if steps is None else steps, 4, 20, depths=depths, optimizers=optimizers)
 
 
 def run_staleness(config: Config, plan: StalenessPlan, out_dir: Path, progress: bool = True) -> dict:
@@ -50,13 +61,13 @@ def run_staleness(config: Config, plan: StalenessPlan, out_dir: Path, progress: 
     dataset = TokenDataset.build(config.data, config.model.vocab_size, seed=config.run.seed)
     runs: dict[str, dict] = {}
     with tqdm(
-        total=len(DEPTHS) * len(OPTIMIZERS) * plan.steps,
+        total=len(plan.depths) * len(plan.optimizers) * plan.steps,
         desc="staleness bench",
         unit="upd",
         disable=not progress,
     ) as bar:
-        for depth in DEPTHS:
-            for optimizer in OPTIMIZERS:
+        for depth in plan.depths:
+            for optimizer in plan.optimizers:
                 splits = split_layers(config.model.n_layers, [1.0] * depth)
                 workers = build_chain_workers(
                     config, splits, optimizer, compress=False, constrained=False, seed=config.run.seed
@@ -83,7 +94,7 @@ def run_staleness(config: Config, plan: StalenessPlan, out_dir: Path, progress: 
                     "optimizer_share": timing["optimizer"] / sum(timing.values()),
                     "seconds": seconds,
                 }
-    target = summarise_targets(runs)
+    target = summarise_targets(runs, plan.depths, plan.optimizers)
     report = {
         "config": config.run.name,
         "parameters": count_parameters(config.model),
@@ -91,6 +102,8 @@ def run_staleness(config: Config, plan: StalenessPlan, out_dir: Path, progress: 
         "steps": plan.steps,
         "batch_size": plan.batch_size,
         "target_eval_loss": target,
+        "depths": list(plan.depths),
+        "optimizers": list(plan.optimizers),
         "runs": runs,
     }
     (out_dir / "staleness.json").write_text(json.dumps(report, indent=2))
@@ -102,23 +115,25 @@ def _first_reaching(curve: list[list[float]], loss: float) -> int | None:
     return next((int(step) for step, value in curve if value <= loss), None)
 
 
-def summarise_targets(runs: dict[str, dict]) -> float:
+def summarise_targets(
+    runs: dict[str, dict], depths: tuple[int, ...] = DEPTHS, optimizers: tuple[str, ...] = OPTIMIZERS
+) -> float | None:
     """Add iteration counts to each run; return the target (final eval loss of P=1 AdamW).
 
     `iterations_to_target`: updates until eval loss ≤ the P=1 AdamW final loss (None: not reached).
     `iterations_to_async_adamw`: updates until eval loss ≤ the final loss of AdamW at the same P (the
     paper's "fewer iterations to the same loss than the async baseline"); `fewer_iterations_vs_adamw`
     is 1 − that count / AdamW's own count at that P."""
-    target = runs["P1-adamw"]["final_eval_loss"]
-    for depth in DEPTHS:
+    target = runs["P1-adamw"]["final_eval_loss"] if "P1-adamw" in runs else None
+    for depth in depths:
         base = runs[f"P{depth}-adamw"]
-        for optimizer in OPTIMIZERS:
+        for optimizer in optimizers:
             run = runs[f"P{depth}-{optimizer}"]
-            run["iterations_to_target"] = _first_reaching(run["curve"], target)
+            run["iterations_to_target"] = None if target is None else _first_reaching(run["curve"], target)
             run["iterations_to_async_adamw"] = _first_reaching(run["curve"], base["final_eval_loss"])
             run["time_overhead_vs_adamw"] = run["seconds"] / base["seconds"] - 1.0
         own = _first_reaching(base["curve"], base["final_eval_loss"])
-        for optimizer in OPTIMIZERS:
+        for optimizer in optimizers:
             run = runs[f"P{depth}-{optimizer}"]
             reached = run["iterations_to_async_adamw"]
             run["fewer_iterations_vs_adamw"] = 1.0 - reached / own if reached and own else None
@@ -127,12 +142,13 @@ def summarise_targets(runs: dict[str, dict]) -> float:
 
 def plot_staleness(report: dict, path: Path) -> None:
     fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
-    for optimizer in OPTIMIZERS:
-        its = [report["runs"][f"P{p}-{optimizer}"]["iterations_to_async_adamw"] for p in DEPTHS]
-        xs = [p for p, i in zip(DEPTHS, its, strict=True) if i is not None]
+    depths = report.get("depths", DEPTHS)
+    for optimizer in report.get("optimizers", OPTIMIZERS):
+        its = [report["runs"][f"P{p}-{optimizer}"]["iterations_to_async_adamw"] for p in depths]
+        xs = [p for p, i in zip(depths, its, strict=True) if i is not None]
         left.plot(xs, [i for i in its if i is not None], "o-", label=optimizer)
-        finals = [report["runs"][f"P{p}-{optimizer}"]["final_eval_loss"] for p in DEPTHS]
-        right.plot(DEPTHS, finals, "o-", label=optimizer)
+        finals = [report["runs"][f"P{p}-{optimizer}"]["final_eval_loss"] for p in depths]
+        right.plot(depths, finals, "o-", label=optimizer)
     left.set_xscale("log", base=2)
     left.set_xlabel("pipeline stages P (max delay P−1)")
     left.set_ylabel("updates to reach async AdamW's final loss")

@@ -7,6 +7,7 @@ from pathlib import Path
 
 from hetnode.bench import sparseloco, staleness, subspace
 from hetnode.config import load_config
+from hetnode.errors import ConfigError
 
 CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs"
 
@@ -34,6 +35,9 @@ def register(commands: argparse._SubParsersAction) -> None:
         bench.add_argument("--steps", type=int, default=None, help="override the number of inner steps")
         bench.add_argument("--no-progress", action="store_true")
         bench.set_defaults(handler=handler)
+        if name == "staleness":
+            bench.add_argument("--depths", default="1,2,4,8", help="comma-separated subset of 1,2,4,8")
+            bench.add_argument("--optimizers", default="adamw,nadam,rotated_adamw", help="must include adamw")
 
 
 def _config(args: argparse.Namespace):
@@ -73,12 +77,18 @@ def run_subspace(args: argparse.Namespace) -> int:
 
 
 def run_staleness(args: argparse.Namespace) -> int:
-    plan = staleness.plan_for(args.quick, args.steps)
+    depths = tuple(int(d) for d in args.depths.split(","))
+    optimizers = tuple(o.strip() for o in args.optimizers.split(","))
+    try:
+        plan = staleness.plan_for(args.quick, args.steps, depths, optimizers)
+    except ValueError as exc:
+        raise ConfigError("--depths/--optimizers", "bench staleness", str(exc)) from None
     report = staleness.run_staleness(_config(args), plan, args.out, progress=not args.no_progress)
-    print(f"target eval loss (P=1 AdamW): {report['target_eval_loss']:.4f}")
-    print("{:<20} {:>9} {:>12} {:>10}".format("run", "eval loss", "its→target", "opt share"))
+    if report["target_eval_loss"] is not None:
+        print(f"target eval loss (P=1 AdamW): {report['target_eval_loss']:.4f}")
+    print("{:<20} {:>9} {:>12} {:>10}".format("run", "eval loss", "its→async", "opt share"))
     for name, r in report["runs"].items():
-        its = r["iterations_to_target"]
+        its = r["iterations_to_async_adamw"]
         loss, share = r["final_eval_loss"], r["optimizer_share"] * 100
         print(f"{name:<20} {loss:>9.4f} {its if its else '-':>12} {share:>9.1f}%")
     print(f"wrote {args.out / 'staleness.json'} and {args.out / 'staleness.png'}")
