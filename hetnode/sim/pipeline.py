@@ -81,7 +81,7 @@ class PipelineChain:
                     incoming = pending.pop((s, mb))
                 out = worker.forward(mb, incoming)
                 if s < last:
-                    pending[(s + 1, mb)] = self._carry(out, stats, backward=False)
+                    pending[(s + 1, mb)] = self._carry(out, stats)
                 else:
                     stats.losses.append(out)
             mb = first_mb + cycle - last
@@ -97,7 +97,7 @@ class PipelineChain:
         self.step += micro_batches
         return stats
 
-    def _carry(self, frame: Frame, stats: ChainStats, backward: bool) -> Frame:
+    def _carry(self, frame: Frame, stats: ChainStats) -> Frame:
         if self.limits is None:
             return frame
         data = encode_frame("act", self.round, frame.mb, frame.tensor, frame.tokens, frame.targets)
