@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from hetnode.algo.rotated_adam import RotatedAdamW
+from hetnode.algo.rotated_adam import RotatedAdamW, check_adam_hyperparameters
 from hetnode.config import InnerConfig
 
 OPTIMIZERS = ("adamw", "nadam", "rotated_adamw")
@@ -75,10 +75,7 @@ class NAdamW(torch.optim.Optimizer):
         eps: float = 1e-8,
         weight_decay: float = 0.0,
     ) -> None:
-        if lr < 0 or eps < 0 or weight_decay < 0:
-            raise ValueError(f"lr, eps and weight_decay must be >= 0, got {lr}, {eps}, {weight_decay}")
-        if not all(0.0 <= b < 1.0 for b in betas):
-            raise ValueError(f"betas {betas} must lie in [0, 1)")
+        check_adam_hyperparameters(lr, betas, eps, weight_decay)
         super().__init__(params, {"lr": lr, "betas": tuple(betas), "eps": eps, "weight_decay": weight_decay})
 
     @torch.no_grad()

@@ -38,6 +38,16 @@ from typing import Any
 import torch
 
 
+def check_adam_hyperparameters(
+    lr: float, betas: tuple[float, float], eps: float, weight_decay: float
+) -> None:
+    """Shared constructor checks of the Adam-family optimisers here."""
+    if lr < 0 or eps < 0 or weight_decay < 0:
+        raise ValueError(f"lr, eps and weight_decay must be >= 0, got {lr}, {eps}, {weight_decay}")
+    if not all(0.0 <= b < 1.0 for b in betas):
+        raise ValueError(f"betas {betas} must lie in [0, 1)")
+
+
 class RotatedAdamW(torch.optim.Optimizer):
     """AdamW whose second moment lives in the eigenbasis of E[GGᵀ] / E[GᵀG] (arXiv 2602.03515).
 
@@ -57,10 +67,9 @@ class RotatedAdamW(torch.optim.Optimizer):
         one_sided: bool = False,
         identity_bases: bool = False,
     ) -> None:
-        if lr < 0 or eps < 0 or weight_decay < 0:
-            raise ValueError(f"lr, eps and weight_decay must be >= 0, got {lr}, {eps}, {weight_decay}")
-        if not all(0.0 <= b < 1.0 for b in (*betas, stat_decay)):
-            raise ValueError(f"betas {betas} and stat_decay {stat_decay} must lie in [0, 1)")
+        check_adam_hyperparameters(lr, betas, eps, weight_decay)
+        if not 0.0 <= stat_decay < 1.0:
+            raise ValueError(f"stat_decay {stat_decay} must lie in [0, 1)")
         if refresh_every < 1:
             raise ValueError(f"refresh_every must be >= 1, got {refresh_every}")
         defaults = {

@@ -18,7 +18,7 @@ from hetnode.algo.aggregate import NesterovOuter
 from hetnode.algo.sparseloco import ErrorFeedback, SparseLoCoCodec
 from hetnode.model import layer_of
 from hetnode.model.subspace import SubspaceConstraint
-from hetnode.sim.pipeline import ChainStats, PipelineChain
+from hetnode.sim.pipeline import PipelineChain
 from hetnode.training.trainer import InnerTrainer
 
 Params = dict[str, torch.Tensor]
@@ -128,7 +128,6 @@ class ChainReplica(Replica):
     ) -> None:
         self.chain = chain
         self._tokens = 0
-        self.last_stats: ChainStats | None = None
         super().__init__(replica_id, global_params, working, method)
 
     def local_params(self) -> Params:
@@ -140,7 +139,6 @@ class ChainReplica(Replica):
         self._tokens += stats.tokens
         self.activation_bytes += stats.activation_bytes
         self.gradient_bytes += stats.gradient_bytes
-        self.last_stats = stats
 
     @property
     def tokens(self) -> int:
