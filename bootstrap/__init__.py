@@ -1,2 +1,2 @@
-"""The coordinator service (`hetnode bootstrap`): DHT bootstrap, run manifest, round sealing,
-global model and checkpoints, contribution ledger, status page. Filled in by the swarm issues."""
+"""The coordinator service (`hetnode bootstrap`): the DHT's stable entry point, the run manifest and the
+boundary clock. Round sealing, the global model, checkpoints, the ledger and the status page come next."""

@@ -113,6 +113,13 @@ class NetworkConfig:
     max_frame_mb: float = 64.0
     heartbeat_s: float = 10.0
     record_ttl_s: float = 30.0
+    # Roles and chains change only at boundaries; while the swarm is not training the coordinator
+    # opens one every `boundary_s` seconds. Chain members must all confirm within `confirm_s`.
+    boundary_s: float = 30.0
+    confirm_s: float = 10.0
+    probe_mb: float = 4.0  # bytes each way per probe target
+    probe_s: float = 5.0  # time bound per probe direction
+    requests_per_min: int = 120  # per remote peer, per handler
 
 
 @dataclass(frozen=True)
@@ -318,6 +325,11 @@ def validate(config: Config, source: str) -> None:
         "max_frame_mb",
         "heartbeat_s",
         "record_ttl_s",
+        "boundary_s",
+        "confirm_s",
+        "probe_mb",
+        "probe_s",
+        "requests_per_min",
     ):
         value = getattr(n, key)
         _require(value > 0, source, f"network.{key}", f"must be > 0, got {value}")
@@ -332,4 +344,10 @@ def validate(config: Config, source: str) -> None:
         source,
         "network.record_ttl_s",
         "must be > network.heartbeat_s, or records expire between heartbeats",
+    )
+    _require(
+        n.confirm_s < n.boundary_s,
+        source,
+        "network.confirm_s",
+        "must be < network.boundary_s, or a chain cannot confirm before the next boundary",
     )

@@ -1,0 +1,165 @@
+"""The coordinator: a DHT node with a persistent identity and address that publishes the signed run
+manifest and opens a boundary every `network.boundary_s` (roles and chains change only at boundaries).
+
+State in the data dir survives a restart: identity key (same peer id), the bound port (same address
+when `--listen` asked for port 0), the run id and the boundary counter.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from hetnode.config import Config, load_config
+from hetnode.daemon.datadir import DataDir
+from hetnode.daemon.lifecycle import print_ready, sleep_or_stop, stop_on_signals
+from hetnode.daemon.peer import limits_of
+from hetnode.daemon.presence import Presence
+from hetnode.net.identity import load_or_create_identity
+from hetnode.net.node import SwarmNode
+from hetnode.wire.manifest import PROTOCOL_VERSION, Manifest
+
+log = logging.getLogger(__name__)
+
+STATE_FILE = "coordinator.json"
+MANIFEST_TTL_S = 600.0
+MANIFEST_REFRESH_S = 60.0
+DEFAULT_LISTEN = "/ip4/0.0.0.0/tcp/31337"
+
+
+@dataclass(frozen=True)
+class BootstrapOptions:
+    config_path: Path
+    data_dir: Path
+    listen: str = DEFAULT_LISTEN
+    identity: Path | None = None
+    announce: tuple[str, ...] = ()
+    protocol: int = PROTOCOL_VERSION  # only tests speak another version
+
+
+def listen_address(requested: str, state: dict) -> str:
+    """Port 0 means "pick one" on the first start only; later starts reuse the port picked then."""
+    parts = requested.rstrip("/").split("/")
+    if (
+        len(parts) >= 5
+        and parts[3] == "tcp"
+        and parts[4] == "0"
+        and state.get("listen_requested") == requested
+    ):
+        port = state.get("listen_port")
+        if isinstance(port, int) and 0 < port < 65536:
+            parts[4] = str(port)
+    return "/".join(parts)
+
+
+def bound_port(maddrs: list[str]) -> int | None:
+    for maddr in maddrs:
+        parts = maddr.split("/")
+        if "tcp" in parts:
+            return int(parts[parts.index("tcp") + 1])
+    return None
+
+
+class Coordinator:
+    def __init__(self, options: BootstrapOptions) -> None:
+        self.options = options
+        self.config: Config = load_config(options.config_path)
+
+    async def run(self) -> int:
+        stop = stop_on_signals()
+        with DataDir(self.options.data_dir) as data_dir:
+            state = data_dir.read_json(STATE_FILE)
+            if state.get("config_name") not in (None, self.config.run.name):
+                log.warning(
+                    "data dir held run %s; starting a new run for %s", state.get("run"), self.config.run.name
+                )
+                state = {}
+            state.setdefault("run", f"{self.config.run.name}-{secrets.token_hex(4)}")
+            state.setdefault("created", time.time())
+            state["config_name"] = self.config.run.name
+            identity = load_or_create_identity(self.options.identity or data_dir.path / "identity.key")
+            listen = listen_address(self.options.listen, state)
+            node = await SwarmNode.start(
+                identity, limits_of(self.config), [listen], announce_maddrs=self.options.announce
+            )
+            try:
+                await self._serve(node, data_dir, state, stop)
+            finally:
+                await node.shutdown()
+        return 0
+
+    async def _serve(self, node: SwarmNode, data_dir: DataDir, state: dict, stop: asyncio.Event) -> None:
+        run = state["run"]
+        node.set_info(
+            lambda: {
+                "run": run,
+                "protocol": self.options.protocol,
+                "coordinator": node.identity.peer_id,
+                "role": "coordinator",
+                "name": "coordinator",
+            }
+        )
+        maddrs = await node.visible_maddrs()
+        state.update(listen_requested=self.options.listen, listen_port=bound_port(maddrs))
+        data_dir.write_json(STATE_FILE, state)
+        await node.join_dht(run, [])
+        manifest = Manifest(self.options.protocol, run, self.config, float(state["created"]))
+        if not await node.store_own("manifest", manifest.envelope(), MANIFEST_TTL_S):
+            log.warning("the DHT did not accept the manifest yet; retrying")
+        n = self.config.network
+        presence = Presence(node, self._record(), n.heartbeat_s, n.record_ttl_s)
+        await presence.publish()
+        print_ready(node.identity.peer_id, maddrs, run=run)
+        log.info("coordinator of run %s (%s, protocol %d)", run, self.config.run.name, self.options.protocol)
+        tasks = [
+            asyncio.create_task(presence.heartbeat(stop), name="heartbeat"),
+            asyncio.create_task(self._open_boundaries(node, data_dir, state, stop), name="boundaries"),
+            asyncio.create_task(self._refresh_manifest(node, manifest, stop), name="manifest"),
+        ]
+        try:
+            await stop.wait()
+        finally:
+            stop.set()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            await presence.announce_offline()
+
+    def _record(self) -> dict:
+        return {
+            "name": "coordinator",
+            "link_class": "high",
+            "up_mbps": None,
+            "down_mbps": None,
+            "rtt_ms": None,
+            "mem_gb": 0.0,
+            "device": "cpu",
+            "tflops": 0.0,
+            "wants": "idle",
+            "role": "coordinator",
+            "chain": None,
+            "stage": None,
+            "layers": None,
+            "outer_step": 0,
+            "last_seen": time.time(),
+        }
+
+    async def _open_boundaries(
+        self, node: SwarmNode, data_dir: DataDir, state: dict, stop: asyncio.Event
+    ) -> None:
+        period = self.config.network.boundary_s
+        boundary = int(state.get("round", 0))
+        while not stop.is_set():
+            record = {"round": boundary, "started": time.time(), "period_s": float(period)}
+            if await node.store_own("round", record, period * 4):
+                state["round"] = boundary
+                data_dir.write_json(STATE_FILE, state)
+            if await sleep_or_stop(stop, period):
+                return
+            boundary += 1
+
+    async def _refresh_manifest(self, node: SwarmNode, manifest: Manifest, stop: asyncio.Event) -> None:
+        while not await sleep_or_stop(stop, MANIFEST_REFRESH_S):
+            await node.store_own("manifest", manifest.envelope(), MANIFEST_TTL_S)

@@ -1,0 +1,108 @@
+"""`hetnode bootstrap`, `hetnode join`, `hetnode status`: the swarm's three commands."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import socket
+from pathlib import Path
+
+from hetnode.errors import ConfigError
+from hetnode.net import loop
+
+DEFAULT_HOME = Path("~/.hetnode")
+
+
+def register(commands: argparse._SubParsersAction) -> None:
+    boot = commands.add_parser("bootstrap", help="run the coordinator: DHT entry point, manifest, boundaries")
+    boot.add_argument("--config", required=True, type=Path, help="run config (TOML), e.g. configs/tiny.toml")
+    boot.add_argument("--listen", default=None, help="listen multiaddr (default /ip4/0.0.0.0/tcp/31337)")
+    boot.add_argument("--announce-maddr", action="append", default=[], help="public multiaddr to announce")
+    boot.add_argument(
+        "--identity", type=Path, default=None, help="private key file (default DATA_DIR/identity.key)"
+    )
+    boot.add_argument("--data-dir", type=Path, default=DEFAULT_HOME / "bootstrap", help="state folder")
+    boot.add_argument("--protocol-version", type=int, default=None, help=argparse.SUPPRESS)  # tests only
+    boot.set_defaults(handler=run_bootstrap)
+
+    join = commands.add_parser("join", help="join a swarm as a participant (anchor or chain stage)")
+    join.add_argument("--peer", required=True, help="multiaddr of any swarm member, ending in /p2p/<peer id>")
+    join.add_argument("--name", default=None, help="name on the leaderboard (default: host name)")
+    join.add_argument("--bandwidth", default="auto", help="auto (measure) or this link's Mbit/s")
+    join.add_argument("--role", choices=("auto", "anchor", "stage"), default="auto")
+    join.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    join.add_argument(
+        "--data-dir", type=Path, default=None, help="state folder (default ~/.hetnode/peers/NAME)"
+    )
+    join.add_argument("--listen", default="/ip4/0.0.0.0/tcp/0", help="listen multiaddr")
+    join.add_argument("--announce-maddr", action="append", default=[], help="public multiaddr to announce")
+    join.add_argument("--connect-timeout", type=float, default=60.0, help="seconds to wait for the swarm")
+    join.set_defaults(handler=run_join)
+
+    status = commands.add_parser("status", help="show the swarm as the DHT sees it")
+    status.add_argument("--peer", required=True, help="multiaddr of any swarm member")
+    status.add_argument("--json", action="store_true", help="machine-readable output (a stable interface)")
+    status.add_argument("--timeout", type=float, default=30.0)
+    status.add_argument("--listen", default="/ip4/127.0.0.1/tcp/0", help=argparse.SUPPRESS)
+    status.set_defaults(handler=run_status)
+
+
+def run_bootstrap(args: argparse.Namespace) -> int:
+    from bootstrap.coordinator import DEFAULT_LISTEN, BootstrapOptions, Coordinator
+    from hetnode.wire.manifest import PROTOCOL_VERSION
+
+    options = BootstrapOptions(
+        config_path=args.config,
+        data_dir=args.data_dir.expanduser(),
+        listen=args.listen or DEFAULT_LISTEN,
+        identity=args.identity,
+        announce=tuple(args.announce_maddr),
+        protocol=args.protocol_version if args.protocol_version is not None else PROTOCOL_VERSION,
+    )
+    return loop.run(Coordinator(options).run())
+
+
+def run_join(args: argparse.Namespace) -> int:
+    from hetnode.daemon.peer import JoinOptions, PeerDaemon
+
+    name = args.name or socket.gethostname()
+    if not name or len(name) > 64:
+        raise ConfigError("--name", "name", "must be 1..64 characters")
+    bandwidth = None
+    if args.bandwidth != "auto":
+        try:
+            bandwidth = float(args.bandwidth)
+        except ValueError:
+            raise ConfigError(
+                "--bandwidth", "bandwidth", f"expected 'auto' or Mbit/s, got {args.bandwidth!r}"
+            ) from None
+        if not 0 < bandwidth < 1e6:
+            raise ConfigError("--bandwidth", "bandwidth", f"must be in (0, 1e6) Mbit/s, got {bandwidth}")
+    if args.device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise ConfigError(
+                "--device", "device", "cuda requested but no CUDA device is available (use cpu)"
+            )
+    safe_name = "".join(c if c.isalnum() or c in "-_." else "_" for c in name)
+    options = JoinOptions(
+        peer=args.peer,
+        name=name,
+        bandwidth_mbps=bandwidth,
+        role=args.role,
+        device=args.device,
+        data_dir=(args.data_dir or DEFAULT_HOME / "peers" / safe_name).expanduser(),
+        listen=args.listen,
+        announce=tuple(args.announce_maddr),
+        connect_timeout_s=args.connect_timeout,
+    )
+    return loop.run(PeerDaemon(options).run())
+
+
+def run_status(args: argparse.Namespace) -> int:
+    from hetnode.daemon.status import query_status, render_table
+
+    document = loop.run(query_status(args.peer, args.timeout, args.listen))
+    print(json.dumps(document, indent=1) if args.json else render_table(document), flush=True)
+    return 0

@@ -1,0 +1,59 @@
+"""A daemon's data directory: one daemon at a time (a lock), small JSON state written atomically."""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+from pathlib import Path
+from typing import Any, TextIO
+
+from hetnode.errors import HetnodeError
+
+
+class DataDir:
+    def __init__(self, path: Path) -> None:
+        self.path = Path(path).expanduser()
+        self._lock: TextIO | None = None
+
+    def __enter__(self) -> DataDir:
+        self.path.mkdir(parents=True, exist_ok=True)
+        lock = open(self.path / "daemon.lock", "a+")  # noqa: SIM115 - held for the daemon's lifetime
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            lock.seek(0)
+            holder = lock.read().strip() or "another process"
+            lock.close()
+            raise HetnodeError(
+                f"data dir {self.path} is in use by pid {holder}; give each daemon its own --data-dir"
+            ) from None
+        lock.seek(0)
+        lock.truncate()
+        lock.write(str(os.getpid()))
+        lock.flush()
+        self._lock = lock
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._lock is not None:
+            self._lock.close()
+            self._lock = None
+
+    def read_json(self, name: str) -> dict[str, Any]:
+        path = self.path / name
+        if not path.exists():
+            return {}
+        try:
+            data = json.loads(path.read_text())
+        except (OSError, json.JSONDecodeError) as exc:
+            raise HetnodeError(f"{path} is unreadable ({exc}); fix or remove it") from None
+        if not isinstance(data, dict):
+            raise HetnodeError(f"{path} does not hold a JSON object")
+        return data
+
+    def write_json(self, name: str, data: dict[str, Any]) -> None:
+        path = self.path / name
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(data, indent=1, sort_keys=True))
+        os.replace(tmp, path)

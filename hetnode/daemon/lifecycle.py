@@ -1,0 +1,42 @@
+"""Process lifecycle shared by the coordinator and peers: stop on SIGINT/SIGTERM, the READY line, waits."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import sys
+from collections.abc import Sequence
+
+log = logging.getLogger(__name__)
+
+
+def stop_on_signals() -> asyncio.Event:
+    """An event set by SIGINT or SIGTERM; the daemon then shuts down in order and exits 0."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+
+    def request_stop(signum: int) -> None:
+        if not stop.is_set():
+            log.info("%s received: shutting down", signal.Signals(signum).name)
+        stop.set()
+
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(signum, request_stop, signum)
+    return stop
+
+
+async def sleep_or_stop(stop: asyncio.Event, seconds: float) -> bool:
+    """Sleep up to `seconds`; True when woken by `stop`."""
+    try:
+        await asyncio.wait_for(stop.wait(), max(0.0, seconds))
+    except TimeoutError:
+        return False
+    return True
+
+
+def print_ready(peer_id: str, maddrs: Sequence[str], **extra: object) -> None:
+    """The one machine-readable line scripts and tests wait for."""
+    fields = " ".join(f"{key}={value}" for key, value in extra.items())
+    print(f"READY peer_id={peer_id} maddrs={','.join(maddrs)}" + (f" {fields}" if fields else ""), flush=True)
+    sys.stdout.flush()

@@ -1,0 +1,299 @@
+"""`hetnode join`: a participant. It finds the run through one known peer, measures its link, advertises
+its class and takes a role: anchor at once, or a stage in a chain assembled at a boundary.
+
+Chain assembly at boundary t (DESIGN §3.3): every idle stage candidate reads the idle set, computes the
+same packing (`pack_chains`), writes its claim into its own record and waits until all members' records
+confirm the same assignment before the confirmation deadline; otherwise it returns to the pool and
+tries again at the next boundary. A live chain that loses a member dissolves at the next boundary.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from hetnode.config import Config
+from hetnode.daemon.lifecycle import print_ready, sleep_or_stop, stop_on_signals
+from hetnode.daemon.presence import Presence
+from hetnode.daemon.resources import available_memory_gb, measure_tflops
+from hetnode.daemon.swarm import RunContact, find_run, read_round
+from hetnode.daemon.view import SwarmView
+from hetnode.errors import HetnodeError
+from hetnode.model.decoder import count_parameters
+from hetnode.net.identity import load_or_create_identity
+from hetnode.net.node import DEFAULT_LIMITS, NodeLimits, SwarmNode
+from hetnode.net.probe import LinkMeasurement, combine
+from hetnode.net.streams import PeerRequestError
+from hetnode.planning.roles import (
+    ClassThresholds,
+    LinkClass,
+    Role,
+    RoleRequest,
+    StageAssignment,
+    assignment_for,
+    classify_link,
+    next_role,
+    pack_chains,
+    wanted_role,
+)
+from hetnode.wire.manifest import PROTOCOL_VERSION
+
+log = logging.getLogger(__name__)
+
+MAX_PROBE_ANCHORS = 3
+REMEASURE_EVERY_BOUNDARIES = 20
+
+
+@dataclass(frozen=True)
+class JoinOptions:
+    peer: str
+    name: str
+    bandwidth_mbps: float | None  # None: measure
+    role: RoleRequest
+    device: str
+    data_dir: Path
+    listen: str
+    announce: tuple[str, ...] = ()
+    connect_timeout_s: float = 60.0
+
+
+def limits_of(config: Config) -> NodeLimits:
+    n = config.network
+    return NodeLimits(int(n.probe_mb * 2**20), n.probe_s, n.requests_per_min)
+
+
+class PeerDaemon:
+    def __init__(self, options: JoinOptions) -> None:
+        self.options = options
+        self.node: SwarmNode | None = None
+        self.contact: RunContact | None = None
+        self.presence: Presence | None = None
+        self.link_class: LinkClass = "slow"
+        self.assignment: StageAssignment | None = None
+        self.chain_live = False
+        self._measuring: asyncio.Task | None = None
+
+    @property
+    def config(self) -> Config:
+        assert self.contact is not None
+        return self.contact.manifest.config
+
+    async def run(self) -> int:
+        stop = stop_on_signals()
+        identity = load_or_create_identity(self.options.data_dir / "identity.key")
+        self.node = await SwarmNode.start(
+            identity,
+            DEFAULT_LIMITS,
+            [self.options.listen],
+            initial_peers=[self.options.peer],
+            announce_maddrs=self.options.announce,
+        )
+        try:
+            self.node.set_info(self._info)
+            self.contact = await find_run(self.node, self.options.peer, self.options.connect_timeout_s, stop)
+            self.node.limits = limits_of(self.config)
+            log.info("joined run %s (coordinator %s)", self.contact.manifest.run, self.contact.coordinator)
+            await self._start_presence()
+            maddrs = await self.node.visible_maddrs()
+            record = self.presence.record
+            print_ready(
+                identity.peer_id,
+                maddrs,
+                run=self.contact.manifest.run,
+                link_class=record["link_class"],
+                up_mbps=f"{record['up_mbps']:.1f}",
+                down_mbps=f"{record['down_mbps']:.1f}",
+                role=record["role"],
+            )
+            heartbeat = asyncio.create_task(self.presence.heartbeat(stop), name="heartbeat")
+            try:
+                await self._follow_boundaries(stop)
+            finally:
+                stop.set()
+                await heartbeat
+        finally:
+            if self._measuring is not None:
+                self._measuring.cancel()
+            if self.presence is not None:
+                await self.presence.announce_offline()
+            await self.node.shutdown()
+        return 0
+
+    def _info(self) -> dict:
+        return {
+            "run": self.contact.manifest.run if self.contact else "",
+            "protocol": PROTOCOL_VERSION,
+            "coordinator": self.contact.coordinator if self.contact else "",
+            "role": self.presence.record["role"] if self.presence else "idle",
+            "name": self.options.name,
+        }
+
+    # --- joining -------------------------------------------------------------------------------------
+
+    async def _start_presence(self) -> None:
+        device = self.options.device
+        mem_gb = available_memory_gb(device)
+        tflops = measure_tflops(device)
+        link = await self._measure_link()
+        self.link_class = self._classify(link, mem_gb)
+        wants = wanted_role(self.link_class, self.options.role)
+        role: Role = next_role("idle", False, wants)
+        log.info(
+            "link up %.1f / down %.1f Mbit/s, %.1f GB free, %.2g TFLOP/s: class %s, role %s",
+            link.up_mbps,
+            link.down_mbps,
+            mem_gb,
+            tflops,
+            self.link_class,
+            role if role != "idle" else f"idle (wants {wants})",
+        )
+        record = {
+            "name": self.options.name,
+            "link_class": self.link_class,
+            "up_mbps": float(link.up_mbps),
+            "down_mbps": float(link.down_mbps),
+            "rtt_ms": float(link.rtt_ms) if link.rtt_ms != float("inf") else None,
+            "mem_gb": round(float(mem_gb), 2),
+            "device": device,
+            "tflops": float(tflops),
+            "wants": wants,
+            "role": role,
+            "chain": None,
+            "stage": None,
+            "layers": [0, self.config.model.n_layers - 1] if role == "anchor" else None,
+            "outer_step": 0,
+            "last_seen": time.time(),
+        }
+        n = self.config.network
+        self.presence = Presence(self.node, record, n.heartbeat_s, n.record_ttl_s)
+        await self.presence.publish()
+
+    async def _measure_link(self) -> LinkMeasurement:
+        if self.options.bandwidth_mbps is not None:
+            rate = float(self.options.bandwidth_mbps)
+            return LinkMeasurement(up_mbps=rate, down_mbps=rate, rtt_ms=float("inf"))
+        targets = [self.contact.coordinator] + await self._probe_anchors()
+        results = []
+        for target in targets:
+            try:
+                results.append(await self.node.measure_link(target))
+            except (PeerRequestError, TimeoutError) as exc:
+                log.warning("bandwidth probe against %s failed: %s", target, exc)
+        if not results:
+            raise HetnodeError("could not measure the link against any peer; pass --bandwidth <Mbit/s>")
+        return combine(results)
+
+    async def _probe_anchors(self) -> list[str]:
+        view = await self._view()
+        own = self.node.identity.peer_id
+        anchors = sorted(p for p, r in view.peers.items() if r["role"] == "anchor" and p != own)
+        return anchors[:MAX_PROBE_ANCHORS]
+
+    def _classify(self, link: LinkMeasurement, mem_gb: float) -> LinkClass:
+        n = self.config.network
+        thresholds = ClassThresholds(n.anchor_min_up_mbps, n.anchor_min_down_mbps, n.stage_min_up_mbps)
+        n_params = count_parameters(self.config.model)
+        return classify_link(link.up_mbps, link.down_mbps, mem_gb, n_params, thresholds)
+
+    # --- boundaries ----------------------------------------------------------------------------------
+
+    async def _view(self) -> SwarmView:
+        entries = await self.node.read_field("peers")
+        return SwarmView.from_entries(entries, self.config.pipeline.stages, self.config.model.n_layers)
+
+    async def _follow_boundaries(self, stop: asyncio.Event) -> None:
+        poll_s = min(1.0, self.config.network.boundary_s / 4)
+        seen: int | None = None
+        while not stop.is_set():
+            current = await read_round(self.node, self.contact.coordinator)
+            if current is not None and current != seen:
+                if seen is not None:  # the first round we see is not a fresh boundary: wait for the next
+                    await self._on_boundary(current, stop)
+                seen = current
+            if await sleep_or_stop(stop, poll_s):
+                return
+
+    async def _on_boundary(self, boundary: int, stop: asyncio.Event) -> None:
+        record = self.presence.record
+        await self._apply_remeasurement(boundary)
+        view = await self._view()
+        in_live_chain = self.assignment is not None and view.chain_is_live(self.assignment.chain)
+        role = next_role(record["role"], in_live_chain, record["wants"])
+        if self.assignment is not None and not in_live_chain:
+            log.info("chain %s is not complete any more: dissolving, back to the pool", self.assignment.chain)
+        if role != record["role"] or (role != "stage" and self.assignment is not None):
+            self.assignment, self.chain_live = None, False
+            layers = [0, self.config.model.n_layers - 1] if role == "anchor" else None
+            await self.presence.update(role=role, chain=None, stage=None, layers=layers, outer_step=boundary)
+            log.info("boundary %d: role %s", boundary, role)
+        if role == "idle" and record["wants"] == "stage":
+            await self._try_to_form_chain(boundary, stop)
+
+    async def _try_to_form_chain(self, boundary: int, stop: asyncio.Event) -> None:
+        n = self.config.network
+        opened = time.monotonic()
+        # let members of chains that dissolved at this boundary publish "idle" before we read the pool
+        if await sleep_or_stop(stop, min(0.5, n.confirm_s / 3)):
+            return
+        view = await self._view()
+        plans = pack_chains(
+            view.idle_candidates(boundary), self.config.pipeline.stages, self.config.model.n_layers, boundary
+        )
+        mine = assignment_for(plans, self.node.identity.peer_id)
+        log.debug(
+            "boundary %d: idle pool %s -> chains %s",
+            boundary,
+            sorted(c.peer_id[-6:] for c in view.idle_candidates(boundary)),
+            [[m[-6:] for m in p.members] for p in plans],
+        )
+        if mine is None:
+            return
+        self.assignment = mine
+        await self.presence.update(
+            role="stage", chain=mine.chain, stage=mine.stage, layers=list(mine.layers), outer_step=boundary
+        )
+        deadline = opened + n.confirm_s
+        while time.monotonic() < deadline:
+            view = await self._view()
+            if view.chain_is_live(mine.chain):
+                self.chain_live = True
+                log.info("chain %s live: stage %d, layers %d..%d", mine.chain, mine.stage, *mine.layers)
+                return
+            if await sleep_or_stop(stop, 0.2):
+                return
+        problems = [c.problem for c in view.chains() if c.chain == mine.chain]
+        log.info(
+            "chain %s not confirmed in %.1f s (%s): back to the pool",
+            mine.chain,
+            n.confirm_s,
+            problems[0] if problems else "no claims seen",
+        )
+        self.assignment, self.chain_live = None, False
+        await self.presence.update(role="idle", chain=None, stage=None, layers=None)
+
+    async def _apply_remeasurement(self, boundary: int) -> None:
+        """Re-measure now and then (auto bandwidth only); a new class changes the role at a boundary."""
+        if self.options.bandwidth_mbps is not None:
+            return
+        if self._measuring is not None and self._measuring.done():
+            task, self._measuring = self._measuring, None
+            try:
+                link = task.result()
+            except HetnodeError as exc:
+                log.warning("re-measurement failed: %s", exc)
+                return
+            new_class = self._classify(link, available_memory_gb(self.options.device))
+            if new_class != self.link_class:
+                log.info("link class changed %s -> %s", self.link_class, new_class)
+            self.link_class = new_class
+            await self.presence.update(
+                link_class=new_class,
+                up_mbps=float(link.up_mbps),
+                down_mbps=float(link.down_mbps),
+                wants=wanted_role(new_class, self.options.role),
+            )
+        elif self._measuring is None and boundary % REMEASURE_EVERY_BOUNDARIES == 0:
+            self._measuring = asyncio.create_task(self._measure_link(), name="remeasure")

@@ -1,0 +1,102 @@
+"""The swarm as one peer's DHT reads show it: validated peer records, claims, chains, the status document."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from hetnode.net.node import StoredValue
+from hetnode.net.records import check_peer_record
+from hetnode.planning.roles import Candidate, ChainStatus, Claim, chain_prefix, chain_status
+
+log = logging.getLogger(__name__)
+
+ROLE_ORDER = {"coordinator": 0, "anchor": 1, "stage": 2, "idle": 3}
+
+
+@dataclass(frozen=True)
+class SwarmView:
+    peers: dict[str, dict[str, Any]]  # peer id -> record (offline peers left out)
+    stages_per_chain: int
+    n_layers: int
+
+    @classmethod
+    def from_entries(
+        cls, entries: Mapping[str, StoredValue], stages_per_chain: int, n_layers: int
+    ) -> SwarmView:
+        peers = {}
+        for peer_id, entry in entries.items():
+            try:
+                record = check_peer_record(entry.value)
+            except Exception as exc:  # a relay passed on something our schema refuses
+                log.warning("ignoring the record of peer %s: %s", peer_id, exc)
+                continue
+            if record["role"] != "offline":
+                peers[peer_id] = record
+        return cls(peers, stages_per_chain, n_layers)
+
+    def idle_candidates(self, boundary: int) -> list[Candidate]:
+        """The pool at `boundary`: idle stage candidates, plus those that already claimed a chain formed at
+        this boundary (peers read the pool at slightly different times; a quick claimer is still in it)."""
+        prefix = chain_prefix(boundary)
+        return [
+            Candidate(peer_id, record["tflops"])
+            for peer_id, record in self.peers.items()
+            if record["wants"] == "stage"
+            and (
+                record["role"] == "idle"
+                or (record["role"] == "stage" and (record["chain"] or "").startswith(prefix))
+            )
+        ]
+
+    def claims(self) -> list[Claim]:
+        return [
+            Claim(peer_id, record["chain"], record["stage"], tuple(record["layers"]))
+            for peer_id, record in self.peers.items()
+            if record["role"] == "stage"
+            and record["chain"]
+            and record["stage"] is not None
+            and record["layers"]
+        ]
+
+    def chains(self) -> list[ChainStatus]:
+        return chain_status(self.claims(), self.stages_per_chain, self.n_layers)
+
+    def chain_is_live(self, chain: str) -> bool:
+        return any(c.chain == chain and c.live for c in self.chains())
+
+    def status_document(self, run: str, round_: int) -> dict[str, Any]:
+        """The stable `hetnode status --json` document (later versions add fields, never rename)."""
+        peers = [
+            {
+                "peer_id": peer_id,
+                "name": r["name"],
+                "class": r["link_class"],
+                "role": r["role"],
+                "chain": r["chain"],
+                "stage": r["stage"],
+                "layers": r["layers"],
+                "up_mbps": r["up_mbps"],
+                "down_mbps": r["down_mbps"],
+                "rtt_ms": r["rtt_ms"],
+                "tflops": r["tflops"],
+                "last_seen": r["last_seen"],
+            }
+            for peer_id, r in self.peers.items()
+        ]
+        peers.sort(
+            key=lambda p: (
+                ROLE_ORDER.get(p["role"], 9),
+                p["chain"] or "",
+                p["stage"] or 0,
+                p["name"],
+                p["peer_id"],
+            )
+        )
+        chains = [
+            {"id": c.chain, "live": c.live, "stages": list(c.stages), "problem": c.problem}
+            for c in self.chains()
+        ]
+        return {"run": run, "round": round_, "peers": peers, "chains": chains}

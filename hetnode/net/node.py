@@ -1,0 +1,232 @@
+"""A daemon's presence in the swarm: its p2pd, its DHT node, its control handler and its records.
+
+Start order: P2P (so we can ask the coordinator which run it serves), then the DHT node with the run's
+validators. Shutdown runs in reverse and is idempotent. Every DHT call has a timeout.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from hivemind.dht.crypto import RSASignatureValidator
+from hivemind.dht.node import DHTNode
+from hivemind.dht.validation import CompositeValidator
+from hivemind.p2p import P2P
+
+from hetnode.errors import HetnodeError
+from hetnode.net.identity import Identity, owner_subkey, peer_id_of_subkey
+from hetnode.net.probe import (
+    LinkMeasurement,
+    measure_download,
+    measure_upload,
+    serve_probe_down,
+    serve_probe_up,
+)
+from hetnode.net.records import record_key, run_schema_validator
+from hetnode.net.streams import OpenStream, RateLimiter, guarded_handler, open_stream, request
+from hetnode.wire.control import ControlMessage, decode_request, encode_reply, encode_request
+
+log = logging.getLogger(__name__)
+
+CONTROL_HANDLER = "hetnode.control.v1"
+DHT_TIMEOUT_S = 10.0
+logging.getLogger("hivemind").setLevel(logging.WARNING)
+
+
+@dataclass(frozen=True)
+class NodeLimits:
+    probe_bytes: int
+    probe_s: float
+    requests_per_min: int
+
+
+DEFAULT_LIMITS = NodeLimits(
+    probe_bytes=4 * 2**20, probe_s=5.0, requests_per_min=120
+)  # until the manifest says
+
+
+@dataclass(frozen=True)
+class StoredValue:
+    peer_id: str
+    value: Any
+    expiration: float
+
+
+InfoProvider = Callable[[], dict[str, Any]]  # -> {"run", "protocol", "role", "name"}
+
+
+class SwarmNode:
+    def __init__(self, identity: Identity, p2p: P2P, limits: NodeLimits) -> None:
+        self.identity = identity
+        self.p2p = p2p
+        self.limits = limits
+        self.dht: DHTNode | None = None
+        self.run: str | None = None
+        self._info: InfoProvider = lambda: {
+            "run": self.run or "",
+            "protocol": 0,
+            "coordinator": "",
+            "role": "idle",
+            "name": "",
+        }
+        self._closed = False
+
+    @classmethod
+    async def start(
+        cls,
+        identity: Identity,
+        limits: NodeLimits,
+        host_maddrs: Sequence[str],
+        initial_peers: Sequence[str] = (),
+        announce_maddrs: Sequence[str] = (),
+        client_mode: bool = False,
+    ) -> SwarmNode:
+        try:
+            p2p = await P2P.create(
+                initial_peers=list(initial_peers) or None,
+                host_maddrs=list(host_maddrs),
+                announce_maddrs=list(announce_maddrs) or None,
+                identity_path=str(identity.path) if identity.path else None,
+                dht_mode="client" if client_mode else "server",
+                check_if_identity_free=False,  # a restart with the same key must not be refused
+            )
+        except Exception as exc:
+            raise HetnodeError(f"cannot start the P2P daemon on {list(host_maddrs)}: {exc}") from exc
+        node = cls(identity, p2p, limits)
+        if not client_mode:
+            limiter = RateLimiter(limits.requests_per_min)
+            await p2p.add_binary_stream_handler(
+                CONTROL_HANDLER, guarded_handler(CONTROL_HANDLER, limiter, node._control)
+            )
+        return node
+
+    def set_info(self, provider: InfoProvider) -> None:
+        self._info = provider
+
+    async def join_dht(self, run: str, initial_peers: Sequence[str], client_mode: bool = False) -> None:
+        """Start the DHT node for `run`: records are checked against the run's schema and signatures."""
+        self.run = run
+        validators = CompositeValidator(
+            [RSASignatureValidator(self.identity.private_key), run_schema_validator(run)]
+        )
+        try:
+            self.dht = await asyncio.wait_for(
+                DHTNode.create(
+                    p2p=self.p2p,
+                    initial_peers=list(initial_peers) or None,
+                    record_validator=validators,
+                    client_mode=client_mode,
+                    ensure_bootstrap_success=bool(initial_peers),
+                    cache_locally=False,  # we poll for fresh records; never answer from a stale cache
+                    cache_nearest=0,
+                ),
+                DHT_TIMEOUT_S * 3,
+            )
+        except TimeoutError:
+            raise HetnodeError(f"cannot join the DHT through {list(initial_peers)}: timed out") from None
+
+    async def visible_maddrs(self) -> list[str]:
+        return [str(m) for m in await self.p2p.get_visible_maddrs()]
+
+    # --- records -------------------------------------------------------------------------------------
+
+    async def store_own(self, field: str, value: Any, ttl_s: float) -> bool:
+        """Write our own (signed) entry of `field`; True when at least one DHT node accepted it."""
+        dht = self._require_dht()
+        try:
+            return bool(
+                await asyncio.wait_for(
+                    dht.store(
+                        record_key(self.run, field),
+                        value,
+                        time.time() + ttl_s,
+                        subkey=owner_subkey(self.identity),
+                    ),
+                    DHT_TIMEOUT_S,
+                )
+            )
+        except TimeoutError:
+            log.warning("storing %s timed out", field)
+            return False
+
+    async def read_field(self, field: str) -> dict[str, StoredValue]:
+        """All valid, unexpired entries of `field`, by the peer id that signed them."""
+        dht = self._require_dht()
+        try:
+            found = await asyncio.wait_for(dht.get(record_key(self.run, field), latest=True), DHT_TIMEOUT_S)
+        except TimeoutError:
+            log.warning("reading %s timed out", field)
+            return {}
+        if found is None or not isinstance(found.value, dict):
+            return {}
+        now = time.time()
+        entries = {}
+        for subkey, item in found.value.items():
+            peer_id = peer_id_of_subkey(subkey)
+            if peer_id is None or item.expiration_time < now:
+                continue
+            entries[peer_id] = StoredValue(peer_id, item.value, item.expiration_time)
+        return entries
+
+    def _require_dht(self) -> DHTNode:
+        if self.dht is None or self.run is None:
+            raise HetnodeError("the DHT is not joined yet")
+        return self.dht
+
+    # --- control handler: ping, info, bandwidth probe -------------------------------------------------
+
+    async def _control(
+        self, peer: str, first: bytes, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    ) -> None:
+        message = decode_request(first, self.limits.probe_bytes)
+        stream = OpenStream(peer, reader, writer)
+        if message.type == "ping":
+            await stream.send(encode_reply("pong", time=time.time()))
+        elif message.type == "info":
+            await stream.send(encode_reply("info", **self._info()))
+        elif message.type == "probe_up":
+            await serve_probe_up(stream, message["bytes"], self.limits.probe_s)
+        elif message.type == "probe_down":
+            await serve_probe_down(stream, message["bytes"], message["seconds"], self.limits.probe_s)
+
+    async def ping(self, peer: str) -> float:
+        """Round-trip time in ms of one control request (stream set-up included)."""
+        started = time.monotonic()
+        await request(self.p2p, peer, CONTROL_HANDLER, encode_request("ping"))
+        return (time.monotonic() - started) * 1000
+
+    async def info(self, peer: str, timeout: float = 10.0) -> ControlMessage:
+        return await request(self.p2p, peer, CONTROL_HANDLER, encode_request("info"), timeout)
+
+    async def measure_link(self, peer: str) -> LinkMeasurement:
+        rtt = min([await self.ping(peer) for _ in range(3)])
+        stream = await open_stream(self.p2p, peer, CONTROL_HANDLER)
+        try:
+            up = await measure_upload(stream, self.limits.probe_bytes, self.limits.probe_s)
+        finally:
+            stream.close()
+        stream = await open_stream(self.p2p, peer, CONTROL_HANDLER)
+        try:
+            down = await measure_download(stream, self.limits.probe_bytes, self.limits.probe_s)
+        finally:
+            stream.close()
+        return LinkMeasurement(up_mbps=up, down_mbps=down, rtt_ms=rtt)
+
+    async def shutdown(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if self.dht is not None:
+            try:
+                await asyncio.wait_for(self.dht.shutdown(), 5.0)
+            except Exception as exc:
+                log.debug("DHT shutdown: %r", exc)
+        try:
+            await asyncio.wait_for(self.p2p.shutdown(), 5.0)
+        except Exception as exc:
+            log.debug("P2P shutdown: %r", exc)

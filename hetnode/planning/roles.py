@@ -1,0 +1,216 @@
+"""Bandwidth classes, roles and chain packing: pure decisions over one snapshot of the swarm.
+
+Every peer runs these functions on its own view of the DHT. They are deterministic in their inputs (order
+of the input never matters), so peers that see the same records compute the same plan; peers that see
+different records compute different plans, and the confirmation step (`chain_status`) catches that.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+from hetnode.planning.layer_split import split_layers
+
+LinkClass = Literal["high", "low", "slow"]
+Role = Literal["anchor", "stage", "idle", "coordinator"]
+RoleRequest = Literal["auto", "anchor", "stage"]
+
+# Bytes of memory per parameter an anchor needs: fp32 weights, gradients, two Adam moments, the
+# error-feedback buffer and the outer-step reference copy (6 x 4 bytes), plus activations headroom.
+ANCHOR_BYTES_PER_PARAM = 24
+ANCHOR_MEMORY_HEADROOM = 1.5
+
+
+@dataclass(frozen=True)
+class ClassThresholds:
+    anchor_min_up_mbps: float
+    anchor_min_down_mbps: float
+    stage_min_up_mbps: float
+
+
+def anchor_memory_gb(n_params: int) -> float:
+    """Memory a full replica needs (weights, gradients, optimiser, error feedback, outer copy)."""
+    return n_params * ANCHOR_BYTES_PER_PARAM * ANCHOR_MEMORY_HEADROOM / 1e9
+
+
+def classify_link(
+    up_mbps: float, down_mbps: float, mem_gb: float, n_params: int, thresholds: ClassThresholds
+) -> LinkClass:
+    """`high`: fast both ways, memory for a full replica; `low`: fast enough for a stage; else `slow`."""
+    fast = up_mbps >= thresholds.anchor_min_up_mbps and down_mbps >= thresholds.anchor_min_down_mbps
+    if fast and mem_gb >= anchor_memory_gb(n_params):
+        return "high"
+    if up_mbps >= thresholds.stage_min_up_mbps and down_mbps >= thresholds.stage_min_up_mbps:
+        return "low"
+    return "slow"
+
+
+def wanted_role(link_class: LinkClass, request: RoleRequest) -> Role:
+    """The role a peer should hold: an explicit request wins, except that a slow link takes no role.
+
+    `auto`: high -> anchor, low -> stage. A role takes effect only at a boundary (see `next_role`).
+    """
+    if link_class == "slow":
+        return "idle"
+    if request == "anchor":
+        return "anchor"
+    if request == "stage":
+        return "stage"
+    return "anchor" if link_class == "high" else "stage"
+
+
+def next_role(current: Role, in_live_chain: bool, wanted: Role) -> Role:
+    """The role to hold after a boundary.
+
+    A peer that should be an anchor becomes one (leaving any chain, which then dissolves). A peer that
+    should be a stage keeps its place in a live chain, otherwise it waits in the idle pool for packing.
+    """
+    if wanted == "anchor":
+        return "anchor"
+    if wanted == "stage" and current == "stage" and in_live_chain:
+        return "stage"
+    return "idle"
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """An idle peer that wants a stage, as its record shows it."""
+
+    peer_id: str
+    tflops: float
+
+
+@dataclass(frozen=True)
+class StageAssignment:
+    chain: str
+    stage: int
+    peer_id: str
+    layers: tuple[int, int]  # first, last (inclusive)
+
+
+@dataclass(frozen=True)
+class ChainPlan:
+    chain: str
+    stages: tuple[StageAssignment, ...]
+
+    @property
+    def members(self) -> tuple[str, ...]:
+        return tuple(s.peer_id for s in self.stages)
+
+
+def chain_id(boundary: int, assignments: Sequence[tuple[str, tuple[int, int]]]) -> str:
+    """A name that commits to the whole assignment: peers that agree on it agree on every stage."""
+    text = f"{boundary}|" + "|".join(f"{peer}:{first}-{last}" for peer, (first, last) in assignments)
+    return f"{chain_prefix(boundary)}{hashlib.sha256(text.encode()).hexdigest()[:10]}"
+
+
+def chain_prefix(boundary: int) -> str:
+    """Every chain formed at `boundary` has a name starting with this."""
+    return f"c{boundary}-"
+
+
+def pack_chains(
+    idle: Iterable[Candidate], stages_per_chain: int, n_layers: int, boundary: int
+) -> list[ChainPlan]:
+    """Pack idle stage candidates into chains of `stages_per_chain`, layers split by each member's compute.
+
+    Candidates are sorted by (compute descending, peer id) and cut into consecutive groups, so each
+    chain gets members of similar speed and its slowest stage limits it least. Left-over peers stay idle.
+    Within a chain the faster member takes the earlier stage (the first stage also loads data).
+    """
+    if stages_per_chain < 1:
+        raise ValueError(f"stages_per_chain must be >= 1, got {stages_per_chain}")
+    unique = {c.peer_id: c for c in idle}
+    ordered = sorted(unique.values(), key=lambda c: (-c.tflops, c.peer_id))
+    plans = []
+    for start in range(0, len(ordered) - stages_per_chain + 1, stages_per_chain):
+        members = ordered[start : start + stages_per_chain]
+        ranges = split_layers(n_layers, [max(m.tflops, 1e-6) for m in members])
+        layout = [(m.peer_id, (r.start, r.stop - 1)) for m, r in zip(members, ranges, strict=True)]
+        name = chain_id(boundary, layout)
+        plans.append(
+            ChainPlan(
+                chain=name,
+                stages=tuple(
+                    StageAssignment(chain=name, stage=i, peer_id=peer, layers=layers)
+                    for i, (peer, layers) in enumerate(layout)
+                ),
+            )
+        )
+    return plans
+
+
+def assignment_for(plans: Sequence[ChainPlan], peer_id: str) -> StageAssignment | None:
+    for plan in plans:
+        for stage in plan.stages:
+            if stage.peer_id == peer_id:
+                return stage
+    return None
+
+
+@dataclass(frozen=True)
+class Claim:
+    """What one peer's record says about its chain."""
+
+    peer_id: str
+    chain: str
+    stage: int
+    layers: tuple[int, int]
+
+
+@dataclass(frozen=True)
+class ChainStatus:
+    chain: str
+    live: bool
+    stages: tuple[str | None, ...]  # peer id per stage, None where no member claims it
+    problem: str  # empty when live
+
+
+def chain_status(claims: Iterable[Claim], stages_per_chain: int, n_layers: int) -> list[ChainStatus]:
+    """Group claims by chain; a chain is live when its claims form one complete, consistent assignment.
+
+    Complete and consistent: exactly one claim per stage 0..S-1, layer ranges contiguous in stage order
+    and covering 0..n_layers-1 exactly once, and the chain name matches what those claims commit to.
+    """
+    by_chain: dict[str, list[Claim]] = {}
+    for claim in claims:
+        by_chain.setdefault(claim.chain, []).append(claim)
+    result = []
+    for name in sorted(by_chain):
+        members = sorted(by_chain[name], key=lambda c: (c.stage, c.peer_id))
+        slots: list[str | None] = [None] * stages_per_chain
+        problem = ""
+        for claim in members:
+            if not 0 <= claim.stage < stages_per_chain:
+                problem = problem or f"stage {claim.stage} out of range"
+            elif slots[claim.stage] is not None:
+                problem = problem or f"stage {claim.stage} claimed twice"
+            else:
+                slots[claim.stage] = claim.peer_id
+        if not problem and None in slots:
+            problem = f"stage {slots.index(None)} has no member"
+        if not problem:
+            expected_first = 0
+            for claim in members:
+                first, last = claim.layers
+                if first != expected_first or last < first:
+                    problem = f"stage {claim.stage} layers {first}..{last} break the cover"
+                    break
+                expected_first = last + 1
+            if not problem and expected_first != n_layers:
+                problem = f"layers cover 0..{expected_first - 1} of 0..{n_layers - 1}"
+        if not problem:
+            boundary = _boundary_of(name)
+            layout = [(c.peer_id, c.layers) for c in members]
+            if boundary is None or chain_id(boundary, layout) != name:
+                problem = "claims do not match the chain's name"
+        result.append(ChainStatus(chain=name, live=not problem, stages=tuple(slots), problem=problem))
+    return result
+
+
+def _boundary_of(name: str) -> int | None:
+    head = name[1:].split("-", 1)[0] if name.startswith("c") else ""
+    return int(head) if head.isdigit() else None

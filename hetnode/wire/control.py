@@ -1,0 +1,137 @@
+"""Control messages between daemons (ping, info, bandwidth probe) and the frame header they travel in.
+
+A frame is a 4-byte big-endian length and that many bytes; a control message is one msgpack map
+`{"type": str, "v": int, ...}`. Decoding treats the bytes as hostile: the length is checked against the
+limit before anything is read, the map must have exactly the fields of its type with the right types
+and ranges, and anything else raises `WireError` naming the field.
+"""
+
+from __future__ import annotations
+
+import math
+import struct
+from dataclasses import dataclass
+from typing import Any
+
+import msgpack
+
+from hetnode.errors import WireError
+
+CONTROL_VERSION = 1
+HEADER_BYTES = 4
+MAX_CONTROL_BYTES = 64 * 1024  # control messages are small; only probe data frames are large
+MAX_TEXT_CHARS = 512
+
+
+def frame_header(length: int) -> bytes:
+    return struct.pack(">I", length)
+
+
+def parse_frame_header(header: bytes, max_bytes: int) -> int:
+    """The payload length announced by a frame header, refused before reading when over `max_bytes`."""
+    if len(header) != HEADER_BYTES:
+        raise WireError("frame", f"header is {len(header)} bytes, expected {HEADER_BYTES}")
+    (length,) = struct.unpack(">I", header)
+    if length > max_bytes:
+        raise WireError("frame", f"frame of {length} bytes exceeds the limit of {max_bytes}")
+    return length
+
+
+_Schema = dict[str, tuple[type, float | None]]
+
+# type -> {field: (python type, lower bound or None)}; every field is required, no others allowed.
+_REQUESTS: dict[str, _Schema] = {
+    "ping": {},
+    "info": {},
+    "probe_up": {"bytes": (int, 1)},
+    "probe_down": {"bytes": (int, 1), "seconds": (float, 0.0)},
+}
+_REPLIES: dict[str, _Schema] = {
+    "pong": {"time": (float, None)},
+    "info": {
+        "run": (str, None),
+        "protocol": (int, 0),
+        "coordinator": (str, None),
+        "role": (str, None),
+        "name": (str, None),
+    },
+    "probe_ready": {"bytes": (int, 0)},
+    "probe_result": {"bytes": (int, 0), "seconds": (float, 0.0)},
+    "error": {"code": (str, None), "message": (str, None)},
+}
+
+
+@dataclass(frozen=True)
+class ControlMessage:
+    type: str
+    fields: dict[str, Any]
+
+    def __getitem__(self, key: str) -> Any:
+        return self.fields[key]
+
+
+def encode_request(message_type: str, **fields: Any) -> bytes:
+    return _encode(message_type, fields, _REQUESTS)
+
+
+def encode_reply(message_type: str, **fields: Any) -> bytes:
+    return _encode(message_type, fields, _REPLIES)
+
+
+def _encode(message_type: str, fields: dict[str, Any], schemas: dict[str, _Schema]) -> bytes:
+    schema = schemas.get(message_type)
+    if schema is None:
+        raise ValueError(f"unknown control message type {message_type!r}")
+    if set(fields) != set(schema):
+        raise ValueError(f"{message_type} needs fields {sorted(schema)}, got {sorted(fields)}")
+    return msgpack.packb({"type": message_type, "v": CONTROL_VERSION, **fields}, use_bin_type=True)
+
+
+def decode_request(data: bytes, max_probe_bytes: int) -> ControlMessage:
+    message = _decode(data, _REQUESTS)
+    if message.type in ("probe_up", "probe_down") and message["bytes"] > max_probe_bytes:
+        raise WireError("bytes", f"probe of {message['bytes']} bytes exceeds the limit of {max_probe_bytes}")
+    return message
+
+
+def decode_reply(data: bytes) -> ControlMessage:
+    return _decode(data, _REPLIES)
+
+
+def _decode(data: bytes, schemas: dict[str, _Schema]) -> ControlMessage:
+    if len(data) > MAX_CONTROL_BYTES:
+        raise WireError("message", f"{len(data)} bytes exceeds the control limit of {MAX_CONTROL_BYTES}")
+    try:
+        raw = msgpack.unpackb(
+            data, raw=False, strict_map_key=True, max_bin_len=0, max_array_len=64, max_map_len=16
+        )
+    except Exception as exc:  # msgpack raises several unrelated types on garbage
+        raise WireError("message", f"not a msgpack message: {type(exc).__name__}") from None
+    if not isinstance(raw, dict):
+        raise WireError("message", f"expected a map, got {type(raw).__name__}")
+    message_type = raw.get("type")
+    if message_type not in schemas:
+        raise WireError("type", f"unknown message type {message_type!r}")
+    if raw.get("v") != CONTROL_VERSION:
+        raise WireError("v", f"unsupported version {raw.get('v')!r}, this daemon speaks {CONTROL_VERSION}")
+    schema = schemas[message_type]
+    extra = set(raw) - set(schema) - {"type", "v"}
+    if extra:
+        raise WireError(sorted(extra)[0], "unexpected field")
+    fields = {}
+    for name, (kind, lower) in schema.items():
+        if name not in raw:
+            raise WireError(name, "missing")
+        value = raw[name]
+        if kind is float and isinstance(value, int) and not isinstance(value, bool):
+            value = float(value)
+        if not isinstance(value, kind) or isinstance(value, bool):
+            raise WireError(name, f"expected {kind.__name__}, got {type(value).__name__}")
+        if isinstance(value, float) and not math.isfinite(value):
+            raise WireError(name, "not finite")
+        if isinstance(value, str) and len(value) > MAX_TEXT_CHARS:
+            raise WireError(name, f"longer than {MAX_TEXT_CHARS} characters")
+        if lower is not None and value < lower:
+            raise WireError(name, f"must be >= {lower}, got {value}")
+        fields[name] = value
+    return ControlMessage(type=message_type, fields=fields)

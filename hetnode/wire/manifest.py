@@ -1,0 +1,77 @@
+"""The run manifest: what every daemon must agree on before it takes part (protocol version, run id, the
+whole validated run config with its thresholds, limits and seed).
+
+On the DHT it travels as a small envelope `{protocol, run, body}` whose shape never changes, so a daemon
+of another version can still read it and refuse with a clear message instead of failing on a schema.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import msgpack
+
+from hetnode.config import Config, config_from_dict
+from hetnode.errors import ConfigError, HetnodeError, WireError
+
+PROTOCOL_VERSION = 1
+MAX_BODY_BYTES = 64 * 1024
+
+
+class ProtocolMismatch(HetnodeError):
+    """The swarm speaks another protocol version than this daemon."""
+
+    def __init__(self, theirs: int, ours: int) -> None:
+        self.theirs = theirs
+        self.ours = ours
+        advice = (
+            "upgrade hetnode"
+            if theirs > ours
+            else "ask the coordinator to upgrade, or install an older hetnode"
+        )
+        super().__init__(f"the swarm speaks protocol version {theirs}, this hetnode speaks {ours}: {advice}")
+
+
+@dataclass(frozen=True)
+class Manifest:
+    protocol: int
+    run: str
+    config: Config
+    created: float
+
+    def envelope(self) -> dict[str, Any]:
+        body = msgpack.packb({"config": self.config.to_dict(), "created": self.created}, use_bin_type=True)
+        if len(body) > MAX_BODY_BYTES:
+            raise ValueError(f"manifest body of {len(body)} bytes exceeds {MAX_BODY_BYTES}")
+        return {"protocol": self.protocol, "run": self.run, "body": body}
+
+
+def manifest_from_envelope(envelope: Any) -> Manifest:
+    """Check the version first, then decode and validate the config inside."""
+    if not isinstance(envelope, dict):
+        raise WireError("manifest", f"expected a map, got {type(envelope).__name__}")
+    protocol = envelope.get("protocol")
+    if not isinstance(protocol, int) or isinstance(protocol, bool):
+        raise WireError("manifest.protocol", "missing or not an integer")
+    if protocol != PROTOCOL_VERSION:
+        raise ProtocolMismatch(protocol, PROTOCOL_VERSION)
+    run, body = envelope.get("run"), envelope.get("body")
+    if not isinstance(run, str) or not run:
+        raise WireError("manifest.run", "missing")
+    if not isinstance(body, bytes) or len(body) > MAX_BODY_BYTES:
+        raise WireError("manifest.body", f"missing or larger than {MAX_BODY_BYTES} bytes")
+    try:
+        raw = msgpack.unpackb(body, raw=False, strict_map_key=True, max_bin_len=0)
+    except Exception as exc:
+        raise WireError("manifest.body", f"not msgpack: {type(exc).__name__}") from None
+    if not isinstance(raw, dict) or not isinstance(raw.get("config"), dict):
+        raise WireError("manifest.body", "no config map")
+    created = raw.get("created")
+    if not isinstance(created, float):
+        raise WireError("manifest.created", "missing or not a float")
+    try:
+        config = config_from_dict(raw["config"], source=f"manifest of run {run}")
+    except ConfigError as exc:
+        raise WireError("manifest.config", str(exc)) from None
+    return Manifest(protocol=protocol, run=run, config=config, created=created)
