@@ -19,13 +19,14 @@ from hetnode.daemon.datadir import DataDir
 from hetnode.daemon.lifecycle import print_ready, sleep_or_stop, stop_on_signals
 from hetnode.daemon.peer import limits_of
 from hetnode.daemon.presence import Presence
-from hetnode.net.identity import load_or_create_identity
-from hetnode.net.node import SwarmNode
+from hetnode.net.identity import Identity, load_or_create_identity
+from hetnode.net.node import PeersUnreachable, SwarmNode
 from hetnode.wire.manifest import PROTOCOL_VERSION, Manifest
 
 log = logging.getLogger(__name__)
 
 STATE_FILE = "coordinator.json"
+NEIGHBOURS_FILE = "neighbours.json"
 MANIFEST_TTL_S = 600.0
 MANIFEST_REFRESH_S = 60.0
 DEFAULT_LISTEN = "/ip4/0.0.0.0/tcp/31337"
@@ -68,6 +69,7 @@ class Coordinator:
     def __init__(self, options: BootstrapOptions) -> None:
         self.options = options
         self.config: Config = load_config(options.config_path)
+        self._bootstrapped_from: list[str] = []
 
     async def run(self) -> int:
         stop = stop_on_signals()
@@ -83,14 +85,28 @@ class Coordinator:
             state["config_name"] = self.config.run.name
             identity = load_or_create_identity(self.options.identity or data_dir.path / "identity.key")
             listen = listen_address(self.options.listen, state)
-            node = await SwarmNode.start(
-                identity, limits_of(self.config), [listen], announce_maddrs=self.options.announce
-            )
+            remembered = [
+                m for m in data_dir.read_json(NEIGHBOURS_FILE).get("maddrs", []) if isinstance(m, str)
+            ]
+            node = await self._start_node(identity, listen, remembered)
             try:
                 await self._serve(node, data_dir, state, stop)
             finally:
                 await node.shutdown()
         return 0
+
+    async def _start_node(self, identity: Identity, listen: str, remembered: list[str]) -> SwarmNode:
+        limits, announce = limits_of(self.config), self.options.announce
+        self._bootstrapped_from = remembered
+        if remembered:
+            try:
+                return await SwarmNode.start(identity, limits, [listen], remembered, announce_maddrs=announce)
+            except PeersUnreachable:
+                log.info(
+                    "none of the %d remembered neighbours answered: starting a fresh swarm", len(remembered)
+                )
+        self._bootstrapped_from = []
+        return await SwarmNode.start(identity, limits, [listen], announce_maddrs=announce)
 
     async def _serve(self, node: SwarmNode, data_dir: DataDir, state: dict, stop: asyncio.Event) -> None:
         run = state["run"]
@@ -106,7 +122,8 @@ class Coordinator:
         maddrs = await node.visible_maddrs()
         state.update(listen_requested=self.options.listen, listen_port=bound_port(maddrs))
         data_dir.write_json(STATE_FILE, state)
-        await node.join_dht(run, [])
+        # a restarted coordinator finds the swarm again through the neighbours it remembers
+        await node.join_dht(run, self._bootstrapped_from, require_bootstrap=False)
         manifest = Manifest(self.options.protocol, run, self.config, float(state["created"]))
         if not await node.store_own("manifest", manifest.envelope(), MANIFEST_TTL_S):
             log.warning("the DHT did not accept the manifest yet; retrying")
@@ -119,6 +136,7 @@ class Coordinator:
             asyncio.create_task(presence.heartbeat(stop), name="heartbeat"),
             asyncio.create_task(self._open_boundaries(node, data_dir, state, stop), name="boundaries"),
             asyncio.create_task(self._refresh_manifest(node, manifest, stop), name="manifest"),
+            asyncio.create_task(self._remember_neighbours(node, data_dir, stop), name="neighbours"),
         ]
         try:
             await stop.wait()
@@ -159,6 +177,14 @@ class Coordinator:
             if await sleep_or_stop(stop, period):
                 return
             boundary += 1
+
+    async def _remember_neighbours(self, node: SwarmNode, data_dir: DataDir, stop: asyncio.Event) -> None:
+        saved: list[str] = []
+        while not await sleep_or_stop(stop, self.config.network.heartbeat_s):
+            maddrs = sorted(await node.neighbour_maddrs())
+            if maddrs and maddrs != saved:
+                data_dir.write_json(NEIGHBOURS_FILE, {"maddrs": maddrs, "saved": time.time()})
+                saved = maddrs
 
     async def _refresh_manifest(self, node: SwarmNode, manifest: Manifest, stop: asyncio.Event) -> None:
         while not await sleep_or_stop(stop, MANIFEST_REFRESH_S):

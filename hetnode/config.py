@@ -156,6 +156,23 @@ def config_from_dict(raw: dict[str, Any], source: str = "<dict>") -> Config:
     return config
 
 
+def dump_config(config: Config) -> str:
+    """TOML text that `load_config` reads back to an equal config (every field is a plain scalar)."""
+    lines = []
+    for section, fields in config.to_dict().items():
+        lines.append(f"[{section}]")
+        for key, value in fields.items():
+            if isinstance(value, bool):
+                text = "true" if value else "false"
+            elif isinstance(value, str):
+                text = '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+            else:
+                text = repr(value)
+            lines.append(f"{key} = {text}")
+        lines.append("")
+    return "\n".join(lines)
+
+
 def replace(config: Config, section: str, **changes: Any) -> Config:
     """Return a copy of `config` with some fields of one section changed, validated again."""
     new = dataclasses.replace(config, **{section: dataclasses.replace(getattr(config, section), **changes)})

@@ -8,7 +8,13 @@ import signal
 import sys
 from collections.abc import Sequence
 
+from hetnode.errors import HetnodeError
+
 log = logging.getLogger(__name__)
+
+
+class Stopped(HetnodeError):
+    """A stop signal arrived while the daemon was still starting."""
 
 
 def stop_on_signals() -> asyncio.Event:

@@ -16,15 +16,16 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from hetnode.config import Config
-from hetnode.daemon.lifecycle import print_ready, sleep_or_stop, stop_on_signals
+from hetnode.daemon.datadir import DataDir
+from hetnode.daemon.lifecycle import Stopped, print_ready, sleep_or_stop, stop_on_signals
 from hetnode.daemon.presence import Presence
 from hetnode.daemon.resources import available_memory_gb, measure_tflops
-from hetnode.daemon.swarm import RunContact, find_run, read_round
+from hetnode.daemon.swarm import RunContact, find_run, read_round, start_when_reachable
 from hetnode.daemon.view import SwarmView
 from hetnode.errors import HetnodeError
 from hetnode.model.decoder import count_parameters
-from hetnode.net.identity import load_or_create_identity
-from hetnode.net.node import DEFAULT_LIMITS, NodeLimits, SwarmNode
+from hetnode.net.identity import load_or_create_identity, peer_id_from_maddr
+from hetnode.net.node import NodeLimits, SwarmNode
 from hetnode.net.probe import LinkMeasurement, combine
 from hetnode.net.streams import PeerRequestError
 from hetnode.planning.roles import (
@@ -82,45 +83,54 @@ class PeerDaemon:
         return self.contact.manifest.config
 
     async def run(self) -> int:
+        peer_id_from_maddr(self.options.peer)  # a clear error before any daemon starts
         stop = stop_on_signals()
-        identity = load_or_create_identity(self.options.data_dir / "identity.key")
-        self.node = await SwarmNode.start(
-            identity,
-            DEFAULT_LIMITS,
-            [self.options.listen],
-            initial_peers=[self.options.peer],
-            announce_maddrs=self.options.announce,
-        )
-        try:
-            self.node.set_info(self._info)
-            self.contact = await find_run(self.node, self.options.peer, self.options.connect_timeout_s, stop)
-            self.node.limits = limits_of(self.config)
-            log.info("joined run %s (coordinator %s)", self.contact.manifest.run, self.contact.coordinator)
-            await self._start_presence()
-            maddrs = await self.node.visible_maddrs()
-            record = self.presence.record
-            print_ready(
-                identity.peer_id,
-                maddrs,
-                run=self.contact.manifest.run,
-                link_class=record["link_class"],
-                up_mbps=f"{record['up_mbps']:.1f}",
-                down_mbps=f"{record['down_mbps']:.1f}",
-                role=record["role"],
+        with DataDir(self.options.data_dir) as data_dir:
+            identity = load_or_create_identity(data_dir.path / "identity.key")
+            self.node = await start_when_reachable(
+                identity,
+                [self.options.listen],
+                self.options.peer,
+                self.options.announce,
+                self.options.connect_timeout_s,
+                stop,
             )
-            heartbeat = asyncio.create_task(self.presence.heartbeat(stop), name="heartbeat")
+            if self.node is None:
+                return 0  # stopped while waiting
             try:
-                await self._follow_boundaries(stop)
+                await self._serve(stop)
+            except Stopped as exc:
+                log.info("%s", exc)
             finally:
-                stop.set()
-                await heartbeat
-        finally:
-            if self._measuring is not None:
-                self._measuring.cancel()
-            if self.presence is not None:
-                await self.presence.announce_offline()
-            await self.node.shutdown()
+                if self._measuring is not None:
+                    self._measuring.cancel()
+                if self.presence is not None:
+                    await self.presence.announce_offline()
+                await self.node.shutdown()
         return 0
+
+    async def _serve(self, stop: asyncio.Event) -> None:
+        self.node.set_info(self._info)
+        self.contact = await find_run(self.node, self.options.peer, self.options.connect_timeout_s, stop)
+        self.node.limits = limits_of(self.config)
+        log.info("joined run %s (coordinator %s)", self.contact.manifest.run, self.contact.coordinator)
+        await self._start_presence()
+        record = self.presence.record
+        print_ready(
+            self.node.identity.peer_id,
+            await self.node.visible_maddrs(),
+            run=self.contact.manifest.run,
+            link_class=record["link_class"],
+            up_mbps=f"{record['up_mbps']:.1f}",
+            down_mbps=f"{record['down_mbps']:.1f}",
+            role=record["role"],
+        )
+        heartbeat = asyncio.create_task(self.presence.heartbeat(stop), name="heartbeat")
+        try:
+            await self._follow_boundaries(stop)
+        finally:
+            stop.set()
+            await heartbeat
 
     def _info(self) -> dict:
         return {

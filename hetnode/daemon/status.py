@@ -8,11 +8,12 @@ from typing import Any
 
 from hetnode.daemon.swarm import find_run, read_round
 from hetnode.daemon.view import SwarmView
-from hetnode.net.identity import ephemeral_identity
+from hetnode.net.identity import ephemeral_identity, peer_id_from_maddr
 from hetnode.net.node import DEFAULT_LIMITS, SwarmNode
 
 
 async def query_status(peer_maddr: str, timeout_s: float, listen: str) -> dict[str, Any]:
+    peer_id_from_maddr(peer_maddr)  # a clear error before any daemon starts
     node = await SwarmNode.start(
         ephemeral_identity(), DEFAULT_LIMITS, [listen], initial_peers=[peer_maddr], client_mode=True
     )

@@ -7,10 +7,10 @@ import logging
 import time
 from dataclasses import dataclass
 
-from hetnode.daemon.lifecycle import sleep_or_stop
+from hetnode.daemon.lifecycle import Stopped, sleep_or_stop
 from hetnode.errors import HetnodeError
-from hetnode.net.identity import peer_id_from_maddr
-from hetnode.net.node import SwarmNode
+from hetnode.net.identity import Identity, peer_id_from_maddr
+from hetnode.net.node import DEFAULT_LIMITS, PeersUnreachable, SwarmNode
 from hetnode.net.streams import PeerRequestError
 from hetnode.wire.manifest import Manifest, manifest_from_envelope
 
@@ -38,7 +38,7 @@ async def find_run(
                 raise HetnodeError(f"cannot reach {peer_maddr} within {timeout_s:.0f} s: {exc}") from None
             log.info("waiting for %s: %s", peer_maddr, exc)
             if await sleep_or_stop(stop, 1.0):
-                raise HetnodeError("stopped before the swarm answered") from None
+                raise Stopped("stopped before the swarm answered") from None
     if not info["run"]:
         raise HetnodeError(f"{peer_maddr} is not part of a run yet")
     coordinator = info["coordinator"] or target
@@ -50,7 +50,31 @@ async def find_run(
         if time.monotonic() > deadline:
             raise HetnodeError(f"no manifest signed by {coordinator} in the DHT of run {info['run']}")
         if await sleep_or_stop(stop, 0.5):
-            raise HetnodeError("stopped before the manifest was found")
+            raise Stopped("stopped before the manifest was found")
+
+
+async def start_when_reachable(
+    identity: Identity,
+    listen: list[str],
+    peer_maddr: str,
+    announce: tuple[str, ...],
+    timeout_s: float,
+    stop: asyncio.Event,
+) -> SwarmNode | None:
+    """Start our node bootstrapped from `peer_maddr`, retrying while that peer does not answer (it may be
+    starting too, as in docker-compose). None when stopped first."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            return await SwarmNode.start(
+                identity, DEFAULT_LIMITS, listen, initial_peers=[peer_maddr], announce_maddrs=announce
+            )
+        except PeersUnreachable as exc:
+            if time.monotonic() > deadline:
+                raise HetnodeError(f"cannot reach {peer_maddr} within {timeout_s:.0f} s ({exc})") from None
+            log.info("waiting for %s to answer", peer_maddr)
+        if await sleep_or_stop(stop, 2.0):
+            return None
 
 
 async def read_round(node: SwarmNode, coordinator: str) -> int | None:

@@ -50,6 +50,13 @@ def ephemeral_identity() -> Identity:
     return Identity(path=None, private_key=key, peer_id=peer_id_of(key.get_public_key()))
 
 
+def write_identity_file(identity: Identity, path: Path) -> None:
+    """Write the key in the protobuf format p2pd reads (for an ephemeral identity, into a temp dir)."""
+    protobuf = crypto_pb2.PrivateKey(key_type=crypto_pb2.KeyType.RSA, data=identity.private_key.to_bytes())
+    path.write_bytes(protobuf.SerializeToString())
+    path.chmod(0o400)
+
+
 def owner_subkey(identity: Identity) -> bytes:
     """The DHT subkey only this identity can write (hivemind's `[owner:...]` marker)."""
     return b"[owner:" + identity.private_key.get_public_key().to_bytes() + b"]"

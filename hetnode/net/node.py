@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import tempfile
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from hivemind.dht.crypto import RSASignatureValidator
@@ -19,7 +21,7 @@ from hivemind.dht.validation import CompositeValidator
 from hivemind.p2p import P2P
 
 from hetnode.errors import HetnodeError
-from hetnode.net.identity import Identity, owner_subkey, peer_id_of_subkey
+from hetnode.net.identity import Identity, owner_subkey, peer_id_of_subkey, write_identity_file
 from hetnode.net.probe import (
     LinkMeasurement,
     measure_download,
@@ -36,6 +38,10 @@ log = logging.getLogger(__name__)
 CONTROL_HANDLER = "hetnode.control.v1"
 DHT_TIMEOUT_S = 10.0
 logging.getLogger("hivemind").setLevel(logging.WARNING)
+
+
+class PeersUnreachable(HetnodeError):
+    """No initial peer answered; worth retrying (it may not have started yet)."""
 
 
 @dataclass(frozen=True)
@@ -86,18 +92,16 @@ class SwarmNode:
         announce_maddrs: Sequence[str] = (),
         client_mode: bool = False,
     ) -> SwarmNode:
-        try:
-            p2p = await P2P.create(
-                initial_peers=list(initial_peers) or None,
-                host_maddrs=list(host_maddrs),
-                announce_maddrs=list(announce_maddrs) or None,
-                identity_path=str(identity.path) if identity.path else None,
-                dht_mode="client" if client_mode else "server",
-                check_if_identity_free=False,  # a restart with the same key must not be refused
-            )
-        except Exception as exc:
-            raise HetnodeError(f"cannot start the P2P daemon on {list(host_maddrs)}: {exc}") from exc
+        with tempfile.TemporaryDirectory(prefix="hetnode-id-") as scratch:
+            key_path = identity.path
+            if key_path is None:  # p2pd must use the same key that signs our records
+                key_path = Path(scratch) / "identity.key"
+                write_identity_file(identity, key_path)
+            p2p = await cls._start_p2p(key_path, host_maddrs, initial_peers, announce_maddrs, client_mode)
         node = cls(identity, p2p, limits)
+        if p2p.peer_id.to_base58() != identity.peer_id:
+            await p2p.shutdown()
+            raise HetnodeError(f"p2pd runs as {p2p.peer_id}, not as our identity {identity.peer_id}")
         if not client_mode:
             limiter = RateLimiter(limits.requests_per_min)
             await p2p.add_binary_stream_handler(
@@ -105,11 +109,42 @@ class SwarmNode:
             )
         return node
 
+    @staticmethod
+    async def _start_p2p(
+        key_path: Path,
+        host_maddrs: Sequence[str],
+        initial_peers: Sequence[str],
+        announce_maddrs: Sequence[str],
+        client_mode: bool,
+    ) -> P2P:
+        try:
+            return await P2P.create(
+                initial_peers=list(initial_peers) or None,
+                host_maddrs=list(host_maddrs),
+                announce_maddrs=list(announce_maddrs) or None,
+                identity_path=str(key_path),
+                dht_mode="client" if client_mode else "server",
+                check_if_identity_free=False,  # a restart with the same key must not be refused
+            )
+        except Exception as exc:
+            if initial_peers and "bootstrap peers" in str(exc):  # p2pd's words for "none answered"
+                raise PeersUnreachable(f"none of {list(initial_peers)} answered") from None
+            raise HetnodeError(f"cannot start the P2P daemon on {list(host_maddrs)}: {exc}") from exc
+
     def set_info(self, provider: InfoProvider) -> None:
         self._info = provider
 
-    async def join_dht(self, run: str, initial_peers: Sequence[str], client_mode: bool = False) -> None:
-        """Start the DHT node for `run`: records are checked against the run's schema and signatures."""
+    async def join_dht(
+        self,
+        run: str,
+        initial_peers: Sequence[str],
+        client_mode: bool = False,
+        require_bootstrap: bool = True,
+    ) -> None:
+        """Start the DHT node for `run`: records are checked against the run's schema and signatures.
+
+        `require_bootstrap=False`: initial peers are a best guess (remembered neighbours), some may be gone.
+        """
         self.run = run
         validators = CompositeValidator(
             [RSASignatureValidator(self.identity.private_key), run_schema_validator(run)]
@@ -121,7 +156,7 @@ class SwarmNode:
                     initial_peers=list(initial_peers) or None,
                     record_validator=validators,
                     client_mode=client_mode,
-                    ensure_bootstrap_success=bool(initial_peers),
+                    ensure_bootstrap_success=bool(initial_peers) and require_bootstrap,
                     cache_locally=False,  # we poll for fresh records; never answer from a stale cache
                     cache_nearest=0,
                 ),
@@ -132,6 +167,14 @@ class SwarmNode:
 
     async def visible_maddrs(self) -> list[str]:
         return [str(m) for m in await self.p2p.get_visible_maddrs()]
+
+    async def neighbour_maddrs(self, limit: int = 64) -> list[str]:
+        """Full multiaddrs of peers p2pd is connected to: what a restarted node bootstraps from."""
+        found = []
+        for info in await self.p2p.list_peers():
+            for addr in info.addrs[:2]:
+                found.append(f"{addr}/p2p/{info.peer_id.to_base58()}")
+        return found[:limit]
 
     # --- records -------------------------------------------------------------------------------------
 

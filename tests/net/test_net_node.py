@@ -1,0 +1,208 @@
+"""The net layer on real p2pd daemons over loopback: signed records, hostile frames, the probe, rate limits.
+
+Every scenario runs on the daemon's own event loop and shuts its nodes down in `finally`, so no p2pd
+outlives a test (and `p2pd` dies with this process in any case: PR_SET_PDEATHSIG).
+"""
+
+import asyncio
+import contextlib
+import os
+import struct
+import time
+
+import pytest
+from hivemind.dht.node import DHTNode
+from hivemind.p2p import PeerID
+
+from hetnode.net import loop
+from hetnode.net.identity import ephemeral_identity, load_or_create_identity, owner_subkey, peer_id_of_subkey
+from hetnode.net.node import CONTROL_HANDLER, NodeLimits, SwarmNode
+from hetnode.net.records import record_key
+from hetnode.net.streams import PeerRequestError, RateLimiter, read_frame
+from hetnode.wire.control import decode_reply, frame_header
+
+LOOPBACK = ["/ip4/127.0.0.1/tcp/0"]
+LIMITS = NodeLimits(probe_bytes=4 * 2**20, probe_s=3.0, requests_per_min=600)
+RUN = "testrun"
+
+
+def peer_record(name="p", role="idle", **changes):
+    record = {
+        "name": name,
+        "link_class": "low",
+        "up_mbps": 20.0,
+        "down_mbps": 20.0,
+        "rtt_ms": None,
+        "mem_gb": 1.0,
+        "device": "cpu",
+        "tflops": 0.5,
+        "wants": "stage",
+        "role": role,
+        "chain": None,
+        "stage": None,
+        "layers": None,
+        "outer_step": 0,
+        "last_seen": time.time(),
+        "version": 1,
+    }
+    record.update(changes)
+    return record
+
+
+@contextlib.asynccontextmanager
+async def swarm(count, limits=LIMITS):
+    """`count` nodes with distinct keys, each on the first one's DHT; all shut down on exit."""
+    nodes = []
+    try:
+        first = await SwarmNode.start(ephemeral_identity(), limits, LOOPBACK)
+        nodes.append(first)
+        await first.join_dht(RUN, [])
+        maddrs = await first.visible_maddrs()
+        for _ in range(count - 1):
+            node = await SwarmNode.start(ephemeral_identity(), limits, LOOPBACK, initial_peers=maddrs)
+            nodes.append(node)
+            await node.join_dht(RUN, maddrs)
+        yield nodes
+    finally:
+        for node in reversed(nodes):
+            await node.shutdown()
+
+
+def test_identity_is_persistent_and_matches_libp2p(tmp_path):
+    first = load_or_create_identity(tmp_path / "id.key")
+    again = load_or_create_identity(tmp_path / "id.key")
+    assert first.peer_id == again.peer_id
+    assert first.peer_id == PeerID.from_identity((tmp_path / "id.key").read_bytes()).to_base58()
+    assert peer_id_of_subkey(owner_subkey(first)) == first.peer_id
+    assert peer_id_of_subkey(b"[owner:not a key]") is None
+    assert oct((tmp_path / "id.key").stat().st_mode & 0o777) == "0o400"
+
+
+def test_p2p_identity_is_the_record_signer(tmp_path):
+    async def scenario():
+        identity = load_or_create_identity(tmp_path / "id.key")
+        node = await SwarmNode.start(identity, LIMITS, LOOPBACK)
+        try:
+            assert node.p2p.peer_id.to_base58() == identity.peer_id
+        finally:
+            await node.shutdown()
+
+    loop.run(scenario())
+
+
+def test_own_records_are_stored_and_read_by_signer():
+    async def scenario():
+        async with swarm(3) as (a, b, c):
+            assert await b.store_own("peers", peer_record("b"), ttl_s=30)
+            assert await c.store_own("peers", peer_record("c", role="anchor", wants="anchor"), ttl_s=30)
+            seen = await a.read_field("peers")
+            assert set(seen) == {b.identity.peer_id, c.identity.peer_id}
+            assert seen[c.identity.peer_id].value["role"] == "anchor"
+
+    loop.run(scenario())
+
+
+def test_schema_violations_are_rejected():
+    async def scenario():
+        async with swarm(2) as (a, b):
+            assert not await b.store_own("peers", peer_record(role="emperor"), ttl_s=30)
+            assert not await b.store_own("peers", peer_record(up_mbps=20), ttl_s=30)  # int, not float
+            assert not await b.store_own("peers", dict(peer_record(), admin=True), ttl_s=30)
+            assert not await b.store_own("peers", peer_record(name="x" * 500), ttl_s=30)
+            assert await a.read_field("peers") == {}
+
+    loop.run(scenario())
+
+
+def test_a_record_forged_for_another_peers_subkey_is_rejected():
+    """An attacker with a DHT node that skips validation stores a record under the victim's subkey."""
+
+    async def scenario():
+        async with swarm(2) as (honest, victim):
+            maddrs = await honest.visible_maddrs()
+            attacker = await DHTNode.create(initial_peers=maddrs, host_maddrs=LOOPBACK)  # no validators
+            try:
+                forged = peer_record("victim", role="anchor", wants="anchor")
+                subkey = owner_subkey(victim.identity)
+                await attacker.store(record_key(RUN, "peers"), forged, time.time() + 30, subkey=subkey)
+                # also a record signed by nobody for a subkey without an owner marker
+                await attacker.store(record_key(RUN, "peers"), forged, time.time() + 30, subkey=b"plain")
+                assert await honest.read_field("peers") == {}
+                assert await victim.read_field("peers") == {}
+            finally:
+                await attacker.shutdown()
+
+    loop.run(scenario())
+
+
+def test_records_expire_when_the_peer_stops_refreshing():
+    async def scenario():
+        async with swarm(2) as (a, b):
+            assert await b.store_own("peers", peer_record("b"), ttl_s=1.5)
+            assert b.identity.peer_id in await a.read_field("peers")
+            await asyncio.sleep(2.0)
+            assert b.identity.peer_id not in await a.read_field("peers")
+
+    loop.run(scenario())
+
+
+async def _raw_exchange(client: SwarmNode, server: SwarmNode, data: bytes) -> bytes:
+    _, reader, writer = await client.p2p.call_binary_stream_handler(server.p2p.peer_id, CONTROL_HANDLER)
+    try:
+        writer.write(data)
+        await writer.drain()
+        return await read_frame(reader, 2**16, timeout=15.0)
+    finally:
+        writer.close()
+
+
+@pytest.mark.parametrize(
+    "data",
+    [
+        pytest.param(os.urandom(256), id="random-bytes"),
+        pytest.param(struct.pack(">I", 2**30) + b"x" * 64, id="oversized-frame"),
+        pytest.param(frame_header(5) + b"\xc1\xc1\xc1\xc1\xc1", id="not-msgpack"),
+        pytest.param(frame_header(100) + b"short", id="truncated"),
+    ],
+)
+def test_hostile_frames_get_an_error_and_the_daemon_still_answers(data):
+    async def scenario():
+        async with swarm(2) as (server, client):
+            reply = decode_reply(await _raw_exchange(client, server, data))
+            assert reply.type == "error"
+            assert reply["code"] in {"bad_request", "incomplete"}
+            assert await client.ping(server.identity.peer_id) > 0  # still serving
+
+    loop.run(scenario())
+
+
+def test_probe_over_loopback_is_fast_and_bounded():
+    async def scenario():
+        async with swarm(2) as (server, client):
+            started = time.monotonic()
+            link = await client.measure_link(server.identity.peer_id)
+            assert link.up_mbps > 100 and link.down_mbps > 100  # loopback moves >100 MB/s here
+            assert 0 < link.rtt_ms < 1000
+            assert time.monotonic() - started < 2 * LIMITS.probe_s + 5
+
+    loop.run(scenario())
+
+
+def test_rate_limit_per_peer_refuses_then_recovers():
+    async def scenario():
+        async with swarm(2, limits=NodeLimits(4 * 2**20, 3.0, requests_per_min=3)) as (server, client):
+            for _ in range(3):
+                await client.ping(server.identity.peer_id)
+            with pytest.raises(PeerRequestError, match="rate_limited"):
+                await client.ping(server.identity.peer_id)
+
+    loop.run(scenario())
+
+
+def test_rate_limiter_refills_with_time():
+    now = [0.0]
+    limiter = RateLimiter(per_minute=2, clock=lambda: now[0])
+    assert limiter.allow("a") and limiter.allow("a") and not limiter.allow("a")
+    assert limiter.allow("b")  # per peer
+    now[0] += 30.0
+    assert limiter.allow("a") and not limiter.allow("a")

@@ -1,0 +1,200 @@
+"""Real daemons as subprocesses on loopback: start them, wait for READY lines, query `hetnode status`,
+and on teardown stop every one of them and check that no p2pd is left behind."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from hetnode.config import dump_config, load_config, replace
+
+ROOT = Path(__file__).resolve().parents[2]
+LOOPBACK = "/ip4/127.0.0.1/tcp/0"
+HETNODE = [sys.executable, "-m", "hetnode.cli.main"]
+
+
+def descendants(pid: int) -> list[int]:
+    """All processes below `pid` (from /proc), e.g. a daemon's p2pd."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        ppid = int(stat.rsplit(")", 1)[1].split()[1])
+        children.setdefault(ppid, []).append(int(entry.name))
+    found, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+def process_name(pid: int) -> str | None:
+    try:
+        return Path(f"/proc/{pid}/comm").read_text().strip()
+    except OSError:
+        return None
+
+
+def alive(pid: int) -> bool:
+    name = process_name(pid)
+    if name is None:
+        return False
+    state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    return state != "Z"
+
+
+class Daemon:
+    def __init__(self, name: str, args: list[str], log_path: Path, prefix: list[str]) -> None:
+        self.name = name
+        self.log_path = log_path
+        self.log = open(log_path, "w")  # noqa: SIM115 - closed in stop()
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        self.proc = subprocess.Popen(
+            prefix + HETNODE + args, stdout=subprocess.PIPE, stderr=self.log, text=True, cwd=ROOT, env=env
+        )
+        self.lines: list[str] = []
+        self.ready: dict[str, str] | None = None
+        self._ready_event = threading.Event()
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+        self.p2pd: list[int] = []
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            self.lines.append(line.rstrip("\n"))
+            if line.startswith("READY ") and self.ready is None:
+                self.ready = dict(part.split("=", 1) for part in line.split()[1:])
+                self._ready_event.set()
+
+    def wait_ready(self, timeout: float = 90.0) -> dict[str, str]:
+        if not self._ready_event.wait(timeout):
+            raise AssertionError(f"{self.name} printed no READY line in {timeout:.0f} s:\n{self.tail()}")
+        self.p2pd = [p for p in descendants(self.proc.pid) if process_name(p) == "p2pd"]
+        return self.ready
+
+    def live_p2pd(self) -> list[int]:
+        return [pid for pid in self.p2pd if alive(pid)]
+
+    @property
+    def peer_id(self) -> str:
+        assert self.ready is not None
+        return self.ready["peer_id"]
+
+    @property
+    def maddr(self) -> str:
+        assert self.ready is not None
+        return self.ready["maddrs"].split(",")[0]
+
+    def tail(self, lines: int = 30) -> str:
+        if not self.log.closed:
+            self.log.flush()
+        text = self.log_path.read_text().splitlines()[-lines:]
+        return "\n".join(text)
+
+    def stop(self, sig: int | None = signal.SIGTERM, timeout: float = 30.0) -> int | None:
+        """Send `sig` (once; None when it was sent already), wait, and kill only if it hangs."""
+        if self.proc.poll() is None:
+            if sig is not None:
+                self.proc.send_signal(sig)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+        self.log.close()
+        return self.proc.returncode
+
+
+class Swarm:
+    def __init__(self, tmp_path: Path) -> None:
+        self.tmp_path = tmp_path
+        self.daemons: list[Daemon] = []
+
+    def config(self, pipeline: dict | None = None, network: dict | None = None) -> Path:
+        config = load_config(ROOT / "configs" / "tiny.toml")
+        if pipeline:
+            config = replace(config, "pipeline", **pipeline)
+        if network:
+            config = replace(config, "network", **network)
+        path = self.tmp_path / "swarm.toml"
+        path.write_text(dump_config(config))
+        return path
+
+    def start(self, name: str, args: list[str], prefix: list[str] | None = None) -> Daemon:
+        daemon = Daemon(name, args, self.tmp_path / f"{name}.log", prefix or [])
+        self.daemons.append(daemon)
+        return daemon
+
+    def bootstrap(
+        self, config: Path, data_dir: Path | None = None, listen: str = LOOPBACK, extra=()
+    ) -> Daemon:
+        data_dir = data_dir or self.tmp_path / "bootstrap"
+        args = ["bootstrap", "--config", str(config), "--listen", listen, "--data-dir", str(data_dir), *extra]
+        return self.start("bootstrap", args)
+
+    def join(
+        self, name: str, peer: str, bandwidth: str = "auto", listen: str = LOOPBACK, extra=(), prefix=None
+    ):
+        args = ["join", "--peer", peer, "--name", name, "--bandwidth", bandwidth, "--listen", listen]
+        args += ["--data-dir", str(self.tmp_path / name), *extra]
+        return self.start(name, args, prefix)
+
+    def status(self, peer: str, prefix: list[str] | None = None) -> dict:
+        result = subprocess.run(
+            (prefix or []) + HETNODE + ["status", "--peer", peer, "--json", "--timeout", "20"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            cwd=ROOT,
+        )
+        assert result.returncode == 0, result.stderr[-2000:]
+        return json.loads(result.stdout)
+
+    def wait_for(self, peer: str, check: Callable[[dict], bool], timeout: float, what: str) -> dict:
+        deadline = time.monotonic() + timeout
+        document: dict = {}
+        while time.monotonic() < deadline:
+            document = self.status(peer)
+            if check(document):
+                return document
+            time.sleep(1.0)
+        logs = "\n".join(f"--- {d.name}\n{d.tail(8)}" for d in self.daemons)
+        raise AssertionError(
+            f"not within {timeout:.0f} s: {what}\nlast status: {json.dumps(document)}\n{logs}"
+        )
+
+    def stop_all(self) -> dict[str, int | None]:
+        for daemon in self.daemons:  # signal all first: they shut down in parallel
+            if daemon.proc.poll() is None:
+                daemon.proc.send_signal(signal.SIGTERM)
+        return {d.name: d.stop(sig=None) for d in self.daemons}
+
+    def leftover_p2pd(self) -> list[int]:
+        return [pid for d in self.daemons for pid in d.p2pd if alive(pid)]
+
+
+@pytest.fixture
+def swarm(tmp_path: Path):
+    procs = Swarm(tmp_path)
+    try:
+        yield procs
+    finally:
+        procs.stop_all()
+        leftovers = procs.leftover_p2pd()
+        for pid in leftovers:  # never leave one behind, but fail the test that did
+            os.kill(pid, signal.SIGKILL)
+        assert not leftovers, f"p2pd processes survived their daemons: {leftovers}"
