@@ -5,9 +5,11 @@ from pathlib import Path
 import pytest
 
 from hetnode.cli.main import EXIT_USAGE, main
-from hetnode.config import Config, load_config
+from hetnode.config import Config, dump_config, load_config, replace
 from hetnode.errors import ConfigError
 from hetnode.model import count_parameters
+
+CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs"
 
 CONFIGS = sorted(Path(__file__).resolve().parents[1].joinpath("configs").glob("*.toml"))
 
@@ -81,3 +83,11 @@ def test_cli_exits_2_on_bad_config(tmp_path: Path, capsys):
     assert main(["train", "--config", str(path), "--out", str(tmp_path / "out")]) == EXIT_USAGE
     err = capsys.readouterr().err
     assert "train.max_steps" in err and str(path) in err
+
+
+@pytest.mark.parametrize("name", ["tiny", "small", "178m", "1b"])
+def test_dump_config_reads_back_equal(name, tmp_path):
+    config = replace(load_config(CONFIG_DIR / f"{name}.toml"), "data", data_dir='C:\\odd "dir"')
+    path = tmp_path / "dumped.toml"
+    path.write_text(dump_config(config))
+    assert load_config(path) == config

@@ -1,0 +1,92 @@
+"""The swarm view a peer plans from: the pool at a boundary, chain liveness, the status document."""
+
+import time
+
+from hetnode.daemon.view import SwarmView
+from hetnode.net.node import StoredValue
+from hetnode.planning.roles import pack_chains
+
+
+def record(name, role="idle", wants="stage", chain=None, stage=None, layers=None, tflops=1.0):
+    return {
+        "name": name,
+        "link_class": "low" if wants == "stage" else "high",
+        "up_mbps": 20.0,
+        "down_mbps": 20.0,
+        "rtt_ms": None,
+        "mem_gb": 4.0,
+        "device": "cpu",
+        "tflops": tflops,
+        "wants": wants,
+        "role": role,
+        "chain": chain,
+        "stage": stage,
+        "layers": layers,
+        "outer_step": 0,
+        "last_seen": time.time(),
+        "version": 1,
+    }
+
+
+def view_of(records):
+    entries = {peer: StoredValue(peer, value, time.time() + 10) for peer, value in records.items()}
+    return SwarmView.from_entries(entries, stages_per_chain=2, n_layers=4)
+
+
+def test_pool_keeps_peers_that_already_claimed_at_this_boundary():
+    # B read the pool first and claimed; A reads later and must still see B, or the plans would differ
+    [plan] = pack_chains(view_of({"A": record("a"), "B": record("b")}).idle_candidates(7), 2, 4, boundary=7)
+    b_stage = next(s for s in plan.stages if s.peer_id == "B")
+    later = view_of(
+        {
+            "A": record("a"),
+            "B": record("b", "stage", chain=plan.chain, stage=b_stage.stage, layers=list(b_stage.layers)),
+        }
+    )
+    assert pack_chains(later.idle_candidates(7), 2, 4, boundary=7) == [plan]
+    # a chain from an earlier boundary is not part of this boundary's pool
+    assert {c.peer_id for c in later.idle_candidates(8)} == {"A"}
+
+
+def test_offline_peers_anchors_and_bad_records_are_left_out():
+    view = view_of(
+        {
+            "A": record("a"),
+            "B": record("b", role="offline"),
+            "C": record("c", role="anchor", wants="anchor", layers=[0, 3]),
+            "D": {"name": "broken"},
+        }
+    )
+    assert set(view.peers) == {"A", "C"}
+    assert [c.peer_id for c in view.idle_candidates(1)] == ["A"]
+
+
+def test_status_document_shows_live_chains_and_stable_fields():
+    [plan] = pack_chains(view_of({"A": record("a"), "B": record("b")}).idle_candidates(3), 2, 4, boundary=3)
+    records = {
+        s.peer_id: record(s.peer_id.lower(), "stage", chain=s.chain, stage=s.stage, layers=list(s.layers))
+        for s in plan.stages
+    }
+    records["C"] = record("c", role="anchor", wants="anchor", layers=[0, 3])
+    document = view_of(records).status_document("run-1", 3)
+    assert document["run"] == "run-1" and document["round"] == 3
+    assert [p["role"] for p in document["peers"]] == ["anchor", "stage", "stage"]
+    stable = {
+        "peer_id",
+        "name",
+        "class",
+        "role",
+        "chain",
+        "stage",
+        "layers",
+        "up_mbps",
+        "down_mbps",
+        "last_seen",
+    }
+    assert all(stable <= set(p) for p in document["peers"])
+    assert document["chains"] == [
+        {"id": plan.chain, "live": True, "stages": list(plan.members), "problem": ""}
+    ]
+    del records[plan.stages[1].peer_id]
+    [chain] = view_of(records).status_document("run-1", 4)["chains"]
+    assert not chain["live"] and chain["stages"][1] is None
