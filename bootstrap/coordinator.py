@@ -14,6 +14,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from bootstrap.round_keeper import RoundKeeper
 from hetnode.config import Config, load_config
 from hetnode.daemon.datadir import DataDir
 from hetnode.daemon.lifecycle import print_ready, sleep_or_stop, stop_on_signals
@@ -137,9 +138,15 @@ class Coordinator:
             asyncio.create_task(self._open_boundaries(node, data_dir, state, stop), name="boundaries"),
             asyncio.create_task(self._refresh_manifest(node, manifest, stop), name="manifest"),
             asyncio.create_task(self._remember_neighbours(node, data_dir, stop), name="neighbours"),
+            asyncio.create_task(RoundKeeper(self.config, node, presence, data_dir).run(stop), name="rounds"),
         ]
         try:
-            await stop.wait()
+            done, _ = await asyncio.wait(
+                [asyncio.ensure_future(stop.wait()), *tasks], return_when="FIRST_COMPLETED"
+            )
+            for task in done:
+                if task in tasks and task.exception() is not None:
+                    raise task.exception()
         finally:
             stop.set()
             await asyncio.gather(*tasks, return_exceptions=True)
@@ -162,6 +169,9 @@ class Coordinator:
             "layers": None,
             "outer_step": 0,
             "last_seen": time.time(),
+            "params_round": None,
+            "layer_digests": None,
+            "tokens": None,
         }
 
     async def _open_boundaries(

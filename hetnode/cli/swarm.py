@@ -37,6 +37,9 @@ def register(commands: argparse._SubParsersAction) -> None:
     join.add_argument("--listen", default="/ip4/0.0.0.0/tcp/0", help="listen multiaddr")
     join.add_argument("--announce-maddr", action="append", default=[], help="public multiaddr to announce")
     join.add_argument("--connect-timeout", type=float, default=60.0, help="seconds to wait for the swarm")
+    join.add_argument(
+        "--fault", choices=("nan", "digest"), default=None, help=argparse.SUPPRESS
+    )  # tests only
     join.set_defaults(handler=run_join)
 
     status = commands.add_parser("status", help="show the swarm as the DHT sees it")
@@ -96,6 +99,7 @@ def run_join(args: argparse.Namespace) -> int:
         listen=args.listen,
         announce=tuple(args.announce_maddr),
         connect_timeout_s=args.connect_timeout,
+        fault=args.fault,
     )
     return loop.run(PeerDaemon(options).run())
 

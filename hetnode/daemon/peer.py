@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from hetnode.config import Config
+from hetnode.daemon.anchor import AnchorLoop
 from hetnode.daemon.datadir import DataDir
 from hetnode.daemon.lifecycle import Stopped, print_ready, sleep_or_stop, stop_on_signals
 from hetnode.daemon.presence import Presence
@@ -59,6 +60,7 @@ class JoinOptions:
     listen: str
     announce: tuple[str, ...] = ()
     connect_timeout_s: float = 60.0
+    fault: str | None = None  # tests only: make this anchor a hostile contributor ("nan" or "digest")
 
 
 def limits_of(config: Config) -> NodeLimits:
@@ -125,12 +127,30 @@ class PeerDaemon:
             down_mbps=f"{record['down_mbps']:.1f}",
             role=record["role"],
         )
-        heartbeat = asyncio.create_task(self.presence.heartbeat(stop), name="heartbeat")
+        tasks = [
+            asyncio.create_task(self.presence.heartbeat(stop), name="heartbeat"),
+            asyncio.create_task(self._follow_boundaries(stop), name="boundaries"),
+        ]
+        if record["role"] == "anchor":
+            anchor = AnchorLoop(
+                self.config,
+                self.node,
+                self.presence,
+                self.contact.coordinator,
+                self.options.device,
+                self.options.fault,
+            )
+            tasks.append(asyncio.create_task(anchor.run(stop), name="anchor"))
         try:
-            await self._follow_boundaries(stop)
+            done, _ = await asyncio.wait(
+                [asyncio.ensure_future(stop.wait()), *tasks], return_when="FIRST_COMPLETED"
+            )
+            for task in done:
+                if task in tasks and task.exception() is not None:
+                    raise task.exception()
         finally:
             stop.set()
-            await heartbeat
+            await asyncio.gather(*tasks, return_exceptions=True)
 
     def _info(self) -> dict:
         return {
@@ -176,6 +196,9 @@ class PeerDaemon:
             "layers": [0, self.config.model.n_layers - 1] if role == "anchor" else None,
             "outer_step": 0,
             "last_seen": time.time(),
+            "params_round": None,
+            "layer_digests": None,
+            "tokens": None,
         }
         n = self.config.network
         self.presence = Presence(self.node, record, n.heartbeat_s, n.record_ttl_s)

@@ -83,6 +83,9 @@ class SwarmView:
                 "rtt_ms": r["rtt_ms"],
                 "tflops": r["tflops"],
                 "last_seen": r["last_seen"],
+                "params_round": r["params_round"],
+                "layer_digests": r["layer_digests"],
+                "tokens": r["tokens"],
             }
             for peer_id, r in self.peers.items()
         ]

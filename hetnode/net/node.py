@@ -20,7 +20,7 @@ from hivemind.dht.node import DHTNode
 from hivemind.dht.validation import CompositeValidator
 from hivemind.p2p import P2P
 
-from hetnode.errors import HetnodeError
+from hetnode.errors import HetnodeError, WireError
 from hetnode.net.identity import Identity, owner_subkey, peer_id_of_subkey, write_identity_file
 from hetnode.net.probe import (
     LinkMeasurement,
@@ -30,7 +30,16 @@ from hetnode.net.probe import (
     serve_probe_up,
 )
 from hetnode.net.records import record_key, run_schema_validator
-from hetnode.net.streams import OpenStream, RateLimiter, guarded_handler, open_stream, request
+from hetnode.net.streams import (
+    OpenStream,
+    PeerRequestError,
+    RateLimiter,
+    guarded_handler,
+    open_stream,
+    read_frame,
+    request,
+    write_frame,
+)
 from hetnode.wire.control import ControlMessage, decode_request, encode_reply, encode_request
 
 log = logging.getLogger(__name__)
@@ -63,7 +72,9 @@ class StoredValue:
     expiration: float
 
 
-InfoProvider = Callable[[], dict[str, Any]]  # -> {"run", "protocol", "role", "name"}
+InfoProvider = Callable[[], dict[str, Any]]  # -> {"run", "protocol", "coordinator", "role", "name"}
+PayloadProvider = Callable[[int, str, str], bytes | None]
+StateProvider = Callable[[int, str], bytes | None]
 
 
 class SwarmNode:
@@ -80,6 +91,8 @@ class SwarmNode:
             "role": "idle",
             "name": "",
         }
+        self._payloads: PayloadProvider = lambda round_, shard, replica: None
+        self._state: StateProvider = lambda round_, shard: None
         self._closed = False
 
     @classmethod
@@ -133,6 +146,35 @@ class SwarmNode:
 
     def set_info(self, provider: InfoProvider) -> None:
         self._info = provider
+
+    def set_payloads(self, provider: PayloadProvider) -> None:
+        """Serve sync payloads: `provider(round, shard, replica)` returns the encoded message or None."""
+        self._payloads = provider
+
+    def set_state(self, provider: StateProvider) -> None:
+        """Serve global parameters for catch-up: `provider(round, shard)` -> a dense payload or None."""
+        self._state = provider
+
+    async def fetch_payload(self, peer: str, round_: int, shard: str, replica: str, max_bytes: int) -> bytes:
+        request = encode_request("payload", round=round_, shard=shard, replica=replica)
+        return await self._fetch(peer, request, max_bytes)
+
+    async def fetch_state(self, peer: str, round_: int, shard: str, max_bytes: int) -> bytes:
+        return await self._fetch(peer, encode_request("state", round=round_, shard=shard), max_bytes)
+
+    async def _fetch(self, peer: str, message: bytes, max_bytes: int) -> bytes:
+        stream = await open_stream(self.p2p, peer, CONTROL_HANDLER)
+        try:
+            await stream.send(message)
+            ready = await stream.receive()
+            if ready.type != "payload_ready" or ready["bytes"] > max_bytes:
+                raise PeerRequestError(peer, f"unexpected payload reply {ready.type} of {ready.fields}")
+            try:
+                return await read_frame(stream.reader, max_bytes, timeout=60.0)
+            except (TimeoutError, asyncio.IncompleteReadError, WireError) as exc:
+                raise PeerRequestError(peer, f"payload transfer failed: {exc!r}") from None
+        finally:
+            stream.close()
 
     async def join_dht(
         self,
@@ -236,6 +278,16 @@ class SwarmNode:
             await serve_probe_up(stream, message["bytes"], self.limits.probe_s)
         elif message.type == "probe_down":
             await serve_probe_down(stream, message["bytes"], message["seconds"], self.limits.probe_s)
+        elif message.type in ("payload", "state"):
+            if message.type == "payload":
+                data = self._payloads(message["round"], message["shard"], message["replica"])
+            else:
+                data = self._state(message["round"], message["shard"])
+            if data is None:
+                what = f"{message.type} for round {message['round']} shard {message['shard']!r}"
+                raise WireError("round", f"no {what} here")
+            await stream.send(encode_reply("payload_ready", bytes=len(data)))
+            await write_frame(writer, data, timeout=60.0)
 
     async def ping(self, peer: str) -> float:
         """Round-trip time in ms of one control request (stream set-up included)."""

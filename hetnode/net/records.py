@@ -14,6 +14,9 @@ import pydantic.v1 as pydantic
 from hivemind.dht.schema import BytesWithPublicKey, SchemaValidator
 
 MAX_NAME_CHARS = 64
+ShardName = pydantic.constr(strict=True, regex=r"^(embed|head|[0-9]{1,4})$")
+Digest = pydantic.constr(strict=True, regex=r"^[0-9a-f]{8,64}$")
+Sha256 = pydantic.constr(strict=True, regex=r"^[0-9a-f]{64}$")
 MAX_MANIFEST_BYTES = 64 * 1024
 
 
@@ -46,12 +49,41 @@ class PeerRecord(pydantic.BaseModel):
     outer_step: pydantic.conint(strict=True, ge=0)  # type: ignore[valid-type]
     last_seen: pydantic.StrictFloat
     version: pydantic.StrictInt
+    params_round: pydantic.conint(strict=True, ge=-1) | None  # type: ignore[valid-type]
+    layer_digests: dict[ShardName, Digest] | None  # type: ignore[valid-type]
+    tokens: pydantic.conint(strict=True, ge=0) | None  # type: ignore[valid-type]
+
+
+class AnnounceRecord(pydantic.BaseModel):
+    """A replica's payload for `round` is ready: the sha256 of each shard's message, the tokens behind it."""
+
+    round: pydantic.conint(strict=True, ge=0)  # type: ignore[valid-type]
+    shards: dict[ShardName, Sha256]  # type: ignore[valid-type]
+    tokens: pydantic.conint(strict=True, ge=0)  # type: ignore[valid-type]
+    steps: pydantic.conint(strict=True, ge=0)  # type: ignore[valid-type]
+
+
+class Contribution(pydantic.BaseModel):
+    peer: pydantic.constr(strict=True, min_length=1, max_length=128)  # type: ignore[valid-type]
+    shards: dict[ShardName, Sha256]  # type: ignore[valid-type]
+    tokens: pydantic.conint(strict=True, ge=0)  # type: ignore[valid-type]
+
+
+class SealRecord(pydantic.BaseModel):
+    """The sealer's list of the contributions in `round`; every replica aggregates exactly these."""
+
+    round: pydantic.conint(strict=True, ge=0)  # type: ignore[valid-type]
+    contributions: pydantic.conlist(Contribution, max_items=1024)  # type: ignore[valid-type]
+    excluded: pydantic.conlist(pydantic.constr(strict=True, max_length=128), max_items=1024)  # type: ignore[valid-type]
+    sealed_at: pydantic.StrictFloat
 
 
 class RunRecords(pydantic.BaseModel):
     manifest: dict[BytesWithPublicKey, ManifestRecord]
     round: dict[BytesWithPublicKey, RoundRecord]
     peers: dict[BytesWithPublicKey, PeerRecord]
+    announce: dict[BytesWithPublicKey, AnnounceRecord]
+    seal: dict[BytesWithPublicKey, SealRecord]
 
 
 def run_schema_validator(run: str) -> SchemaValidator:

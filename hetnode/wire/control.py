@@ -45,6 +45,8 @@ _REQUESTS: dict[str, _Schema] = {
     "info": {},
     "probe_up": {"bytes": (int, 1)},
     "probe_down": {"bytes": (int, 1), "seconds": (float, 0.0)},
+    "payload": {"round": (int, 0), "shard": (str, None), "replica": (str, None)},
+    "state": {"round": (int, 0), "shard": (str, None)},
 }
 _REPLIES: dict[str, _Schema] = {
     "pong": {"time": (float, None)},
@@ -57,6 +59,7 @@ _REPLIES: dict[str, _Schema] = {
     },
     "probe_ready": {"bytes": (int, 0)},
     "probe_result": {"bytes": (int, 0), "seconds": (float, 0.0)},
+    "payload_ready": {"bytes": (int, 0)},  # then one frame of that many bytes
     "error": {"code": (str, None), "message": (str, None)},
 }
 

@@ -25,6 +25,9 @@ def record(name, role="idle", wants="stage", chain=None, stage=None, layers=None
         "outer_step": 0,
         "last_seen": time.time(),
         "version": 1,
+        "params_round": None,
+        "layer_digests": None,
+        "tokens": None,
     }
 
 

@@ -44,6 +44,9 @@ def peer_record(name="p", role="idle", **changes):
         "outer_step": 0,
         "last_seen": time.time(),
         "version": 1,
+        "params_round": None,
+        "layer_digests": None,
+        "tokens": None,
     }
     record.update(changes)
     return record

@@ -120,16 +120,18 @@ class Daemon:
 
 
 class Swarm:
-    def __init__(self, tmp_path: Path) -> None:
+    def __init__(self, tmp_path: Path, data_dir: Path) -> None:
         self.tmp_path = tmp_path
+        self.data_dir = data_dir  # the session's token cache: every daemon reads the corpus from here
         self.daemons: list[Daemon] = []
 
-    def config(self, pipeline: dict | None = None, network: dict | None = None) -> Path:
-        config = load_config(ROOT / "configs" / "tiny.toml")
-        if pipeline:
-            config = replace(config, "pipeline", **pipeline)
-        if network:
-            config = replace(config, "network", **network)
+    def config(
+        self, pipeline: dict | None = None, network: dict | None = None, outer: dict | None = None
+    ) -> Path:
+        config = replace(load_config(ROOT / "configs" / "tiny.toml"), "data", data_dir=str(self.data_dir))
+        for section, changes in (("pipeline", pipeline), ("network", network), ("outer", outer)):
+            if changes:
+                config = replace(config, section, **changes)
         path = self.tmp_path / "swarm.toml"
         path.write_text(dump_config(config))
         return path
@@ -183,13 +185,30 @@ class Swarm:
                 daemon.proc.send_signal(signal.SIGTERM)
         return {d.name: d.stop(sig=None) for d in self.daemons}
 
+    def history(self, data_dir: Path | None = None) -> list[dict]:
+        """The coordinator's sealed rounds (one JSON line per round)."""
+        path = (data_dir or self.tmp_path / "bootstrap") / "rounds.jsonl"
+        if not path.exists():
+            return []
+        return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+    def wait_for_round(self, round_: int, timeout: float) -> list[dict]:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            history = self.history()
+            if history and history[-1]["round"] >= round_:
+                return history
+            time.sleep(0.5)
+        logs = "\n".join(f"--- {d.name}\n{d.tail(8)}" for d in self.daemons)
+        raise AssertionError(f"round {round_} not sealed within {timeout:.0f} s\n{logs}")
+
     def leftover_p2pd(self) -> list[int]:
         return [pid for d in self.daemons for pid in d.p2pd if alive(pid)]
 
 
 @pytest.fixture
-def swarm(tmp_path: Path):
-    procs = Swarm(tmp_path)
+def swarm(tmp_path: Path, data_dir: Path):
+    procs = Swarm(tmp_path, data_dir)
     try:
         yield procs
     finally:

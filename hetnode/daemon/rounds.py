@@ -1,0 +1,150 @@
+"""The global model as every replica (and the coordinator) holds it, and one anchor's inner loop.
+
+`GlobalModel.apply` is the only way θ changes: it decodes *all* sealed payloads first (each validated
+against the shard's spec and checked to belong to the sealed round and replica), and only then
+aggregates in the sealed order and steps, so a bad payload never leaves θ half-updated.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from collections.abc import Sequence
+
+import torch
+
+from hetnode.algo.aggregate import aggregate_sparse, outer_sgd_step
+from hetnode.algo.sparseloco import DenseCodec, ErrorFeedback, SparseLoCoCodec, pseudo_gradient
+from hetnode.config import Config
+from hetnode.data.dataset import TokenDataset
+from hetnode.errors import WireError
+from hetnode.model.decoder import build_model
+from hetnode.sim.replicas import layer_digests, shard_names
+from hetnode.training.trainer import InnerTrainer
+from hetnode.wire.sync_payload import DecodedPayload, ShardSpec, SyncPayload, decode_payload, encode_payload
+
+log = logging.getLogger(__name__)
+
+Params = dict[str, torch.Tensor]
+NUM_DATA_SLOTS = 256  # replicas pick a slot from their peer id; slots are disjoint slices of the data
+
+
+def sha256_hex(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def data_slot(peer_id: str) -> int:
+    return int.from_bytes(hashlib.sha256(peer_id.encode()).digest()[:4], "big") % NUM_DATA_SLOTS
+
+
+class GlobalModel:
+    """θ after round `params_round` (−1: the seeded initialisation every replica starts from)."""
+
+    def __init__(self, config: Config) -> None:
+        self.config = config
+        model = build_model(config.model, seed=config.run.seed)
+        self.params: Params = {n: p.detach().clone() for n, p in model.named_parameters()}
+        self.params_round = -1
+        self.shards = shard_names(self.params)
+        max_bytes = int(config.network.max_frame_mb * 2**20)
+        o = config.outer
+        self.sparse_specs = {
+            shard: ShardSpec(shard, self._shapes(names), "sparseloco", o.topk, o.tile, max_bytes)
+            for shard, names in self.shards.items()
+        }
+        self.dense_specs = {
+            shard: ShardSpec(shard, self._shapes(names), "fp32", o.topk, o.tile, max_bytes)
+            for shard, names in self.shards.items()
+        }
+
+    def _shapes(self, names: Sequence[str]) -> dict[str, tuple[int, ...]]:
+        return {n: tuple(self.params[n].shape) for n in names}
+
+    def decode_contribution(
+        self, replica: str, round_: int, payloads: dict[str, bytes]
+    ) -> list[DecodedPayload]:
+        """Validate one replica's payloads for every shard; raise WireError naming what is wrong."""
+        if set(payloads) != set(self.shards):
+            raise WireError("shards", f"expected {sorted(self.shards)}, got {sorted(payloads)}")
+        decoded = []
+        for shard, data in payloads.items():
+            message = decode_payload(data, self.sparse_specs[shard])
+            if message.replica != replica or message.round != round_ or message.shard != shard:
+                raise WireError("header", f"payload is ({message.replica}, {message.round}, {message.shard})")
+            decoded.append(message)
+        return decoded
+
+    def apply(self, round_: int, contributions: Sequence[tuple[str, dict[str, bytes]]]) -> None:
+        """θ ← θ − α·aggregate over the sealed contributions (in the given, sealed order)."""
+        if round_ != self.params_round + 1:
+            raise ValueError(f"round {round_} does not follow the applied round {self.params_round}")
+        decoded = {replica: self.decode_contribution(replica, round_, p) for replica, p in contributions}
+        for shard, spec in self.sparse_specs.items():
+            updates = [
+                (replica, next(d.sparse for d in messages if d.shard == shard))
+                for replica, messages in decoded.items()
+            ]
+            if not updates:
+                continue
+            delta = aggregate_sparse(updates, dict(spec.shapes))
+            params = {n: self.params[n] for n in spec.shapes}
+            outer_sgd_step(
+                params, delta, lr=self.config.outer.lr, weight_decay=self.config.outer.weight_decay
+            )
+        self.params_round = round_
+
+    def digests(self) -> dict[str, str]:
+        return layer_digests(self.params)
+
+    def state_payload(self, shard: str) -> bytes:
+        """This shard of θ as a dense fp32 message, for a peer catching up."""
+        codec = DenseCodec("fp32")
+        names = self.shards[shard]
+        tensors = {n: codec.compress(self.params[n]) for n in names}
+        return encode_payload(SyncPayload("global", max(self.params_round, 0), shard, "fp32", tensors))
+
+    def load_state(self, params_round: int, payloads: dict[str, bytes]) -> None:
+        """Replace θ with validated dense shards (all of them, or nothing changes)."""
+        if set(payloads) != set(self.shards):
+            raise WireError("shards", f"expected {sorted(self.shards)}, got {sorted(payloads)}")
+        decoded = {shard: decode_payload(data, self.dense_specs[shard]) for shard, data in payloads.items()}
+        with torch.no_grad():
+            for message in decoded.values():
+                for name, tensor in message.dense.items():
+                    self.params[name].copy_(tensor)
+        self.params_round = params_round
+
+
+class AnchorTraining:
+    """A full replica: from θ, train H steps on its data slot, compress Δ with error feedback."""
+
+    def __init__(self, config: Config, dataset: TokenDataset, peer_id: str, device: str = "cpu") -> None:
+        self.config = config
+        self.peer_id = peer_id
+        self.model = build_model(config.model, seed=config.run.seed).to(device)
+        self.trainer = InnerTrainer(
+            config, self.model, dataset, device, slots=[data_slot(peer_id)], num_slots=NUM_DATA_SLOTS
+        )
+        o = config.outer
+        self.feedback = ErrorFeedback(SparseLoCoCodec(o.topk, o.tile), o.error_feedback)
+        self.last_loss = float("nan")
+
+    def run_round(self, round_: int, global_model: GlobalModel) -> dict[str, bytes]:
+        """Train one round (blocking: run it in a worker thread) and return the encoded payload per shard."""
+        with torch.no_grad():
+            for name, param in self.model.named_parameters():
+                param.copy_(global_model.params[name])
+        for _ in range(self.config.outer.inner_steps):
+            self.last_loss = self.trainer.train_step().loss
+        local = {n: p.detach().cpu() for n, p in self.model.named_parameters()}
+        compressed = self.feedback.compress(pseudo_gradient(global_model.params, local))
+        return {
+            shard: encode_payload(
+                SyncPayload(self.peer_id, round_, shard, "sparseloco", {n: compressed[n] for n in names})
+            )
+            for shard, names in global_model.shards.items()
+        }
+
+    @property
+    def tokens(self) -> int:
+        return self.trainer.tokens

@@ -1,0 +1,62 @@
+"""When to seal a sync round, and who is in it: pure decisions over the announcements seen so far.
+
+A round is sealed when every expected replica has announced, or when an adaptive deadline has passed since
+the first announcement. The deadline is learned from how late the last expected replica arrived in recent
+rounds (DESIGN §3.5: "deadline from observed arrival times, not a fixed constant"), clamped to a floor and
+a ceiling so that one slow round neither stalls the swarm nor cuts the next one short.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class Announcement:
+    """A replica's claim that its payload for `round` is ready: one sha256 per shard it contributes."""
+
+    peer_id: str
+    round: int
+    shards: Mapping[str, str]
+    tokens: int
+    seen_at: float  # when the sealer first saw it (its own clock)
+
+
+@dataclass
+class ArrivalDeadline:
+    """Seconds to wait after the first announcement of a round, learned from recent rounds."""
+
+    floor_s: float
+    ceiling_s: float
+    factor: float = 2.0
+    history: deque[float] = field(default_factory=lambda: deque(maxlen=8))
+
+    def observe(self, spread_s: float) -> None:
+        """Record how long after the first announcement the last expected one arrived."""
+        if spread_s >= 0:
+            self.history.append(spread_s)
+
+    @property
+    def seconds(self) -> float:
+        if not self.history:
+            return self.ceiling_s
+        return min(self.ceiling_s, max(self.floor_s, self.factor * max(self.history)))
+
+
+def seal_now(
+    expected: Iterable[str], announced: Mapping[str, Announcement], now: float, deadline_s: float
+) -> bool:
+    """True when every expected replica announced, or the deadline since the first announcement passed."""
+    if not announced:
+        return False
+    if set(expected) <= set(announced):
+        return True
+    first = min(a.seen_at for a in announced.values())
+    return now - first >= deadline_s
+
+
+def sealed_order(contributions: Iterable[Announcement]) -> list[Announcement]:
+    """The fixed order every replica aggregates in (by peer id), so results are bit-identical."""
+    return sorted(contributions, key=lambda a: a.peer_id)

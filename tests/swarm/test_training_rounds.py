@@ -1,0 +1,101 @@
+"""Anchors train one model over the network: sealed SparseLoCo rounds, identical digests, hostile payloads
+excluded, a killed anchor left out of the seal and caught up after a restart (real processes, loopback)."""
+
+from __future__ import annotations
+
+import signal
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+FAST_ROUNDS = {"inner_steps": 10}
+
+
+def anchors_agree_with_coordinator(swarm, document: dict, names: set[str]) -> dict[str, int]:
+    """Every named anchor's (params_round, layer_digests) equals the coordinator's record of that round."""
+    by_round = {entry["round"]: entry["layer_digests"] for entry in swarm.history()}
+    rounds = {}
+    for peer in document["peers"]:
+        if peer["name"] in names and peer["params_round"] is not None:
+            assert peer["layer_digests"] == by_round[peer["params_round"]], peer["name"]
+            rounds[peer["name"]] = peer["params_round"]
+    return rounds
+
+
+def test_anchors_train_together_with_identical_digests(swarm):
+    boot = swarm.bootstrap(swarm.config(outer=FAST_ROUNDS))
+    boot.wait_ready()
+    anchors = [swarm.join(f"anchor-{i}", boot.maddr, "1000") for i in (1, 2)]
+    for anchor in anchors:
+        anchor.wait_ready()
+    history = swarm.wait_for_round(3, timeout=180)
+    assert all(len(entry["contributors"]) == 2 for entry in history[1:4])  # both anchors in each seal
+    assert all(entry["tokens"] == 2 * 10 * 16 * 128 for entry in history[1:4])  # H steps x batch x seq each
+    losses = [entry["eval_loss"] for entry in history]
+    assert losses[3] < losses[0] - 0.3, losses  # the global model learns
+
+    def both_applied(document: dict) -> bool:
+        return all(
+            p["params_round"] is not None and p["params_round"] >= 3
+            for p in document["peers"]
+            if p["name"].startswith("anchor")
+        )
+
+    document = swarm.wait_for(boot.maddr, both_applied, timeout=60, what="both anchors applied round 3")
+    rounds = anchors_agree_with_coordinator(swarm, document, {"anchor-1", "anchor-2"})
+    assert set(rounds) == {"anchor-1", "anchor-2"}
+
+
+def test_hostile_payloads_are_excluded_and_honest_replicas_agree(swarm):
+    boot = swarm.bootstrap(swarm.config(outer=FAST_ROUNDS))
+    boot.wait_ready()
+    honest = [swarm.join(f"honest-{i}", boot.maddr, "1000") for i in (1, 2)]
+    nan = swarm.join("sends-nan", boot.maddr, "1000", extra=["--fault", "nan"])
+    liar = swarm.join("wrong-digest", boot.maddr, "1000", extra=["--fault", "digest"])
+    for daemon in [*honest, nan, liar]:
+        daemon.wait_ready()
+    history = swarm.wait_for_round(3, timeout=240)
+    bad = {nan.peer_id, liar.peer_id}
+    excluded = {peer for entry in history for peer in entry["excluded"]}
+    assert bad <= excluded, history
+    for entry in history:
+        assert not bad & set(entry["contributors"])
+    assert {h.peer_id for h in honest} <= set(history[-1]["contributors"])
+    assert history[-1]["eval_loss"] < history[0]["eval_loss"]
+    assert "excluding peer" in boot.tail(200) and nan.peer_id in boot.tail(200)
+    document = swarm.status(boot.maddr)
+    anchors_agree_with_coordinator(swarm, document, {"honest-1", "honest-2"})
+
+
+def test_a_killed_anchor_is_left_out_and_catches_up_after_restart(swarm, tmp_path):
+    boot = swarm.bootstrap(swarm.config(outer=FAST_ROUNDS))
+    boot.wait_ready()
+    steady = swarm.join("steady", boot.maddr, "1000")
+    flaky = swarm.join("flaky", boot.maddr, "1000")
+    steady.wait_ready()
+    flaky.wait_ready()
+    swarm.wait_for_round(1, timeout=120)
+    flaky.proc.send_signal(signal.SIGKILL)
+    flaky.proc.wait(10)
+    killed_round = swarm.history()[-1]["round"]
+    history = swarm.wait_for_round(killed_round + 2, timeout=120)
+    assert history[-1]["contributors"] == [steady.peer_id]  # sealed without the dead anchor
+
+    again = swarm.join("flaky", boot.maddr, "1000")  # same name, same data dir: same identity
+    again.wait_ready()
+    assert again.peer_id == flaky.peer_id
+
+    def rejoined(document: dict) -> bool:
+        peers = {p["name"]: p for p in document["peers"]}
+        flaky_round = peers.get("flaky", {}).get("params_round")
+        return flaky_round is not None and flaky_round > killed_round + 2
+
+    document = swarm.wait_for(
+        boot.maddr, rejoined, timeout=120, what="the restarted anchor applies a new round"
+    )
+    assert "caught up: holding θ after round" in again.tail(200)  # it downloaded θ, it did not start over
+    rounds = anchors_agree_with_coordinator(swarm, document, {"steady", "flaky"})
+    assert rounds["flaky"] > killed_round + 2
+    later = swarm.wait_for_round(rounds["flaky"] + 1, timeout=120)
+    assert flaky.peer_id in later[-1]["contributors"]
