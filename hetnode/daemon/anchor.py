@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from pathlib import Path
 from typing import Any
 
 import msgpack
@@ -60,6 +61,7 @@ class AnchorLoop:
         presence: Presence,
         coordinator: str,
         device: str,
+        state_path: Path,
         fault: str | None = None,
     ) -> None:
         self.config = config
@@ -67,6 +69,7 @@ class AnchorLoop:
         self.presence = presence
         self.coordinator = coordinator
         self.device = device
+        self.state_path = state_path
         self.fault = fault  # tests only: "nan" or "digest" makes this anchor a hostile contributor
         self.peer_id = node.identity.peer_id
         self.global_model = GlobalModel(config)
@@ -83,6 +86,13 @@ class AnchorLoop:
             TokenDataset.build, self.config.data, self.config.model.vocab_size, self.config.run.seed
         )
         training = AnchorTraining(self.config, dataset, self.peer_id, self.device)
+        if await asyncio.to_thread(training.load_local_state, self.state_path, self.global_model):
+            log.info(
+                "resumed local state: round %d, %d inner steps, error-feedback norm %.6f",
+                self.global_model.params_round,
+                training.trainer.step,
+                training.feedback_norm(),
+            )
         await self._catch_up(stop)
         while not stop.is_set():
             round_ = self.global_model.params_round + 1
@@ -115,6 +125,7 @@ class AnchorLoop:
                 log.warning("round %d: %s; catching up from the coordinator", round_, exc)
                 await self._catch_up(stop)
                 continue
+            await asyncio.to_thread(training.save_local_state, self.state_path, self.global_model)
             await self.presence.update(
                 params_round=self.global_model.params_round,
                 layer_digests=self.global_model.digests(),
@@ -179,8 +190,8 @@ class AnchorLoop:
         """If the swarm has sealed rounds we do not hold, download θ from the coordinator."""
         while not stop.is_set():
             seal = await read_seal(self.node, self.coordinator)
-            if seal is None or seal["round"] <= self.global_model.params_round:
-                return
+            if seal is None or seal["round"] == self.global_model.params_round:
+                return  # nothing sealed yet, or we hold exactly the sealed θ
             try:
                 await fetch_state(self.node, self.coordinator, self.global_model, seal["round"])
                 log.info("caught up: holding θ after round %d", self.global_model.params_round)

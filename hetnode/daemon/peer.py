@@ -138,6 +138,7 @@ class PeerDaemon:
                 self.presence,
                 self.contact.coordinator,
                 self.options.device,
+                self.options.data_dir / f"anchor-state-{self.contact.manifest.run}.pt",
                 self.options.fault,
             )
             tasks.append(asyncio.create_task(anchor.run(stop), name="anchor"))

@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import logging
 from collections.abc import Sequence
+from pathlib import Path
 
 import torch
 
@@ -17,7 +18,7 @@ from hetnode.algo.aggregate import aggregate_sparse, outer_sgd_step
 from hetnode.algo.sparseloco import DenseCodec, ErrorFeedback, SparseLoCoCodec, pseudo_gradient
 from hetnode.config import Config
 from hetnode.data.dataset import TokenDataset
-from hetnode.errors import WireError
+from hetnode.errors import CheckpointError, WireError
 from hetnode.model.decoder import build_model
 from hetnode.sim.replicas import layer_digests, shard_names
 from hetnode.training.trainer import InnerTrainer
@@ -148,3 +149,43 @@ class AnchorTraining:
     @property
     def tokens(self) -> int:
         return self.trainer.tokens
+
+    def save_local_state(self, path: Path, global_model: GlobalModel) -> None:
+        """What a restart needs to go on: θ and its round, error feedback, inner optimiser."""
+        state = {
+            "params_round": global_model.params_round,
+            "global_params": global_model.params,
+            "feedback": self.feedback.state_dict(),
+            "trainer": self.trainer.state_dict(),
+        }
+        tmp = path.with_suffix(".tmp")
+        torch.save(state, tmp)
+        tmp.replace(path)
+
+    def load_local_state(self, path: Path, global_model: GlobalModel) -> bool:
+        """Restore a saved state (False when there is none); θ is taken only if it fits the model."""
+        if not path.exists():
+            return False
+        try:
+            state = torch.load(path, map_location="cpu", weights_only=True)
+            params = state["global_params"]
+            if {n: tuple(t.shape) for n, t in params.items()} != {
+                n: tuple(t.shape) for n, t in global_model.params.items()
+            }:
+                raise CheckpointError(f"{path} was saved for another model")
+            self.trainer.load_state_dict(state["trainer"])
+            self.feedback.load_state_dict(state["feedback"])
+        except (OSError, KeyError, RuntimeError, ValueError) as exc:
+            raise CheckpointError(f"{path} is unreadable ({exc}); move it away to start fresh") from None
+        with torch.no_grad():
+            for name, tensor in params.items():
+                global_model.params[name].copy_(tensor)
+        global_model.params_round = int(state["params_round"])
+        return True
+
+    def feedback_norm(self) -> float:
+        return (
+            float(sum(b.pow(2).sum() for b in self.feedback.buffers.values()) ** 0.5)
+            if self.feedback.buffers
+            else 0.0
+        )

@@ -99,3 +99,36 @@ def test_a_killed_anchor_is_left_out_and_catches_up_after_restart(swarm, tmp_pat
     assert rounds["flaky"] > killed_round + 2
     later = swarm.wait_for_round(rounds["flaky"] + 1, timeout=120)
     assert flaky.peer_id in later[-1]["contributors"]
+
+
+def test_anchor_restart_resumes_its_error_feedback_and_round(swarm, tmp_path):
+    import torch
+
+    boot = swarm.bootstrap(swarm.config(outer=FAST_ROUNDS))
+    boot.wait_ready()
+    anchor = swarm.join("solo", boot.maddr, "1000")
+    anchor.wait_ready()
+    swarm.wait_for_round(2, timeout=120)
+    assert anchor.stop() == 0  # SIGTERM: the only anchor, so no round is sealed while it is away
+    [state_file] = (tmp_path / "solo").glob("anchor-state-*.pt")
+    saved = torch.load(state_file, weights_only=True)
+    saved_norm = sum(b.pow(2).sum() for b in saved["feedback"]["buffers"].values()) ** 0.5
+    assert saved["params_round"] >= 2 and saved_norm > 0
+
+    again = swarm.join("solo", boot.maddr, "1000")
+    again.wait_ready()
+    history = swarm.wait_for_round(saved["params_round"] + 1, timeout=120)
+    log = again.tail(200)
+    assert f"resumed local state: round {saved['params_round']}," in log
+    assert f"error-feedback norm {float(saved_norm):.6f}" in log
+    assert "caught up" not in log  # θ came from its own disk, not from the coordinator
+    assert history[-1]["contributors"] == [again.peer_id]
+    document = swarm.wait_for(
+        boot.maddr,
+        lambda d: any(
+            p["name"] == "solo" and (p["params_round"] or -1) > saved["params_round"] for p in d["peers"]
+        ),
+        timeout=60,
+        what="the resumed anchor applies the next round",
+    )
+    anchors_agree_with_coordinator(swarm, document, {"solo"})
