@@ -80,16 +80,19 @@ def guarded_handler(name: str, limiter: RateLimiter, handle: RequestHandler) -> 
     async def serve(info: StreamInfo, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         peer = info.peer_id.to_base58()
         try:
-            if not limiter.allow(peer):
+            allowed = limiter.allow(peer)
+            # read the request even when refusing it: closing a stream the peer is still writing to would
+            # reset it, and the peer would see a broken pipe instead of the reason
+            first = await read_frame(reader, MAX_CONTROL_BYTES, REQUEST_TIMEOUT_S)
+            if not allowed:
                 log.warning("%s: rate limit exceeded by peer %s", name, peer)
                 await _reply_error(writer, "rate_limited", "too many requests, slow down")
                 return
-            first = await read_frame(reader, MAX_CONTROL_BYTES, REQUEST_TIMEOUT_S)
             await handle(peer, first, reader, writer)
         except WireError as exc:
             log.warning("%s: bad request from peer %s: %s", name, peer, exc)
             await _reply_error(writer, "bad_request", str(exc))
-        except (TimeoutError, asyncio.IncompleteReadError, ConnectionError) as exc:
+        except (TimeoutError, asyncio.IncompleteReadError, ConnectionError, PeerRequestError) as exc:
             log.warning("%s: peer %s: stream ended early (%s)", name, peer, type(exc).__name__)
             await _reply_error(writer, "incomplete", "request incomplete or too slow")
         except asyncio.CancelledError:
@@ -115,7 +118,10 @@ class OpenStream:
     writer: asyncio.StreamWriter
 
     async def send(self, data: bytes, timeout: float = REQUEST_TIMEOUT_S) -> None:
-        await write_frame(self.writer, data, timeout)
+        try:
+            await write_frame(self.writer, data, timeout)
+        except (TimeoutError, ConnectionError) as exc:
+            raise PeerRequestError(self.peer, f"cannot send ({type(exc).__name__})") from None
 
     async def receive(self, timeout: float = REQUEST_TIMEOUT_S) -> ControlMessage:
         try:
