@@ -40,7 +40,7 @@ def render_table(document: dict[str, Any]) -> str:
         f"{len(document['peers'])} peers, coordinator {document['coordinator'][-8:]}",
         "",
         f"{'name':<16} {'peer':<10} {'class':<6} {'role':<12} {'chain':<16} {'stage':>5} {'layers':>7} "
-        f"{'up Mb/s':>8} {'down Mb/s':>9} {'seen':>6}",
+        f"{'up Mb/s':>8} {'down Mb/s':>9} {'round':>5} {'embed digest':<16} {'seen':>6}",
     ]
     for p in document["peers"]:
         layers = f"{p['layers'][0]}-{p['layers'][1]}" if p["layers"] else "-"
@@ -49,9 +49,11 @@ def render_table(document: dict[str, Any]) -> str:
         stage = "-" if p["stage"] is None else str(p["stage"])
         chain = p["chain"] or "-"
         seen = f"{now - p['last_seen']:.0f}s"
+        applied = "-" if p.get("params_round") is None else str(p["params_round"])
+        digest = (p.get("layer_digests") or {}).get("embed", "-")
         lines.append(
             f"{p['name'][:16]:<16} {p['peer_id'][-8:]:<10} {p['class']:<6} {p['role']:<12} {chain:<16} "
-            f"{stage:>5} {layers:>7} {up:>8} {down:>9} {seen:>6}"
+            f"{stage:>5} {layers:>7} {up:>8} {down:>9} {applied:>5} {digest:<16} {seen:>6}"
         )
     lines.append("")
     if not document["chains"]:
