@@ -24,10 +24,13 @@ from hetnode.config import Config
 from hetnode.daemon.lifecycle import sleep_or_stop
 from hetnode.daemon.presence import Presence
 from hetnode.daemon.rounds import AnchorTraining, GlobalModel, sha256_hex
+from hetnode.daemon.sealing import Sealer
+from hetnode.daemon.view import SwarmView
 from hetnode.data.dataset import TokenDataset
 from hetnode.errors import HetnodeError, WireError
 from hetnode.net.node import SwarmNode
 from hetnode.net.streams import PeerRequestError
+from hetnode.planning.rounds import Announcement, seal_now
 
 log = logging.getLogger(__name__)
 
@@ -74,12 +77,18 @@ class AnchorLoop:
         self.peer_id = node.identity.peer_id
         self.global_model = GlobalModel(config)
         self.outbox: dict[int, dict[str, bytes]] = {}
+        self.sealer = Sealer(config, node, self.global_model, self._own_payload)
         node.set_payloads(self._serve_payload)
 
-    def _serve_payload(self, round_: int, shard: str, replica: str) -> bytes | None:
-        if replica != self.peer_id:
-            return None
+    def _own_payload(self, round_: int, shard: str) -> bytes | None:
         return self.outbox.get(round_, {}).get(shard)
+
+    def _serve_payload(self, round_: int, shard: str, replica: str) -> bytes | None:
+        if replica == self.peer_id:
+            return self._own_payload(round_, shard)
+        return self.sealer.serve(
+            round_, shard, replica
+        )  # rounds this anchor sealed in the coordinator's place
 
     async def run(self, stop: asyncio.Event) -> None:
         dataset = await asyncio.to_thread(
@@ -116,11 +125,11 @@ class AnchorLoop:
                 time.monotonic() - started,
                 training.last_loss,
             )
-            seal = await self._wait_for_seal(round_, announcement, stop)
-            if seal is None:
+            sealed = await self._wait_for_seal(round_, announcement, stop)
+            if sealed is None:
                 return
             try:
-                await self._apply(seal)
+                await self._apply(*sealed)
             except RoundFailed as exc:
                 log.warning("round %d: %s; catching up from the coordinator", round_, exc)
                 await self._catch_up(stop)
@@ -138,20 +147,47 @@ class AnchorLoop:
             return payloads
         return {shard: _nan_payload(data) for shard, data in payloads.items()}
 
-    async def _wait_for_seal(self, round_: int, announcement: dict, stop: asyncio.Event) -> dict | None:
+    async def _wait_for_seal(
+        self, round_: int, announcement: dict, stop: asyncio.Event
+    ) -> tuple[str, dict] | None:
+        """(sealer, seal) for `round_` or later. The coordinator seals; when it is silent (its record has
+        expired) the lowest-id live anchor seals in its place, and every anchor accepts that seal too."""
         announced_at = 0.0
+        waiting_since = time.monotonic()
+        seen: dict[str, Announcement] = {}
         while not stop.is_set():
             if time.monotonic() - announced_at > ANNOUNCE_TTL_S / 3:  # (re)announce until sealed
                 await self.node.store_own("announce", announcement, ANNOUNCE_TTL_S)
                 announced_at = time.monotonic()
-            seal = await read_seal(self.node, self.coordinator)
-            if seal is not None and seal.get("round", -1) >= round_:
-                return seal
+            view = await self._view()
+            anchors = sorted(p for p, r in view.peers.items() if r["role"] == "anchor")
+            stand_in = anchors[0] if anchors and self.coordinator not in view.peers else None
+            seals = await self.node.read_field("seal")
+            for sealer in (self.coordinator, stand_in):
+                entry = seals.get(sealer) if sealer else None
+                if (
+                    entry is not None
+                    and isinstance(entry.value, dict)
+                    and entry.value.get("round", -1) >= round_
+                ):
+                    return sealer, entry.value
+            silent_for = time.monotonic() - waiting_since
+            if stand_in == self.peer_id and silent_for > self.config.network.record_ttl_s:
+                await self.sealer.collect(round_, seen)
+                if seal_now(set(anchors), seen, time.monotonic(), self.sealer.deadline.seconds):
+                    log.warning("round %d: the coordinator is silent; sealing in its place", round_)
+                    self.sealer.observe_arrivals(set(anchors), seen)
+                    sealed = await self.sealer.seal(round_, seen)
+                    return self.peer_id, sealed.record
             if await sleep_or_stop(stop, POLL_S):
                 return None
         return None
 
-    async def _apply(self, seal: dict) -> None:
+    async def _view(self) -> SwarmView:
+        entries = await self.node.read_field("peers")
+        return SwarmView.from_entries(entries, self.config.pipeline.stages, self.config.model.n_layers)
+
+    async def _apply(self, sealer: str, seal: dict) -> None:
         round_ = seal["round"]
         if round_ != self.global_model.params_round + 1:
             raise RoundFailed(
@@ -162,12 +198,13 @@ class AnchorLoop:
         for contribution in seal["contributions"]:
             peer, payloads = contribution["peer"], {}
             for shard, digest in contribution["shards"].items():
-                own = self.outbox.get(round_, {}).get(shard) if peer == self.peer_id else None
+                here = peer == self.peer_id or sealer == self.peer_id  # our payload, or a round we sealed
+                own = self._serve_payload(round_, shard, peer) if here else None
                 try:
                     data = (
                         own
                         if own is not None
-                        else await self.node.fetch_payload(self.coordinator, round_, shard, peer, max_bytes)
+                        else await self.node.fetch_payload(sealer, round_, shard, peer, max_bytes)
                     )
                 except PeerRequestError as exc:
                     raise RoundFailed(f"cannot fetch {peer[-8:]}'s shard {shard}: {exc}") from None

@@ -31,18 +31,32 @@ class ArrivalDeadline:
     floor_s: float
     ceiling_s: float
     factor: float = 2.0
+    round_share: float = 0.5  # never wait less than this share of a typical round
     history: deque[float] = field(default_factory=lambda: deque(maxlen=8))
+    rounds: deque[float] = field(default_factory=lambda: deque(maxlen=8))
 
     def observe(self, spread_s: float) -> None:
         """Record how long after the first announcement the last expected one arrived."""
         if spread_s >= 0:
             self.history.append(spread_s)
 
+    def observe_round(self, duration_s: float) -> None:
+        """Record the time from one round's first announcement to the next one's.
+
+        A replica that rejoins, or shares its machine, can lag by a good part of a round while the others'
+        spread is near zero; a floor in proportion to the round keeps it in rather than always one behind.
+        """
+        if duration_s > 0:
+            self.rounds.append(duration_s)
+
     @property
     def seconds(self) -> float:
         if not self.history:
             return self.ceiling_s
-        return min(self.ceiling_s, max(self.floor_s, self.factor * max(self.history)))
+        floor = self.floor_s
+        if self.rounds:
+            floor = max(floor, self.round_share * sorted(self.rounds)[len(self.rounds) // 2])
+        return min(self.ceiling_s, max(floor, self.factor * max(self.history)))
 
 
 def seal_now(

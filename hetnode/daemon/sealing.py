@@ -1,0 +1,137 @@
+"""Sealing a sync round (DESIGN §3.5), shared by the coordinator and by the anchor that stands in for it.
+
+A contribution enters the seal only after the sealer fetched every shard from its author, checked the
+sha256 against the announcement and decoded it against the model (shapes, index ranges, finite tables).
+Anything else is excluded, logged with the peer id, and the peer is banned for a while, so a seal lists
+only payloads every replica can apply: nobody drops a contribution on its own. The sealer keeps the
+validated payloads and serves them to every replica.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from hetnode.config import Config
+from hetnode.daemon.rounds import GlobalModel, sha256_hex
+from hetnode.daemon.view import SwarmView
+from hetnode.errors import WireError
+from hetnode.net.node import SwarmNode
+from hetnode.net.streams import PeerRequestError
+from hetnode.planning.rounds import Announcement, ArrivalDeadline, sealed_order
+
+log = logging.getLogger(__name__)
+
+BAN_S = 120.0
+SEAL_TTL_S = 3600.0
+
+
+@dataclass(frozen=True)
+class SealedRound:
+    record: dict[str, Any]  # what went into the DHT
+    contributions: list[tuple[str, dict[str, bytes]]]  # (peer, shard -> payload), in sealed order
+    excluded: list[str]
+
+
+async def live_anchors(node: SwarmNode, config: Config) -> set[str]:
+    """The replicas a seal waits for: peers whose fresh record says anchor."""
+    view = SwarmView.from_entries(
+        await node.read_field("peers"), config.pipeline.stages, config.model.n_layers
+    )
+    return {peer for peer, record in view.peers.items() if record["role"] == "anchor"}
+
+
+class Sealer:
+    def __init__(
+        self,
+        config: Config,
+        node: SwarmNode,
+        global_model: GlobalModel,
+        own_payload: Callable[[int, str], bytes | None] = lambda round_, shard: None,
+    ) -> None:
+        self.config = config
+        self.own_payload = own_payload
+        self.node = node
+        self.global_model = global_model
+        self.payloads: dict[tuple[int, str, str], bytes] = {}  # (round, replica, shard) -> validated bytes
+        self._last_first: float | None = None  # when the previous round's first announcement arrived
+        self.banned: dict[str, float] = {}
+        n = config.network
+        self.deadline = ArrivalDeadline(
+            floor_s=max(1.0, n.heartbeat_s), ceiling_s=max(30.0, 10 * n.boundary_s)
+        )
+
+    def serve(self, round_: int, shard: str, replica: str) -> bytes | None:
+        return self.payloads.get((round_, replica, shard))
+
+    async def collect(self, round_: int, seen: dict[str, Announcement]) -> None:
+        """Add this round's new announcements (first sight time recorded; banned peers ignored)."""
+        now = time.monotonic()
+        for peer, entry in (await self.node.read_field("announce")).items():
+            value = entry.value
+            if value.get("round") != round_ or peer in seen or self.banned.get(peer, 0.0) > now:
+                continue
+            seen[peer] = Announcement(peer, round_, dict(value["shards"]), value["tokens"], now)
+
+    def observe_arrivals(self, expected: set[str], seen: dict[str, Announcement]) -> None:
+        first = min(a.seen_at for a in seen.values())
+        arrived = [a.seen_at for p, a in seen.items() if p in expected]
+        if arrived:
+            self.deadline.observe(max(arrived) - first)
+        if self._last_first is not None:
+            self.deadline.observe_round(first - self._last_first)
+        self._last_first = first
+
+    async def seal(self, round_: int, seen: dict[str, Announcement]) -> SealedRound:
+        """Validate every announced contribution, store the seal, keep the payloads to serve."""
+        good: list[tuple[Announcement, dict[str, bytes]]] = []
+        excluded = []
+        for announcement in sealed_order(seen.values()):
+            try:
+                payloads = await self._fetch_and_check(announcement)
+            except (PeerRequestError, WireError) as exc:
+                log.warning("round %d: excluding peer %s: %s", round_, announcement.peer_id, exc)
+                excluded.append(announcement.peer_id)
+                self.banned[announcement.peer_id] = time.monotonic() + BAN_S
+                continue
+            good.append((announcement, payloads))
+        for announcement, payloads in good:
+            for shard, data in payloads.items():
+                self.payloads[(round_, announcement.peer_id, shard)] = data
+        self.payloads = {k: v for k, v in self.payloads.items() if k[0] >= round_ - 1}
+        record = {
+            "round": round_,
+            "contributions": [
+                {"peer": a.peer_id, "shards": dict(a.shards), "tokens": a.tokens} for a, _ in good
+            ],
+            "excluded": excluded,
+            "sealed_at": time.time(),
+        }
+        if not await self.node.store_own("seal", record, ttl_s=SEAL_TTL_S):
+            log.warning("round %d: no DHT node accepted the seal yet", round_)
+        return SealedRound(record, [(a.peer_id, p) for a, p in good], excluded)
+
+    async def _fetch_and_check(self, announcement: Announcement) -> dict[str, bytes]:
+        max_bytes = int(self.config.network.max_frame_mb * 2**20)
+        if set(announcement.shards) != set(self.global_model.shards):
+            raise WireError("shards", "the announcement does not cover every shard")
+        own = announcement.peer_id == self.node.identity.peer_id
+        payloads = {}
+        for shard, digest in announcement.shards.items():
+            if own:
+                data = self.own_payload(announcement.round, shard)
+            else:
+                data = await self.node.fetch_payload(
+                    announcement.peer_id, announcement.round, shard, announcement.peer_id, max_bytes
+                )
+            if data is None or sha256_hex(data) != digest:
+                raise WireError(f"shards.{shard}", "payload differs from its announced sha256")
+            payloads[shard] = data
+        await asyncio.to_thread(
+            self.global_model.decode_contribution, announcement.peer_id, announcement.round, payloads
+        )
+        return payloads

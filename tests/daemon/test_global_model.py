@@ -1,0 +1,99 @@
+"""The global model over real encoded payloads: all-or-nothing apply, state transfer, local state resume."""
+
+import msgpack
+import pytest
+import torch
+
+from hetnode.daemon.rounds import AnchorTraining, GlobalModel, data_slot
+from hetnode.data.dataset import TokenDataset
+from hetnode.errors import WireError
+
+
+@pytest.fixture(scope="module")
+def dataset(tiny_config):
+    return TokenDataset.build(tiny_config.data, tiny_config.model.vocab_size, tiny_config.run.seed)
+
+
+def _round_of(config, dataset, peers, global_model):
+    payloads = {}
+    for peer in peers:
+        training = AnchorTraining(config, dataset, peer)
+        payloads[peer] = training.run_round(global_model.params_round + 1, global_model)
+    return payloads
+
+
+@pytest.fixture
+def fast_config(tiny_config):
+    from hetnode.config import replace
+
+    return replace(tiny_config, "outer", inner_steps=2)
+
+
+def test_replicas_applying_the_same_seal_hold_identical_parameters(fast_config, dataset):
+    a, b = GlobalModel(fast_config), GlobalModel(fast_config)
+    payloads = _round_of(fast_config, dataset, ["peer-a", "peer-b"], a)
+    a.apply(0, sorted(payloads.items()))
+    b.apply(0, sorted(payloads.items()))
+    assert a.digests() == b.digests() and a.params_round == 0
+    assert a.digests() != GlobalModel(fast_config).digests()  # the round changed θ
+
+
+def test_a_bad_payload_leaves_theta_untouched(fast_config, dataset):
+    model = GlobalModel(fast_config)
+    before = model.digests()
+    payloads = _round_of(fast_config, dataset, ["peer-a", "peer-b"], model)
+    message = msgpack.unpackb(payloads["peer-b"]["head"], raw=False)
+    message["tensors"][0]["q"][0] = float("nan")
+    payloads["peer-b"]["head"] = msgpack.packb(message, use_bin_type=True, use_single_float=True)
+    with pytest.raises(WireError, match="finite"):
+        model.apply(0, sorted(payloads.items()))
+    assert model.digests() == before and model.params_round == -1
+    good = _round_of(fast_config, dataset, ["peer-a"], model)
+    with pytest.raises(WireError, match="header"):  # a payload replayed under another replica's name
+        model.apply(0, [("peer-z", good["peer-a"])])
+    with pytest.raises(ValueError, match="does not follow"):
+        model.apply(5, [])
+
+
+def test_state_transfer_reproduces_theta_exactly(fast_config, dataset):
+    source = GlobalModel(fast_config)
+    source.apply(0, sorted(_round_of(fast_config, dataset, ["peer-a"], source).items()))
+    joiner = GlobalModel(fast_config)
+    joiner.load_state(0, {shard: source.state_payload(shard) for shard in source.shards})
+    assert joiner.digests() == source.digests() and joiner.params_round == 0
+    partial = {shard: source.state_payload(shard) for shard in list(source.shards)[:-1]}
+    with pytest.raises(WireError, match="shards"):
+        GlobalModel(fast_config).load_state(0, partial)
+
+
+def test_local_state_resumes_error_feedback_optimiser_and_round(fast_config, dataset, tmp_path):
+    model = GlobalModel(fast_config)
+    training = AnchorTraining(fast_config, dataset, "peer-a")
+    model.apply(0, [("peer-a", training.run_round(0, model))])
+    training.save_local_state(tmp_path / "state.pt", model)
+
+    restored_model = GlobalModel(fast_config)
+    restored = AnchorTraining(fast_config, dataset, "peer-a")
+    assert restored.load_local_state(tmp_path / "state.pt", restored_model)
+    assert restored_model.params_round == 0 and restored_model.digests() == model.digests()
+    assert (
+        restored.feedback_norm() == pytest.approx(training.feedback_norm()) and restored.feedback_norm() > 0
+    )
+    assert restored.trainer.step == training.trainer.step == 2
+    # the next round is the same whether or not the daemon restarted
+    assert restored.run_round(1, restored_model) == training.run_round(1, model)
+    assert not AnchorTraining(fast_config, dataset, "peer-b").load_local_state(tmp_path / "none.pt", model)
+
+
+def test_data_slots_differ_between_peers():
+    slots = {data_slot(f"Qm{i}") for i in range(50)}
+    assert len(slots) > 40  # spread over the slots, few collisions
+    assert data_slot("QmX") == data_slot("QmX")
+
+
+def test_payload_bytes_are_deterministic_across_processes_in_one_round(fast_config, dataset):
+    model = GlobalModel(fast_config)
+    first = AnchorTraining(fast_config, dataset, "peer-a").run_round(0, model)
+    second = AnchorTraining(fast_config, dataset, "peer-a").run_round(0, model)
+    assert first == second  # seeded init, the same slot and batches: the sha256 a peer announces is stable
+    assert torch.equal(model.params["embed.weight"], GlobalModel(fast_config).params["embed.weight"])
