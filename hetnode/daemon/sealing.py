@@ -117,8 +117,8 @@ class Sealer:
 
     async def _fetch_and_check(self, announcement: Announcement) -> dict[str, bytes]:
         max_bytes = int(self.config.network.max_frame_mb * 2**20)
-        if set(announcement.shards) != set(self.global_model.shards):
-            raise WireError("shards", "the announcement does not cover every shard")
+        if not announcement.shards or not set(announcement.shards) <= set(self.global_model.shards):
+            raise WireError("shards", f"announced shards {sorted(announcement.shards)} are not the model's")
         own = announcement.peer_id == self.node.identity.peer_id
         payloads = {}
         for shard, digest in announcement.shards.items():

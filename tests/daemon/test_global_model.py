@@ -97,3 +97,23 @@ def test_payload_bytes_are_deterministic_across_processes_in_one_round(fast_conf
     second = AnchorTraining(fast_config, dataset, "peer-a").run_round(0, model)
     assert first == second  # seeded init, the same slot and batches: the sha256 a peer announces is stable
     assert torch.equal(model.params["embed.weight"], GlobalModel(fast_config).params["embed.weight"])
+
+
+def test_stage_contributions_cover_their_own_shards_only(fast_config, dataset):
+    """A chain stage contributes its layers' shards; each shard averages over whoever sent it."""
+    full, split = GlobalModel(fast_config), GlobalModel(fast_config)
+    payloads = _round_of(fast_config, dataset, ["peer-a"], full)["peer-a"]
+    front = {s: p for s, p in payloads.items() if s in ("embed", "0", "1")}
+    back = {s: p for s, p in payloads.items() if s not in front}
+    full.apply(0, [("peer-a", payloads)])
+    # the same payload bytes, re-labelled per stage, give the same θ shard by shard
+    with pytest.raises(WireError, match="header"):
+        split.apply(0, [("stage-0", front), ("stage-1", back)])  # the payloads still name peer-a
+    split.apply(0, [("peer-a", front)])
+    assert {s: d for s, d in split.digests().items() if s in front} == {
+        s: d for s, d in full.digests().items() if s in front
+    }
+    untouched = GlobalModel(fast_config).digests()
+    assert {s: d for s, d in split.digests().items() if s in back} == {s: untouched[s] for s in back}
+    with pytest.raises(WireError, match="subset"):
+        GlobalModel(fast_config).decode_contribution("peer-a", 0, {"nonsense": b""})
