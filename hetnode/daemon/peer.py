@@ -78,6 +78,7 @@ class PeerDaemon:
         self.assignment: StageAssignment | None = None
         self.chain_live = False
         self._measuring: asyncio.Task | None = None
+        self._anchor_task: asyncio.Task | None = None
 
     @property
     def config(self) -> Config:
@@ -131,17 +132,7 @@ class PeerDaemon:
             asyncio.create_task(self.presence.heartbeat(stop), name="heartbeat"),
             asyncio.create_task(self._follow_boundaries(stop), name="boundaries"),
         ]
-        if record["role"] == "anchor":
-            anchor = AnchorLoop(
-                self.config,
-                self.node,
-                self.presence,
-                self.contact.coordinator,
-                self.options.device,
-                self.options.data_dir / f"anchor-state-{self.contact.manifest.run}.pt",
-                self.options.fault,
-            )
-            tasks.append(asyncio.create_task(anchor.run(stop), name="anchor"))
+        self._run_role(stop)
         try:
             done, _ = await asyncio.wait(
                 [asyncio.ensure_future(stop.wait()), *tasks], return_when="FIRST_COMPLETED"
@@ -151,7 +142,32 @@ class PeerDaemon:
                     raise task.exception()
         finally:
             stop.set()
+            if self._anchor_task is not None:
+                tasks.append(self._anchor_task)
             await asyncio.gather(*tasks, return_exceptions=True)
+
+    def _run_role(self, stop: asyncio.Event) -> None:
+        """Start the anchor's training when the role is anchor; stop it when the role changes."""
+        anchor_wanted = self.presence.record["role"] == "anchor"
+        if self._anchor_task is not None and self._anchor_task.done():
+            if not self._anchor_task.cancelled() and self._anchor_task.exception() is not None:
+                raise self._anchor_task.exception()
+            self._anchor_task = None
+        if anchor_wanted and self._anchor_task is None:
+            anchor = AnchorLoop(
+                self.config,
+                self.node,
+                self.presence,
+                self.contact.coordinator,
+                self.options.device,
+                self.options.data_dir / f"anchor-state-{self.contact.manifest.run}.pt",
+                self.options.fault,
+            )
+            self._anchor_task = asyncio.create_task(anchor.run(stop), name="anchor")
+        elif not anchor_wanted and self._anchor_task is not None:
+            log.info("leaving the anchor role: training stops (local state is kept)")
+            self._anchor_task.cancel()
+            self._anchor_task = None
 
     def _info(self) -> dict:
         return {
@@ -263,6 +279,7 @@ class PeerDaemon:
             layers = [0, self.config.model.n_layers - 1] if role == "anchor" else None
             await self.presence.update(role=role, chain=None, stage=None, layers=layers, outer_step=boundary)
             log.info("boundary %d: role %s", boundary, role)
+        self._run_role(stop)
         if role == "idle" and record["wants"] == "stage":
             await self._try_to_form_chain(boundary, stop)
 
