@@ -17,7 +17,7 @@ from pathlib import Path
 from bootstrap.round_keeper import RoundKeeper
 from hetnode.config import Config, load_config
 from hetnode.daemon.datadir import DataDir
-from hetnode.daemon.lifecycle import print_ready, sleep_or_stop, stop_on_signals
+from hetnode.daemon.lifecycle import print_ready, sleep_or_stop, stop_on_signals, until_stopped
 from hetnode.daemon.peer import limits_of
 from hetnode.daemon.presence import Presence
 from hetnode.net.identity import Identity, load_or_create_identity
@@ -141,12 +141,7 @@ class Coordinator:
             asyncio.create_task(RoundKeeper(self.config, node, presence, data_dir).run(stop), name="rounds"),
         ]
         try:
-            done, _ = await asyncio.wait(
-                [asyncio.ensure_future(stop.wait()), *tasks], return_when="FIRST_COMPLETED"
-            )
-            for task in done:
-                if task in tasks and task.exception() is not None:
-                    raise task.exception()
+            await until_stopped(stop, tasks)
         finally:
             stop.set()
             await asyncio.gather(*tasks, return_exceptions=True)

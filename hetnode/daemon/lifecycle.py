@@ -32,6 +32,18 @@ def stop_on_signals() -> asyncio.Event:
     return stop
 
 
+async def until_stopped(stop: asyncio.Event, tasks: Sequence[asyncio.Task]) -> None:
+    """Wait for `stop`, or for a task to end first; a task's failure is raised here (the daemon exits)."""
+    waiter = asyncio.ensure_future(stop.wait())
+    try:
+        done, _ = await asyncio.wait([waiter, *tasks], return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        waiter.cancel()
+    for task in done:
+        if task is not waiter and not task.cancelled() and task.exception() is not None:
+            raise task.exception()
+
+
 async def sleep_or_stop(stop: asyncio.Event, seconds: float) -> bool:
     """Sleep up to `seconds`; True when woken by `stop`."""
     try:

@@ -18,7 +18,7 @@ from pathlib import Path
 from hetnode.config import Config
 from hetnode.daemon.anchor import AnchorLoop
 from hetnode.daemon.datadir import DataDir
-from hetnode.daemon.lifecycle import Stopped, print_ready, sleep_or_stop, stop_on_signals
+from hetnode.daemon.lifecycle import Stopped, print_ready, sleep_or_stop, stop_on_signals, until_stopped
 from hetnode.daemon.presence import Presence
 from hetnode.daemon.resources import available_memory_gb, measure_tflops
 from hetnode.daemon.swarm import RunContact, find_run, read_round, start_when_reachable
@@ -134,12 +134,7 @@ class PeerDaemon:
         ]
         self._run_role(stop)
         try:
-            done, _ = await asyncio.wait(
-                [asyncio.ensure_future(stop.wait()), *tasks], return_when="FIRST_COMPLETED"
-            )
-            for task in done:
-                if task in tasks and task.exception() is not None:
-                    raise task.exception()
+            await until_stopped(stop, tasks)
         finally:
             stop.set()
             if self._anchor_task is not None:
