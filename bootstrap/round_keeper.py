@@ -126,10 +126,3 @@ class RoundKeeper:
                 self.global_model.params[name].copy_(tensor)
         self.global_model.params_round = int(state["params_round"])
         log.info("global model restored at round %d from %s", self.global_model.params_round, path)
-
-
-def read_history(data_dir: Path) -> list[dict[str, Any]]:
-    path = Path(data_dir) / HISTORY
-    if not path.exists():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]

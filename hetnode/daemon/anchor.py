@@ -184,8 +184,7 @@ class AnchorLoop:
         return None
 
     async def _view(self) -> SwarmView:
-        entries = await self.node.read_field("peers")
-        return SwarmView.from_entries(entries, self.config.pipeline.stages, self.config.model.n_layers)
+        return await SwarmView.read(self.node, self.config)
 
     async def _apply(self, sealer: str, seal: dict) -> None:
         round_ = seal["round"]

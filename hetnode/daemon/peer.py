@@ -246,8 +246,7 @@ class PeerDaemon:
     # --- boundaries ----------------------------------------------------------------------------------
 
     async def _view(self) -> SwarmView:
-        entries = await self.node.read_field("peers")
-        return SwarmView.from_entries(entries, self.config.pipeline.stages, self.config.model.n_layers)
+        return await SwarmView.read(self.node, self.config)
 
     async def _follow_boundaries(self, stop: asyncio.Event) -> None:
         poll_s = min(1.0, self.config.network.boundary_s / 4)

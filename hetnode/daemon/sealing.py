@@ -39,9 +39,7 @@ class SealedRound:
 
 async def live_anchors(node: SwarmNode, config: Config) -> set[str]:
     """The replicas a seal waits for: peers whose fresh record says anchor."""
-    view = SwarmView.from_entries(
-        await node.read_field("peers"), config.pipeline.stages, config.model.n_layers
-    )
+    view = await SwarmView.read(node, config)
     return {peer for peer, record in view.peers.items() if record["role"] == "anchor"}
 
 

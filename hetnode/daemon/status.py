@@ -20,9 +20,7 @@ async def query_status(peer_maddr: str, timeout_s: float, listen: str) -> dict[s
     try:
         contact = await find_run(node, peer_maddr, timeout_s, asyncio.Event(), client_mode=True)
         config = contact.manifest.config
-        view = SwarmView.from_entries(
-            await node.read_field("peers"), config.pipeline.stages, config.model.n_layers
-        )
+        view = await SwarmView.read(node, config)
         round_ = await read_round(node, contact.coordinator)
         document = view.status_document(contact.manifest.run, round_ if round_ is not None else -1)
         document["coordinator"] = contact.coordinator

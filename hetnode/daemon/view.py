@@ -7,7 +7,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from hetnode.net.node import StoredValue
+from hetnode.config import Config
+from hetnode.net.node import StoredValue, SwarmNode
 from hetnode.net.records import check_peer_record
 from hetnode.planning.roles import Candidate, ChainStatus, Claim, chain_prefix, chain_status
 
@@ -36,6 +37,11 @@ class SwarmView:
             if record["role"] != "offline":
                 peers[peer_id] = record
         return cls(peers, stages_per_chain, n_layers)
+
+    @classmethod
+    async def read(cls, node: SwarmNode, config: Config) -> SwarmView:
+        """The current view through `node`: every fresh, valid peer record of the run."""
+        return cls.from_entries(await node.read_field("peers"), config.pipeline.stages, config.model.n_layers)
 
     def idle_candidates(self, boundary: int) -> list[Candidate]:
         """The pool at `boundary`: idle stage candidates, plus those that already claimed a chain formed at

@@ -99,6 +99,3 @@ def record_key(run: str, field: str) -> str:
 def check_peer_record(value: dict) -> dict:
     """Validate a record read from the DHT again on our side (relays may run other code)."""
     return PeerRecord.parse_obj(value).dict()
-
-
-PEER_FIELDS: list[str] = list(PeerRecord.__fields__)
