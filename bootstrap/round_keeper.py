@@ -16,8 +16,8 @@ from hetnode.config import Config
 from hetnode.daemon.datadir import DataDir
 from hetnode.daemon.lifecycle import sleep_or_stop
 from hetnode.daemon.presence import Presence
-from hetnode.daemon.rounds import GlobalModel
-from hetnode.daemon.sealing import Sealer, live_anchors
+from hetnode.daemon.rounds import GlobalModel, base_fixed_embedding
+from hetnode.daemon.sealing import SealedRound, Sealer, expected_contributors
 from hetnode.data.dataset import TokenDataset
 from hetnode.errors import WireError
 from hetnode.model.decoder import build_model
@@ -56,16 +56,20 @@ class RoundKeeper:
             await self.sealer.collect(round_, seen)
             if not seen:
                 continue
-            expected = await live_anchors(self.node, self.config)
+            expected = await expected_contributors(self.node, self.config, round_)
             if not seal_now(expected, seen, time.monotonic(), self.sealer.deadline.seconds):
                 continue
+            started = time.monotonic()
+            sealed = await self.sealer.seal(round_, seen)
+            if sealed is None:
+                continue
             self.sealer.observe_arrivals(expected, seen)
-            await self._seal(round_, seen, evaluator)
+            await self._record(sealed, started, evaluator)
             seen, round_ = {}, round_ + 1
 
-    async def _seal(self, round_: int, seen: dict[str, Announcement], evaluator: Any) -> None:
-        started = time.monotonic()
-        sealed = await self.sealer.seal(round_, seen)
+    async def _record(self, sealed: SealedRound, started: float, evaluator: Any) -> None:
+        """Apply the sealed round to the coordinator's θ, evaluate, checkpoint, append to the history."""
+        round_ = sealed.record["round"]
         await asyncio.to_thread(self.global_model.apply, round_, sealed.contributions)
         eval_loss = await asyncio.to_thread(evaluator, self.global_model)
         await asyncio.to_thread(self._checkpoint)
@@ -75,7 +79,8 @@ class RoundKeeper:
             "round": round_,
             "contributors": [peer for peer, _ in sealed.contributions],
             "excluded": sealed.excluded,
-            "tokens": sum(c["tokens"] for c in sealed.record["contributions"]),
+            # tokens trained: one count per replica (an anchor, or a chain's first stage: "embed")
+            "tokens": sum(c["tokens"] for c in sealed.record["contributions"] if "embed" in c["shards"]),
             "eval_loss": eval_loss,
             "seal_seconds": round(time.monotonic() - started, 3),
             "layer_digests": digests,
@@ -96,6 +101,7 @@ class RoundKeeper:
     def _build_evaluator(self):
         dataset = TokenDataset.build(self.config.data, self.config.model.vocab_size, self.config.run.seed)
         model = build_model(self.config.model, seed=self.config.run.seed)
+        model.fixed_embedding = base_fixed_embedding(self.config)  # the architecture anchors train
         batches = dataset.eval_batches(self.config.train.eval_batches)
 
         @torch.no_grad()

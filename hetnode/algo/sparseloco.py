@@ -221,6 +221,12 @@ class ErrorFeedback:
             out[name] = ct
         return out
 
+    def restore(self, sent: dict[str, CompressedTensor]) -> None:
+        """Undo the subtraction of a payload that was never applied (e.g. left out of a sealed round)."""
+        for name, ct in sent.items():
+            buf = self.buffers[name]
+            buf.add_(self.codec.decompress(ct, device=buf.device))
+
     def state_dict(self) -> dict[str, object]:
         return {"beta": self.beta, "buffers": {n: b.detach().clone() for n, b in self.buffers.items()}}
 

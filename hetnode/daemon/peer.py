@@ -17,6 +17,7 @@ from pathlib import Path
 
 from hetnode.config import Config
 from hetnode.daemon.anchor import AnchorLoop
+from hetnode.daemon.chain import ChainLayout, ChainLoop
 from hetnode.daemon.datadir import DataDir
 from hetnode.daemon.lifecycle import Stopped, print_ready, sleep_or_stop, stop_on_signals, until_stopped
 from hetnode.daemon.presence import Presence
@@ -77,8 +78,10 @@ class PeerDaemon:
         self.link_class: LinkClass = "slow"
         self.assignment: StageAssignment | None = None
         self.chain_live = False
+        self.chain_broken = False  # our chain's training ended: leave it at the next boundary
         self._measuring: asyncio.Task | None = None
-        self._anchor_task: asyncio.Task | None = None
+        self._role_task: asyncio.Task | None = None  # the anchor loop or our chain stage
+        self._role_key: str | None = None  # "anchor" or the chain id
 
     @property
     def config(self) -> Config:
@@ -137,19 +140,34 @@ class PeerDaemon:
             await until_stopped(stop, tasks)
         finally:
             stop.set()
-            if self._anchor_task is not None:
-                tasks.append(self._anchor_task)
+            if self._role_task is not None:
+                tasks.append(self._role_task)
             await asyncio.gather(*tasks, return_exceptions=True)
 
-    def _run_role(self, stop: asyncio.Event) -> None:
-        """Start the anchor's training when the role is anchor; stop it when the role changes."""
-        anchor_wanted = self.presence.record["role"] == "anchor"
-        if self._anchor_task is not None and self._anchor_task.done():
-            if not self._anchor_task.cancelled() and self._anchor_task.exception() is not None:
-                raise self._anchor_task.exception()
-            self._anchor_task = None
-        if anchor_wanted and self._anchor_task is None:
-            anchor = AnchorLoop(
+    def _run_role(self, stop: asyncio.Event, view: SwarmView | None = None) -> None:
+        """Run the training of the current role (the anchor loop, or our stage of a live chain) and stop
+        it when the role or the chain changes. `view` is needed to start a chain's stage."""
+        task = self._role_task
+        if task is not None and task.done():
+            if not task.cancelled() and task.exception() is not None:
+                raise task.exception()
+            if self._role_key != "anchor" and task.result() != "stopped":
+                self.chain_broken = True  # dissolve at the next boundary
+            self._role_task = task = None
+        record = self.presence.record
+        wanted: str | None = None
+        if record["role"] == "anchor":
+            wanted = "anchor"
+        elif record["role"] == "stage" and self.chain_live and self.assignment and not self.chain_broken:
+            wanted = self.assignment.chain
+        if task is not None and self._role_key != wanted:
+            log.info("leaving %s: its training stops (local state is kept)", self._role_key)
+            task.cancel()
+            self._role_task = task = None
+        if wanted is None or task is not None:
+            return
+        if wanted == "anchor":
+            loop = AnchorLoop(
                 self.config,
                 self.node,
                 self.presence,
@@ -158,11 +176,15 @@ class PeerDaemon:
                 self.options.data_dir / f"anchor-state-{self.contact.manifest.run}.pt",
                 self.options.fault,
             )
-            self._anchor_task = asyncio.create_task(anchor.run(stop), name="anchor")
-        elif not anchor_wanted and self._anchor_task is not None:
-            log.info("leaving the anchor role: training stops (local state is kept)")
-            self._anchor_task.cancel()
-            self._anchor_task = None
+        else:
+            layout = ChainLayout.from_view(view, wanted, self.node.identity.peer_id) if view else None
+            if layout is None:
+                return
+            loop = ChainLoop(
+                self.config, self.node, self.presence, self.contact.coordinator, layout, self.options.device
+            )
+        self._role_task = asyncio.create_task(loop.run(stop), name=f"role-{wanted}")
+        self._role_key = wanted
 
     def _info(self) -> dict:
         return {
@@ -264,16 +286,20 @@ class PeerDaemon:
         record = self.presence.record
         await self._apply_remeasurement(boundary)
         view = await self._view()
-        in_live_chain = self.assignment is not None and view.chain_is_live(self.assignment.chain)
+        in_live_chain = (
+            self.assignment is not None
+            and view.chain_is_live(self.assignment.chain)
+            and not self.chain_broken
+        )
         role = next_role(record["role"], in_live_chain, record["wants"])
         if self.assignment is not None and not in_live_chain:
             log.info("chain %s is not complete any more: dissolving, back to the pool", self.assignment.chain)
         if role != record["role"] or (role != "stage" and self.assignment is not None):
-            self.assignment, self.chain_live = None, False
+            self.assignment, self.chain_live, self.chain_broken = None, False, False
             layers = [0, self.config.model.n_layers - 1] if role == "anchor" else None
             await self.presence.update(role=role, chain=None, stage=None, layers=layers, outer_step=boundary)
             log.info("boundary %d: role %s", boundary, role)
-        self._run_role(stop)
+        self._run_role(stop, view)
         if role == "idle" and record["wants"] == "stage":
             await self._try_to_form_chain(boundary, stop)
 
@@ -306,6 +332,7 @@ class PeerDaemon:
             if view.chain_is_live(mine.chain):
                 self.chain_live = True
                 log.info("chain %s live: stage %d, layers %d..%d", mine.chain, mine.stage, *mine.layers)
+                self._run_role(stop, view)
                 return
             if await sleep_or_stop(stop, 0.2):
                 return

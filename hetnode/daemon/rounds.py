@@ -15,12 +15,21 @@ from pathlib import Path
 import torch
 
 from hetnode.algo.aggregate import aggregate_sparse, outer_sgd_step
-from hetnode.algo.sparseloco import DenseCodec, ErrorFeedback, SparseLoCoCodec, pseudo_gradient
+from hetnode.algo.sparseloco import (
+    CompressedTensor,
+    DenseCodec,
+    ErrorFeedback,
+    SparseLoCoCodec,
+    pseudo_gradient,
+)
+from hetnode.algo.subspace import frozen_embedding
 from hetnode.config import Config
 from hetnode.data.dataset import TokenDataset
 from hetnode.errors import CheckpointError, WireError
 from hetnode.model.decoder import build_model
-from hetnode.sim.replicas import layer_digests, shard_names
+from hetnode.model.subspace import SubspaceConstraint
+from hetnode.planning.layer_split import split_layers
+from hetnode.sim.replicas import WorkingCopy, layer_digests, shard_names
 from hetnode.training.trainer import InnerTrainer
 from hetnode.wire.sync_payload import DecodedPayload, ShardSpec, SyncPayload, decode_payload, encode_payload
 
@@ -32,6 +41,25 @@ NUM_DATA_SLOTS = 256  # replicas pick a slot from their peer id; slots are disjo
 
 def sha256_hex(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
+
+
+def base_fixed_embedding(config: Config) -> torch.Tensor | None:
+    """T_fix, part of the architecture whenever a subspace mode is on (anchors add it too, so that anchors
+    and chains train one function of θ); None when compression is off."""
+    if config.pipeline.compression == "none":
+        return None
+    m = config.model
+    return frozen_embedding(m.vocab_size, m.d_model, config.run.seed, m.init_std)
+
+
+def anchor_constraint(config: Config) -> SubspaceConstraint | None:
+    """Anchors are constrained only in the `everything` mode, at the even split's last boundary."""
+    if config.pipeline.compression != "everything" or config.pipeline.stages < 2:
+        return None
+    splits = split_layers(config.model.n_layers, [1.0] * config.pipeline.stages)
+    return SubspaceConstraint.create(
+        config.model, config.pipeline.subspace_rank, splits[-1].start, config.run.seed
+    )
 
 
 def data_slot(peer_id: str) -> int:
@@ -129,28 +157,46 @@ class AnchorTraining:
         self.config = config
         self.peer_id = peer_id
         self.model = build_model(config.model, seed=config.run.seed).to(device)
+        constraint = anchor_constraint(config)
+        self.working = WorkingCopy(constraint, base_fixed_embedding(config))
         self.trainer = InnerTrainer(
-            config, self.model, dataset, device, slots=[data_slot(peer_id)], num_slots=NUM_DATA_SLOTS
+            config,
+            self.model,
+            dataset,
+            device,
+            slots=[data_slot(peer_id)],
+            num_slots=NUM_DATA_SLOTS,
+            constraint=constraint,
         )
         o = config.outer
         self.feedback = ErrorFeedback(SparseLoCoCodec(o.topk, o.tile), o.error_feedback)
         self.last_loss = float("nan")
+        self._unsent: dict[str, CompressedTensor] = {}  # the last round's payload, until it is sealed
 
     def run_round(self, round_: int, global_model: GlobalModel) -> dict[str, bytes]:
         """Train one round (blocking: run it in a worker thread) and return the encoded payload per shard."""
+        reference, fixed = self.working.prepare(global_model.params)
         with torch.no_grad():
             for name, param in self.model.named_parameters():
-                param.copy_(global_model.params[name])
+                param.copy_(reference[name])
+        if fixed is not None:
+            self.model.fixed_embedding = fixed.to(self.trainer.device)
         for _ in range(self.config.outer.inner_steps):
             self.last_loss = self.trainer.train_step().loss
         local = {n: p.detach().cpu() for n, p in self.model.named_parameters()}
-        compressed = self.feedback.compress(pseudo_gradient(global_model.params, local))
+        compressed = self.feedback.compress(pseudo_gradient(reference, local))
+        self._unsent = compressed
         return {
             shard: encode_payload(
                 SyncPayload(self.peer_id, round_, shard, "sparseloco", {n: compressed[n] for n in names})
             )
             for shard, names in global_model.shards.items()
         }
+
+    def restore_unsent(self) -> None:
+        """The last payload was not sealed: add it back to the error-feedback buffers (nothing is lost)."""
+        self.feedback.restore(self._unsent)
+        self._unsent = {}
 
     @property
     def tokens(self) -> int:

@@ -2,9 +2,11 @@
 
 A contribution enters the seal only after the sealer fetched every shard from its author, checked the
 sha256 against the announcement and decoded it against the model (shapes, index ranges, finite tables).
-Anything else is excluded, logged with the peer id, and the peer is banned for a while, so a seal lists
-only payloads every replica can apply: nobody drops a contribution on its own. The sealer keeps the
-validated payloads and serves them to every replica.
+A payload that is invalid is excluded, logged with the peer id, and its author is banned for a while; an
+author that cannot be reached (it left mid-round) is excluded too, but only held back for a short retry
+interval. A seal lists only payloads every replica can apply, so nobody drops a contribution on its own,
+and it never lists none: a round in which nothing valid arrived stays open. The sealer keeps the validated
+payloads and serves them to every replica.
 """
 
 from __future__ import annotations
@@ -26,7 +28,9 @@ from hetnode.planning.rounds import Announcement, ArrivalDeadline, sealed_order
 
 log = logging.getLogger(__name__)
 
-BAN_S = 120.0
+BAN_S = 120.0  # an author of an invalid payload is ignored this long
+RETRY_S = 5.0  # an unreachable author's announcement is tried again after this long
+POLL_RETRY_S = 0.5  # a re-announced contribution is read again after this long
 SEAL_TTL_S = 3600.0
 
 
@@ -37,10 +41,9 @@ class SealedRound:
     excluded: list[str]
 
 
-async def live_anchors(node: SwarmNode, config: Config) -> set[str]:
-    """The replicas a seal waits for: peers whose fresh record says anchor."""
-    view = await SwarmView.read(node, config)
-    return {peer for peer, record in view.peers.items() if record["role"] == "anchor"}
+async def expected_contributors(node: SwarmNode, config: Config, round_: int) -> set[str]:
+    """The replicas a seal of `round_` waits for (anchors, and stages of live chains that are in step)."""
+    return (await SwarmView.read(node, config)).expected_contributors(round_)
 
 
 class Sealer:
@@ -57,6 +60,8 @@ class Sealer:
         self.global_model = global_model
         self.payloads: dict[tuple[int, str, str], bytes] = {}  # (round, replica, shard) -> validated bytes
         self._last_first: float | None = None  # when the previous round's first announcement arrived
+        # expected replicas the last seal went without: their late announcements still teach the deadline
+        self._late: tuple[int, float, set[str]] = (-1, 0.0, set())
         self.banned: dict[str, float] = {}
         n = config.network
         self.deadline = ArrivalDeadline(
@@ -69,14 +74,20 @@ class Sealer:
     async def collect(self, round_: int, seen: dict[str, Announcement]) -> None:
         """Add this round's new announcements (first sight time recorded; banned peers ignored)."""
         now = time.monotonic()
+        late_round, late_first, late_missing = self._late
         for peer, entry in (await self.node.read_field("announce")).items():
             value = entry.value
+            if value.get("round") == late_round and peer in late_missing:
+                late_missing.discard(peer)  # it came, too late: wait this long next time
+                self.deadline.observe(now - late_first)
             if value.get("round") != round_ or peer in seen or self.banned.get(peer, 0.0) > now:
                 continue
             seen[peer] = Announcement(peer, round_, dict(value["shards"]), value["tokens"], now)
 
     def observe_arrivals(self, expected: set[str], seen: dict[str, Announcement]) -> None:
         first = min(a.seen_at for a in seen.values())
+        round_ = next(iter(seen.values())).round
+        self._late = (round_, first, set(expected) - set(seen))
         arrived = [a.seen_at for p, a in seen.items() if p in expected]
         if arrived:
             self.deadline.observe(max(arrived) - first)
@@ -84,19 +95,38 @@ class Sealer:
             self.deadline.observe_round(first - self._last_first)
         self._last_first = first
 
-    async def seal(self, round_: int, seen: dict[str, Announcement]) -> SealedRound:
-        """Validate every announced contribution, store the seal, keep the payloads to serve."""
+    async def seal(self, round_: int, seen: dict[str, Announcement]) -> SealedRound | None:
+        """Validate every announced contribution, store the seal, keep the payloads to serve.
+
+        None when no contribution was valid: nothing is sealed, and the excluded announcements are dropped
+        from `seen` so the round stays open for whoever announces next."""
         good: list[tuple[Announcement, dict[str, bytes]]] = []
         excluded = []
         for announcement in sealed_order(seen.values()):
+            peer = announcement.peer_id
             try:
                 payloads = await self._fetch_and_check(announcement)
-            except (PeerRequestError, WireError) as exc:
-                log.warning("round %d: excluding peer %s: %s", round_, announcement.peer_id, exc)
-                excluded.append(announcement.peer_id)
-                self.banned[announcement.peer_id] = time.monotonic() + BAN_S
+            except PeerRequestError as exc:
+                log.warning("round %d: leaving out unreachable peer %s: %s", round_, peer, exc)
+                excluded.append(peer)
+                self.banned[peer] = time.monotonic() + RETRY_S
+                continue
+            except WireError as exc:
+                excluded.append(peer)
+                if await self._announcement_changed(announcement):
+                    # It restarted and re-announced while we fetched: stale, not hostile.
+                    log.info("round %d: peer %s re-announced; trying its new payload", round_, peer)
+                    self.banned[peer] = time.monotonic() + POLL_RETRY_S
+                    continue
+                log.warning("round %d: excluding peer %s: %s", round_, peer, exc)
+                self.banned[peer] = time.monotonic() + BAN_S
                 continue
             good.append((announcement, payloads))
+        if not good:
+            for peer in excluded:
+                del seen[peer]
+            log.info("round %d: no valid contribution among %d announced; not sealing", round_, len(excluded))
+            return None
         for announcement, payloads in good:
             for shard, data in payloads.items():
                 self.payloads[(round_, announcement.peer_id, shard)] = data
@@ -112,6 +142,15 @@ class Sealer:
         if not await self.node.store_own("seal", record, ttl_s=SEAL_TTL_S):
             log.warning("round %d: no DHT node accepted the seal yet", round_)
         return SealedRound(record, [(a.peer_id, p) for a, p in good], excluded)
+
+    async def _announcement_changed(self, announcement: Announcement) -> bool:
+        entry = (await self.node.read_field("announce")).get(announcement.peer_id)
+        value = entry.value if entry is not None else None
+        return (
+            isinstance(value, dict)
+            and value.get("round") == announcement.round
+            and dict(value.get("shards", {})) != dict(announcement.shards)
+        )
 
     async def _fetch_and_check(self, announcement: Announcement) -> dict[str, bytes]:
         max_bytes = int(self.config.network.max_frame_mb * 2**20)

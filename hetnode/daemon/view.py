@@ -73,6 +73,17 @@ class SwarmView:
     def chain_is_live(self, chain: str) -> bool:
         return any(c.chain == chain and c.live for c in self.chains())
 
+    def expected_contributors(self, round_: int) -> set[str]:
+        """Whom a seal of `round_` waits for: every anchor, and every member of a live chain that holds θ
+        after round_−1 (a chain still forming or catching up is not waited for; it joins a later round)."""
+        live = {c.chain for c in self.chains() if c.live}
+        return {
+            peer
+            for peer, r in self.peers.items()
+            if r["role"] == "anchor"
+            or (r["role"] == "stage" and r["chain"] in live and r["params_round"] == round_ - 1)
+        }
+
     def status_document(self, run: str, round_: int) -> dict[str, Any]:
         """The stable `hetnode status --json` document (later versions add fields, never rename)."""
         peers = [

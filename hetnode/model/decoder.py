@@ -94,6 +94,18 @@ def build_model(cfg: ModelConfig, seed: int = 0) -> DecoderStage:
 
 def build_stages(cfg: ModelConfig, splits: list[range], seed: int = 0) -> list[DecoderStage]:
     """One module per contiguous layer range; ranges must cover 0..n_layers-1 in order."""
+    check_splits(cfg, splits)
+    last = len(splits) - 1
+    return [DecoderStage(cfg, r, first=i == 0, last=i == last, seed=seed) for i, r in enumerate(splits)]
+
+
+def build_stage(cfg: ModelConfig, splits: list[range], index: int, seed: int = 0) -> DecoderStage:
+    """Stage `index` of a chain over `splits` alone, initialised exactly as in the whole model."""
+    check_splits(cfg, splits)
+    return DecoderStage(cfg, splits[index], first=index == 0, last=index == len(splits) - 1, seed=seed)
+
+
+def check_splits(cfg: ModelConfig, splits: list[range]) -> None:
     expected = 0
     for layers in splits:
         if layers.start != expected or len(layers) == 0:
@@ -101,8 +113,6 @@ def build_stages(cfg: ModelConfig, splits: list[range], seed: int = 0) -> list[D
         expected = layers.stop
     if expected != cfg.n_layers:
         raise ValueError(f"stage ranges cover {expected} of {cfg.n_layers} layers")
-    last = len(splits) - 1
-    return [DecoderStage(cfg, r, first=i == 0, last=i == last, seed=seed) for i, r in enumerate(splits)]
 
 
 def _param_generator(seed: int, name: str) -> torch.Generator:

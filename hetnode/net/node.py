@@ -10,7 +10,7 @@ import asyncio
 import logging
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -45,6 +45,7 @@ from hetnode.wire.control import ControlMessage, decode_request, encode_reply, e
 log = logging.getLogger(__name__)
 
 CONTROL_HANDLER = "hetnode.control.v1"
+STAGE_HANDLER = "hetnode.stage.v1"  # one long-lived duplex stream per chain boundary
 DHT_TIMEOUT_S = 10.0
 logging.getLogger("hivemind").setLevel(logging.WARNING)
 
@@ -75,6 +76,8 @@ class StoredValue:
 InfoProvider = Callable[[], dict[str, Any]]  # -> {"run", "protocol", "coordinator", "role", "name"}
 PayloadProvider = Callable[[int, str, str], bytes | None]
 StateProvider = Callable[[int, str], bytes | None]
+# (peer, reader, writer): runs for the stream's life; the stream closes when it returns
+StageAcceptor = Callable[[str, asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
 
 
 class SwarmNode:
@@ -93,6 +96,8 @@ class SwarmNode:
         }
         self._payloads: PayloadProvider = lambda round_, shard, replica: None
         self._state: StateProvider = lambda round_, shard: None
+        self._stage: StageAcceptor | None = None
+        self._stage_limiter = RateLimiter(limits.requests_per_min)
         self._closed = False
 
     @classmethod
@@ -120,6 +125,7 @@ class SwarmNode:
             await p2p.add_binary_stream_handler(
                 CONTROL_HANDLER, guarded_handler(CONTROL_HANDLER, limiter, node._control)
             )
+            await p2p.add_binary_stream_handler(STAGE_HANDLER, node._accept_stage)
         return node
 
     @staticmethod
@@ -154,6 +160,30 @@ class SwarmNode:
     def set_state(self, provider: StateProvider) -> None:
         """Serve global parameters for catch-up: `provider(round, shard)` -> a dense payload or None."""
         self._state = provider
+
+    def set_stage_acceptor(self, acceptor: StageAcceptor | None) -> None:
+        """Accept chain streams with `acceptor` (it checks who calls); None refuses them all."""
+        self._stage = acceptor
+
+    async def open_stage_stream(self, peer: str, timeout: float = 10.0) -> OpenStream:
+        """A duplex stream to the next stage of our chain."""
+        return await open_stream(self.p2p, peer, STAGE_HANDLER, timeout)
+
+    async def _accept_stage(
+        self, info: Any, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    ) -> None:
+        peer = info.peer_id.to_base58()
+        try:
+            if self._stage is None or not self._stage_limiter.allow(peer):
+                log.info("refusing a chain stream from peer %s (not our upstream stage now)", peer)
+                return
+            await self._stage(peer, reader, writer)
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            log.exception("chain stream from peer %s failed", peer)
+        finally:
+            writer.close()
 
     async def fetch_payload(self, peer: str, round_: int, shard: str, replica: str, max_bytes: int) -> bytes:
         request = encode_request("payload", round=round_, shard=shard, replica=replica)

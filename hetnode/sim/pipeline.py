@@ -18,7 +18,7 @@ import torch
 from hetnode.algo.optim import build_optimizer
 from hetnode.config import Config
 from hetnode.data import TokenDataset
-from hetnode.model import build_stages
+from hetnode.model.decoder import build_stage
 from hetnode.model.subspace import SubspaceConstraint
 from hetnode.training.schedule import warmup_cosine
 from hetnode.training.stage_worker import Frame, StageWorker
@@ -145,26 +145,39 @@ def build_chain_workers(
     """Stage workers for a chain over `splits`, optionally subspace-constrained and compressed.
 
     Wire dtype defaults to bf16 for compressed boundaries and fp32 otherwise."""
+    return [
+        build_stage_worker(config, splits, i, optimizer, compress, constrained, seed, wire_dtype)
+        for i in range(len(splits))
+    ]
+
+
+def build_stage_worker(
+    config: Config,
+    splits: Sequence[range],
+    index: int,
+    optimizer: str,
+    compress: bool,
+    constrained: bool,
+    seed: int,
+    wire_dtype: torch.dtype | None = None,
+) -> StageWorker:
+    """The worker of stage `index` alone (a networked stage builds only its own layers).
+
+    Every stage of a chain builds the same seeded constraint, so U and T_fix agree without a transfer."""
     inner = config.inner
-    stages = build_stages(config.model, list(splits), seed=seed)
+    stage = build_stage(config.model, list(splits), index, seed=seed)
     constraint = None
     if (constrained or compress) and len(splits) > 1:
         constraint = SubspaceConstraint.create(
             config.model, config.pipeline.subspace_rank, splits[-1].start, config.run.seed
         )
+        constraint.attach(stage)
     dtype = wire_dtype or (torch.bfloat16 if compress else torch.float32)
 
     def lr_at(step: int) -> float:
         return warmup_cosine(step, inner.lr, inner.warmup_steps, config.train.max_steps, inner.min_lr_ratio)
 
-    workers = []
-    for stage in stages:
-        if constraint is not None:
-            constraint.attach(stage)
-        optim = build_optimizer(stage, inner, optimizer)
-        workers.append(
-            StageWorker(
-                stage, optim, lr_at, inner.grad_clip, constraint, compress and constraint is not None, dtype
-            )
-        )
-    return workers
+    optim = build_optimizer(stage, inner, optimizer)
+    return StageWorker(
+        stage, optim, lr_at, inner.grad_clip, constraint, compress and constraint is not None, dtype
+    )

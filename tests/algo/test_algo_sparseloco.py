@@ -164,3 +164,15 @@ def test_pseudo_gradient() -> None:
     assert d["b"].dtype == torch.float32
     with pytest.raises(ValueError):
         pseudo_gradient(g, {"a": torch.ones(3)})
+
+
+def test_restoring_an_unsealed_payload_gives_back_the_full_buffer() -> None:
+    torch.manual_seed(3)
+    ef = ErrorFeedback(SparseLoCoCodec(), beta=0.9)
+    ef.compress({"w": torch.randn(64, 128) * 1e-2})
+    before = ef.buffers["w"].clone()
+    delta = torch.randn(64, 128) * 1e-2
+    sent = ef.compress({"w": delta})
+    assert not torch.allclose(ef.buffers["w"], 0.9 * before + delta)  # the sent part was taken out
+    ef.restore(sent)  # left out of the seal: nothing may be lost
+    assert torch.allclose(ef.buffers["w"], 0.9 * before + delta, atol=1e-7)

@@ -192,15 +192,34 @@ class Swarm:
             return []
         return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
+    def agree_with_coordinator(self, document: dict, names: set[str]) -> dict[str, int]:
+        """Every named replica's (params_round, layer_digests) equals the coordinator's record of that
+        round; returns each one's params_round."""
+        by_round = {entry["round"]: entry["layer_digests"] for entry in self.history()}
+        rounds = {}
+        for peer in document["peers"]:
+            if peer["name"] in names and peer["params_round"] is not None:
+                assert peer["layer_digests"] == by_round[peer["params_round"]], peer["name"]
+                rounds[peer["name"]] = peer["params_round"]
+        return rounds
+
     def wait_for_round(self, round_: int, timeout: float) -> list[dict]:
+        return self.wait_for_history(
+            lambda history: bool(history) and history[-1]["round"] >= round_,
+            timeout,
+            f"round {round_} sealed",
+        )
+
+    def wait_for_history(self, check: Callable[[list[dict]], bool], timeout: float, what: str) -> list[dict]:
+        """The coordinator's history once `check` accepts it."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             history = self.history()
-            if history and history[-1]["round"] >= round_:
+            if check(history):
                 return history
             time.sleep(0.5)
         logs = "\n".join(f"--- {d.name}\n{d.tail(8)}" for d in self.daemons)
-        raise AssertionError(f"round {round_} not sealed within {timeout:.0f} s\n{logs}")
+        raise AssertionError(f"not within {timeout:.0f} s: {what}\n{logs}")
 
     def leftover_p2pd(self) -> list[int]:
         return [pid for d in self.daemons for pid in d.p2pd if alive(pid)]

@@ -12,17 +12,6 @@ pytestmark = pytest.mark.slow
 FAST_ROUNDS = {"inner_steps": 10}
 
 
-def anchors_agree_with_coordinator(swarm, document: dict, names: set[str]) -> dict[str, int]:
-    """Every named anchor's (params_round, layer_digests) equals the coordinator's record of that round."""
-    by_round = {entry["round"]: entry["layer_digests"] for entry in swarm.history()}
-    rounds = {}
-    for peer in document["peers"]:
-        if peer["name"] in names and peer["params_round"] is not None:
-            assert peer["layer_digests"] == by_round[peer["params_round"]], peer["name"]
-            rounds[peer["name"]] = peer["params_round"]
-    return rounds
-
-
 def test_anchors_train_together_with_identical_digests(swarm):
     boot = swarm.bootstrap(swarm.config(outer=FAST_ROUNDS))
     boot.wait_ready()
@@ -43,7 +32,7 @@ def test_anchors_train_together_with_identical_digests(swarm):
         )
 
     document = swarm.wait_for(boot.maddr, both_applied, timeout=60, what="both anchors applied round 3")
-    rounds = anchors_agree_with_coordinator(swarm, document, {"anchor-1", "anchor-2"})
+    rounds = swarm.agree_with_coordinator(document, {"anchor-1", "anchor-2"})
     assert set(rounds) == {"anchor-1", "anchor-2"}
 
 
@@ -65,7 +54,7 @@ def test_hostile_payloads_are_excluded_and_honest_replicas_agree(swarm):
     assert history[-1]["eval_loss"] < history[0]["eval_loss"]
     assert "excluding peer" in boot.tail(200) and nan.peer_id in boot.tail(200)
     document = swarm.status(boot.maddr)
-    anchors_agree_with_coordinator(swarm, document, {"honest-1", "honest-2"})
+    swarm.agree_with_coordinator(document, {"honest-1", "honest-2"})
 
 
 def test_a_killed_anchor_is_left_out_and_catches_up_after_restart(swarm, tmp_path):
@@ -95,7 +84,7 @@ def test_a_killed_anchor_is_left_out_and_catches_up_after_restart(swarm, tmp_pat
         boot.maddr, rejoined, timeout=120, what="the restarted anchor applies a new round"
     )
     assert "caught up: holding θ after round" in again.tail(200)  # it downloaded θ, it did not start over
-    rounds = anchors_agree_with_coordinator(swarm, document, {"steady", "flaky"})
+    rounds = swarm.agree_with_coordinator(document, {"steady", "flaky"})
     assert rounds["flaky"] > killed_round + 2
     later = swarm.wait_for_round(rounds["flaky"] + 3, timeout=120)
     assert any(flaky.peer_id in entry["contributors"] for entry in later[rounds["flaky"] + 1 :])
@@ -131,7 +120,7 @@ def test_anchor_restart_resumes_its_error_feedback_and_round(swarm, tmp_path):
         timeout=60,
         what="the resumed anchor applies the next round",
     )
-    anchors_agree_with_coordinator(swarm, document, {"solo"})
+    swarm.agree_with_coordinator(document, {"solo"})
 
 
 def test_lowest_id_anchor_seals_when_the_coordinator_is_silent(swarm):

@@ -1,0 +1,407 @@
+"""The stage role over the network: one member of a chain running the asynchronous 1F1B pipeline over
+hivemind P2P streams, then taking part in the sealed round with its own layers (DESIGN §2.4, §3.5).
+
+Each boundary between stages s and s+1 is one duplex stream that stage s opens: activation frames
+(subspace coefficients in bf16 with token ids and targets) go down, activation-gradient frames come back
+up. The first stage reads the chain's data slot and keeps at most `pipeline.max_in_flight` micro-batches
+in flight (backpressure: it starts a new one only when a gradient came back); the others react to what
+arrives. Weight stashing in `StageWorker` makes the schedule asynchronous without changing the math.
+
+A round is H micro-batches: the first stage stops feeding after H, every stage finishes its H backward
+passes (the drain), encodes Δ of its own shards, announces, waits for the seal and applies it. Frames
+carry their round; a stage holds frames of the next round until it applied the seal of this one.
+
+Anything wrong with a neighbour (a frame that fails validation, a stream that breaks, a member whose
+record expired) breaks the chain: in-flight work is dropped, θ is untouched, and the peer daemon
+dissolves the chain at the next boundary.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass
+
+from hetnode.config import Config
+from hetnode.daemon.lifecycle import sleep_or_stop
+from hetnode.daemon.participant import RoundFailed, RoundParticipant
+from hetnode.daemon.presence import Presence
+from hetnode.daemon.rounds import GlobalModel, sha256_hex
+from hetnode.daemon.stage_training import StageTraining
+from hetnode.daemon.view import SwarmView
+from hetnode.data.dataset import TokenDataset
+from hetnode.errors import HetnodeError, WireError
+from hetnode.net.node import SwarmNode
+from hetnode.net.streams import OpenStream, PeerRequestError, read_frame, write_frame
+from hetnode.training.stage_worker import Frame
+from hetnode.wire.activation_frame import decode_frame, encode_frame
+
+log = logging.getLogger(__name__)
+
+CONNECT_S = 30.0  # neighbours must be connected this soon after the chain went live
+IO_TIMEOUT_S = 120.0  # one frame write; a stalled neighbour breaks the chain
+
+
+class ChainBroken(HetnodeError):
+    """This chain cannot go on (a neighbour left, or sent something invalid)."""
+
+
+@dataclass(frozen=True)
+class ChainLayout:
+    chain: str
+    index: int  # our stage
+    members: tuple[str, ...]  # peer id of each stage, in stage order
+    splits: tuple[range, ...]  # layers of each stage
+
+    @classmethod
+    def from_view(cls, view: SwarmView, chain: str, peer_id: str) -> ChainLayout | None:
+        """The live chain `chain` as the records say, or None when it is not live or we are not in it."""
+        status = next((c for c in view.chains() if c.chain == chain and c.live), None)
+        if status is None or peer_id not in status.stages:
+            return None
+        members = tuple(p for p in status.stages if p is not None)
+        splits = []
+        for member in members:
+            first, last = view.peers[member]["layers"]
+            splits.append(range(first, last + 1))
+        return cls(chain, members.index(peer_id), members, tuple(splits))
+
+    @property
+    def first(self) -> bool:
+        return self.index == 0
+
+    @property
+    def last(self) -> bool:
+        return self.index == len(self.members) - 1
+
+    @property
+    def upstream(self) -> str | None:
+        return None if self.first else self.members[self.index - 1]
+
+    @property
+    def downstream(self) -> str | None:
+        return None if self.last else self.members[self.index + 1]
+
+
+class ChainLoop:
+    def __init__(
+        self,
+        config: Config,
+        node: SwarmNode,
+        presence: Presence,
+        coordinator: str,
+        layout: ChainLayout,
+        device: str = "cpu",
+    ) -> None:
+        self.config = config
+        self.node = node
+        self.presence = presence
+        self.layout = layout
+        self.device = device
+        self.peer_id = node.identity.peer_id
+        self.global_model = GlobalModel(config)
+        self.outbox: dict[int, dict[str, bytes]] = {}
+        self.rounds = RoundParticipant(
+            config, node, coordinator, self.global_model, self._own_payload, may_stand_in=False
+        )
+        self.training: StageTraining | None = None
+        self.compute = asyncio.Lock()  # one forward or backward at a time on this stage
+        self.round_ = -1  # the round being trained; frames of other rounds wait or break the chain
+        self.round_open = asyncio.Event()
+        self.round_done = asyncio.Event()
+        self.backwards = 0
+        self.window: asyncio.Semaphore | None = None
+        self.failed: asyncio.Future[str] | None = None
+        self.upstream: OpenStream | None = None
+        self.downstream: OpenStream | None = None
+        self._upstream_ready: asyncio.Event = asyncio.Event()
+        self._closing = asyncio.Event()
+
+    def _own_payload(self, round_: int, shard: str) -> bytes | None:
+        return self.outbox.get(round_, {}).get(shard)
+
+    # --- lifecycle ---------------------------------------------------------------------------------
+
+    async def run(self, stop: asyncio.Event) -> str:
+        """Train with the chain until stopped or broken; returns why it ended."""
+        self.failed = asyncio.get_running_loop().create_future()
+        layout = self.layout
+        dataset = None
+        if layout.first:
+            dataset = await asyncio.to_thread(
+                TokenDataset.build, self.config.data, self.config.model.vocab_size, self.config.run.seed
+            )
+        self.training = await asyncio.to_thread(
+            StageTraining, self.config, layout.splits, layout.index, layout.chain, dataset, self.device
+        )
+        if not layout.first:
+            self.node.set_stage_acceptor(self._accept_upstream)
+        tasks: list[asyncio.Task] = []
+        try:
+            await self.rounds.catch_up(stop)
+            await self._publish()
+            await self._connect(stop)
+            tasks = [asyncio.create_task(self._watch_members(stop), name="chain-watch")]
+            if not layout.last:
+                tasks.append(asyncio.create_task(self._read_gradients(), name="chain-grads"))
+            if not layout.first:
+                tasks.append(asyncio.create_task(self._read_activations(), name="chain-acts"))
+            for task in tasks:
+                task.add_done_callback(self._task_ended)
+            rounds = asyncio.create_task(self._run_rounds(stop), name="chain-rounds")
+            stopped = asyncio.create_task(stop.wait())
+            await asyncio.wait([rounds, stopped, self.failed], return_when=asyncio.FIRST_COMPLETED)
+            for waiter in (rounds, stopped):
+                waiter.cancel()
+            await asyncio.gather(rounds, stopped, return_exceptions=True)
+            error = rounds.exception() if rounds.done() and not rounds.cancelled() else None
+            if error is not None:
+                self._fail(str(error) if isinstance(error, ChainBroken) else f"round loop failed: {error!r}")
+        except ChainBroken as exc:
+            self._fail(str(exc))
+        finally:
+            self._closing.set()
+            if not layout.first:
+                self.node.set_stage_acceptor(None)
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            for stream in (self.upstream, self.downstream):
+                if stream is not None:
+                    stream.close()
+            if self.training is not None:
+                self.training.worker.drop_in_flight()
+        reason = self.failed.result() if self.failed.done() else "stopped"
+        if reason != "stopped":
+            log.warning("chain %s: %s; in-flight work dropped, θ untouched", layout.chain, reason)
+        return reason
+
+    def _fail(self, reason: str) -> None:
+        if self.failed is not None and not self.failed.done():
+            self.failed.set_result(reason)
+
+    def _task_ended(self, task: asyncio.Task) -> None:
+        if task.cancelled():
+            return
+        exc = task.exception()
+        if exc is not None:  # a task that returns was stopped
+            self._fail(str(exc))
+
+    async def _connect(self, stop: asyncio.Event) -> None:
+        """Open our stream downstream and wait for the one from upstream."""
+        deadline = time.monotonic() + CONNECT_S
+        while self.layout.downstream is not None and self.downstream is None:
+            try:
+                stream = await self.node.open_stage_stream(self.layout.downstream)
+            except PeerRequestError as exc:
+                problem = str(exc)
+            else:
+                try:  # the next stage accepts with an empty frame once its own chain loop runs
+                    await read_frame(stream.reader, 0, timeout=5.0)
+                    self.downstream = stream
+                    break
+                except (TimeoutError, asyncio.IncompleteReadError, ConnectionError, WireError) as exc:
+                    stream.close()
+                    problem = f"not accepted yet ({type(exc).__name__})"
+            if time.monotonic() > deadline:
+                raise ChainBroken(f"cannot reach the next stage: {problem}")
+            if await sleep_or_stop(stop, 0.5):
+                return
+        if self.layout.upstream is not None:
+            try:
+                await asyncio.wait_for(self._upstream_ready.wait(), max(0.1, deadline - time.monotonic()))
+            except TimeoutError:
+                raise ChainBroken("the previous stage did not connect") from None
+        log.info(
+            "chain %s: stage %d of %d connected (layers %d..%d)",
+            self.layout.chain,
+            self.layout.index,
+            len(self.layout.members),
+            self.layout.splits[self.layout.index].start,
+            self.layout.splits[self.layout.index].stop - 1,
+        )
+
+    async def _accept_upstream(
+        self, peer: str, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    ) -> None:
+        if peer != self.layout.upstream or self.upstream is not None:
+            log.warning(
+                "chain %s: refusing a stream from %s (not our previous stage)", self.layout.chain, peer
+            )
+            return
+        await write_frame(writer, b"", 5.0)  # accepted
+        self.upstream = OpenStream(peer, reader, writer)
+        self._upstream_ready.set()
+        await self._closing.wait()  # the stream lives as long as the chain
+
+    async def _watch_members(self, stop: asyncio.Event) -> None:
+        """Break the chain when the records say it is not live any more (a member vanished)."""
+        while not await sleep_or_stop(stop, self.config.network.heartbeat_s):
+            view = await SwarmView.read(self.node, self.config)
+            if not view.chain_is_live(self.layout.chain):
+                raise ChainBroken("a member's record is gone: the chain is not live any more")
+
+    # --- rounds ------------------------------------------------------------------------------------
+
+    async def _run_rounds(self, stop: asyncio.Event) -> None:
+        training = self.training
+        assert training is not None
+        while not stop.is_set():
+            round_ = self.global_model.params_round + 1
+            started, tokens_before = time.monotonic(), training.tokens
+            async with self.compute:
+                await asyncio.to_thread(training.begin_round, self.global_model)
+            self.backwards = 0
+            self.round_done.clear()
+            self.round_ = round_
+            self.round_open.set()
+            if self.layout.first:
+                await self._feed(round_)
+            await self._until(self.round_done)
+            self.round_open.clear()
+            payloads = await asyncio.to_thread(training.end_round, round_, self.peer_id)
+            self.outbox = {r: p for r, p in self.outbox.items() if r >= round_ - 1}
+            self.outbox[round_] = payloads
+            announcement = {
+                "round": round_,
+                "shards": {shard: sha256_hex(data) for shard, data in payloads.items()},
+                "tokens": training.tokens - tokens_before,
+                "steps": self.config.outer.inner_steps,
+            }
+            log.info(
+                "round %d: stage %d trained in %.1f s%s: announcing shards %s",
+                round_,
+                self.layout.index,
+                time.monotonic() - started,
+                f" (loss {training.worker.last_loss:.3f})" if self.layout.last else "",
+                sorted(payloads),
+            )
+            sealed = await self.rounds.wait_for_seal(round_, announcement, stop)
+            if sealed is None:
+                return
+            try:
+                included = await self.rounds.apply(*sealed)
+            except RoundFailed as exc:
+                log.warning("round %d: %s; catching up from the coordinator", round_, exc)
+                await self.rounds.catch_up(stop)
+                await self._publish()
+                continue
+            if not included:
+                training.restore_unsent()
+                log.info("round %d sealed without us: our payload is kept in error feedback", round_)
+            await self._publish()
+
+    async def _publish(self) -> None:
+        await self.presence.update(
+            params_round=self.global_model.params_round,
+            layer_digests=self.global_model.digests(),
+            tokens=self.training.tokens if self.training is not None else None,
+            outer_step=max(self.global_model.params_round, 0),
+        )
+
+    async def _until(self, event: asyncio.Event) -> None:
+        """Wait for `event`, or raise ChainBroken if the chain failed meanwhile."""
+        waiter = asyncio.create_task(event.wait())
+        await asyncio.wait([waiter, self.failed], return_when=asyncio.FIRST_COMPLETED)
+        if not waiter.done():
+            waiter.cancel()
+            raise ChainBroken(self.failed.result())
+
+    async def _feed(self, round_: int) -> None:
+        """First stage: start H micro-batches, never more than `max_in_flight` unanswered."""
+        training = self.training
+        self.window = asyncio.Semaphore(max(1, self.config.pipeline.max_in_flight))
+        for _ in range(self.config.outer.inner_steps):
+            acquire = asyncio.create_task(self.window.acquire())
+            await asyncio.wait([acquire, self.failed], return_when=asyncio.FIRST_COMPLETED)
+            if not acquire.done():
+                acquire.cancel()
+                raise ChainBroken(self.failed.result())
+            async with self.compute:
+                mb, batch = training.next_batch()
+                frame = await asyncio.to_thread(training.forward, mb, batch)
+            await self._send(self.downstream, encode_frame("act", round_, mb, *_frame_parts(frame)))
+
+    async def _read_activations(self) -> None:
+        """Stages after the first: forward what arrives; the last stage also runs the backward at once."""
+        training = self.training
+        limits = training.limits
+        while True:
+            data = await self._receive(self.upstream, limits.max_bytes)
+            try:
+                frame = decode_frame(data, limits, expect_kind="act")
+            except WireError as exc:
+                raise ChainBroken(f"invalid activation frame from the previous stage: {exc}") from None
+            await self._wait_for_round(frame.round)
+            incoming = Frame(frame.mb, frame.tensor, frame.tokens, frame.targets)
+            async with self.compute:
+                if training.in_flight(frame.mb):
+                    raise ChainBroken(f"micro-batch {frame.mb} arrived twice")
+                out = await asyncio.to_thread(training.forward, frame.mb, incoming)
+                if self.layout.last:
+                    grad = await asyncio.to_thread(training.backward, frame.mb)
+            if self.layout.last:
+                await self._send(self.upstream, encode_frame("grad", frame.round, frame.mb, grad))
+                self._count_backward()
+            else:
+                await self._send(
+                    self.downstream, encode_frame("act", frame.round, frame.mb, *_frame_parts(out))
+                )
+
+    async def _read_gradients(self) -> None:
+        """Stages before the last: back-propagate each gradient that returns, pass it on upstream."""
+        training = self.training
+        limits = training.limits
+        while True:
+            data = await self._receive(self.downstream, limits.max_bytes)
+            try:
+                frame = decode_frame(data, limits, expect_kind="grad", expect_round=self.round_)
+            except WireError as exc:
+                raise ChainBroken(f"invalid gradient frame from the next stage: {exc}") from None
+            async with self.compute:
+                if not training.in_flight(frame.mb):
+                    raise ChainBroken(f"a gradient for micro-batch {frame.mb}, which is not in flight")
+                grad = await asyncio.to_thread(training.backward, frame.mb, frame.tensor)
+            if grad is not None:
+                await self._send(self.upstream, encode_frame("grad", frame.round, frame.mb, grad))
+            if self.window is not None:
+                self.window.release()
+            self._count_backward()
+
+    def _count_backward(self) -> None:
+        self.backwards += 1
+        if self.backwards >= self.config.outer.inner_steps:
+            self.round_done.set()
+
+    async def _wait_for_round(self, round_: int) -> None:
+        """Hold a frame of the next round until this stage applied the seal of the current one."""
+        while not (self.round_open.is_set() and self.round_ == round_):
+            if self.round_open.is_set() and self.round_ > round_:
+                raise ChainBroken(f"a frame of round {round_} arrived while training round {self.round_}")
+            if self.round_open.is_set() and self.backwards >= self.config.outer.inner_steps:
+                raise ChainBroken(f"more than H micro-batches in round {self.round_}")
+            await asyncio.sleep(0.05)
+
+    async def _send(self, stream: OpenStream | None, data: bytes) -> None:
+        assert stream is not None
+        try:
+            await write_frame(stream.writer, data, IO_TIMEOUT_S)
+        except (TimeoutError, ConnectionError, OSError) as exc:
+            raise ChainBroken(f"stream to {stream.peer[-8:]} broke ({type(exc).__name__})") from None
+
+    async def _receive(self, stream: OpenStream | None, max_bytes: int) -> bytes:
+        assert stream is not None
+        try:
+            # no timeout: between rounds a neighbour is silent while the seal is pending; a dead one is
+            # noticed by the stream closing or by `_watch_members`
+            return await read_frame(stream.reader, max_bytes, timeout=None)
+        except (asyncio.IncompleteReadError, ConnectionError, OSError) as exc:
+            raise ChainBroken(f"stream from {stream.peer[-8:]} ended ({type(exc).__name__})") from None
+        except WireError as exc:
+            raise ChainBroken(f"bad frame from {stream.peer[-8:]}: {exc}") from None
+
+
+def _frame_parts(frame: Frame | float) -> tuple:
+    assert isinstance(frame, Frame)
+    return frame.tensor, frame.tokens, frame.targets

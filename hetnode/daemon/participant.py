@@ -1,0 +1,178 @@
+"""A replica's part in sealed rounds, shared by anchors and chain stages (DESIGN §3.5–3.6).
+
+`RoundParticipant` announces a payload, waits for the seal (the coordinator's, or the lowest-id live
+anchor's when the coordinator is silent: only anchors stand in), fetches exactly the sealed payloads,
+checks their sha256 against the seal and applies all of them or none. When a round cannot be applied here
+it catches up by downloading θ from the coordinator.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+from hetnode.config import Config
+from hetnode.daemon.lifecycle import sleep_or_stop
+from hetnode.daemon.rounds import GlobalModel, sha256_hex
+from hetnode.daemon.sealing import Sealer
+from hetnode.daemon.view import SwarmView
+from hetnode.errors import HetnodeError, WireError
+from hetnode.net.node import SwarmNode
+from hetnode.net.streams import PeerRequestError
+from hetnode.planning.rounds import Announcement, seal_now
+
+log = logging.getLogger(__name__)
+
+ANNOUNCE_TTL_S = 300.0
+POLL_S = 0.25
+
+
+class RoundFailed(HetnodeError):
+    """A sealed round could not be applied here (payload unavailable or invalid): catch up from state."""
+
+
+async def read_seal(node: SwarmNode, coordinator: str) -> dict[str, Any] | None:
+    entry = (await node.read_field("seal")).get(coordinator)
+    return entry.value if entry is not None and isinstance(entry.value, dict) else None
+
+
+async def fetch_state(node: SwarmNode, coordinator: str, global_model: GlobalModel, round_: int) -> None:
+    """Download θ after `round_` shard by shard from the coordinator and load it (all or nothing)."""
+    max_bytes = int(global_model.config.network.max_frame_mb * 2**20)
+    payloads = {}
+    for shard in global_model.shards:
+        payloads[shard] = await node.fetch_state(coordinator, round_, shard, max_bytes)
+    global_model.load_state(round_, payloads)
+
+
+class RoundParticipant:
+    """One replica's side of the round protocol; `own_payload(round, shard)` serves what it announced."""
+
+    def __init__(
+        self,
+        config: Config,
+        node: SwarmNode,
+        coordinator: str,
+        global_model: GlobalModel,
+        own_payload: Callable[[int, str], bytes | None],
+        may_stand_in: bool,
+    ) -> None:
+        self.config = config
+        self.node = node
+        self.coordinator = coordinator
+        self.global_model = global_model
+        self.own_payload = own_payload
+        self.may_stand_in = may_stand_in  # anchors only: a stage never seals
+        self.peer_id = node.identity.peer_id
+        self.sealer = Sealer(config, node, global_model, own_payload)
+        node.set_payloads(self.serve_payload)
+
+    def serve_payload(self, round_: int, shard: str, replica: str) -> bytes | None:
+        if replica == self.peer_id:
+            return self.own_payload(round_, shard)
+        return self.sealer.serve(
+            round_, shard, replica
+        )  # rounds this anchor sealed in the coordinator's place
+
+    async def wait_for_seal(
+        self, round_: int, announcement: dict, stop: asyncio.Event
+    ) -> tuple[str, dict] | None:
+        """(sealer, seal) for `round_` or later, announcing until then; None when stopped.
+
+        The coordinator seals; when it is silent (its record has expired) the lowest-id live anchor seals
+        in its place, and every replica accepts that seal too."""
+        announced_at = 0.0
+        waiting_since = time.monotonic()
+        seen: dict[str, Announcement] = {}
+        while not stop.is_set():
+            if time.monotonic() - announced_at > ANNOUNCE_TTL_S / 3:  # (re)announce until sealed
+                await self.node.store_own("announce", announcement, ANNOUNCE_TTL_S)
+                announced_at = time.monotonic()
+            view = await SwarmView.read(self.node, self.config)
+            anchors = sorted(p for p, r in view.peers.items() if r["role"] == "anchor")
+            stand_in = anchors[0] if anchors and self.coordinator not in view.peers else None
+            seals = await self.node.read_field("seal")
+            for sealer in (self.coordinator, stand_in):
+                entry = seals.get(sealer) if sealer else None
+                if (
+                    entry is not None
+                    and isinstance(entry.value, dict)
+                    and entry.value.get("round", -1) >= round_
+                ):
+                    return sealer, entry.value
+            silent_for = time.monotonic() - waiting_since
+            if (
+                self.may_stand_in
+                and stand_in == self.peer_id
+                and silent_for > self.config.network.record_ttl_s
+            ):
+                expected = view.expected_contributors(round_)
+                await self.sealer.collect(round_, seen)
+                if seal_now(expected, seen, time.monotonic(), self.sealer.deadline.seconds):
+                    log.warning("round %d: the coordinator is silent; sealing in its place", round_)
+                    sealed = await self.sealer.seal(round_, seen)
+                    if sealed is not None:
+                        self.sealer.observe_arrivals(expected, seen)
+                        return self.peer_id, sealed.record
+            if await sleep_or_stop(stop, POLL_S):
+                return None
+        return None
+
+    async def apply(self, sealer: str, seal: dict) -> bool:
+        """Apply a sealed round to θ; True when our own contribution is in it. RoundFailed otherwise."""
+        round_ = seal["round"]
+        if round_ != self.global_model.params_round + 1:
+            raise RoundFailed(
+                f"the seal is for round {round_}, we hold round {self.global_model.params_round}"
+            )
+        max_bytes = int(self.config.network.max_frame_mb * 2**20)
+        contributions = []
+        for contribution in seal["contributions"]:
+            peer, payloads = contribution["peer"], {}
+            for shard, digest in contribution["shards"].items():
+                here = peer == self.peer_id or sealer == self.peer_id  # our payload, or a round we sealed
+                own = self.serve_payload(round_, shard, peer) if here else None
+                try:
+                    data = (
+                        own
+                        if own is not None
+                        else await self.node.fetch_payload(sealer, round_, shard, peer, max_bytes)
+                    )
+                except PeerRequestError as exc:
+                    raise RoundFailed(f"cannot fetch {peer[-8:]}'s shard {shard}: {exc}") from None
+                if sha256_hex(data) != digest:
+                    raise RoundFailed(f"{peer[-8:]}'s shard {shard} does not match the sealed digest")
+                payloads[shard] = data
+            contributions.append((peer, payloads))
+        try:
+            await asyncio.to_thread(self.global_model.apply, round_, contributions)
+        except WireError as exc:
+            raise RoundFailed(f"a sealed payload is invalid: {exc}") from None
+        log.info(
+            "round %d applied: %d contributions, digest %s",
+            round_,
+            len(contributions),
+            self.global_model.digests().get("embed", "?"),
+        )
+        return any(peer == self.peer_id for peer, _ in contributions)
+
+    async def catch_up(self, stop: asyncio.Event) -> bool:
+        """If the swarm has sealed rounds we do not hold, download θ from the coordinator.
+
+        True when θ was replaced (local training state built on the old θ is then stale)."""
+        while not stop.is_set():
+            seal = await read_seal(self.node, self.coordinator)
+            if seal is None or seal["round"] == self.global_model.params_round:
+                return False  # nothing sealed yet, or we hold exactly the sealed θ
+            try:
+                await fetch_state(self.node, self.coordinator, self.global_model, seal["round"])
+                log.info("caught up: holding θ after round %d", self.global_model.params_round)
+                return True
+            except (PeerRequestError, WireError) as exc:
+                log.info("catch-up to round %d not ready (%s); retrying", seal["round"], exc)
+            if await sleep_or_stop(stop, 1.0):
+                return False
+        return False

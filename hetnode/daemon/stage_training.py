@@ -1,0 +1,144 @@
+"""One stage of a chain as compute: its layers' working copy of θ, the stage worker, and the SparseLoCo
+payload of its own shards. Blocking methods (run them in a worker thread); no networking here.
+
+A round: `begin_round` copies θ (projected into the chain's subspace where the constraint applies, with
+the drift-corrected T_fix' — DESIGN §2.3) into the stage; the chain pushes micro-batches through
+`forward`/`backward`; `end_round` compresses Δ = reference − local of this stage's parameters with error
+feedback and encodes one message per shard it owns ("embed" on the first stage, its blocks, "head" on the
+last).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+import torch
+
+from hetnode.algo.sparseloco import CompressedTensor, ErrorFeedback, SparseLoCoCodec, pseudo_gradient
+from hetnode.config import Config
+from hetnode.daemon.rounds import NUM_DATA_SLOTS, GlobalModel, base_fixed_embedding, data_slot
+from hetnode.data.dataset import TokenDataset
+from hetnode.model.decoder import layer_of
+from hetnode.sim.pipeline import build_stage_worker
+from hetnode.sim.replicas import WorkingCopy
+from hetnode.training.stage_worker import Frame
+from hetnode.wire.activation_frame import FrameLimits
+from hetnode.wire.sync_payload import SyncPayload, encode_payload
+
+
+def frame_limits(config: Config, compressed: bool) -> FrameLimits:
+    """What a stage accepts from its neighbours: the chain's batch shape, width k or d, and dtype."""
+    return FrameLimits(
+        config.data.batch_size,
+        config.data.seq_len,
+        config.pipeline.subspace_rank if compressed else config.model.d_model,
+        "bf16" if compressed else "fp32",
+        config.model.vocab_size,
+        int(config.network.max_frame_mb * 2**20),
+    )
+
+
+class StageTraining:
+    def __init__(
+        self,
+        config: Config,
+        splits: Sequence[range],
+        index: int,
+        chain: str,
+        dataset: TokenDataset | None,
+        device: str = "cpu",
+        compress: bool | None = None,
+    ) -> None:
+        """`compress`: subspace-compressed boundaries; by default when the config's compression mode
+        constrains chains (`selective` or `everything`)."""
+        if len(splits) < 2:
+            raise ValueError("a chain has at least two stages")
+        if index == 0 and dataset is None:
+            raise ValueError("the first stage reads the chain's data")
+        p = config.pipeline
+        self.compressed = p.compression != "none" if compress is None else compress
+        self.config = config
+        self.index = index
+        self.last = index == len(splits) - 1
+        self.device = device  # the stage runs on CPU tensors today; kept for the record and the ledger
+        self.worker = build_stage_worker(
+            config,
+            splits,
+            index,
+            p.chain_optimizer,
+            compress=self.compressed,
+            constrained=self.compressed,
+            seed=config.run.seed,
+            wire_dtype=torch.bfloat16 if self.compressed else torch.float32,
+        )
+        self.working = WorkingCopy(self.worker.constraint, base_fixed_embedding(config))
+        self.names = [name for name, _ in self.worker.stage.named_parameters()]
+        self.shards: dict[str, list[str]] = {}
+        for name in self.names:
+            if layer_of(name) == "embed" and index != 0:
+                continue  # a tied embedding on the last stage: the first stage syncs it
+            self.shards.setdefault(layer_of(name), []).append(name)
+        o = config.outer
+        self.feedback = ErrorFeedback(SparseLoCoCodec(o.topk, o.tile), o.error_feedback)
+        self.reference: dict[str, torch.Tensor] = {}
+        self.dataset = dataset
+        self.slot = data_slot(chain)
+        self.next_mb = 0
+        self.tokens = 0
+        self._unsent: dict[str, CompressedTensor] = {}
+
+    @property
+    def limits(self) -> FrameLimits:
+        return frame_limits(self.config, self.compressed)
+
+    def begin_round(self, global_model: GlobalModel) -> None:
+        """Load θ into the stage (projected where constrained) and the round's T_fix'."""
+        reference, fixed = self.working.prepare(global_model.params)
+        self.reference = {n: reference[n] for n in self.names}
+        stage = self.worker.stage
+        with torch.no_grad():
+            for name, param in stage.named_parameters():
+                param.copy_(self.reference[name])
+        if fixed is not None:
+            if self.worker.constraint is not None:
+                self.worker.constraint = dataclasses.replace(self.worker.constraint, fixed=fixed)
+            if stage.first:
+                stage.fixed_embedding = fixed
+        self.worker.drop_in_flight()
+
+    def next_batch(self) -> tuple[int, tuple[torch.Tensor, torch.Tensor]]:
+        """The first stage's next micro-batch (index, (tokens, targets)) from the chain's data slot."""
+        assert self.dataset is not None
+        mb = self.next_mb
+        batch = self.dataset.train_batch(self.slot, NUM_DATA_SLOTS, mb)
+        self.next_mb += 1
+        return mb, batch
+
+    def forward(self, mb: int, incoming: Frame | tuple[torch.Tensor, torch.Tensor]) -> Frame | float:
+        tokens = incoming[0] if isinstance(incoming, tuple) else incoming.tokens
+        self.tokens += tokens.numel()
+        return self.worker.forward(mb, incoming)
+
+    def backward(self, mb: int, grad: torch.Tensor | None = None) -> torch.Tensor | None:
+        return self.worker.backward(mb, grad)
+
+    def in_flight(self, mb: int) -> bool:
+        return mb in self.worker.in_flight
+
+    def end_round(self, round_: int, replica: str) -> dict[str, bytes]:
+        """This stage's compressed Δ for `round_`, one encoded message per shard it owns."""
+        local = {n: p.detach().cpu() for n, p in self.worker.stage.named_parameters()}
+        compressed = self.feedback.compress(pseudo_gradient(self.reference, local))
+        self._unsent = compressed
+        return {
+            shard: encode_payload(
+                SyncPayload(replica, round_, shard, "sparseloco", {n: compressed[n] for n in names})
+            )
+            for shard, names in self.shards.items()
+        }
+
+    def restore_unsent(self) -> None:
+        """The last payload was not sealed: add it back to the error-feedback buffers."""
+        self.feedback.restore(self._unsent)
+        self._unsent = {}

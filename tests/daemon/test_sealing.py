@@ -1,0 +1,138 @@
+"""The sealer on real p2pd nodes over loopback: who enters a seal, who is left out, and for how long."""
+
+import asyncio
+import time
+
+import pytest
+
+from hetnode.config import replace
+from hetnode.daemon.rounds import AnchorTraining, GlobalModel, sha256_hex
+from hetnode.daemon.sealing import BAN_S, RETRY_S, Sealer
+from hetnode.data.dataset import TokenDataset
+from hetnode.net import loop
+from hetnode.net.identity import ephemeral_identity
+from hetnode.net.node import NodeLimits, SwarmNode
+
+pytestmark = pytest.mark.slow
+
+LOOPBACK = ["/ip4/127.0.0.1/tcp/0"]
+LIMITS = NodeLimits(probe_bytes=2**20, probe_s=3.0, requests_per_min=600)
+
+
+@pytest.fixture(scope="module")
+def config(tiny_config):
+    return replace(tiny_config, "outer", inner_steps=1)
+
+
+@pytest.fixture(scope="module")
+def dataset(config):
+    return TokenDataset.build(config.data, config.model.vocab_size, config.run.seed)
+
+
+async def start_nodes(count: int, run: str) -> list[SwarmNode]:
+    nodes = [await SwarmNode.start(ephemeral_identity(), LIMITS, LOOPBACK)]
+    await nodes[0].join_dht(run, [])
+    maddrs = await nodes[0].visible_maddrs()
+    for _ in range(count - 1):
+        node = await SwarmNode.start(ephemeral_identity(), LIMITS, LOOPBACK, initial_peers=maddrs)
+        await node.join_dht(run, maddrs)
+        nodes.append(node)
+    return nodes
+
+
+async def announce(
+    node: SwarmNode, config, dataset, model: GlobalModel, lie: bool = False, warmup: int = 0
+) -> None:
+    """Train round 0 as `node`'s replica (after `warmup` earlier rounds, for a different payload), serve
+    the payload and announce its digests (or wrong ones)."""
+    peer = node.identity.peer_id
+    training = AnchorTraining(config, dataset, peer)
+    for _ in range(warmup):
+        training.run_round(0, model)
+    payloads = training.run_round(0, model)
+    node.set_payloads(lambda round_, shard, replica: payloads.get(shard) if replica == peer else None)
+    digests = {shard: sha256_hex((b"x" if lie else b"") + data) for shard, data in payloads.items()}
+    record = {"round": 0, "shards": digests, "tokens": 100, "steps": 1}
+    assert await node.store_own("announce", record, ttl_s=60.0)
+
+
+async def collect_all(sealer: Sealer, want: int) -> dict:
+    seen: dict = {}
+    deadline = time.monotonic() + 20
+    while len(seen) < want and time.monotonic() < deadline:
+        await sealer.collect(0, seen)
+        await asyncio.sleep(0.2)
+    assert len(seen) == want, seen
+    return seen
+
+
+def test_a_seal_holds_the_valid_reachable_authors_and_bans_only_the_invalid(config, dataset):
+    async def scenario():
+        nodes = await start_nodes(4, config.run.name)
+        sealer_node, honest, gone, liar = nodes
+        try:
+            model = GlobalModel(config)
+            for node in (honest, gone, liar):
+                await announce(node, config, dataset, model, lie=node is liar)
+            sealer = Sealer(config, sealer_node, model)
+            seen = await collect_all(sealer, 3)
+            await gone.shutdown()  # it left mid-round, after announcing
+            sealed = await sealer.seal(0, seen)
+            now = time.monotonic()
+            assert sealed is not None
+            assert [peer for peer, _ in sealed.contributions] == [honest.identity.peer_id]
+            assert set(sealed.excluded) == {gone.identity.peer_id, liar.identity.peer_id}
+            assert sealer.banned[gone.identity.peer_id] - now <= RETRY_S  # back soon, not banned
+            assert sealer.banned[liar.identity.peer_id] - now > RETRY_S
+            assert sealer.banned[liar.identity.peer_id] - now <= BAN_S
+            assert sealer.serve(0, "head", honest.identity.peer_id) is not None
+        finally:
+            for node in reversed(nodes):
+                await node.shutdown()
+
+    loop.run(scenario())
+
+
+def test_a_round_with_nothing_valid_is_not_sealed_and_stays_open(config, dataset):
+    async def scenario():
+        nodes = await start_nodes(3, config.run.name)
+        sealer_node, gone, liar = nodes
+        try:
+            model = GlobalModel(config)
+            for node in (gone, liar):
+                await announce(node, config, dataset, model, lie=node is liar)
+            sealer = Sealer(config, sealer_node, model)
+            seen = await collect_all(sealer, 2)
+            await gone.shutdown()
+            assert await sealer.seal(0, seen) is None  # an empty seal would move every replica's round
+            assert seen == {}  # the round stays open for whoever announces next
+            assert not (await sealer_node.read_field("seal"))
+        finally:
+            for node in reversed(nodes):
+                await node.shutdown()
+
+    loop.run(scenario())
+
+
+def test_a_peer_that_re_announced_while_being_fetched_is_retried_not_banned(config, dataset):
+    async def scenario():
+        nodes = await start_nodes(2, config.run.name)
+        sealer_node, restarted = nodes
+        try:
+            model = GlobalModel(config)
+            await announce(restarted, config, dataset, model)
+            sealer = Sealer(config, sealer_node, model)
+            seen = await collect_all(sealer, 1)
+            await announce(
+                restarted, config, dataset, model, warmup=1
+            )  # restarted: a new payload, same round
+            assert await sealer.seal(0, seen) is None
+            assert sealer.banned[restarted.identity.peer_id] - time.monotonic() < RETRY_S
+            await asyncio.sleep(sealer.banned[restarted.identity.peer_id] - time.monotonic())
+            sealed = await sealer.seal(0, await collect_all(sealer, 1))
+            assert sealed is not None and sealed.contributions[0][0] == restarted.identity.peer_id
+        finally:
+            for node in reversed(nodes):
+                await node.shutdown()
+
+    loop.run(scenario())
