@@ -1,5 +1,12 @@
 """The coordinator's half of a sync round: collect announcements, seal (`hetnode/daemon/sealing.py`), apply
-the same aggregate to its own copy of θ, evaluate, checkpoint, and serve sealed payloads and state."""
+the same aggregate to its own copy of θ, evaluate, checkpoint every K rounds, and serve sealed payloads
+and state.
+
+After a restart (or a crash between checkpoints) the swarm may hold rounds the coordinator does not: its
+own last seal is newer than its checkpoint, or anchors sealed in its place while it was away. It then
+takes θ from the replicas that hold the newest round, trusting only parameters whose layer digests match
+what the majority of those replicas publish, and seals from the next round on.
+"""
 
 from __future__ import annotations
 
@@ -7,6 +14,7 @@ import asyncio
 import json
 import logging
 import time
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -18,10 +26,12 @@ from hetnode.daemon.lifecycle import sleep_or_stop
 from hetnode.daemon.presence import Presence
 from hetnode.daemon.rounds import GlobalModel, base_fixed_embedding
 from hetnode.daemon.sealing import SealedRound, Sealer, expected_contributors
+from hetnode.daemon.view import SwarmView
 from hetnode.data.dataset import TokenDataset
 from hetnode.errors import WireError
 from hetnode.model.decoder import build_model
 from hetnode.net.node import SwarmNode
+from hetnode.net.streams import PeerRequestError
 from hetnode.planning.rounds import Announcement, seal_now
 
 log = logging.getLogger(__name__)
@@ -52,27 +62,123 @@ class RoundKeeper:
         evaluator = await asyncio.to_thread(self._build_evaluator)
         seen: dict[str, Announcement] = {}
         round_ = self.global_model.params_round + 1
-        while not await sleep_or_stop(stop, POLL_S):
-            await self.sealer.collect(round_, seen)
-            if not seen:
+        try:
+            while not await sleep_or_stop(stop, POLL_S):
+                newest = await self._newest_sealed_round()
+                if newest > self.global_model.params_round:
+                    if not await self._catch_up_from_replicas(newest, evaluator):
+                        await sleep_or_stop(stop, 1.0)
+                    continue
+                round_ = self.global_model.params_round + 1
+                if any(a.round != round_ for a in seen.values()):
+                    seen = {}
+                await self._poll(round_, seen, evaluator)
+        finally:
+            await asyncio.to_thread(self._checkpoint)  # a clean stop loses no round
+
+    async def _poll(self, round_: int, seen: dict[str, Announcement], evaluator: Any) -> None:
+        """One look at the announcements of `round_`; seal it when it is time."""
+        await self.sealer.collect(round_, seen)
+        if not seen:
+            return
+        expected = await expected_contributors(self.node, self.config, round_)
+        if not seal_now(expected, seen, time.monotonic(), self.sealer.deadline.seconds):
+            return
+        started = time.monotonic()
+        sealed = await self.sealer.seal(round_, seen)
+        if sealed is None:
+            return
+        self.sealer.observe_arrivals(expected, seen)
+        await self._record(sealed, started, evaluator)
+
+    # --- after a restart: rounds the swarm sealed without us ----------------------------------------
+
+    async def _newest_sealed_round(self) -> int:
+        """The newest round sealed by us (in an earlier life) or by an anchor standing in for us."""
+        own = self.node.identity.peer_id
+        newest, stand_ins = -1, {}
+        for peer, entry in (await self.node.read_field("seal")).items():
+            round_ = entry.value.get("round") if isinstance(entry.value, dict) else None
+            if not isinstance(round_, int):
                 continue
-            expected = await expected_contributors(self.node, self.config, round_)
-            if not seal_now(expected, seen, time.monotonic(), self.sealer.deadline.seconds):
+            if peer == own:
+                newest = max(newest, round_)
+            elif round_ > self.global_model.params_round:
+                stand_ins[peer] = round_
+        if stand_ins:  # only an anchor may seal in our place
+            view = await SwarmView.read(self.node, self.config)
+            for peer, round_ in stand_ins.items():
+                if view.peers.get(peer, {}).get("role") == "anchor":
+                    newest = max(newest, round_)
+        return newest
+
+    async def _catch_up_from_replicas(self, round_: int, evaluator: Any) -> bool:
+        """Take θ after `round_` from a replica whose parameters match the majority's layer digests."""
+        view = await SwarmView.read(self.node, self.config)
+        holders = {
+            peer: tuple(sorted(record["layer_digests"].items()))
+            for peer, record in view.peers.items()
+            if record["role"] in ("anchor", "stage")
+            and record["params_round"] == round_
+            and record["layer_digests"]
+        }
+        if not holders:
+            log.info("round %d was sealed without us; waiting for a replica that holds it", round_)
+            return False
+        (majority, votes), *_ = Counter(holders.values()).most_common(1)
+        max_bytes = int(self.config.network.max_frame_mb * 2**20)
+        for peer in sorted(p for p, digests in holders.items() if digests == majority):
+            scratch = GlobalModel(self.config)
+            try:
+                payloads = {}
+                for shard in scratch.shards:
+                    payloads[shard] = await self.node.fetch_state(peer, round_, shard, max_bytes)
+                await asyncio.to_thread(scratch.load_state, round_, payloads)
+            except (PeerRequestError, WireError) as exc:
+                log.warning("catch-up from %s failed: %s", peer, exc)
                 continue
-            started = time.monotonic()
-            sealed = await self.sealer.seal(round_, seen)
-            if sealed is None:
+            if scratch.digests() != dict(majority):
+                log.warning("peer %s served θ that does not match the digests it publishes", peer)
                 continue
-            self.sealer.observe_arrivals(expected, seen)
-            await self._record(sealed, started, evaluator)
-            seen, round_ = {}, round_ + 1
+            with torch.no_grad():
+                for name, tensor in scratch.params.items():
+                    self.global_model.params[name].copy_(tensor)
+            self.global_model.params_round = round_
+            await asyncio.to_thread(self._checkpoint)
+            eval_loss = await asyncio.to_thread(evaluator, self.global_model)
+            digests = self.global_model.digests()
+            await self.presence.update(params_round=round_, layer_digests=digests, outer_step=round_)
+            self._append_history(
+                {
+                    "round": round_,
+                    "contributors": [],  # sealed without us: we took the result, not the contributions
+                    "excluded": [],
+                    "tokens": 0,
+                    "eval_loss": eval_loss,
+                    "seal_seconds": 0.0,
+                    "layer_digests": digests,
+                    "time": time.time(),
+                    "caught_up_from": peer,
+                }
+            )
+            log.info(
+                "caught up to round %d from %s (%d of %d replicas agree), eval loss %.4f",
+                round_,
+                peer,
+                votes,
+                len(holders),
+                eval_loss,
+            )
+            return True
+        return False
 
     async def _record(self, sealed: SealedRound, started: float, evaluator: Any) -> None:
         """Apply the sealed round to the coordinator's θ, evaluate, checkpoint, append to the history."""
         round_ = sealed.record["round"]
         await asyncio.to_thread(self.global_model.apply, round_, sealed.contributions)
         eval_loss = await asyncio.to_thread(evaluator, self.global_model)
-        await asyncio.to_thread(self._checkpoint)
+        if round_ % self.config.outer.checkpoint_every_rounds == 0:
+            await asyncio.to_thread(self._checkpoint)
         digests = self.global_model.digests()
         await self.presence.update(params_round=round_, layer_digests=digests, outer_step=round_)
         entry = {
@@ -86,8 +192,7 @@ class RoundKeeper:
             "layer_digests": digests,
             "time": time.time(),
         }
-        with open(self.data_dir.path / HISTORY, "a") as history:
-            history.write(json.dumps(entry) + "\n")
+        self._append_history(entry)
         log.info(
             "round %d sealed: %d contributions, %d excluded, eval loss %.4f",
             round_,
@@ -95,6 +200,10 @@ class RoundKeeper:
             len(sealed.excluded),
             eval_loss,
         )
+
+    def _append_history(self, entry: dict[str, Any]) -> None:
+        with open(self.data_dir.path / HISTORY, "a") as history:
+            history.write(json.dumps(entry) + "\n")
 
     # --- evaluation and checkpoints -----------------------------------------------------------------
 

@@ -94,6 +94,9 @@ class OuterConfig:
     error_feedback: float = 0.95  # beta
     lr: float = 1.0  # alpha
     weight_decay: float = 0.0
+    # The coordinator writes θ to disk every this many sealed rounds (and when it stops); after a crash
+    # it takes the rounds it missed from the replicas, so K trades disk writes for catch-up downloads.
+    checkpoint_every_rounds: int = 5
 
 
 @dataclass(frozen=True)
@@ -318,6 +321,12 @@ def validate(config: Config, source: str) -> None:
     )
     _require(0 <= o.error_feedback < 1, source, "outer.error_feedback", "must be in [0, 1)")
     _require(o.lr > 0, source, "outer.lr", f"must be > 0, got {o.lr}")
+    _require(
+        o.checkpoint_every_rounds >= 1,
+        source,
+        "outer.checkpoint_every_rounds",
+        f"must be >= 1, got {o.checkpoint_every_rounds}",
+    )
     _require(o.weight_decay >= 0, source, "outer.weight_decay", "must be >= 0")
 
     _require(p.stages >= 1, source, "pipeline.stages", f"must be >= 1, got {p.stages}")

@@ -22,6 +22,7 @@ import msgpack
 from hetnode.config import Config
 from hetnode.daemon.participant import RoundFailed, RoundParticipant
 from hetnode.daemon.presence import Presence
+from hetnode.daemon.round_log import RoundRecord, append_round
 from hetnode.daemon.rounds import AnchorTraining, GlobalModel, sha256_hex
 from hetnode.data.dataset import TokenDataset
 from hetnode.net.node import SwarmNode
@@ -40,6 +41,7 @@ class AnchorLoop:
         state_path: Path,
         fault: str | None = None,
     ) -> None:
+        """`state_path`: local state for restarts; its folder (the data dir) also gets the round log."""
         self.config = config
         self.node = node
         self.presence = presence
@@ -90,6 +92,7 @@ class AnchorLoop:
                 time.monotonic() - started,
                 training.last_loss,
             )
+            trained_s = time.monotonic() - started
             sealed = await self.rounds.wait_for_seal(round_, announcement, stop)
             if sealed is None:
                 return
@@ -103,6 +106,19 @@ class AnchorLoop:
                 # Left out of the seal: what we sent never reached θ, so it goes back into error feedback.
                 training.restore_unsent()
                 log.info("round %d sealed without us: our payload is kept in error feedback", round_)
+            apply_s, fetched = self.rounds.last_apply
+            record = RoundRecord(
+                round_,
+                "anchor",
+                round(trained_s, 3),
+                announcement["tokens"],
+                sum(len(data) for data in payloads.values()),
+                fetched,
+                round(self.rounds.last_seal_wait_s, 3),
+                round(apply_s, 3),
+                included,
+            )
+            append_round(self.state_path.parent, record)
             await asyncio.to_thread(training.save_local_state, self.state_path, self.global_model)
             await self.presence.update(
                 params_round=self.global_model.params_round,

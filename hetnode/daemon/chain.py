@@ -22,11 +22,13 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 from hetnode.config import Config
 from hetnode.daemon.lifecycle import sleep_or_stop
 from hetnode.daemon.participant import RoundFailed, RoundParticipant
 from hetnode.daemon.presence import Presence
+from hetnode.daemon.round_log import RoundRecord, append_round
 from hetnode.daemon.rounds import GlobalModel, sha256_hex
 from hetnode.daemon.stage_training import StageTraining
 from hetnode.daemon.view import SwarmView
@@ -92,13 +94,18 @@ class ChainLoop:
         presence: Presence,
         coordinator: str,
         layout: ChainLayout,
+        data_dir: Path,
         device: str = "cpu",
     ) -> None:
+        """`data_dir` gets the round log."""
         self.config = config
         self.node = node
         self.presence = presence
         self.layout = layout
+        self.data_dir = data_dir
         self.device = device
+        self.bytes_sent = 0  # activation and gradient frames, since the chain started
+        self.bytes_received = 0
         self.peer_id = node.identity.peer_id
         self.global_model = GlobalModel(config)
         self.outbox: dict[int, dict[str, bytes]] = {}
@@ -109,6 +116,8 @@ class ChainLoop:
         self.compute = asyncio.Lock()  # one forward or backward at a time on this stage
         self.round_ = -1  # the round being trained; frames of other rounds wait or break the chain
         self.round_open = asyncio.Event()
+        self._round_requested = asyncio.Event()  # stages after the first: a frame of a new round arrived
+        self._requested_round = -1
         self.round_done = asyncio.Event()
         self.backwards = 0
         self.window: asyncio.Semaphore | None = None
@@ -248,8 +257,9 @@ class ChainLoop:
         training = self.training
         assert training is not None
         while not stop.is_set():
-            round_ = self.global_model.params_round + 1
+            round_ = await self._next_round(stop)
             started, tokens_before = time.monotonic(), training.tokens
+            sent_before, received_before = self.bytes_sent, self.bytes_received
             async with self.compute:
                 await asyncio.to_thread(training.begin_round, self.global_model)
             self.backwards = 0
@@ -259,6 +269,7 @@ class ChainLoop:
             if self.layout.first:
                 await self._feed(round_)
             await self._until(self.round_done)
+            trained_s = time.monotonic() - started
             self.round_open.clear()
             payloads = await asyncio.to_thread(training.end_round, round_, self.peer_id)
             self.outbox = {r: p for r, p in self.outbox.items() if r >= round_ - 1}
@@ -290,7 +301,40 @@ class ChainLoop:
             if not included:
                 training.restore_unsent()
                 log.info("round %d sealed without us: our payload is kept in error feedback", round_)
+            apply_s, fetched = self.rounds.last_apply
+            record = RoundRecord(
+                round_,
+                "stage",
+                round(trained_s, 3),
+                announcement["tokens"],
+                sum(len(data) for data in payloads.values()),
+                fetched,
+                round(self.rounds.last_seal_wait_s, 3),
+                round(apply_s, 3),
+                included,
+                self.bytes_sent - sent_before,
+                self.bytes_received - received_before,
+            )
+            append_round(self.data_dir, record)
             await self._publish()
+
+    async def _next_round(self, stop: asyncio.Event) -> int:
+        """The round to train next. The first stage decides: θ after the newest seal, plus one (it catches
+        up first if the swarm moved on). The others train the round the first stage's frames carry, and
+        catch up to it when they are behind; a first stage behind them breaks the chain."""
+        if self.layout.first:
+            if await self.rounds.catch_up(stop):
+                await self._publish()
+            return self.global_model.params_round + 1
+        await self._until(self._round_requested)
+        self._round_requested.clear()
+        wanted, held = self._requested_round, self.global_model.params_round
+        if wanted > held + 1 and await self.rounds.catch_up(stop):
+            await self._publish()
+            held = self.global_model.params_round
+        if wanted != held + 1:
+            raise ChainBroken(f"the first stage trains round {wanted}, this stage holds θ after round {held}")
+        return wanted
 
     async def _publish(self) -> None:
         await self.presence.update(
@@ -375,18 +419,25 @@ class ChainLoop:
             self.round_done.set()
 
     async def _wait_for_round(self, round_: int) -> None:
-        """Hold a frame of the next round until this stage applied the seal of the current one."""
-        while not (self.round_open.is_set() and self.round_ == round_):
-            if self.round_open.is_set() and self.round_ > round_:
+        """Hold a frame until its round is open here: the first frame of a round asks the round loop to
+        open it (after the seal of the previous one is applied)."""
+        if self.round_open.is_set():
+            if self.round_ != round_:
                 raise ChainBroken(f"a frame of round {round_} arrived while training round {self.round_}")
-            if self.round_open.is_set() and self.backwards >= self.config.outer.inner_steps:
+            if self.backwards >= self.config.outer.inner_steps:
                 raise ChainBroken(f"more than H micro-batches in round {self.round_}")
-            await asyncio.sleep(0.05)
+            return
+        self._requested_round = round_
+        self._round_requested.set()
+        await self._until(self.round_open)
+        if self.round_ != round_:
+            raise ChainBroken(f"a frame of round {round_} arrived while training round {self.round_}")
 
     async def _send(self, stream: OpenStream | None, data: bytes) -> None:
         assert stream is not None
         try:
             await write_frame(stream.writer, data, IO_TIMEOUT_S)
+            self.bytes_sent += len(data)
         except (TimeoutError, ConnectionError, OSError) as exc:
             raise ChainBroken(f"stream to {stream.peer[-8:]} broke ({type(exc).__name__})") from None
 
@@ -395,7 +446,9 @@ class ChainLoop:
         try:
             # no timeout: between rounds a neighbour is silent while the seal is pending; a dead one is
             # noticed by the stream closing or by `_watch_members`
-            return await read_frame(stream.reader, max_bytes, timeout=None)
+            data = await read_frame(stream.reader, max_bytes, timeout=None)
+            self.bytes_received += len(data)
+            return data
         except (asyncio.IncompleteReadError, ConnectionError, OSError) as exc:
             raise ChainBroken(f"stream from {stream.peer[-8:]} ended ({type(exc).__name__})") from None
         except WireError as exc:

@@ -68,7 +68,16 @@ class RoundParticipant:
         self.may_stand_in = may_stand_in  # anchors only: a stage never seals
         self.peer_id = node.identity.peer_id
         self.sealer = Sealer(config, node, global_model, own_payload)
+        self.last_seal_wait_s = 0.0  # of the last wait_for_seal
+        self.last_apply = (0.0, 0)  # (seconds, bytes fetched) of the last apply
         node.set_payloads(self.serve_payload)
+        node.set_state(self.serve_state)
+
+    def serve_state(self, round_: int, shard: str) -> bytes | None:
+        """θ as we hold it, for a peer (the coordinator after a restart) catching up to `round_`."""
+        if round_ != self.global_model.params_round or shard not in self.global_model.shards:
+            return None
+        return self.global_model.state_payload(shard)
 
     def serve_payload(self, round_: int, shard: str, replica: str) -> bytes | None:
         if replica == self.peer_id:
@@ -84,9 +93,17 @@ class RoundParticipant:
 
         The coordinator seals; when it is silent (its record has expired) the lowest-id live anchor seals
         in its place, and every replica accepts that seal too."""
-        announced_at = 0.0
         waiting_since = time.monotonic()
+        try:
+            return await self._wait_for_seal(round_, announcement, stop, waiting_since)
+        finally:
+            self.last_seal_wait_s = time.monotonic() - waiting_since
+
+    async def _wait_for_seal(
+        self, round_: int, announcement: dict, stop: asyncio.Event, waiting_since: float
+    ) -> tuple[str, dict] | None:
         seen: dict[str, Announcement] = {}
+        announced_at = 0.0
         while not stop.is_set():
             if time.monotonic() - announced_at > ANNOUNCE_TTL_S / 3:  # (re)announce until sealed
                 await self.node.store_own("announce", announcement, ANNOUNCE_TTL_S)
@@ -129,6 +146,7 @@ class RoundParticipant:
                 f"the seal is for round {round_}, we hold round {self.global_model.params_round}"
             )
         max_bytes = int(self.config.network.max_frame_mb * 2**20)
+        started, fetched = time.monotonic(), 0
         contributions = []
         for contribution in seal["contributions"]:
             peer, payloads = contribution["peer"], {}
@@ -145,12 +163,14 @@ class RoundParticipant:
                     raise RoundFailed(f"cannot fetch {peer[-8:]}'s shard {shard}: {exc}") from None
                 if sha256_hex(data) != digest:
                     raise RoundFailed(f"{peer[-8:]}'s shard {shard} does not match the sealed digest")
+                fetched += 0 if own is not None else len(data)
                 payloads[shard] = data
             contributions.append((peer, payloads))
         try:
             await asyncio.to_thread(self.global_model.apply, round_, contributions)
         except WireError as exc:
             raise RoundFailed(f"a sealed payload is invalid: {exc}") from None
+        self.last_apply = (time.monotonic() - started, fetched)
         log.info(
             "round %d applied: %d contributions, digest %s",
             round_,
@@ -165,8 +185,8 @@ class RoundParticipant:
         True when θ was replaced (local training state built on the old θ is then stale)."""
         while not stop.is_set():
             seal = await read_seal(self.node, self.coordinator)
-            if seal is None or seal["round"] == self.global_model.params_round:
-                return False  # nothing sealed yet, or we hold exactly the sealed θ
+            if seal is None or seal["round"] <= self.global_model.params_round:
+                return False  # nothing sealed yet, or we hold that θ (or newer: a coordinator restarting)
             try:
                 await fetch_state(self.node, self.coordinator, self.global_model, seal["round"])
                 log.info("caught up: holding θ after round %d", self.global_model.params_round)

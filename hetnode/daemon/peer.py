@@ -181,7 +181,13 @@ class PeerDaemon:
             if layout is None:
                 return
             loop = ChainLoop(
-                self.config, self.node, self.presence, self.contact.coordinator, layout, self.options.device
+                self.config,
+                self.node,
+                self.presence,
+                self.contact.coordinator,
+                layout,
+                self.options.data_dir,
+                self.options.device,
             )
         self._role_task = asyncio.create_task(loop.run(stop), name=f"role-{wanted}")
         self._role_key = wanted

@@ -4,8 +4,11 @@ over P2P streams, each syncs its own layers in the sealed rounds, and every repl
 from __future__ import annotations
 
 import ast
+import signal
 
 import pytest
+
+from hetnode.daemon.round_log import read_rounds
 
 pytestmark = pytest.mark.slow
 
@@ -52,3 +55,89 @@ def test_an_anchor_and_a_chain_of_two_train_one_model(swarm):
     document = swarm.wait_for(boot.maddr, all_applied, timeout=60, what="every replica applied the round")
     rounds = swarm.agree_with_coordinator(document, {"anchor", "edge-1", "edge-2"})
     assert set(rounds) == {"anchor", "edge-1", "edge-2"}
+
+    # each daemon's round log: where time and bytes went (what the network benchmark reads)
+    for edge in edges:
+        logged = [r for r in read_rounds(swarm.tmp_path / edge.name) if r["included"]]
+        assert logged and all(r["role"] == "stage" and r["tokens"] == TOKENS_PER_REPLICA for r in logged)
+        assert all(r["activation_bytes_sent"] > 0 and r["upload_bytes"] > 0 for r in logged)
+    [anchor_round, *_] = read_rounds(swarm.tmp_path / "anchor")
+    assert anchor_round["role"] == "anchor" and anchor_round["tokens_per_s"] > 0
+
+
+def start_anchor_and_chain(swarm):
+    boot = swarm.bootstrap(swarm.config(outer=FAST_ROUNDS))
+    boot.wait_ready()
+    anchor = swarm.join("anchor", boot.maddr, "1000")
+    edges = [swarm.join(f"edge-{i}", boot.maddr, "20") for i in (1, 2)]
+    for daemon in [anchor, *edges]:
+        daemon.wait_ready()
+    return boot, anchor, edges
+
+
+def sealed_with(peers: set[str]):
+    return lambda entry: peers <= set(entry["contributors"])
+
+
+def test_the_chain_goes_on_when_the_anchor_dies_and_the_anchor_catches_up(swarm):
+    boot, anchor, edges = start_anchor_and_chain(swarm)
+    chain = {edge.peer_id for edge in edges}
+    swarm.wait_for_history(
+        lambda h: any(sealed_with(chain | {anchor.peer_id})(e) for e in h), 240, "a round with everyone in it"
+    )
+    anchor.proc.send_signal(signal.SIGKILL)  # mid-round: it trains almost all the time
+    anchor.proc.wait(10)
+    killed_at = swarm.history()[-1]["round"]
+    history = swarm.wait_for_history(
+        lambda h: sum(e["contributors"] and set(e["contributors"]) == chain for e in h[killed_at + 1 :]) >= 2,
+        240,
+        "two rounds sealed by the chain alone",
+    )
+    assert all(anchor.peer_id not in e["contributors"] for e in history[killed_at + 2 :])
+
+    again = swarm.join("anchor", boot.maddr, "1000")  # same data dir: same identity, its own local state
+    again.wait_ready()
+    rejoined_at = swarm.history()[-1]["round"]
+    history = swarm.wait_for_history(
+        lambda h: any(sealed_with(chain | {again.peer_id})(e) for e in h[rejoined_at + 1 :]),
+        240,
+        "a round with the restarted anchor and the chain",
+    )
+    newest = history[-1]["round"]
+    document = swarm.wait_for(
+        boot.maddr,
+        lambda d: all(
+            (p["params_round"] or -1) >= newest for p in d["peers"] if p["role"] in ("anchor", "stage")
+        ),
+        timeout=60,
+        what="every replica applied the newest round",
+    )
+    assert set(swarm.agree_with_coordinator(document, {"anchor", "edge-1", "edge-2"})) == {
+        "anchor",
+        "edge-1",
+        "edge-2",
+    }
+
+
+def test_a_chain_that_loses_a_stage_is_left_out_and_dissolves(swarm):
+    boot, anchor, edges = start_anchor_and_chain(swarm)
+    chain = {edge.peer_id for edge in edges}
+    swarm.wait_for_history(
+        lambda h: any(sealed_with(chain)(e) for e in h), 240, "a round with the chain in it"
+    )
+    edges[1].proc.send_signal(signal.SIGKILL)
+    edges[1].proc.wait(10)
+    killed_at = swarm.history()[-1]["round"]
+    history = swarm.wait_for_history(
+        lambda h: len(h) > killed_at + 3, 240, "three rounds after the stage died"
+    )
+    for entry in history[killed_at + 2 :]:
+        assert entry["contributors"] == [anchor.peer_id]  # the chain's partial work never enters a seal
+    assert "in-flight work dropped" in edges[0].tail(200)
+
+    def dissolved(document: dict) -> bool:
+        survivor = next((p for p in document["peers"] if p["name"] == "edge-1"), None)
+        return survivor is not None and survivor["role"] == "idle" and not document["chains"]
+
+    document = swarm.wait_for(boot.maddr, dissolved, timeout=60, what="the survivor is back in the pool")
+    swarm.agree_with_coordinator(document, {"anchor", "edge-1"})

@@ -123,7 +123,7 @@ def test_anchor_restart_resumes_its_error_feedback_and_round(swarm, tmp_path):
     swarm.agree_with_coordinator(document, {"solo"})
 
 
-def test_lowest_id_anchor_seals_when_the_coordinator_is_silent(swarm):
+def test_anchors_seal_while_the_coordinator_is_away_and_it_catches_up_on_return(swarm):
     boot = swarm.bootstrap(swarm.config(outer=FAST_ROUNDS))
     boot.wait_ready()
     anchors = [swarm.join(f"anchor-{i}", boot.maddr, "1000") for i in (1, 2)]
@@ -148,3 +148,26 @@ def test_lowest_id_anchor_seals_when_the_coordinator_is_silent(swarm):
     assert "sealing in its place" in stand_in.tail(300)
     other = next(d for d in anchors if d is not stand_in)
     assert "sealing in its place" not in other.tail(300)
+
+    # the coordinator comes back (same data dir: same identity and address) with an older θ on disk
+    again = swarm.bootstrap(swarm.tmp_path / "swarm.toml")
+    again.wait_ready()
+    assert again.maddr == boot.maddr
+    history = swarm.wait_for_history(
+        lambda h: any(e["round"] > last_by_coordinator + 2 and len(e["contributors"]) == 2 for e in h),
+        timeout=150,
+        what="the restarted coordinator seals rounds with both anchors again",
+    )
+    [caught_up] = [e for e in history if e.get("caught_up_from")]
+    assert caught_up["round"] >= last_by_coordinator + 2  # it took the rounds sealed in its place
+    assert (
+        caught_up["layer_digests"] == digests[0] or caught_up["round"] > document["peers"][0]["params_round"]
+    )
+    newest = history[-1]["round"]
+    document = swarm.wait_for(
+        boot.maddr,
+        lambda d: all((p["params_round"] or -1) >= newest for p in d["peers"] if p["role"] == "anchor"),
+        timeout=60,
+        what="both anchors applied the coordinator's newest round",
+    )
+    assert set(swarm.agree_with_coordinator(document, {"anchor-1", "anchor-2"})) == {"anchor-1", "anchor-2"}

@@ -1,0 +1,44 @@
+"""One JSON line per round this daemon trained and synced (`DATA_DIR/rounds-local.jsonl`): where the time
+and the bytes went. The network benchmark reads it; an operator can `tail -f` it."""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+ROUND_LOG = "rounds-local.jsonl"
+
+
+@dataclass
+class RoundRecord:
+    round: int
+    role: str  # "anchor" or "stage"
+    train_s: float  # inner steps (a stage: from its first micro-batch to the end of its drain)
+    tokens: int  # tokens this replica trained in the round (a stage: tokens that passed through it)
+    upload_bytes: int  # our encoded payload (what the sealer fetched from us)
+    download_bytes: int = 0  # sealed payloads we fetched to apply the round
+    seal_wait_s: float = 0.0  # from our announcement to seeing the seal
+    apply_s: float = 0.0  # fetching, checking and applying the sealed payloads
+    included: bool = True  # our payload is in the seal
+    activation_bytes_sent: int = 0  # a stage: frames it sent to its neighbours
+    activation_bytes_received: int = 0
+    time: float = field(default_factory=time.time)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.train_s if self.train_s > 0 else 0.0
+
+
+def append_round(data_dir: Path, record: RoundRecord) -> None:
+    entry = asdict(record) | {"tokens_per_s": round(record.tokens_per_s, 1)}
+    with open(data_dir / ROUND_LOG, "a") as log:
+        log.write(json.dumps(entry) + "\n")
+
+
+def read_rounds(data_dir: Path) -> list[dict]:
+    path = data_dir / ROUND_LOG
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
