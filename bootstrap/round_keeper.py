@@ -23,6 +23,7 @@ import torch
 from hetnode.config import Config
 from hetnode.daemon.datadir import DataDir
 from hetnode.daemon.lifecycle import sleep_or_stop
+from hetnode.daemon.participant import fetch_state
 from hetnode.daemon.presence import Presence
 from hetnode.daemon.rounds import GlobalModel, base_fixed_embedding
 from hetnode.daemon.sealing import SealedRound, Sealer, expected_contributors
@@ -126,24 +127,12 @@ class RoundKeeper:
             log.info("round %d was sealed without us; waiting for a replica that holds it", round_)
             return False
         (majority, votes), *_ = Counter(holders.values()).most_common(1)
-        max_bytes = int(self.config.network.max_frame_mb * 2**20)
         for peer in sorted(p for p, digests in holders.items() if digests == majority):
-            scratch = GlobalModel(self.config)
-            try:
-                payloads = {}
-                for shard in scratch.shards:
-                    payloads[shard] = await self.node.fetch_state(peer, round_, shard, max_bytes)
-                await asyncio.to_thread(scratch.load_state, round_, payloads)
+            try:  # all or nothing, and only θ whose layers match the majority's digests
+                await fetch_state(self.node, peer, self.global_model, round_, dict(majority))
             except (PeerRequestError, WireError) as exc:
                 log.warning("catch-up from %s failed: %s", peer, exc)
                 continue
-            if scratch.digests() != dict(majority):
-                log.warning("peer %s served θ that does not match the digests it publishes", peer)
-                continue
-            with torch.no_grad():
-                for name, tensor in scratch.params.items():
-                    self.global_model.params[name].copy_(tensor)
-            self.global_model.params_round = round_
             await asyncio.to_thread(self._checkpoint)
             eval_loss = await asyncio.to_thread(evaluator, self.global_model)
             digests = self.global_model.digests()

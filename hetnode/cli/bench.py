@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 from pathlib import Path
 
-from hetnode.bench import sparseloco, staleness, subspace
+from hetnode.bench import network, sparseloco, staleness, subspace
 from hetnode.config import load_config
 from hetnode.errors import ConfigError
 
@@ -24,6 +25,15 @@ def register(commands: argparse._SubParsersAction) -> None:
     sparse.add_argument("--steps", type=int, default=None, help="inner steps per replica (multiple of 150)")
     sparse.add_argument("--no-progress", action="store_true")
     sparse.set_defaults(handler=run_sparseloco)
+    network = benches.add_parser(
+        "network", help="the daemons in a tc-shaped netns lab vs hivemind's all-reduce (needs root)"
+    )
+    network.add_argument("--quick", action="store_true", help="tiny config, H=10, 3 chain rounds")
+    network.add_argument("--config", type=Path, default=None, help="default: tiny if --quick, else small")
+    network.add_argument("--out", type=Path, default=Path("benchmarks/results"), help="output folder")
+    network.add_argument("--slow-mbit", type=float, default=20.0, help="the chain's link rate")
+    network.add_argument("--no-progress", action="store_true")
+    network.set_defaults(handler=run_network)
     for name, text, handler in (
         ("subspace", "full replicas vs anchors + compressed chains, over compression ratios", run_subspace),
         ("staleness", "async pipelines P in {1,2,4,8}: adamw vs nadam vs rotated_adamw", run_staleness),
@@ -42,6 +52,24 @@ def register(commands: argparse._SubParsersAction) -> None:
 
 def _config(args: argparse.Namespace):
     return load_config(args.config or CONFIG_DIR / ("tiny.toml" if args.quick else "small.toml"))
+
+
+def run_network(args: argparse.Namespace) -> int:
+    plan = dataclasses.replace(network.plan_for(args.quick), slow_mbit=args.slow_mbit)
+    report = network.run_benchmark(_config(args), plan, args.out, progress=not args.no_progress)
+    t = report["targets"]
+
+    def show(value: float | None, unit: str = "x") -> str:
+        return "n/a" if value is None else f"{value:,.2f}{unit}"
+
+    limit = show(t["round_time_over_physical_limit"])
+    print(f"round time / physical limit (stage, {plan.slow_mbit:g} Mbit/s): {limit}")
+    print(f"all-reduce fp16 bytes / SparseLoCo bytes:  {show(t['allreduce_bytes_over_sparseloco'])}")
+    print(f"all-reduce fp16 time / SparseLoCo sync time: {show(t['allreduce_seconds_over_sparseloco'])}")
+    print(f"chain tokens/s, compressed / uncompressed: {show(t['compressed_chain_speedup'])}")
+    print(f"anchor tokens/s / hetnode train alone:      {show(t['anchor_over_local_tokens_per_s'])}")
+    print(f"wrote {args.out / 'network.json'} and {args.out / 'network.png'}")
+    return 0
 
 
 def run_sparseloco(args: argparse.Namespace) -> int:

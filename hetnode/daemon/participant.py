@@ -39,13 +39,20 @@ async def read_seal(node: SwarmNode, coordinator: str) -> dict[str, Any] | None:
     return entry.value if entry is not None and isinstance(entry.value, dict) else None
 
 
-async def fetch_state(node: SwarmNode, coordinator: str, global_model: GlobalModel, round_: int) -> None:
-    """Download θ after `round_` shard by shard from the coordinator and load it (all or nothing)."""
+async def fetch_state(
+    node: SwarmNode,
+    source: str,
+    global_model: GlobalModel,
+    round_: int,
+    expect_digests: dict[str, str] | None = None,
+) -> None:
+    """Download θ after `round_` shard by shard from `source` and load it (all or nothing), checked
+    against the layer digests the source publishes for that round when we have them."""
     max_bytes = int(global_model.config.network.max_frame_mb * 2**20)
     payloads = {}
     for shard in global_model.shards:
-        payloads[shard] = await node.fetch_state(coordinator, round_, shard, max_bytes)
-    global_model.load_state(round_, payloads)
+        payloads[shard] = await node.fetch_state(source, round_, shard, max_bytes)
+    await asyncio.to_thread(global_model.load_state, round_, payloads, expect_digests)
 
 
 class RoundParticipant:
@@ -187,8 +194,10 @@ class RoundParticipant:
             seal = await read_seal(self.node, self.coordinator)
             if seal is None or seal["round"] <= self.global_model.params_round:
                 return False  # nothing sealed yet, or we hold that θ (or newer: a coordinator restarting)
+            record = (await SwarmView.read(self.node, self.config)).peers.get(self.coordinator, {})
+            digests = record.get("layer_digests") if record.get("params_round") == seal["round"] else None
             try:
-                await fetch_state(self.node, self.coordinator, self.global_model, seal["round"])
+                await fetch_state(self.node, self.coordinator, self.global_model, seal["round"], digests)
                 log.info("caught up: holding θ after round %d", self.global_model.params_round)
                 return True
             except (PeerRequestError, WireError) as exc:

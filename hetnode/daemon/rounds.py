@@ -138,15 +138,22 @@ class GlobalModel:
         tensors = {n: codec.compress(self.params[n]) for n in names}
         return encode_payload(SyncPayload("global", max(self.params_round, 0), shard, "fp32", tensors))
 
-    def load_state(self, params_round: int, payloads: dict[str, bytes]) -> None:
-        """Replace θ with validated dense shards (all of them, or nothing changes)."""
+    def load_state(
+        self, params_round: int, payloads: dict[str, bytes], expect_digests: dict[str, str] | None = None
+    ) -> None:
+        """Replace θ with validated dense shards (all of them, or nothing changes). With `expect_digests`
+        (what the source publishes for that round) the decoded layers must match them first."""
         if set(payloads) != set(self.shards):
             raise WireError("shards", f"expected {sorted(self.shards)}, got {sorted(payloads)}")
         decoded = {shard: decode_payload(data, self.dense_specs[shard]) for shard, data in payloads.items()}
+        incoming = {name: tensor for message in decoded.values() for name, tensor in message.dense.items()}
+        if expect_digests is not None and layer_digests(incoming) != expect_digests:
+            raise WireError(
+                "digests", f"the state for round {params_round} does not match its published digests"
+            )
         with torch.no_grad():
-            for message in decoded.values():
-                for name, tensor in message.dense.items():
-                    self.params[name].copy_(tensor)
+            for name, tensor in incoming.items():
+                self.params[name].copy_(tensor)
         self.params_round = params_round
 
 

@@ -59,7 +59,11 @@ def test_state_transfer_reproduces_theta_exactly(fast_config, dataset):
     source = GlobalModel(fast_config)
     source.apply(0, sorted(_round_of(fast_config, dataset, ["peer-a"], source).items()))
     joiner = GlobalModel(fast_config)
-    joiner.load_state(0, {shard: source.state_payload(shard) for shard in source.shards})
+    state = {shard: source.state_payload(shard) for shard in source.shards}
+    with pytest.raises(WireError, match="digests"):  # the digests the source publishes must match
+        joiner.load_state(0, state, expect_digests=GlobalModel(fast_config).digests())
+    assert joiner.params_round == -1  # nothing changed
+    joiner.load_state(0, state, expect_digests=source.digests())
     assert joiner.digests() == source.digests() and joiner.params_round == 0
     partial = {shard: source.state_payload(shard) for shard in list(source.shards)[:-1]}
     with pytest.raises(WireError, match="shards"):

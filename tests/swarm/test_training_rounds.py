@@ -171,3 +171,26 @@ def test_anchors_seal_while_the_coordinator_is_away_and_it_catches_up_on_return(
         what="both anchors applied the coordinator's newest round",
     )
     assert set(swarm.agree_with_coordinator(document, {"anchor-1", "anchor-2"})) == {"anchor-1", "anchor-2"}
+
+
+def test_a_peer_joining_late_downloads_theta_and_matches_the_next_round(swarm):
+    boot = swarm.bootstrap(swarm.config(outer=FAST_ROUNDS))
+    boot.wait_ready()
+    swarm.join("early", boot.maddr, "1000").wait_ready()
+    swarm.wait_for_round(2, timeout=120)
+    late = swarm.join("late", boot.maddr, "1000")
+    late.wait_ready()
+    history = swarm.wait_for_history(
+        lambda h: any(late.peer_id in e["contributors"] for e in h), 120, "a round with the late peer in it"
+    )
+    joined_at = next(e["round"] for e in history if late.peer_id in e["contributors"])
+    assert joined_at >= 3
+    assert "caught up: holding θ after round" in late.tail(200)  # it did not train from θ⁰
+    newest = history[-1]["round"]
+    document = swarm.wait_for(
+        boot.maddr,
+        lambda d: all((p["params_round"] or -1) >= newest for p in d["peers"] if p["role"] == "anchor"),
+        timeout=60,
+        what="both anchors applied the newest round",
+    )
+    assert set(swarm.agree_with_coordinator(document, {"early", "late"})) == {"early", "late"}

@@ -1,0 +1,73 @@
+"""A daemon (or any command) started inside a lab host: stdout read line by line for its READY line,
+stderr to a log file, stopped with SIGTERM (killed only if it hangs)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+from hetnode.errors import HetnodeError
+
+HETNODE = [sys.executable, "-m", "hetnode.cli.main"]
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+class LabProcess:
+    def __init__(self, name: str, argv: list[str], log_path: Path, prefix: list[str] | None = None) -> None:
+        self.name = name
+        self.log_path = log_path
+        self._log = open(log_path, "w")  # noqa: SIM115 - closed in stop()
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        self.proc = subprocess.Popen(
+            (prefix or []) + argv,
+            stdout=subprocess.PIPE,
+            stderr=self._log,
+            text=True,
+            cwd=REPO_ROOT,
+            env=env,
+        )
+        self.lines: list[str] = []
+        self.ready: dict[str, str] | None = None
+        self._ready = threading.Event()
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self.lines.append(line.rstrip("\n"))
+            if line.startswith("READY ") and self.ready is None:
+                words = line.split()[1:]
+                # daemons print key=value pairs; the all-reduce baseline prints its multiaddrs bare
+                self.ready = dict(word.split("=", 1) for word in words if "=" in word)
+                self.ready.setdefault("maddrs", ",".join(w for w in words if w.startswith("/")))
+                self._ready.set()
+
+    def wait_ready(self, timeout: float = 120.0) -> dict[str, str]:
+        if not self._ready.wait(timeout) or self.ready is None:
+            raise HetnodeError(f"{self.name} printed no READY line in {timeout:.0f} s:\n{self.tail()}")
+        return self.ready
+
+    @property
+    def maddr(self) -> str:
+        assert self.ready is not None
+        return self.ready["maddrs"].split(",")[0]
+
+    def tail(self, lines: int = 20) -> str:
+        if not self._log.closed:
+            self._log.flush()
+        return "\n".join(self.log_path.read_text().splitlines()[-lines:])
+
+    def stop(self, timeout: float = 30.0) -> int | None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+        self._log.close()
+        return self.proc.returncode

@@ -1,0 +1,376 @@
+"""`hetnode bench network`: the real daemons in a network lab (DESIGN §3.5, issue 6 targets).
+
+One run, side by side on the same shaped links (`netlab.py`): a coordinator, two anchors on unshaped links
+and one chain of two stages on `slow_mbit` links each.
+1. The swarm with subspace-compressed chain boundaries (`pipeline.compression = "selective"`).
+2. The same swarm with uncompressed boundaries (`"none"`): chain tokens/s with vs without compression.
+3. hivemind's own dense all-reduce (`DecentralizedAverager`, fp16) of a model-sized vector among the four
+   replica hosts: bytes and seconds per round against one SparseLoCo round.
+4. `hetnode train`'s inner loop on the same config, alone on the machine: the anchors' tokens/s between
+   rounds against it.
+
+Daemons write what each round cost (`DATA_DIR/rounds-local.jsonl`); interface byte counters of every host
+give the bytes on the wire, DHT traffic included. Results: `network.json` and `network.png`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+from hetnode.bench.lab_process import HETNODE, LabProcess  # noqa: E402
+from hetnode.bench.netlab import NetLab, check_lab_possible  # noqa: E402
+from hetnode.config import Config, dump_config, replace  # noqa: E402
+from hetnode.data import TokenDataset  # noqa: E402
+from hetnode.errors import HetnodeError  # noqa: E402
+from hetnode.model import build_model, count_parameters  # noqa: E402
+from hetnode.training.trainer import InnerTrainer  # noqa: E402
+
+log = logging.getLogger(__name__)
+
+ROUND_LOG = "rounds-local.jsonl"  # written by every daemon (hetnode/daemon/round_log.py)
+HISTORY = "rounds.jsonl"  # the coordinator's sealed rounds
+ANCHORS = ("anchor-1", "anchor-2")
+STAGES = ("stage-1", "stage-2")
+FAST_TIMINGS = {"heartbeat_s": 1.0, "record_ttl_s": 4.0, "boundary_s": 3.0, "confirm_s": 1.5}
+
+
+@dataclass(frozen=True)
+class NetworkPlan:
+    inner_steps: int  # H
+    chain_rounds: int  # sealed rounds with the chain in them, per swarm run
+    allreduce_rounds: int
+    slow_mbit: float = 20.0
+    timeout_s: float = 900.0  # per swarm run
+
+
+def plan_for(quick: bool) -> NetworkPlan:
+    if quick:
+        return NetworkPlan(inner_steps=10, chain_rounds=3, allreduce_rounds=3, timeout_s=420.0)
+    return NetworkPlan(inner_steps=30, chain_rounds=6, allreduce_rounds=5, timeout_s=1800.0)
+
+
+def run_benchmark(config: Config, plan: NetworkPlan, out_dir: Path, progress: bool = True) -> dict:
+    check_lab_possible()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    work = out_dir / "network-lab"
+    work.mkdir(exist_ok=True)
+    config = replace(config, "outer", inner_steps=plan.inner_steps)
+    config = replace(config, "pipeline", stages=2)
+    config = replace(config, "network", **FAST_TIMINGS)  # one machine: the DHT answers in milliseconds
+    _say(progress, f"local baseline: {plan.inner_steps} inner steps of hetnode train's loop, alone")
+    local_tokens_per_s = measure_local_tokens_per_s(config, plan.inner_steps)
+    runs = {}
+    for mode in ("selective", "none"):
+        _say(progress, f"swarm with chain compression {mode!r} (chain on {plan.slow_mbit:g} Mbit/s links)")
+        runs[mode] = run_swarm(replace(config, "pipeline", compression=mode), plan, work / mode, progress)
+    _say(progress, "hivemind DecentralizedAverager (fp16) over the same links")
+    allreduce = run_allreduce(config, plan, work / "allreduce")
+    report = summarise(config, plan, runs, allreduce, local_tokens_per_s)
+    (out_dir / "network.json").write_text(json.dumps(report, indent=2))
+    plot_network(report, out_dir / "network.png")
+    return report
+
+
+def _say(progress: bool, text: str) -> None:
+    if progress:
+        print(f"[bench network] {text}", flush=True)
+
+
+# --- the pieces ---------------------------------------------------------------------------------------
+
+
+def measure_local_tokens_per_s(config: Config, steps: int) -> float:
+    """tokens/s of the local trainer's inner loop (one warm-up round, then `steps` timed steps)."""
+    dataset = TokenDataset.build(config.data, config.model.vocab_size, config.run.seed)
+    trainer = InnerTrainer(config, build_model(config.model, seed=config.run.seed), dataset)
+    for _ in range(max(2, steps // 3)):
+        trainer.train_step()
+    tokens, started = trainer.tokens, time.perf_counter()
+    for _ in range(steps):
+        trainer.train_step()
+    return (trainer.tokens - tokens) / (time.perf_counter() - started)
+
+
+def lab_rates(plan: NetworkPlan) -> dict[str, float | None]:
+    return {"coordinator": None, **{a: None for a in ANCHORS}, **{s: plan.slow_mbit for s in STAGES}}
+
+
+def run_swarm(config: Config, plan: NetworkPlan, work: Path, progress: bool) -> dict[str, Any]:
+    """Coordinator + 2 anchors + a chain of 2 in the lab until `chain_rounds` rounds included the chain."""
+    work.mkdir(parents=True, exist_ok=True)
+    config_path = work / "swarm.toml"
+    config_path.write_text(dump_config(config))
+    processes: list[LabProcess] = []
+    with NetLab(lab_rates(plan)) as lab:
+        try:
+            coordinator = lab.hosts["coordinator"]
+            boot = LabProcess(
+                "coordinator",
+                [*HETNODE, "bootstrap", "--config", str(config_path)]
+                + ["--listen", f"/ip4/{coordinator.address}/tcp/0", "--data-dir", str(work / "coordinator")],
+                work / "coordinator.log",
+                coordinator.prefix,
+            )
+            processes.append(boot)
+            boot.wait_ready()
+            for name in (*ANCHORS, *STAGES):
+                host = lab.hosts[name]
+                declared = "1000" if name in ANCHORS else f"{plan.slow_mbit:g}"
+                processes.append(
+                    LabProcess(
+                        name,
+                        [*HETNODE, "join", "--peer", boot.maddr, "--name", name, "--bandwidth", declared]
+                        + ["--listen", f"/ip4/{host.address}/tcp/0", "--data-dir", str(work / name)],
+                        work / f"{name}.log",
+                        host.prefix,
+                    )
+                )
+            ids = {p.name: p.wait_ready()["peer_id"] for p in processes[1:]}
+            wire_before = {name: lab.interface_bytes(name) for name in lab.hosts}
+            history = _wait_for_chain_rounds(work / "coordinator", {ids[s] for s in STAGES}, plan, progress)
+            wire_after = {name: lab.interface_bytes(name) for name in lab.hosts}
+        finally:
+            for process in reversed(processes):
+                process.stop()
+    wire = {
+        name: {
+            "rx": wire_after[name][0] - wire_before[name][0],
+            "tx": wire_after[name][1] - wire_before[name][1],
+        }
+        for name in wire_before
+    }
+    return {
+        "peer_ids": ids,
+        "history": history,
+        "round_logs": {name: _read_jsonl(work / name / ROUND_LOG) for name in (*ANCHORS, *STAGES)},
+        "wire_bytes": wire,
+    }
+
+
+def _wait_for_chain_rounds(
+    coordinator_dir: Path, chain: set[str], plan: NetworkPlan, progress: bool
+) -> list[dict]:
+    deadline = time.monotonic() + plan.timeout_s
+    shown = 0
+    while time.monotonic() < deadline:
+        history = _read_jsonl(coordinator_dir / HISTORY)
+        for entry in history[shown:]:
+            if progress:
+                mark = "chain+anchors" if chain <= set(entry["contributors"]) else "anchors only"
+                print(
+                    f"  round {entry['round']:>3}  {len(entry['contributors'])} contributions ({mark})"
+                    f"  eval loss {entry['eval_loss']:.3f}",
+                    flush=True,
+                )
+        shown = len(history)
+        if sum(chain <= set(e["contributors"]) for e in history) >= plan.chain_rounds:
+            return history
+        time.sleep(1.0)
+    raise HetnodeError(
+        f"the chain was not in {plan.chain_rounds} sealed rounds within {plan.timeout_s:.0f} s"
+    )
+
+
+def run_allreduce(config: Config, plan: NetworkPlan, work: Path) -> dict[str, Any]:
+    """hivemind's fp16 all-reduce of a model-sized vector among the four replica hosts of the lab."""
+    work.mkdir(parents=True, exist_ok=True)
+    numel = count_parameters(config.model)
+    names = (*ANCHORS, *STAGES)
+    processes: list[LabProcess] = []
+    with NetLab(lab_rates(plan)) as lab:
+        try:
+            for index, name in enumerate(names):
+                host = lab.hosts[name]
+                argv = [sys.executable, "-m", "hetnode.net.allreduce_baseline", "--listen", host.address]
+                argv += ["--group-size", str(len(names)), "--numel", str(numel)]
+                argv += ["--rounds", str(plan.allreduce_rounds), "--interface", host.device]
+                argv += [
+                    "--index",
+                    str(index),
+                    "--count",
+                    str(len(names)),
+                    "--out",
+                    str(work / f"{name}.json"),
+                ]
+                if processes:
+                    argv += ["--initial-peer", processes[0].maddr]
+                processes.append(LabProcess(name, argv, work / f"{name}.log", host.prefix))
+                processes[-1].wait_ready()
+            for process in processes:
+                process.proc.wait(timeout=plan.timeout_s)
+            failed = [p.name for p in processes if p.proc.returncode != 0]
+            if failed:
+                tails = "\n".join(f"--- {p.name}\n{p.tail()}" for p in processes if p.name in failed)
+                raise HetnodeError(f"the all-reduce baseline failed on {failed}:\n{tails}")
+        except subprocess.TimeoutExpired:
+            raise HetnodeError(f"the all-reduce baseline did not finish in {plan.timeout_s:.0f} s") from None
+        finally:
+            for process in processes:
+                process.stop()
+    return {
+        "numel": numel,
+        "peers": {name: json.loads((work / f"{name}.json").read_text()) for name in names},
+    }
+
+
+def _read_jsonl(path: Path) -> list[dict]:
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+# --- the report -------------------------------------------------------------------------------------
+
+
+def _median(values: list[float]) -> float | None:
+    return statistics.median(values) if values else None
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return a / b if a is not None and b else None
+
+
+def summarise_swarm(run: dict[str, Any], plan: NetworkPlan) -> dict[str, Any]:
+    """Per swarm run: the chain's tokens/s, and what a sync round cost an anchor and a slow stage."""
+    logs, history = run["round_logs"], run["history"]
+    rate_bytes_per_s = plan.slow_mbit * 1e6 / 8
+    chain_rounds = sorted(
+        set.intersection(*({r["round"] for r in logs[s]} for s in STAGES))
+        if all(logs[s] for s in STAGES)
+        else []
+    )
+    by_round = {s: {r["round"]: r for r in logs[s]} for s in STAGES}
+    chain_tokens_per_s = [
+        by_round[STAGES[0]][n]["tokens"] / max(by_round[s][n]["train_s"] for s in STAGES)
+        for n in chain_rounds
+    ]
+    stage_sync = [r for s in STAGES for r in logs[s] if r["included"]]
+    limits = [(r["upload_bytes"] + r["download_bytes"]) / rate_bytes_per_s for r in stage_sync]
+    sync_s = [r["seal_wait_s"] + r["apply_s"] for r in stage_sync]
+    apply_limits = [r["download_bytes"] / rate_bytes_per_s for r in stage_sync]
+    anchor_logs = [r for a in ANCHORS for r in logs[a]]
+    seal_times = [e["time"] for e in history]
+    rounds = max(1, len(history))
+    return {
+        "sealed_rounds": len(history),
+        "rounds_with_chain": sum(
+            set(run["peer_ids"][s] for s in STAGES) <= set(e["contributors"]) for e in history
+        ),
+        "round_wall_s": _median([b - a for a, b in zip(seal_times, seal_times[1:], strict=False)]),
+        "chain_tokens_per_s": _median(chain_tokens_per_s),
+        "activation_bytes_per_round": _median([r["activation_bytes_sent"] for r in logs[STAGES[0]]]),
+        "stage_sync": {
+            "upload_bytes": _median([r["upload_bytes"] for r in stage_sync]),
+            "download_bytes": _median([r["download_bytes"] for r in stage_sync]),
+            "sync_s": _median(sync_s),
+            "apply_s": _median([r["apply_s"] for r in stage_sync]),
+            "physical_limit_s": _median(limits),
+            "sync_over_limit": _median([s / lim for s, lim in zip(sync_s, limits, strict=True) if lim > 0]),
+            "apply_over_limit": _median(
+                [r["apply_s"] / lim for r, lim in zip(stage_sync, apply_limits, strict=True) if lim > 0]
+            ),
+        },
+        "anchor": {
+            "tokens_per_s": _median([r["tokens_per_s"] for r in anchor_logs]),
+            "upload_bytes": _median([r["upload_bytes"] for r in anchor_logs]),
+            "download_bytes": _median([r["download_bytes"] for r in anchor_logs]),
+            "sync_s": _median([r["seal_wait_s"] + r["apply_s"] for r in anchor_logs]),
+        },
+        "wire_bytes_per_round": {
+            name: (counts["rx"] + counts["tx"]) / rounds for name, counts in run["wire_bytes"].items()
+        },
+        "eval_loss": [e["eval_loss"] for e in history],
+    }
+
+
+def summarise(
+    config: Config,
+    plan: NetworkPlan,
+    runs: dict[str, dict[str, Any]],
+    allreduce: dict[str, Any],
+    local_tokens_per_s: float,
+) -> dict[str, Any]:
+    swarms = {mode: summarise_swarm(run, plan) for mode, run in runs.items()}
+    peers = allreduce["peers"]
+    slow = [r for s in STAGES for r in peers[s]["rounds"]]
+    allreduce_summary = {
+        "numel": allreduce["numel"],
+        "seconds": _median([r["seconds"] for r in slow]),
+        "wire_bytes_slow_peer": _median([(r["tx_bytes"] or 0) + (r["rx_bytes"] or 0) for r in slow]),
+        "theory_bytes_per_peer": peers[STAGES[0]]["theory_bytes_per_peer"],
+        "all_ok": all(r["ok"] for p in peers.values() for r in p["rounds"]),
+    }
+    compressed, plain = swarms["selective"], swarms["none"]
+    sync = compressed["stage_sync"]
+    sparse_bytes = (sync["upload_bytes"] or 0) + (sync["download_bytes"] or 0)
+    return {
+        "config": {
+            "run": config.run.name,
+            "parameters": count_parameters(config.model),
+            "H": plan.inner_steps,
+        },
+        "plan": asdict(plan),
+        "local_tokens_per_s": local_tokens_per_s,
+        "swarms": swarms,
+        "allreduce_fp16": allreduce_summary,
+        "targets": {
+            "round_time_over_physical_limit": sync["sync_over_limit"],
+            "allreduce_bytes_over_sparseloco": _ratio(
+                allreduce_summary["wire_bytes_slow_peer"], sparse_bytes
+            ),
+            "allreduce_seconds_over_sparseloco": _ratio(allreduce_summary["seconds"], sync["sync_s"]),
+            "compressed_chain_speedup": _ratio(compressed["chain_tokens_per_s"], plain["chain_tokens_per_s"]),
+            "anchor_over_local_tokens_per_s": _ratio(
+                compressed["anchor"]["tokens_per_s"], local_tokens_per_s
+            ),
+        },
+    }
+
+
+def plot_network(report: dict[str, Any], path: Path) -> None:
+    swarm = report["swarms"]["selective"]
+    allreduce = report["allreduce_fp16"]
+    sync = swarm["stage_sync"]
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.5))
+    labels = ["SparseLoCo\n(stage, app bytes)", "all-reduce fp16\n(slow peer, wire)"]
+    sparse_bytes = (sync["upload_bytes"] or 0) + (sync["download_bytes"] or 0)
+    axes[0].bar(
+        labels, [sparse_bytes, allreduce["wire_bytes_slow_peer"] or 0], color=["tab:green", "tab:red"]
+    )
+    axes[0].set_yscale("log")
+    axes[0].set_title("bytes per peer per sync round")
+    axes[1].bar(
+        ["SparseLoCo sync\n(announce→applied)", "physical limit\n(bytes ÷ link)", "all-reduce fp16"],
+        [sync["sync_s"] or 0, sync["physical_limit_s"] or 0, allreduce["seconds"] or 0],
+        color=["tab:green", "tab:gray", "tab:red"],
+    )
+    axes[1].set_yscale("log")
+    axes[1].set_title(f"seconds per sync round ({report['plan']['slow_mbit']:g} Mbit/s links)")
+    chain = [report["swarms"][m]["chain_tokens_per_s"] or 0 for m in ("selective", "none")]
+    anchor = report["swarms"]["selective"]["anchor"]["tokens_per_s"] or 0
+    axes[2].bar(
+        ["chain\ncompressed", "chain\nuncompressed", "anchor\nin swarm", "hetnode train\nalone"],
+        [*chain, anchor, report["local_tokens_per_s"]],
+        color=["tab:green", "tab:orange", "tab:blue", "tab:gray"],
+    )
+    axes[2].set_title("training tokens/s")
+    run = report["config"]
+    fig.suptitle(
+        f"hetnode bench network: {run['run']} ({run['parameters'] / 1e6:.2f} M params), H={run['H']}"
+    )
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

@@ -1,0 +1,127 @@
+"""The network lab (namespaces, bridge, tc) moves bytes at the shaped rate, and the network benchmark's
+summary computes its ratios from round logs the way BENCHMARKS.md says."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import time
+
+import pytest
+
+from hetnode.bench.netlab import NetLab, parse_net_dev
+from hetnode.bench.network import NetworkPlan, summarise_swarm
+
+NEEDS_ROOT = pytest.mark.skipif(
+    os.geteuid() != 0 or not shutil.which("ip") or not shutil.which("tc"),
+    reason="needs root with `ip` and `tc`",
+)
+
+NET_DEV = "\n".join(  # /proc/net/dev: two header lines, then "name: 8 rx counters 8 tx counters"
+    [
+        "Inter-|   Receive |  Transmit",
+        " face |bytes packets errs drop fifo frame compressed multicast|bytes packets ...",
+        "    lo: 120 2 0 0 0 0 0 0 120 2 0 0 0 0 0 0",
+        "e0abcd: 5000000 3500 0 0 0 0 0 0 2000000 1700 0 0 0 0 0 0",
+    ]
+)
+
+
+def test_interface_counters_are_read_from_proc_net_dev():
+    assert parse_net_dev(NET_DEV, "e0abcd") == (5_000_000, 2_000_000)
+    assert parse_net_dev(NET_DEV, "lo") == (120, 120)
+    with pytest.raises(Exception, match="no interface"):
+        parse_net_dev(NET_DEV, "eth9")
+
+
+def _stage_log(round_: int, train_s: float, sync: tuple[float, float], included: bool = True) -> dict:
+    return {
+        "round": round_,
+        "role": "stage",
+        "train_s": train_s,
+        "tokens": 2048,
+        "upload_bytes": 250_000,
+        "download_bytes": 1_000_000,
+        "seal_wait_s": sync[0],
+        "apply_s": sync[1],
+        "included": included,
+        "activation_bytes_sent": 600_000,
+        "activation_bytes_received": 600_000,
+        "tokens_per_s": 2048 / train_s,
+    }
+
+
+def test_swarm_summary_ratios_follow_their_definitions():
+    plan = NetworkPlan(inner_steps=10, chain_rounds=2, allreduce_rounds=1, slow_mbit=20.0)
+    anchor = {**_stage_log(1, 1.0, (0.5, 0.1)), "role": "anchor", "tokens_per_s": 4000.0}
+    run = {
+        "peer_ids": {"stage-1": "s1", "stage-2": "s2"},
+        "history": [
+            {"round": 1, "contributors": ["a", "s1", "s2"], "time": 100.0, "eval_loss": 5.0},
+            {"round": 2, "contributors": ["a"], "time": 104.0, "eval_loss": 4.0},
+        ],
+        "round_logs": {
+            "anchor-1": [anchor],
+            "anchor-2": [anchor],
+            "stage-1": [_stage_log(1, 2.0, (0.4, 0.1)), _stage_log(2, 2.0, (0.4, 0.1), included=False)],
+            "stage-2": [_stage_log(1, 4.0, (0.4, 0.1)), _stage_log(2, 1.0, (0.4, 0.1), included=False)],
+        },
+        "wire_bytes": {"coordinator": {"rx": 100, "tx": 300}},
+    }
+    summary = summarise_swarm(run, plan)
+    assert summary["rounds_with_chain"] == 1 and summary["round_wall_s"] == 4.0
+    assert summary["chain_tokens_per_s"] == pytest.approx((2048 / 4.0 + 2048 / 2.0) / 2)  # the slower stage
+    limit = 1_250_000 / (20e6 / 8)  # up + down bytes at 20 Mbit/s
+    assert summary["stage_sync"]["physical_limit_s"] == pytest.approx(limit)
+    assert summary["stage_sync"]["sync_over_limit"] == pytest.approx(0.5 / limit)  # included rounds only
+    assert summary["wire_bytes_per_round"]["coordinator"] == 200
+
+
+@pytest.mark.slow
+@NEEDS_ROOT
+def test_a_shaped_lab_link_moves_bytes_at_its_rate():
+    payload = 2_500_000  # 1 s at 20 Mbit/s
+    server = (
+        "import socket,sys\n"
+        "s=socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)\n"
+        "s.bind((sys.argv[1], 9700)); s.listen(1); print('up', flush=True); c,_=s.accept(); n=0\n"
+        "while True:\n    b=c.recv(1<<16)\n    n+=len(b)\n    if not b: break\n"
+        "print(n, flush=True)\n"
+    )
+    client = (
+        "import socket,sys,time\n"
+        "s=socket.create_connection((sys.argv[1], 9700)); t=time.perf_counter()\n"
+        f"s.sendall(b'x'*{payload}); s.shutdown(socket.SHUT_WR); s.recv(1); print(time.perf_counter()-t)\n"
+    )
+    with NetLab({"fast": None, "slow": 20.0}) as lab:
+        fast, slow = lab.hosts["fast"], lab.hosts["slow"]
+        before = lab.interface_bytes("slow")
+        receiver = subprocess.Popen(
+            [*fast.prefix, sys.executable, "-c", server, fast.address], stdout=subprocess.PIPE, text=True
+        )
+        try:
+            assert receiver.stdout.readline().strip() == "up"
+            started = time.perf_counter()
+            subprocess.run(
+                [*slow.prefix, sys.executable, "-c", client, fast.address],
+                check=True,
+                timeout=30,
+                capture_output=True,
+            )
+            seconds = time.perf_counter() - started
+            assert int(receiver.stdout.readline()) == payload
+        finally:
+            receiver.kill()
+            receiver.wait(10)
+        sent = lab.interface_bytes("slow")[1] - before[1]
+    rate_mbit = payload * 8 / seconds / 1e6
+    assert 12.0 < rate_mbit < 22.0, f"{rate_mbit:.1f} Mbit/s over a 20 Mbit/s lab link"
+    assert sent >= payload  # the counters see the bytes (and the headers)
+    assert not any(
+        lab.hub in line
+        for line in subprocess.run(
+            ["ip", "netns", "list"], capture_output=True, text=True
+        ).stdout.splitlines()
+    )
