@@ -26,8 +26,8 @@ from hetnode.daemon.lifecycle import sleep_or_stop
 from hetnode.daemon.participant import fetch_state
 from hetnode.daemon.presence import Presence
 from hetnode.daemon.rounds import GlobalModel, base_fixed_embedding
-from hetnode.daemon.sealing import SealedRound, Sealer, expected_contributors
-from hetnode.daemon.view import SwarmView
+from hetnode.daemon.sealing import SealedRound, Sealer
+from hetnode.daemon.view import RecentView, SwarmView
 from hetnode.data.dataset import TokenDataset
 from hetnode.errors import WireError
 from hetnode.model.decoder import build_model
@@ -50,6 +50,7 @@ class RoundKeeper:
         self.data_dir = data_dir
         self.global_model = GlobalModel(config)
         self.sealer = Sealer(config, node, self.global_model)
+        self.view = RecentView(node, config, max_age_s=config.network.heartbeat_s)
         self._load_checkpoint()
         node.set_payloads(self.sealer.serve)
         node.set_state(self._serve_state)
@@ -82,7 +83,7 @@ class RoundKeeper:
         await self.sealer.collect(round_, seen)
         if not seen:
             return
-        expected = await expected_contributors(self.node, self.config, round_)
+        expected = (await self.view.get()).expected_contributors(round_)
         if not seal_now(expected, seen, time.monotonic(), self.sealer.deadline.seconds):
             return
         started = time.monotonic()

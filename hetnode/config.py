@@ -122,7 +122,7 @@ class NetworkConfig:
     confirm_s: float = 10.0
     probe_mb: float = 4.0  # bytes each way per probe target
     probe_s: float = 5.0  # time bound per probe direction
-    requests_per_min: int = 120  # per remote peer, per handler
+    requests_per_min: int = 1200  # per remote peer, per handler (a round fetches one stream per shard)
 
 
 @dataclass(frozen=True)

@@ -67,6 +67,7 @@ def run_network(args: argparse.Namespace) -> int:
     print(f"all-reduce fp16 bytes / SparseLoCo bytes:  {show(t['allreduce_bytes_over_sparseloco'])}")
     print(f"all-reduce fp16 time / SparseLoCo sync time: {show(t['allreduce_seconds_over_sparseloco'])}")
     print(f"chain tokens/s, compressed / uncompressed: {show(t['compressed_chain_speedup'])}")
+    print(f"  the same with the chain alone on the CPUs: {show(t['compressed_chain_speedup_alone'])}")
     print(f"anchor tokens/s / hetnode train alone:      {show(t['anchor_over_local_tokens_per_s'])}")
     print(f"wrote {args.out / 'network.json'} and {args.out / 'network.png'}")
     return 0

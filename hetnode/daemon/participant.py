@@ -18,7 +18,7 @@ from hetnode.config import Config
 from hetnode.daemon.lifecycle import sleep_or_stop
 from hetnode.daemon.rounds import GlobalModel, sha256_hex
 from hetnode.daemon.sealing import Sealer
-from hetnode.daemon.view import SwarmView
+from hetnode.daemon.view import RecentView, SwarmView
 from hetnode.errors import HetnodeError, WireError
 from hetnode.net.node import SwarmNode
 from hetnode.net.streams import PeerRequestError
@@ -28,6 +28,7 @@ log = logging.getLogger(__name__)
 
 ANNOUNCE_TTL_S = 300.0
 POLL_S = 0.25
+FETCH_CONCURRENCY = 8  # sealed payloads fetched at once (one stream each)
 
 
 class RoundFailed(HetnodeError):
@@ -75,6 +76,7 @@ class RoundParticipant:
         self.may_stand_in = may_stand_in  # anchors only: a stage never seals
         self.peer_id = node.identity.peer_id
         self.sealer = Sealer(config, node, global_model, own_payload)
+        self.view = RecentView(node, config, max_age_s=config.network.heartbeat_s)
         self.last_seal_wait_s = 0.0  # of the last wait_for_seal
         self.last_apply = (0.0, 0)  # (seconds, bytes fetched) of the last apply
         node.set_payloads(self.serve_payload)
@@ -115,7 +117,7 @@ class RoundParticipant:
             if time.monotonic() - announced_at > ANNOUNCE_TTL_S / 3:  # (re)announce until sealed
                 await self.node.store_own("announce", announcement, ANNOUNCE_TTL_S)
                 announced_at = time.monotonic()
-            view = await SwarmView.read(self.node, self.config)
+            view = await self.view.get()
             anchors = sorted(p for p, r in view.peers.items() if r["role"] == "anchor")
             stand_in = anchors[0] if anchors and self.coordinator not in view.peers else None
             seals = await self.node.read_field("seal")
@@ -153,26 +155,36 @@ class RoundParticipant:
                 f"the seal is for round {round_}, we hold round {self.global_model.params_round}"
             )
         max_bytes = int(self.config.network.max_frame_mb * 2**20)
-        started, fetched = time.monotonic(), 0
-        contributions = []
-        for contribution in seal["contributions"]:
-            peer, payloads = contribution["peer"], {}
-            for shard, digest in contribution["shards"].items():
-                here = peer == self.peer_id or sealer == self.peer_id  # our payload, or a round we sealed
-                own = self.serve_payload(round_, shard, peer) if here else None
+        started = time.monotonic()
+        streams = asyncio.Semaphore(FETCH_CONCURRENCY)
+
+        async def fetch(peer: str, shard: str, digest: str) -> tuple[bytes, int]:
+            """One sealed payload and the bytes it cost to get it (0: we had it)."""
+            here = peer == self.peer_id or sealer == self.peer_id  # our payload, or a round we sealed
+            data, cost = (self.serve_payload(round_, shard, peer) if here else None), 0
+            if data is None:
                 try:
-                    data = (
-                        own
-                        if own is not None
-                        else await self.node.fetch_payload(sealer, round_, shard, peer, max_bytes)
-                    )
+                    async with streams:
+                        data = await self.node.fetch_payload(sealer, round_, shard, peer, max_bytes)
                 except PeerRequestError as exc:
                     raise RoundFailed(f"cannot fetch {peer[-8:]}'s shard {shard}: {exc}") from None
-                if sha256_hex(data) != digest:
-                    raise RoundFailed(f"{peer[-8:]}'s shard {shard} does not match the sealed digest")
-                fetched += 0 if own is not None else len(data)
-                payloads[shard] = data
-            contributions.append((peer, payloads))
+                cost = len(data)
+            if sha256_hex(data) != digest:
+                raise RoundFailed(f"{peer[-8:]}'s shard {shard} does not match the sealed digest")
+            return data, cost
+
+        wanted = [
+            (c["peer"], shard, digest) for c in seal["contributions"] for shard, digest in c["shards"].items()
+        ]
+        results = await asyncio.gather(*(fetch(*item) for item in wanted), return_exceptions=True)
+        failures = [r for r in results if isinstance(r, BaseException)]
+        if failures:
+            raise failures[0]
+        by_peer: dict[str, dict[str, bytes]] = {}
+        for (peer, shard, _), (data, _) in zip(wanted, results, strict=True):
+            by_peer.setdefault(peer, {})[shard] = data
+        fetched = sum(cost for _, cost in results)
+        contributions = list(by_peer.items())
         try:
             await asyncio.to_thread(self.global_model.apply, round_, contributions)
         except WireError as exc:

@@ -20,7 +20,6 @@ from typing import Any
 
 from hetnode.config import Config
 from hetnode.daemon.rounds import GlobalModel, sha256_hex
-from hetnode.daemon.view import SwarmView
 from hetnode.errors import WireError
 from hetnode.net.node import SwarmNode
 from hetnode.net.streams import PeerRequestError
@@ -39,11 +38,6 @@ class SealedRound:
     record: dict[str, Any]  # what went into the DHT
     contributions: list[tuple[str, dict[str, bytes]]]  # (peer, shard -> payload), in sealed order
     excluded: list[str]
-
-
-async def expected_contributors(node: SwarmNode, config: Config, round_: int) -> set[str]:
-    """The replicas a seal of `round_` waits for (anchors, and stages of live chains that are in step)."""
-    return (await SwarmView.read(node, config)).expected_contributors(round_)
 
 
 class Sealer:
@@ -102,10 +96,14 @@ class Sealer:
         from `seen` so the round stays open for whoever announces next."""
         good: list[tuple[Announcement, dict[str, bytes]]] = []
         excluded = []
-        for announcement in sealed_order(seen.values()):
+        order = sealed_order(seen.values())
+        checked = await asyncio.gather(*(self._fetch_and_check(a) for a in order), return_exceptions=True)
+        for announcement, outcome in zip(order, checked, strict=True):
             peer = announcement.peer_id
             try:
-                payloads = await self._fetch_and_check(announcement)
+                if isinstance(outcome, BaseException):
+                    raise outcome
+                payloads = outcome
             except PeerRequestError as exc:
                 log.warning("round %d: leaving out unreachable peer %s: %s", round_, peer, exc)
                 excluded.append(peer)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -120,3 +121,21 @@ class SwarmView:
             for c in self.chains()
         ]
         return {"run": run, "round": round_, "peers": peers, "chains": chains}
+
+
+class RecentView:
+    """The swarm view, read again only when older than `max_age_s`: loops that poll the DHT for seals
+    several times a second need the peer records far less often (each read fetches every record)."""
+
+    def __init__(self, node: SwarmNode, config: Config, max_age_s: float) -> None:
+        self.node = node
+        self.config = config
+        self.max_age_s = max_age_s
+        self._view: SwarmView | None = None
+        self._read_at = 0.0
+
+    async def get(self) -> SwarmView:
+        if self._view is None or time.monotonic() - self._read_at > self.max_age_s:
+            self._view = await SwarmView.read(self.node, self.config)
+            self._read_at = time.monotonic()
+        return self._view
