@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import logging
+import shutil
 import statistics
 import subprocess
 import sys
@@ -68,7 +69,8 @@ def run_benchmark(config: Config, plan: NetworkPlan, out_dir: Path, progress: bo
     check_lab_possible()
     out_dir.mkdir(parents=True, exist_ok=True)
     work = out_dir / "network-lab"
-    work.mkdir(exist_ok=True)
+    shutil.rmtree(work, ignore_errors=True)  # a fresh swarm: no identities, checkpoints or logs from before
+    work.mkdir()
     config = replace(config, "outer", inner_steps=plan.inner_steps)
     config = replace(config, "pipeline", stages=2)
     config = replace(config, "network", **LAB_TIMINGS)
@@ -99,13 +101,13 @@ def _say(progress: bool, text: str) -> None:
 
 
 def measure_local_tokens_per_s(config: Config, steps: int) -> float:
-    """tokens/s of the local trainer's inner loop (one warm-up round, then `steps` timed steps)."""
+    """tokens/s of the local trainer's inner loop (a short warm-up, then 3 x `steps` timed steps)."""
     dataset = TokenDataset.build(config.data, config.model.vocab_size, config.run.seed)
     trainer = InnerTrainer(config, build_model(config.model, seed=config.run.seed), dataset)
     for _ in range(max(2, steps // 3)):
         trainer.train_step()
     tokens, started = trainer.tokens, time.perf_counter()
-    for _ in range(steps):
+    for _ in range(3 * steps):  # three rounds' worth: a short window is noisy on a shared machine
         trainer.train_step()
     return (trainer.tokens - tokens) / (time.perf_counter() - started)
 
@@ -180,7 +182,7 @@ def _wait_for_chain_rounds(
         history = _read_jsonl(coordinator_dir / HISTORY)
         for entry in history[shown:]:
             if progress:
-                mark = "chain+anchors" if chain <= set(entry["contributors"]) else "anchors only"
+                mark = "with the chain" if chain <= set(entry["contributors"]) else "without the chain"
                 print(
                     f"  round {entry['round']:>3}  {len(entry['contributors'])} contributions ({mark})"
                     f"  eval loss {entry['eval_loss']:.3f}",

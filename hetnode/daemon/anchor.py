@@ -20,9 +20,9 @@ from pathlib import Path
 import msgpack
 
 from hetnode.config import Config
-from hetnode.daemon.participant import RoundFailed, RoundParticipant
+from hetnode.daemon.participant import RoundParticipant
 from hetnode.daemon.presence import Presence
-from hetnode.daemon.round_log import RoundRecord, append_round
+from hetnode.daemon.round_log import RoundRecord
 from hetnode.daemon.rounds import AnchorTraining, GlobalModel, sha256_hex
 from hetnode.data.dataset import TokenDataset
 from hetnode.net.node import SwarmNode
@@ -51,7 +51,13 @@ class AnchorLoop:
         self.global_model = GlobalModel(config)
         self.outbox: dict[int, dict[str, bytes]] = {}
         self.rounds = RoundParticipant(
-            config, node, coordinator, self.global_model, self._own_payload, may_stand_in=True
+            config,
+            node,
+            coordinator,
+            self.global_model,
+            self._own_payload,
+            may_stand_in=True,
+            data_dir=state_path.parent,
         )
 
     def _own_payload(self, round_: int, shard: str) -> bytes | None:
@@ -92,33 +98,15 @@ class AnchorLoop:
                 time.monotonic() - started,
                 training.last_loss,
             )
-            trained_s = time.monotonic() - started
-            sealed = await self.rounds.wait_for_seal(round_, announcement, stop)
-            if sealed is None:
-                return
-            try:
-                included = await self.rounds.apply(*sealed)
-            except RoundFailed as exc:
-                log.warning("round %d: %s; catching up from the coordinator", round_, exc)
-                await self.rounds.catch_up(stop)
-                continue
-            if not included:
-                # Left out of the seal: what we sent never reached θ, so it goes back into error feedback.
-                training.restore_unsent()
-                log.info("round %d sealed without us: our payload is kept in error feedback", round_)
-            apply_s, fetched = self.rounds.last_apply
+            upload = sum(len(data) for data in payloads.values())
             record = RoundRecord(
-                round_,
-                "anchor",
-                round(trained_s, 3),
-                announcement["tokens"],
-                sum(len(data) for data in payloads.values()),
-                fetched,
-                round(self.rounds.last_seal_wait_s, 3),
-                round(apply_s, 3),
-                included,
+                round_, "anchor", round(time.monotonic() - started, 3), announcement["tokens"], upload
             )
-            append_round(self.state_path.parent, record)
+            applied = await self.rounds.take_part(announcement, stop, training.restore_unsent, record)
+            if applied is None:
+                return
+            if not applied:
+                continue
             await asyncio.to_thread(training.save_local_state, self.state_path, self.global_model)
             await self.presence.update(
                 params_round=self.global_model.params_round,

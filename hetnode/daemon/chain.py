@@ -26,9 +26,9 @@ from pathlib import Path
 
 from hetnode.config import Config
 from hetnode.daemon.lifecycle import sleep_or_stop
-from hetnode.daemon.participant import RoundFailed, RoundParticipant
+from hetnode.daemon.participant import RoundParticipant
 from hetnode.daemon.presence import Presence
-from hetnode.daemon.round_log import RoundRecord, append_round
+from hetnode.daemon.round_log import RoundRecord
 from hetnode.daemon.rounds import GlobalModel, sha256_hex
 from hetnode.daemon.stage_training import StageTraining
 from hetnode.daemon.view import SwarmView
@@ -110,7 +110,13 @@ class ChainLoop:
         self.global_model = GlobalModel(config)
         self.outbox: dict[int, dict[str, bytes]] = {}
         self.rounds = RoundParticipant(
-            config, node, coordinator, self.global_model, self._own_payload, may_stand_in=False
+            config,
+            node,
+            coordinator,
+            self.global_model,
+            self._own_payload,
+            may_stand_in=False,
+            data_dir=data_dir,
         )
         self.training: StageTraining | None = None
         self.compute = asyncio.Lock()  # one forward or backward at a time on this stage
@@ -288,34 +294,17 @@ class ChainLoop:
                 f" (loss {training.worker.last_loss:.3f})" if self.layout.last else "",
                 sorted(payloads),
             )
-            sealed = await self.rounds.wait_for_seal(round_, announcement, stop)
-            if sealed is None:
-                return
-            try:
-                included = await self.rounds.apply(*sealed)
-            except RoundFailed as exc:
-                log.warning("round %d: %s; catching up from the coordinator", round_, exc)
-                await self.rounds.catch_up(stop)
-                await self._publish()
-                continue
-            if not included:
-                training.restore_unsent()
-                log.info("round %d sealed without us: our payload is kept in error feedback", round_)
-            apply_s, fetched = self.rounds.last_apply
             record = RoundRecord(
                 round_,
                 "stage",
                 round(trained_s, 3),
                 announcement["tokens"],
                 sum(len(data) for data in payloads.values()),
-                fetched,
-                round(self.rounds.last_seal_wait_s, 3),
-                round(apply_s, 3),
-                included,
-                self.bytes_sent - sent_before,
-                self.bytes_received - received_before,
+                activation_bytes_sent=self.bytes_sent - sent_before,
+                activation_bytes_received=self.bytes_received - received_before,
             )
-            append_round(self.data_dir, record)
+            if await self.rounds.take_part(announcement, stop, training.restore_unsent, record) is None:
+                return
             await self._publish()
 
     async def _next_round(self, stop: asyncio.Event) -> int:

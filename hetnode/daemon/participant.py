@@ -9,13 +9,16 @@ it catches up by downloading θ from the coordinator.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from hetnode.config import Config
 from hetnode.daemon.lifecycle import sleep_or_stop
+from hetnode.daemon.round_log import RoundRecord, append_round
 from hetnode.daemon.rounds import GlobalModel, sha256_hex
 from hetnode.daemon.sealing import Sealer
 from hetnode.daemon.view import RecentView, SwarmView
@@ -67,6 +70,7 @@ class RoundParticipant:
         global_model: GlobalModel,
         own_payload: Callable[[int, str], bytes | None],
         may_stand_in: bool,
+        data_dir: Path,
     ) -> None:
         self.config = config
         self.node = node
@@ -74,6 +78,7 @@ class RoundParticipant:
         self.global_model = global_model
         self.own_payload = own_payload
         self.may_stand_in = may_stand_in  # anchors only: a stage never seals
+        self.data_dir = data_dir  # gets the round log
         self.peer_id = node.identity.peer_id
         self.sealer = Sealer(config, node, global_model, own_payload)
         self.view = RecentView(node, config, max_age_s=config.network.heartbeat_s)
@@ -94,6 +99,37 @@ class RoundParticipant:
         return self.sealer.serve(
             round_, shard, replica
         )  # rounds this anchor sealed in the coordinator's place
+
+    async def take_part(
+        self, announcement: dict, stop: asyncio.Event, restore_unsent: Callable[[], None], record: RoundRecord
+    ) -> bool | None:
+        """Announce, wait for the seal, apply it, and log the round (`record` completed with the sync).
+
+        True: applied. False: it could not be applied here and θ was downloaded instead. None: stopped."""
+        round_ = announcement["round"]
+        sealed = await self.wait_for_seal(round_, announcement, stop)
+        if sealed is None:
+            return None
+        try:
+            included = await self.apply(*sealed)
+        except RoundFailed as exc:
+            log.warning("round %d: %s; catching up from the coordinator", round_, exc)
+            await self.catch_up(stop)
+            return False
+        if not included:
+            # Left out of the seal: what we sent never reached θ, so it goes back into error feedback.
+            restore_unsent()
+            log.info("round %d sealed without us: our payload is kept in error feedback", round_)
+        apply_s, fetched = self.last_apply
+        synced = dataclasses.replace(
+            record,
+            download_bytes=fetched,
+            seal_wait_s=round(self.last_seal_wait_s, 3),
+            apply_s=round(apply_s, 3),
+            included=included,
+        )
+        append_round(self.data_dir, synced)
+        return True
 
     async def wait_for_seal(
         self, round_: int, announcement: dict, stop: asyncio.Event
@@ -135,7 +171,7 @@ class RoundParticipant:
                 and stand_in == self.peer_id
                 and silent_for > self.config.network.record_ttl_s
             ):
-                expected = view.expected_contributors(round_)
+                expected = self.sealer.waiting_for(view.expected_contributors(round_))
                 await self.sealer.collect(round_, seen)
                 if seal_now(expected, seen, time.monotonic(), self.sealer.deadline.seconds):
                     log.warning("round %d: the coordinator is silent; sealing in its place", round_)

@@ -71,12 +71,19 @@ class Sealer:
         late_round, late_first, late_missing = self._late
         for peer, entry in (await self.node.read_field("announce")).items():
             value = entry.value
+            if self.banned.get(peer, 0.0) > now:
+                continue  # neither in the round nor a lesson for the deadline
             if value.get("round") == late_round and peer in late_missing:
                 late_missing.discard(peer)  # it came, too late: wait this long next time
                 self.deadline.observe(now - late_first)
-            if value.get("round") != round_ or peer in seen or self.banned.get(peer, 0.0) > now:
+            if value.get("round") != round_ or peer in seen:
                 continue
             seen[peer] = Announcement(peer, round_, dict(value["shards"]), value["tokens"], now)
+
+    def waiting_for(self, expected: set[str]) -> set[str]:
+        """The expected replicas a seal still waits for: banned ones are not waited for."""
+        now = time.monotonic()
+        return {peer for peer in expected if self.banned.get(peer, 0.0) <= now}
 
     def observe_arrivals(self, expected: set[str], seen: dict[str, Announcement]) -> None:
         first = min(a.seen_at for a in seen.values())

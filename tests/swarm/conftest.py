@@ -203,6 +203,21 @@ class Swarm:
                 rounds[peer["name"]] = peer["params_round"]
         return rounds
 
+    def replicas_agree_at(self, peer: str, round_: int, names: set[str]) -> dict[str, int]:
+        """Wait until every anchor and stage holds `round_` or later; then every named replica must hold
+        exactly the coordinator's θ of the round it reports."""
+        document = self.wait_for(
+            peer,
+            lambda d: all(
+                (p["params_round"] or -1) >= round_ for p in d["peers"] if p["role"] in ("anchor", "stage")
+            ),
+            timeout=60,
+            what=f"every replica applied round {round_}",
+        )
+        rounds = self.agree_with_coordinator(document, names)
+        assert set(rounds) == names, rounds
+        return rounds
+
     def wait_for_round(self, round_: int, timeout: float) -> list[dict]:
         return self.wait_for_history(
             lambda history: bool(history) and history[-1]["round"] >= round_,

@@ -16,13 +16,18 @@ FAST_ROUNDS = {"inner_steps": 10}
 TOKENS_PER_REPLICA = 10 * 16 * 128  # H micro-batches x batch x sequence
 
 
-def test_an_anchor_and_a_chain_of_two_train_one_model(swarm):
+def start_anchor_and_chain(swarm):
     boot = swarm.bootstrap(swarm.config(outer=FAST_ROUNDS))
     boot.wait_ready()
     anchor = swarm.join("anchor", boot.maddr, "1000")
     edges = [swarm.join(f"edge-{i}", boot.maddr, "20") for i in (1, 2)]
     for daemon in [anchor, *edges]:
         daemon.wait_ready()
+    return boot, anchor, edges
+
+
+def test_an_anchor_and_a_chain_of_two_train_one_model(swarm):
+    boot, anchor, edges = start_anchor_and_chain(swarm)
     chain = {edge.peer_id for edge in edges}
 
     def with_chain(history: list[dict]) -> list[dict]:
@@ -46,15 +51,7 @@ def test_an_anchor_and_a_chain_of_two_train_one_model(swarm):
     assert sorted(shards[0] + shards[1]) == sorted(["embed", "0", "1", "2", "3", "head"])  # all, once
     assert "in-flight work dropped" not in logs  # the chain never broke
 
-    def all_applied(document: dict) -> bool:
-        newest = history[-1]["round"]
-        return all(
-            (p["params_round"] or -1) >= newest for p in document["peers"] if p["role"] in ("anchor", "stage")
-        )
-
-    document = swarm.wait_for(boot.maddr, all_applied, timeout=60, what="every replica applied the round")
-    rounds = swarm.agree_with_coordinator(document, {"anchor", "edge-1", "edge-2"})
-    assert set(rounds) == {"anchor", "edge-1", "edge-2"}
+    swarm.replicas_agree_at(boot.maddr, history[-1]["round"], {"anchor", "edge-1", "edge-2"})
 
     # each daemon's round log: where time and bytes went (what the network benchmark reads)
     for edge in edges:
@@ -63,16 +60,6 @@ def test_an_anchor_and_a_chain_of_two_train_one_model(swarm):
         assert all(r["activation_bytes_sent"] > 0 and r["upload_bytes"] > 0 for r in logged)
     [anchor_round, *_] = read_rounds(swarm.tmp_path / "anchor")
     assert anchor_round["role"] == "anchor" and anchor_round["tokens_per_s"] > 0
-
-
-def start_anchor_and_chain(swarm):
-    boot = swarm.bootstrap(swarm.config(outer=FAST_ROUNDS))
-    boot.wait_ready()
-    anchor = swarm.join("anchor", boot.maddr, "1000")
-    edges = [swarm.join(f"edge-{i}", boot.maddr, "20") for i in (1, 2)]
-    for daemon in [anchor, *edges]:
-        daemon.wait_ready()
-    return boot, anchor, edges
 
 
 def sealed_with(peers: set[str]):
@@ -103,20 +90,7 @@ def test_the_chain_goes_on_when_the_anchor_dies_and_the_anchor_catches_up(swarm)
         240,
         "a round with the restarted anchor and the chain",
     )
-    newest = history[-1]["round"]
-    document = swarm.wait_for(
-        boot.maddr,
-        lambda d: all(
-            (p["params_round"] or -1) >= newest for p in d["peers"] if p["role"] in ("anchor", "stage")
-        ),
-        timeout=60,
-        what="every replica applied the newest round",
-    )
-    assert set(swarm.agree_with_coordinator(document, {"anchor", "edge-1", "edge-2"})) == {
-        "anchor",
-        "edge-1",
-        "edge-2",
-    }
+    swarm.replicas_agree_at(boot.maddr, history[-1]["round"], {"anchor", "edge-1", "edge-2"})
 
 
 def test_a_chain_that_loses_a_stage_is_left_out_and_dissolves(swarm):
