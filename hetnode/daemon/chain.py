@@ -166,6 +166,7 @@ class ChainLoop:
                 task.add_done_callback(self._task_ended)
             rounds = asyncio.create_task(self._run_rounds(stop), name="chain-rounds")
             stopped = asyncio.create_task(stop.wait())
+            tasks += [rounds, stopped]  # cancelled below however we leave, a cancellation of run() included
             await asyncio.wait([rounds, stopped, self.failed], return_when=asyncio.FIRST_COMPLETED)
             for waiter in (rounds, stopped):
                 waiter.cancel()
