@@ -14,12 +14,20 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from prometheus_client import CONTENT_TYPE_LATEST
+
+from bootstrap.ledger import Ledger
 from bootstrap.round_keeper import RoundKeeper
+from bootstrap.status_page import StatusBoard
+from bootstrap.swarm_metrics import SwarmMetrics
 from hetnode.config import Config, load_config
 from hetnode.daemon.datadir import DataDir
+from hetnode.daemon.http_server import DEFAULT_STATUS_PORT, HttpServer, Response
 from hetnode.daemon.lifecycle import print_ready, sleep_or_stop, stop_on_signals, until_stopped
+from hetnode.daemon.metrics import PeerMetrics
 from hetnode.daemon.peer import limits_of
 from hetnode.daemon.presence import Presence
+from hetnode.daemon.view import SwarmView
 from hetnode.net.identity import Identity, load_or_create_identity
 from hetnode.net.node import PeersUnreachable, SwarmNode
 from hetnode.wire.manifest import PROTOCOL_VERSION, Manifest
@@ -31,6 +39,7 @@ NEIGHBOURS_FILE = "neighbours.json"
 MANIFEST_TTL_S = 600.0
 MANIFEST_REFRESH_S = 60.0
 DEFAULT_LISTEN = "/ip4/0.0.0.0/tcp/31337"
+LEDGER_FILE = "ledger.sqlite"
 
 
 @dataclass(frozen=True)
@@ -41,6 +50,9 @@ class BootstrapOptions:
     identity: Path | None = None
     announce: tuple[str, ...] = ()
     protocol: int = PROTOCOL_VERSION  # only tests speak another version
+    http_port: int | None = DEFAULT_STATUS_PORT  # status page, API, /metrics; None: off; 0: any free port
+    metrics_port: int | None = None  # a separate /metrics port (None: on http_port)
+    http_host: str = "127.0.0.1"
 
 
 def listen_address(requested: str, state: dict) -> str:
@@ -131,21 +143,82 @@ class Coordinator:
         n = self.config.network
         presence = Presence(node, self._record(), n.heartbeat_s, n.record_ttl_s)
         await presence.publish()
-        print_ready(node.identity.peer_id, maddrs, run=run)
-        log.info("coordinator of run %s (%s, protocol %d)", run, self.config.run.name, self.options.protocol)
-        tasks = [
-            asyncio.create_task(presence.heartbeat(stop), name="heartbeat"),
-            asyncio.create_task(self._open_boundaries(node, data_dir, state, stop), name="boundaries"),
-            asyncio.create_task(self._refresh_manifest(node, manifest, stop), name="manifest"),
-            asyncio.create_task(self._remember_neighbours(node, data_dir, stop), name="neighbours"),
-            asyncio.create_task(RoundKeeper(self.config, node, presence, data_dir).run(stop), name="rounds"),
-        ]
-        try:
-            await until_stopped(stop, tasks)
-        finally:
-            stop.set()
-            await asyncio.gather(*tasks, return_exceptions=True)
-            await presence.announce_offline()
+        with Ledger(data_dir.path / LEDGER_FILE) as ledger:
+            peer_metrics = PeerMetrics(lambda: presence.record, lambda: node.traffic, trains=False)
+            swarm_metrics = SwarmMetrics(peer_metrics, ledger)
+            keeper = RoundKeeper(self.config, node, presence, data_dir, ledger, swarm_metrics)
+            board = StatusBoard(ledger, stale_after_s=max(60.0, 6 * n.heartbeat_s))
+            servers = self._http_servers(board, peer_metrics)
+            try:
+                for server in servers.values():
+                    server.start()
+                urls = {name: server.url for name, server in servers.items()}
+                await self._publish_status(keeper, board, swarm_metrics, state, maddrs)
+                print_ready(node.identity.peer_id, maddrs, run=run, **urls)
+                log.info(
+                    "coordinator of run %s (%s, protocol %d)%s",
+                    run,
+                    self.config.run.name,
+                    self.options.protocol,
+                    f"; status page {urls['http']}/" if "http" in urls else "",
+                )
+                tasks = [
+                    asyncio.create_task(presence.heartbeat(stop), name="heartbeat"),
+                    asyncio.create_task(
+                        self._open_boundaries(node, data_dir, state, stop), name="boundaries"
+                    ),
+                    asyncio.create_task(self._refresh_manifest(node, manifest, stop), name="manifest"),
+                    asyncio.create_task(self._remember_neighbours(node, data_dir, stop), name="neighbours"),
+                    asyncio.create_task(keeper.run(stop), name="rounds"),
+                    asyncio.create_task(
+                        self._keep_status(keeper, board, swarm_metrics, state, maddrs, stop), name="status"
+                    ),
+                ]
+                try:
+                    await until_stopped(stop, tasks)
+                finally:
+                    stop.set()
+                    await asyncio.gather(*tasks, return_exceptions=True)
+                    await presence.announce_offline()
+            finally:
+                for server in servers.values():
+                    server.stop()
+
+    def _http_servers(self, board: StatusBoard, metrics: PeerMetrics) -> dict[str, HttpServer]:
+        """The status page and API (with /metrics unless it has a port of its own), and that port."""
+        o = self.options
+        metrics_route = {"/metrics": lambda: Response(metrics.exposition(), CONTENT_TYPE_LATEST)}
+        servers = {}
+        if o.http_port is not None:
+            routes = board.routes() | (metrics_route if o.metrics_port is None else {})
+            servers["http"] = HttpServer(o.http_host, o.http_port, routes)
+        if o.metrics_port is not None:
+            health = {"/healthz": board.routes()["/healthz"]}
+            servers["metrics"] = HttpServer(o.http_host, o.metrics_port, metrics_route | health)
+        return servers
+
+    async def _keep_status(
+        self,
+        keeper: RoundKeeper,
+        board: StatusBoard,
+        metrics: SwarmMetrics,
+        state: dict,
+        maddrs: list[str],
+        stop: asyncio.Event,
+    ) -> None:
+        while not await sleep_or_stop(stop, self.config.network.heartbeat_s):
+            try:
+                await self._publish_status(keeper, board, metrics, state, maddrs)
+            except Exception:  # the page is a view: a failure here must never stop the rounds
+                log.exception("updating the status page failed")
+
+    async def _publish_status(
+        self, keeper: RoundKeeper, board: StatusBoard, metrics: SwarmMetrics, state: dict, maddrs: list[str]
+    ) -> None:
+        view = await keeper.view.get()
+        chains = view.chains()
+        metrics.observe_view(view.peers, sum(1 for c in chains if c.live))
+        board.update(status_snapshot(self.config, state, keeper, view, maddrs))
 
     def _record(self) -> dict:
         return {
@@ -194,3 +267,53 @@ class Coordinator:
     async def _refresh_manifest(self, node: SwarmNode, manifest: Manifest, stop: asyncio.Event) -> None:
         while not await sleep_or_stop(stop, MANIFEST_REFRESH_S):
             await node.store_own("manifest", manifest.envelope(), MANIFEST_TTL_S)
+
+
+def status_snapshot(
+    config: Config, state: dict, keeper: RoundKeeper, view: SwarmView, maddrs: list[str]
+) -> dict:
+    """What the status page and `/api/status` show (schema in `bootstrap/status_page.py`)."""
+    peers = [
+        {
+            "peer": peer,
+            "name": r["name"],
+            "role": r["role"],
+            "link_class": r["link_class"],
+            "chain": r["chain"],
+            "stage": r["stage"],
+            "params_round": r["params_round"],
+            "up_mbps": r["up_mbps"],
+            "down_mbps": r["down_mbps"],
+            "last_seen": r["last_seen"],
+        }
+        for peer, r in view.peers.items()
+        if r["role"] != "coordinator"
+    ]
+    history = [
+        {
+            "round": h["round"],
+            "contributors": len(h["contributors"]),
+            "excluded": len(h["excluded"]),
+            "tokens": h["tokens"],
+            "eval_loss": h["eval_loss"],
+            "seal_seconds": h["seal_seconds"],
+            "time": h["time"],
+            "payload_bytes": h.get("payload_bytes", {}),
+            "dense_bytes": h.get("dense_bytes", 0),
+        }
+        for h in keeper.history
+    ]
+    return {
+        "run": state["run"],
+        "config": config.run.name,
+        "peer_id": keeper.node.identity.peer_id,
+        "maddrs": list(maddrs),
+        "started": float(state["created"]),
+        "params_round": keeper.global_model.params_round,
+        "eval_loss": keeper.eval_loss,
+        "peers": sorted(peers, key=lambda p: (p["role"], p["chain"] or "", p["stage"] or 0, p["name"])),
+        "chains": [
+            {"chain": c.chain, "members": [m for m in c.stages if m], "live": c.live} for c in view.chains()
+        ],
+        "history": history,
+    }

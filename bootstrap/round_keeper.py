@@ -14,12 +14,14 @@ import asyncio
 import json
 import logging
 import time
-from collections import Counter
+from collections import Counter, deque
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from bootstrap.ledger import Contribution, Ledger
+from bootstrap.swarm_metrics import SwarmMetrics
 from hetnode.config import Config
 from hetnode.daemon.datadir import DataDir
 from hetnode.daemon.lifecycle import sleep_or_stop
@@ -40,14 +42,42 @@ log = logging.getLogger(__name__)
 POLL_S = 0.25
 CHECKPOINT = "global.pt"
 HISTORY = "rounds.jsonl"
+HISTORY_KEPT = 500  # rounds kept in memory for the status page
+REPLICAS = ("anchor", "stage")
+
+
+def read_history(data_dir: Path) -> list[dict[str, Any]]:
+    """The sealed rounds in `DATA_DIR/rounds.jsonl` (a torn last line after a crash is skipped)."""
+    path = data_dir / HISTORY
+    if not path.exists():
+        return []
+    entries = []
+    for line in path.read_text().splitlines():
+        try:
+            entries.append(json.loads(line))
+        except json.JSONDecodeError:
+            log.warning("skipping a damaged line in %s", path)
+    return entries[-HISTORY_KEPT:]
 
 
 class RoundKeeper:
-    def __init__(self, config: Config, node: SwarmNode, presence: Presence, data_dir: DataDir) -> None:
+    def __init__(
+        self,
+        config: Config,
+        node: SwarmNode,
+        presence: Presence,
+        data_dir: DataDir,
+        ledger: Ledger,
+        metrics: SwarmMetrics | None = None,
+    ) -> None:
         self.config = config
         self.node = node
         self.presence = presence
         self.data_dir = data_dir
+        self.ledger = ledger  # credit for sealed contributions only (DESIGN §3.5)
+        self.metrics = metrics
+        self.history: deque[dict[str, Any]] = deque(read_history(data_dir.path), maxlen=HISTORY_KEPT)
+        self.eval_loss: float | None = self.history[-1]["eval_loss"] if self.history else None
         self.global_model = GlobalModel(config)
         self.sealer = Sealer(config, node, self.global_model)
         self.view = RecentView(node, config, max_age_s=config.network.heartbeat_s)
@@ -166,6 +196,7 @@ class RoundKeeper:
         """Apply the sealed round to the coordinator's θ, evaluate, checkpoint, append to the history."""
         round_ = sealed.record["round"]
         await asyncio.to_thread(self.global_model.apply, round_, sealed.contributions)
+        credits = await self._credit(sealed)
         eval_loss = await asyncio.to_thread(evaluator, self.global_model)
         if round_ % self.config.outer.checkpoint_every_rounds == 0:
             await asyncio.to_thread(self._checkpoint)
@@ -181,8 +212,16 @@ class RoundKeeper:
             "seal_seconds": round(time.monotonic() - started, 3),
             "layer_digests": digests,
             "time": time.time(),
+            "payload_bytes": {
+                role: sum(c.bytes_sent for c in credits if c.role == role) for role in REPLICAS
+            },
+            "dense_bytes": sum(self.global_model.dense_bytes(p) for _, p in sealed.contributions),
         }
         self._append_history(entry)
+        if self.metrics is not None:
+            self.metrics.observe_round(
+                entry["payload_bytes"], entry["dense_bytes"], len(credits), eval_loss, entry["seal_seconds"]
+            )
         log.info(
             "round %d sealed: %d contributions, %d excluded, eval loss %.4f",
             round_,
@@ -191,9 +230,35 @@ class RoundKeeper:
             eval_loss,
         )
 
+    async def _credit(self, sealed: SealedRound) -> list[Contribution]:
+        """Write the ledger rows of a sealed round: tokens and steps as announced, bytes as fetched."""
+        peers = (await self.view.get()).peers
+        shards = set(self.global_model.shards)
+        credits = []
+        for peer, payloads in sealed.contributions:
+            announcement = sealed.announcements[peer]
+            record = peers.get(peer, {})
+            credits.append(
+                Contribution(
+                    peer=peer,
+                    name=record.get("name") or peer[-8:],
+                    # from what it sent, not from its record: a full replica sends every shard
+                    role="anchor" if set(payloads) == shards else "stage",
+                    tokens=announcement.tokens,
+                    inner_steps=announcement.steps,
+                    bytes_sent=sum(len(data) for data in payloads.values()),
+                )
+            )
+        await asyncio.to_thread(
+            self.ledger.record_round, sealed.record["round"], sealed.record["sealed_at"], credits
+        )
+        return credits
+
     def _append_history(self, entry: dict[str, Any]) -> None:
         with open(self.data_dir.path / HISTORY, "a") as history:
             history.write(json.dumps(entry) + "\n")
+        self.history.append(entry)
+        self.eval_loss = entry["eval_loss"]
 
     # --- evaluation and checkpoints -----------------------------------------------------------------
 

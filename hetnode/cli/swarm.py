@@ -7,10 +7,24 @@ import json
 import socket
 from pathlib import Path
 
+from hetnode.daemon.http_server import DEFAULT_STATUS_PORT
 from hetnode.errors import ConfigError
 from hetnode.net import loop
 
 DEFAULT_HOME = Path("~/.hetnode")
+
+
+def port_or_off(text: str) -> int | None:
+    """A TCP port, 0 (let the OS pick), or "off"."""
+    if text.lower() in ("off", "none", "no"):
+        return None
+    try:
+        port = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a port number or 'off', got {text!r}") from None
+    if not 0 <= port < 65536:
+        raise argparse.ArgumentTypeError(f"port must be in 0..65535, got {port}")
+    return port
 
 
 def register(commands: argparse._SubParsersAction) -> None:
@@ -22,11 +36,28 @@ def register(commands: argparse._SubParsersAction) -> None:
         "--identity", type=Path, default=None, help="private key file (default DATA_DIR/identity.key)"
     )
     boot.add_argument("--data-dir", type=Path, default=DEFAULT_HOME / "bootstrap", help="state folder")
+    boot.add_argument(
+        "--http-port",
+        type=port_or_off,
+        default=DEFAULT_STATUS_PORT,
+        help=f"status page, API, /metrics, /healthz (default {DEFAULT_STATUS_PORT}; 0: any free port; off)",
+    )
+    boot.add_argument(
+        "--metrics-port",
+        type=port_or_off,
+        default=None,
+        help="a separate port for /metrics only (default: served on --http-port)",
+    )
+    boot.add_argument("--http-host", default="127.0.0.1", help="address the HTTP server binds (0.0.0.0: all)")
     boot.add_argument("--protocol-version", type=int, default=None, help=argparse.SUPPRESS)  # tests only
     boot.set_defaults(handler=run_bootstrap)
 
     join = commands.add_parser("join", help="join a swarm as a participant (anchor or chain stage)")
-    join.add_argument("--peer", required=True, help="multiaddr of any swarm member, ending in /p2p/<peer id>")
+    join.add_argument(
+        "--peer",
+        required=True,
+        help="multiaddr of any swarm member (ending in /p2p/<peer id>), or the coordinator's http://HOST:PORT",
+    )
     join.add_argument("--name", default=None, help="name on the leaderboard (default: host name)")
     join.add_argument("--bandwidth", default="auto", help="auto (measure) or this link's Mbit/s")
     join.add_argument("--role", choices=("auto", "anchor", "stage"), default="auto")
@@ -38,12 +69,21 @@ def register(commands: argparse._SubParsersAction) -> None:
     join.add_argument("--announce-maddr", action="append", default=[], help="public multiaddr to announce")
     join.add_argument("--connect-timeout", type=float, default=60.0, help="seconds to wait for the swarm")
     join.add_argument(
+        "--metrics-port",
+        type=port_or_off,
+        default=None,
+        help="serve Prometheus /metrics and /healthz on this port (default off; 0 picks one)",
+    )
+    join.add_argument("--http-host", default="127.0.0.1", help="address /metrics binds (0.0.0.0: all)")
+    join.add_argument(
         "--fault", choices=("nan", "digest"), default=None, help=argparse.SUPPRESS
     )  # tests only
     join.set_defaults(handler=run_join)
 
     status = commands.add_parser("status", help="show the swarm as the DHT sees it")
-    status.add_argument("--peer", required=True, help="multiaddr of any swarm member")
+    status.add_argument(
+        "--peer", required=True, help="multiaddr of any swarm member, or the coordinator's http://HOST:PORT"
+    )
     status.add_argument("--json", action="store_true", help="machine-readable output (a stable interface)")
     status.add_argument("--timeout", type=float, default=30.0)
     status.add_argument("--listen", default="/ip4/127.0.0.1/tcp/0", help=argparse.SUPPRESS)
@@ -61,6 +101,9 @@ def run_bootstrap(args: argparse.Namespace) -> int:
         identity=args.identity,
         announce=tuple(args.announce_maddr),
         protocol=args.protocol_version if args.protocol_version is not None else PROTOCOL_VERSION,
+        http_port=args.http_port,
+        metrics_port=args.metrics_port,
+        http_host=args.http_host,
     )
     return loop.run(Coordinator(options).run())
 
@@ -99,14 +142,18 @@ def run_join(args: argparse.Namespace) -> int:
         listen=args.listen,
         announce=tuple(args.announce_maddr),
         connect_timeout_s=args.connect_timeout,
+        metrics_port=args.metrics_port,
+        http_host=args.http_host,
         fault=args.fault,
     )
     return loop.run(PeerDaemon(options).run())
 
 
 def run_status(args: argparse.Namespace) -> int:
+    from hetnode.daemon.peer_address import resolve_peer
     from hetnode.daemon.status import query_status, render_table
 
-    document = loop.run(query_status(args.peer, args.timeout, args.listen))
+    peer = resolve_peer(args.peer, args.timeout)
+    document = loop.run(query_status(peer, args.timeout, args.listen))
     print(json.dumps(document, indent=1) if args.json else render_table(document), flush=True)
     return 0

@@ -20,6 +20,7 @@ from pathlib import Path
 import msgpack
 
 from hetnode.config import Config
+from hetnode.daemon.metrics import PeerMetrics
 from hetnode.daemon.participant import RoundParticipant
 from hetnode.daemon.presence import Presence
 from hetnode.daemon.round_log import RoundRecord
@@ -40,6 +41,7 @@ class AnchorLoop:
         device: str,
         state_path: Path,
         fault: str | None = None,
+        metrics: PeerMetrics | None = None,
     ) -> None:
         """`state_path`: local state for restarts; its folder (the data dir) also gets the round log."""
         self.config = config
@@ -48,6 +50,7 @@ class AnchorLoop:
         self.device = device
         self.state_path = state_path
         self.fault = fault  # tests only: "nan" or "digest" makes this anchor a hostile contributor
+        self.metrics = metrics
         self.global_model = GlobalModel(config)
         self.outbox: dict[int, dict[str, bytes]] = {}
         self.rounds = RoundParticipant(
@@ -58,6 +61,7 @@ class AnchorLoop:
             self._own_payload,
             may_stand_in=True,
             data_dir=state_path.parent,
+            metrics=metrics,
         )
 
     def _own_payload(self, round_: int, shard: str) -> bytes | None:
@@ -100,8 +104,16 @@ class AnchorLoop:
             )
             upload = sum(len(data) for data in payloads.values())
             record = RoundRecord(
-                round_, "anchor", round(time.monotonic() - started, 3), announcement["tokens"], upload
+                round_,
+                "anchor",
+                round(time.monotonic() - started, 3),
+                announcement["tokens"],
+                upload,
+                steps=announcement["steps"],
+                loss=training.last_loss,
             )
+            if self.metrics is not None and upload:
+                self.metrics.set_compression("sparseloco", self.global_model.dense_bytes(payloads) / upload)
             applied = await self.rounds.take_part(announcement, stop, training.restore_unsent, record)
             if applied is None:
                 return

@@ -26,6 +26,7 @@ from pathlib import Path
 
 from hetnode.config import Config
 from hetnode.daemon.lifecycle import sleep_or_stop
+from hetnode.daemon.metrics import PeerMetrics
 from hetnode.daemon.participant import RoundParticipant
 from hetnode.daemon.presence import Presence
 from hetnode.daemon.round_log import RoundRecord
@@ -96,6 +97,7 @@ class ChainLoop:
         layout: ChainLayout,
         data_dir: Path,
         device: str = "cpu",
+        metrics: PeerMetrics | None = None,
     ) -> None:
         """`data_dir` gets the round log."""
         self.config = config
@@ -104,6 +106,7 @@ class ChainLoop:
         self.layout = layout
         self.data_dir = data_dir
         self.device = device
+        self.metrics = metrics
         self.bytes_sent = 0  # activation and gradient frames, since the chain started
         self.bytes_received = 0
         self.peer_id = node.identity.peer_id
@@ -117,6 +120,7 @@ class ChainLoop:
             self._own_payload,
             may_stand_in=False,
             data_dir=data_dir,
+            metrics=metrics,
         )
         self.training: StageTraining | None = None
         self.compute = asyncio.Lock()  # one forward or backward at a time on this stage
@@ -303,10 +307,26 @@ class ChainLoop:
                 sum(len(data) for data in payloads.values()),
                 activation_bytes_sent=self.bytes_sent - sent_before,
                 activation_bytes_received=self.bytes_received - received_before,
+                steps=announcement["steps"],
+                loss=training.worker.last_loss if self.layout.last else None,
             )
+            self._report_compression(record, payloads)
             if await self.rounds.take_part(announcement, stop, training.restore_unsent, record) is None:
                 return
             await self._publish()
+
+    def _report_compression(self, record: RoundRecord, payloads: dict[str, bytes]) -> None:
+        """Measured ratios: our payload against dense fp32, our frames against dense bf16 activations."""
+        if self.metrics is None:
+            return
+        if record.upload_bytes:
+            dense = self.global_model.dense_bytes(payloads)
+            self.metrics.set_compression("sparseloco", dense / record.upload_bytes)
+        # every token crosses each of our boundaries once forward (not the last stage) and once back
+        directions = (not self.layout.last) + (self.layout.index > 0)
+        dense_activations = record.tokens * self.config.model.d_model * 2 * directions
+        if record.activation_bytes_sent and dense_activations:
+            self.metrics.set_compression("subspace", dense_activations / record.activation_bytes_sent)
 
     async def _next_round(self, stop: asyncio.Event) -> int:
         """The round to train next. The first stage decides: θ after the newest seal, plus one (it catches

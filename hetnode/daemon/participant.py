@@ -18,6 +18,7 @@ from typing import Any
 
 from hetnode.config import Config
 from hetnode.daemon.lifecycle import sleep_or_stop
+from hetnode.daemon.metrics import PeerMetrics
 from hetnode.daemon.round_log import RoundRecord, append_round
 from hetnode.daemon.rounds import GlobalModel, sha256_hex
 from hetnode.daemon.sealing import Sealer
@@ -71,6 +72,7 @@ class RoundParticipant:
         own_payload: Callable[[int, str], bytes | None],
         may_stand_in: bool,
         data_dir: Path,
+        metrics: PeerMetrics | None = None,
     ) -> None:
         self.config = config
         self.node = node
@@ -79,6 +81,7 @@ class RoundParticipant:
         self.own_payload = own_payload
         self.may_stand_in = may_stand_in  # anchors only: a stage never seals
         self.data_dir = data_dir  # gets the round log
+        self.metrics = metrics
         self.peer_id = node.identity.peer_id
         self.sealer = Sealer(config, node, global_model, own_payload)
         self.view = RecentView(node, config, max_age_s=config.network.heartbeat_s)
@@ -129,6 +132,8 @@ class RoundParticipant:
             included=included,
         )
         append_round(self.data_dir, synced)
+        if self.metrics is not None:
+            self.metrics.add_round(synced)
         return True
 
     async def wait_for_seal(

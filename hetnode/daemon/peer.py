@@ -10,16 +10,23 @@ tries again at the next boundary. A live chain that loses a member dissolves at 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import json
 import logging
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from prometheus_client import CONTENT_TYPE_LATEST
+
 from hetnode.config import Config
 from hetnode.daemon.anchor import AnchorLoop
 from hetnode.daemon.chain import ChainLayout, ChainLoop
 from hetnode.daemon.datadir import DataDir
+from hetnode.daemon.http_server import HttpServer, Response
 from hetnode.daemon.lifecycle import Stopped, print_ready, sleep_or_stop, stop_on_signals, until_stopped
+from hetnode.daemon.metrics import PeerMetrics
+from hetnode.daemon.peer_address import is_url, resolve_peer
 from hetnode.daemon.presence import Presence
 from hetnode.daemon.resources import available_memory_gb, measure_tflops
 from hetnode.daemon.swarm import RunContact, find_run, read_round, start_when_reachable
@@ -61,6 +68,8 @@ class JoinOptions:
     listen: str
     announce: tuple[str, ...] = ()
     connect_timeout_s: float = 60.0
+    metrics_port: int | None = None  # None: no /metrics; 0: any free port
+    http_host: str = "127.0.0.1"
     fault: str | None = None  # tests only: make this anchor a hostile contributor ("nan" or "digest")
 
 
@@ -82,6 +91,8 @@ class PeerDaemon:
         self._measuring: asyncio.Task | None = None
         self._role_task: asyncio.Task | None = None  # the anchor loop or our chain stage
         self._role_key: str | None = None  # "anchor" or the chain id
+        self.metrics: PeerMetrics | None = None
+        self._http: HttpServer | None = None
 
     @property
     def config(self) -> Config:
@@ -89,6 +100,9 @@ class PeerDaemon:
         return self.contact.manifest.config
 
     async def run(self) -> int:
+        if is_url(self.options.peer):
+            peer = await asyncio.to_thread(resolve_peer, self.options.peer, self.options.connect_timeout_s)
+            self.options = dataclasses.replace(self.options, peer=peer)
         peer_id_from_maddr(self.options.peer)  # a clear error before any daemon starts
         stop = stop_on_signals()
         with DataDir(self.options.data_dir) as data_dir:
@@ -104,16 +118,44 @@ class PeerDaemon:
             if self.node is None:
                 return 0  # stopped while waiting
             try:
+                self._start_metrics()
                 await self._serve(stop)
             except Stopped as exc:
                 log.info("%s", exc)
             finally:
+                if self._http is not None:
+                    self._http.stop()
                 if self._measuring is not None:
                     self._measuring.cancel()
                 if self.presence is not None:
                     await self.presence.announce_offline()
                 await self.node.shutdown()
         return 0
+
+    def _start_metrics(self) -> None:
+        if self.options.metrics_port is None:
+            return
+        node = self.node
+        self.metrics = PeerMetrics(
+            record=lambda: self.presence.record if self.presence is not None else {},
+            traffic=lambda: node.traffic,
+        )
+        metrics = self.metrics
+        self._http = HttpServer(
+            self.options.http_host,
+            self.options.metrics_port,
+            {
+                "/metrics": lambda: Response(metrics.exposition(), CONTENT_TYPE_LATEST),
+                "/healthz": self._health,
+            },
+        )
+        self._http.start()
+        log.info("metrics on %s/metrics", self._http.url)
+
+    def _health(self) -> Response:
+        ok = self.presence is not None
+        body = json.dumps({"ok": ok, "role": self.presence.record["role"] if ok else None})
+        return Response(body.encode(), "application/json", 200 if ok else 503)
 
     async def _serve(self, stop: asyncio.Event) -> None:
         self.node.set_info(self._info)
@@ -130,6 +172,7 @@ class PeerDaemon:
             up_mbps=f"{record['up_mbps']:.1f}",
             down_mbps=f"{record['down_mbps']:.1f}",
             role=record["role"],
+            **({"metrics": f"{self._http.url}/metrics"} if self._http is not None else {}),
         )
         tasks = [
             asyncio.create_task(self.presence.heartbeat(stop), name="heartbeat"),
@@ -175,6 +218,7 @@ class PeerDaemon:
                 self.options.device,
                 self.options.data_dir / f"anchor-state-{self.contact.manifest.run}.pt",
                 self.options.fault,
+                self.metrics,
             )
         else:
             layout = ChainLayout.from_view(view, wanted, self.node.identity.peer_id) if view else None
@@ -188,6 +232,7 @@ class PeerDaemon:
                 layout,
                 self.options.data_dir,
                 self.options.device,
+                self.metrics,
             )
         self._role_task = asyncio.create_task(loop.run(stop), name=f"role-{wanted}")
         self._role_key = wanted

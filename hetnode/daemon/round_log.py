@@ -24,6 +24,8 @@ class RoundRecord:
     included: bool = True  # our payload is in the seal
     activation_bytes_sent: int = 0  # a stage: frames it sent to its neighbours
     activation_bytes_received: int = 0
+    steps: int = 0  # inner steps (a stage: micro-batches) in the round
+    loss: float | None = None  # training loss at the end of the round (a stage: only the last one has it)
     time: float = field(default_factory=time.time)
 
     @property

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 import torch
@@ -88,6 +88,10 @@ class GlobalModel:
 
     def _shapes(self, names: Sequence[str]) -> dict[str, tuple[int, ...]]:
         return {n: tuple(self.params[n].shape) for n in names}
+
+    def dense_bytes(self, shards: Iterable[str]) -> int:
+        """What these shards' pseudo-gradient would weigh as dense fp32 (the scale for compression)."""
+        return sum(4 * self.params[n].numel() for shard in shards for n in self.shards[shard])
 
     def decode_contribution(
         self, replica: str, round_: int, payloads: dict[str, bytes]

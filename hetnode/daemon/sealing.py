@@ -38,6 +38,7 @@ class SealedRound:
     record: dict[str, Any]  # what went into the DHT
     contributions: list[tuple[str, dict[str, bytes]]]  # (peer, shard -> payload), in sealed order
     excluded: list[str]
+    announcements: dict[str, Announcement]  # of the contributions, by peer (tokens and steps to credit)
 
 
 class Sealer:
@@ -78,7 +79,9 @@ class Sealer:
                 self.deadline.observe(now - late_first)
             if value.get("round") != round_ or peer in seen:
                 continue
-            seen[peer] = Announcement(peer, round_, dict(value["shards"]), value["tokens"], now)
+            seen[peer] = Announcement(
+                peer, round_, dict(value["shards"]), value["tokens"], now, value.get("steps", 0)
+            )
 
     def waiting_for(self, expected: set[str]) -> set[str]:
         """The expected replicas a seal still waits for: banned ones are not waited for."""
@@ -146,7 +149,9 @@ class Sealer:
         }
         if not await self.node.store_own("seal", record, ttl_s=SEAL_TTL_S):
             log.warning("round %d: no DHT node accepted the seal yet", round_)
-        return SealedRound(record, [(a.peer_id, p) for a, p in good], excluded)
+        return SealedRound(
+            record, [(a.peer_id, p) for a, p in good], excluded, {a.peer_id: a for a, _ in good}
+        )
 
     async def _announcement_changed(self, announcement: Announcement) -> bool:
         entry = (await self.node.read_field("announce")).get(announcement.peer_id)

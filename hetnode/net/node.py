@@ -10,6 +10,7 @@ import asyncio
 import logging
 import tempfile
 import time
+from collections import Counter
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -99,6 +100,11 @@ class SwarmNode:
         self._stage: StageAcceptor | None = None
         self._stage_limiter = RateLimiter(limits.requests_per_min)
         self._closed = False
+        # bytes by (direction, channel) for the metrics: "sync" payloads, "state" transfer, "probe"
+        # (every key exists from the start: the metrics thread copies it while the loop adds to it)
+        self.traffic: Counter[tuple[str, str]] = Counter(
+            {(d, c): 0 for d in ("sent", "received") for c in ("sync", "state", "probe")}
+        )
 
     @classmethod
     async def start(
@@ -187,10 +193,14 @@ class SwarmNode:
 
     async def fetch_payload(self, peer: str, round_: int, shard: str, replica: str, max_bytes: int) -> bytes:
         request = encode_request("payload", round=round_, shard=shard, replica=replica)
-        return await self._fetch(peer, request, max_bytes)
+        data = await self._fetch(peer, request, max_bytes)
+        self.traffic["received", "sync"] += len(data)
+        return data
 
     async def fetch_state(self, peer: str, round_: int, shard: str, max_bytes: int) -> bytes:
-        return await self._fetch(peer, encode_request("state", round=round_, shard=shard), max_bytes)
+        data = await self._fetch(peer, encode_request("state", round=round_, shard=shard), max_bytes)
+        self.traffic["received", "state"] += len(data)
+        return data
 
     async def _fetch(self, peer: str, message: bytes, max_bytes: int) -> bytes:
         stream = await open_stream(self.p2p, peer, CONTROL_HANDLER)
@@ -305,9 +315,13 @@ class SwarmNode:
         elif message.type == "info":
             await stream.send(encode_reply("info", **self._info()))
         elif message.type == "probe_up":
-            await serve_probe_up(stream, message["bytes"], self.limits.probe_s)
+            self.traffic["received", "probe"] += await serve_probe_up(
+                stream, message["bytes"], self.limits.probe_s
+            )
         elif message.type == "probe_down":
-            await serve_probe_down(stream, message["bytes"], message["seconds"], self.limits.probe_s)
+            self.traffic["sent", "probe"] += await serve_probe_down(
+                stream, message["bytes"], message["seconds"], self.limits.probe_s
+            )
         elif message.type in ("payload", "state"):
             if message.type == "payload":
                 data = self._payloads(message["round"], message["shard"], message["replica"])
@@ -318,6 +332,7 @@ class SwarmNode:
                 raise WireError("round", f"no {what} here")
             await stream.send(encode_reply("payload_ready", bytes=len(data)))
             await write_frame(writer, data, timeout=60.0)
+            self.traffic["sent", "sync" if message.type == "payload" else "state"] += len(data)
 
     async def ping(self, peer: str) -> float:
         """Round-trip time in ms of one control request (stream set-up included)."""
@@ -332,14 +347,16 @@ class SwarmNode:
         rtt = min([await self.ping(peer) for _ in range(3)])
         stream = await open_stream(self.p2p, peer, CONTROL_HANDLER)
         try:
-            up = await measure_upload(stream, self.limits.probe_bytes, self.limits.probe_s)
+            up, sent = await measure_upload(stream, self.limits.probe_bytes, self.limits.probe_s)
         finally:
             stream.close()
+        self.traffic["sent", "probe"] += sent
         stream = await open_stream(self.p2p, peer, CONTROL_HANDLER)
         try:
-            down = await measure_download(stream, self.limits.probe_bytes, self.limits.probe_s)
+            down, received = await measure_download(stream, self.limits.probe_bytes, self.limits.probe_s)
         finally:
             stream.close()
+        self.traffic["received", "probe"] += received
         return LinkMeasurement(up_mbps=up, down_mbps=down, rtt_ms=rtt)
 
     async def shutdown(self) -> None:

@@ -35,6 +35,7 @@ class Arrivals:
 
     bytes_after_first: int
     seconds: float
+    total: int = 0  # every byte received, the first chunk included
 
     @property
     def mbps(self) -> float:
@@ -63,7 +64,7 @@ async def receive_chunks(stream_reader: asyncio.StreamReader, max_total: int, de
             after_first += len(chunk)
         last_at = now
     seconds = (last_at - first_at) if first_at is not None and last_at is not None else 0.0
-    return Arrivals(after_first, seconds)
+    return Arrivals(after_first, seconds, total)
 
 
 async def send_chunks(writer: asyncio.StreamWriter, n_bytes: int, seconds: float) -> int:
@@ -79,38 +80,43 @@ async def send_chunks(writer: asyncio.StreamWriter, n_bytes: int, seconds: float
     return sent
 
 
-async def serve_probe_up(stream: OpenStream, n_bytes: int, probe_s: float) -> None:
-    """Server side of an upload probe: receive, then report what arrived and how long it took."""
+async def serve_probe_up(stream: OpenStream, n_bytes: int, probe_s: float) -> int:
+    """Server side of an upload probe: receive, then report what arrived and how long it took.
+    Returns the bytes received (for the traffic counters)."""
     await stream.send(encode_reply("probe_ready", bytes=n_bytes))
     arrivals = await receive_chunks(stream.reader, n_bytes, probe_s + 10.0)
     await stream.send(
         encode_reply("probe_result", bytes=arrivals.bytes_after_first, seconds=arrivals.seconds)
     )
+    return arrivals.total
 
 
-async def serve_probe_down(stream: OpenStream, n_bytes: int, seconds: float, probe_s: float) -> None:
+async def serve_probe_down(stream: OpenStream, n_bytes: int, seconds: float, probe_s: float) -> int:
+    """Server side of a download probe; returns the bytes sent."""
     await stream.send(encode_reply("probe_ready", bytes=n_bytes))
-    await send_chunks(stream.writer, n_bytes, min(seconds, probe_s))
+    return await send_chunks(stream.writer, n_bytes, min(seconds, probe_s))
 
 
-async def measure_upload(stream: OpenStream, n_bytes: int, seconds: float) -> float:
+async def measure_upload(stream: OpenStream, n_bytes: int, seconds: float) -> tuple[float, int]:
+    """Upload rate in Mbit/s as the far end saw it, and the bytes we sent."""
     await stream.send(encode_request("probe_up", bytes=n_bytes))
     await stream.receive()
-    await send_chunks(stream.writer, n_bytes, seconds)
+    sent = await send_chunks(stream.writer, n_bytes, seconds)
     result = await stream.receive(timeout=seconds + 15.0)
     if result.type != "probe_result":
         raise PeerRequestError(stream.peer, f"expected probe_result, got {result.type}")
-    return Arrivals(result["bytes"], result["seconds"]).mbps
+    return Arrivals(result["bytes"], result["seconds"]).mbps, sent
 
 
-async def measure_download(stream: OpenStream, n_bytes: int, seconds: float) -> float:
+async def measure_download(stream: OpenStream, n_bytes: int, seconds: float) -> tuple[float, int]:
+    """Download rate in Mbit/s, and the bytes we received."""
     await stream.send(encode_request("probe_down", bytes=n_bytes, seconds=float(seconds)))
     await stream.receive()
     try:
         arrivals = await receive_chunks(stream.reader, n_bytes, seconds + 15.0)
     except (TimeoutError, asyncio.IncompleteReadError, WireError) as exc:
         raise PeerRequestError(stream.peer, f"download probe failed: {exc!r}") from None
-    return arrivals.mbps
+    return arrivals.mbps, arrivals.total
 
 
 def combine(measurements: list[LinkMeasurement]) -> LinkMeasurement:

@@ -22,6 +22,7 @@ class Announcement:
     shards: Mapping[str, str]
     tokens: int
     seen_at: float  # when the sealer first saw it (its own clock)
+    steps: int = 0  # inner steps behind it (the ledger credits them)
 
 
 @dataclass

@@ -145,15 +145,19 @@ class Swarm:
         self, config: Path, data_dir: Path | None = None, listen: str = LOOPBACK, extra=()
     ) -> Daemon:
         data_dir = data_dir or self.tmp_path / "bootstrap"
-        args = ["bootstrap", "--config", str(config), "--listen", listen, "--data-dir", str(data_dir), *extra]
-        return self.start("bootstrap", args)
+        args = ["bootstrap", "--config", str(config), "--listen", listen, "--data-dir", str(data_dir)]
+        if "--http-port" not in extra:
+            args += ["--http-port", "0"]  # any free port: the READY line says which (http=...)
+        return self.start("bootstrap", [*args, *extra])
 
     def join(
         self, name: str, peer: str, bandwidth: str = "auto", listen: str = LOOPBACK, extra=(), prefix=None
     ):
         args = ["join", "--peer", peer, "--name", name, "--bandwidth", bandwidth, "--listen", listen]
-        args += ["--data-dir", str(self.tmp_path / name), *extra]
-        return self.start(name, args, prefix)
+        args += ["--data-dir", str(self.tmp_path / name)]
+        if "--metrics-port" not in extra:
+            args += ["--metrics-port", "0"]  # every test daemon serves /metrics (READY says where)
+        return self.start(name, [*args, *extra], prefix)
 
     def status(self, peer: str, prefix: list[str] | None = None) -> dict:
         result = subprocess.run(

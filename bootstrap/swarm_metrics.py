@@ -1,0 +1,89 @@
+"""The coordinator's swarm-level series (DESIGN §4), added to its own peer registry: peers by role and
+class, live chains, sealed rounds, global eval loss, the bytes of each sealed round, and the contribution
+ledger (per-peer labels live only here)."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from prometheus_client import Counter, Gauge
+
+from bootstrap.ledger import Ledger, LedgerCollector
+from hetnode.daemon.metrics import PeerMetrics
+
+ROLES = ("anchor", "stage", "idle")
+CLASSES = ("high", "low", "slow")
+REPLICA_ROLES = ("anchor", "stage")
+
+
+class SwarmMetrics:
+    def __init__(self, peer_metrics: PeerMetrics, ledger: Ledger) -> None:
+        # the coordinator's own hetnode_sync_round_seconds times its seals (it never announces a payload)
+        self.round_seconds = peer_metrics.round_seconds
+        r = peer_metrics.registry
+        self.peers = Gauge(
+            "hetnode_swarm_peers", "Live peers by role and link class", ["role", "class"], registry=r
+        )
+        self.chains = Gauge("hetnode_swarm_chains", "Live chains (complete virtual replicas)", registry=r)
+        self.rounds_sealed = Counter(
+            "hetnode_rounds_sealed", "Sync rounds sealed by this coordinator", registry=r
+        )
+        self.eval_loss = Gauge(
+            "hetnode_global_eval_loss", "Eval loss of the global θ after the last round", registry=r
+        )
+        self.contributors = Gauge(
+            "hetnode_round_contributors", "Contributions in the last sealed round", registry=r
+        )
+        self.payload_bytes = Gauge(
+            "hetnode_round_payload_bytes",
+            "Sealed payload bytes in the last round by replica class",
+            ["role"],
+            registry=r,
+        )
+        self.dense_bytes = Gauge(
+            "hetnode_round_dense_bytes",
+            "The last round's contributions as dense fp32 pseudo-gradients",
+            registry=r,
+        )
+        for role in ROLES:  # every combination exists, zeros included, so a panel never goes blank
+            for link_class in CLASSES:
+                self.peers.labels(role=role, **{"class": link_class}).set(0)
+        for role in REPLICA_ROLES:
+            self.payload_bytes.labels(role=role).set(0)
+        self.chains.set(0)
+        self.contributors.set(0)
+        self.dense_bytes.set(0)
+        r.register(LedgerCollector(ledger))
+
+    def observe_view(self, peers: Mapping[str, Mapping[str, Any]], live_chains: int) -> None:
+        counts = {(role, c): 0 for role in ROLES for c in CLASSES}
+        for record in peers.values():
+            key = (record.get("role"), record.get("link_class"))
+            if key in counts:
+                counts[key] += 1
+        for (role, link_class), n in counts.items():
+            self.peers.labels(role=role, **{"class": link_class}).set(n)
+        self.chains.set(live_chains)
+
+    def observe_round(
+        self,
+        payload_bytes: Mapping[str, int],
+        dense_bytes: int,
+        contributors: int,
+        eval_loss: float,
+        seconds: float,
+    ) -> None:
+        self.rounds_sealed.inc()
+        self.contributors.set(contributors)
+        for role in REPLICA_ROLES:
+            self.payload_bytes.labels(role=role).set(payload_bytes.get(role, 0))
+        self.dense_bytes.set(dense_bytes)
+        if math.isfinite(eval_loss):
+            self.eval_loss.set(eval_loss)
+        self.round_seconds.observe(seconds)
+
+
+def live_chain_count(chains: Sequence[Any]) -> int:
+    return sum(1 for chain in chains if getattr(chain, "live", False))
