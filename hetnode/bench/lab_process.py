@@ -3,25 +3,54 @@ stderr to a log file, stopped with SIGTERM (killed only if it hangs)."""
 
 from __future__ import annotations
 
+import ctypes
 import os
 import signal
 import subprocess
 import sys
 import threading
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from hetnode.errors import HetnodeError
 
 HETNODE = [sys.executable, "-m", "hetnode.cli.main"]
 REPO_ROOT = Path(__file__).resolve().parents[2]
+PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent() -> Callable[[], None]:
+    """A preexec_fn: SIGTERM to the child when the spawning thread dies (even by SIGKILL)."""
+    libc = ctypes.CDLL(None, use_errno=True)  # loaded here: the forked child should only call into it
+    parent = os.getpid()
+
+    def preexec() -> None:
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+        if os.getppid() != parent:  # the parent died before prctl took effect
+            os._exit(1)
+
+    return preexec
 
 
 class LabProcess:
-    def __init__(self, name: str, argv: list[str], log_path: Path, prefix: list[str] | None = None) -> None:
+    """`detach=True`: its own process group, so a terminal's Ctrl+C reaches only the parent, which stops
+    the children in order; and SIGTERM when the parent dies, so none outlives a killed parent."""
+
+    def __init__(
+        self,
+        name: str,
+        argv: list[str],
+        log_path: Path,
+        prefix: list[str] | None = None,
+        *,
+        detach: bool = False,
+    ) -> None:
         self.name = name
         self.log_path = log_path
         self._log = open(log_path, "w")  # noqa: SIM115 - closed in stop()
         env = dict(os.environ, PYTHONUNBUFFERED="1")
+        detached: dict[str, Any] = {"process_group": 0, "preexec_fn": _die_with_parent()} if detach else {}
         self.proc = subprocess.Popen(
             (prefix or []) + argv,
             stdout=subprocess.PIPE,
@@ -29,6 +58,7 @@ class LabProcess:
             text=True,
             cwd=REPO_ROOT,
             env=env,
+            **detached,
         )
         self.lines: list[str] = []
         self.ready: dict[str, str] | None = None

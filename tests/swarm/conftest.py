@@ -10,6 +10,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 
@@ -169,6 +170,11 @@ class Swarm:
         )
         assert result.returncode == 0, result.stderr[-2000:]
         return json.loads(result.stdout)
+
+    def contributions(self, coordinator: Daemon) -> dict:
+        """The coordinator's ledger as its status API serves it."""
+        with urllib.request.urlopen(f"{coordinator.ready['http']}/api/contributions", timeout=10) as response:
+            return json.loads(response.read())
 
     def wait_for(self, peer: str, check: Callable[[dict], bool], timeout: float, what: str) -> dict:
         deadline = time.monotonic() + timeout

@@ -10,6 +10,7 @@ import pytest
 pytestmark = pytest.mark.slow
 
 FAST_ROUNDS = {"inner_steps": 10}
+TOKENS_PER_ROUND = 10 * 16 * 128  # H inner steps x batch x sequence (tiny)
 
 
 def test_anchors_train_together_with_identical_digests(swarm):
@@ -20,7 +21,9 @@ def test_anchors_train_together_with_identical_digests(swarm):
         anchor.wait_ready()
     history = swarm.wait_for_round(3, timeout=180)
     assert all(len(entry["contributors"]) == 2 for entry in history[1:4])  # both anchors in each seal
-    assert all(entry["tokens"] == 2 * 10 * 16 * 128 for entry in history[1:4])  # H steps x batch x seq each
+    assert all(
+        entry["tokens"] == 2 * TOKENS_PER_ROUND for entry in history[1:4]
+    )  # H steps x batch x seq each
     losses = [entry["eval_loss"] for entry in history]
     assert losses[3] < losses[0] - 0.3, losses  # the global model learns
 
@@ -55,6 +58,12 @@ def test_hostile_payloads_are_excluded_and_honest_replicas_agree(swarm):
     assert "excluding peer" in boot.tail(200) and nan.peer_id in boot.tail(200)
     document = swarm.status(boot.maddr)
     swarm.agree_with_coordinator(document, {"honest-1", "honest-2"})
+    # the ledger credits sealed contributions only: the excluded earn nothing
+    standings = {s["peer"]: s for s in swarm.contributions(boot)["standings"]}
+    assert not bad & set(standings)
+    for daemon in honest:
+        assert standings[daemon.peer_id]["rounds"] >= 1
+        assert standings[daemon.peer_id]["tokens"] == standings[daemon.peer_id]["rounds"] * TOKENS_PER_ROUND
 
 
 def test_a_killed_anchor_is_left_out_and_catches_up_after_restart(swarm, tmp_path):
@@ -132,7 +141,8 @@ def test_anchors_seal_while_the_coordinator_is_away_and_it_catches_up_on_return(
     swarm.wait_for_round(1, timeout=120)
     boot.proc.send_signal(signal.SIGKILL)
     boot.proc.wait(10)
-    last_by_coordinator = swarm.history()[-1]["round"]
+    sealed_before = swarm.history()
+    last_by_coordinator = sealed_before[-1]["round"]
     stand_in = min(anchors, key=lambda d: d.peer_id)
 
     def moved_on(document: dict) -> bool:
@@ -161,6 +171,11 @@ def test_anchors_seal_while_the_coordinator_is_away_and_it_catches_up_on_return(
     [caught_up] = [e for e in history if e.get("caught_up_from")]
     assert caught_up["round"] >= last_by_coordinator + 2  # it took the rounds sealed in its place
     swarm.replicas_agree_at(boot.maddr, history[-1]["round"], {"anchor-1", "anchor-2"})
+    # the ledger survived kill -9: every credit written before it is still there
+    standings = {s["peer"]: s for s in swarm.contributions(again)["standings"]}
+    for anchor in anchors:
+        before = sum(1 for e in sealed_before if anchor.peer_id in e["contributors"])
+        assert standings[anchor.peer_id]["rounds"] >= before >= 1
 
 
 def test_a_peer_joining_late_downloads_theta_and_matches_the_next_round(swarm):

@@ -1,0 +1,147 @@
+"""The demo's terminal view: a table redrawn about once a second on a terminal, one plain line per sealed
+round anywhere else (CI logs, tests, a pipe), so that logs stay readable and diffable.
+
+Everything shown comes from the coordinator: `GET /api/status` (peers, roles, chains, in the schema of
+`bootstrap/status_page.py`) and its round history. Peer names are chosen by peers, so every cell is a
+`rich.text.Text` (never parsed as markup).
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any, TextIO
+
+from rich.console import Console, Group, RenderableType
+from rich.live import Live
+from rich.table import Table
+from rich.text import Text
+
+from hetnode.demo.rounds import (
+    contributor_count,
+    eta_s,
+    human_bytes,
+    human_ratio,
+    human_seconds,
+    loss_text,
+    round_bytes,
+)
+
+ROUNDS_SHOWN = 6
+
+
+def _dicts(value: Any) -> list[Mapping[str, Any]]:
+    return [v for v in value if isinstance(v, Mapping)] if isinstance(value, list) else []
+
+
+def _t(value: Any) -> Text:
+    return Text("–" if value is None else str(value))
+
+
+def plain_line(entry: Mapping[str, Any], sealed: int, total: int, eta: float | None) -> str:
+    """One line per sealed round, for logs: `round 3/8 (#2) contributors 4 ... ETA 40 s`."""
+    b = round_bytes(entry)
+    return (
+        f"round {sealed}/{total} (#{entry.get('round')})  contributors {contributor_count(entry)}  "
+        f"tokens {entry.get('tokens') or 0:,}  eval loss {loss_text(entry.get('eval_loss'))}  "
+        f"bytes anchors {human_bytes(b.anchor)}, stages {human_bytes(b.stage)}, "
+        f"dense fp32 {human_bytes(b.dense)} ({human_ratio(b.ratio)} smaller)  ETA {human_seconds(eta)}"
+    )
+
+
+def render(
+    status: Mapping[str, Any] | None,
+    history: Sequence[Mapping[str, Any]],
+    total: int,
+    url: str | None,
+    elapsed_s: float,
+) -> RenderableType:
+    """The whole view for one refresh; pure, so it is tested by printing it to a string."""
+    status = status or {}
+    peers = _dicts(status.get("peers"))
+    last = history[-1] if history else {}
+    header = Text.assemble(
+        ("hetnode demo", "bold"),
+        f"  round {len(history)}/{total}  ETA {human_seconds(eta_s(history, total))}",
+        f"  elapsed {human_seconds(elapsed_s)}  eval loss {loss_text(last.get('eval_loss'))}",
+        f"  {len(peers)} peers  {url or ''}",
+    )
+    if not status:
+        header.append("  (waiting for the coordinator's status)", style="dim")
+
+    peer_table = Table(title="peers", title_justify="left", expand=False)
+    for column in ("name", "role", "class", "chain / stage", "round held"):
+        peer_table.add_column(column, justify="right" if column == "round held" else "left")
+    for p in peers:
+        chain = p.get("chain")
+        where = "–" if chain is None else f"{chain} / {p.get('stage')}"
+        peer_table.add_row(
+            _t(p.get("name")), _t(p.get("role")), _t(p.get("link_class")), _t(where), _t(p.get("params_round"))
+        )
+
+    names = {p.get("peer"): p.get("name") for p in peers}
+    chain_table = Table(title="chains", title_justify="left")
+    for column in ("chain", "members", "live"):
+        chain_table.add_column(column)
+    for c in _dicts(status.get("chains")):
+        members = c.get("members") if isinstance(c.get("members"), list) else []
+        shown = ", ".join(str(names.get(m) or m) for m in members)
+        live = Text("yes", style="green") if c.get("live") else Text("no", style="red")
+        chain_table.add_row(_t(c.get("chain")), Text(shown), live)
+
+    round_table = Table(title=f"rounds (last {ROUNDS_SHOWN})", title_justify="left")
+    for column in ("round", "contrib.", "tokens", "eval loss", "anchors", "stages", "dense fp32", "smaller"):
+        round_table.add_column(column, justify="right")
+    for entry in list(history)[-ROUNDS_SHOWN:]:
+        b = round_bytes(entry)
+        round_table.add_row(
+            _t(entry.get("round")),
+            _t(contributor_count(entry)),
+            Text(f"{entry.get('tokens') or 0:,}"),
+            Text(loss_text(entry.get("eval_loss"))),
+            Text(human_bytes(b.anchor)),
+            Text(human_bytes(b.stage)),
+            Text(human_bytes(b.dense)),
+            Text(human_ratio(b.ratio)),
+        )
+    return Group(header, peer_table, chain_table, round_table)
+
+
+class LiveView:
+    """`with LiveView(total, url) as view: view.update(status, history)` about once a second."""
+
+    def __init__(
+        self, total: int, url: str | None, console: Console | None = None, stream: TextIO | None = None
+    ) -> None:
+        self.total = total
+        self.url = url
+        self.console = console or Console()
+        self.stream = stream or sys.stdout
+        self._live: Live | None = None
+        self._printed = 0
+        self._started = time.monotonic()
+
+    @property
+    def interactive(self) -> bool:
+        return self.console.is_terminal
+
+    def __enter__(self) -> LiveView:
+        if self.interactive:
+            self._live = Live(console=self.console, refresh_per_second=2, transient=False)
+            self._live.__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._live is not None:
+            self._live.__exit__(None, None, None)
+            self._live = None
+
+    def update(self, status: Mapping[str, Any] | None, history: Sequence[Mapping[str, Any]]) -> None:
+        if self._live is not None:
+            self._live.update(render(status, history, self.total, self.url, time.monotonic() - self._started))
+            return
+        for index in range(self._printed, len(history)):
+            eta = eta_s(history[: index + 1], self.total)
+            print(plain_line(history[index], index + 1, self.total, eta), file=self.stream, flush=True)
+        self._printed = max(self._printed, len(history))
