@@ -37,6 +37,7 @@ from hetnode.net.identity import load_or_create_identity, peer_id_from_maddr
 from hetnode.net.node import NodeLimits, SwarmNode
 from hetnode.net.probe import LinkMeasurement, combine
 from hetnode.net.streams import PeerRequestError
+from hetnode.planning.reachability import assess
 from hetnode.planning.roles import (
     ClassThresholds,
     LinkClass,
@@ -164,9 +165,14 @@ class PeerDaemon:
         log.info("joined run %s (coordinator %s)", self.contact.manifest.run, self.contact.coordinator)
         await self._start_presence()
         record = self.presence.record
+        maddrs = await self.node.visible_maddrs()
+        reachability = assess(maddrs, self.options.peer)
+        print(reachability.line(), flush=True)
+        if reachability.verdict == "unreachable":
+            log.warning("%s", reachability.line())
         print_ready(
             self.node.identity.peer_id,
-            await self.node.visible_maddrs(),
+            maddrs,
             run=self.contact.manifest.run,
             link_class=record["link_class"],
             up_mbps=f"{record['up_mbps']:.1f}",
