@@ -95,8 +95,11 @@ class RoundKeeper:
         seen: dict[str, Announcement] = {}
         round_ = self.global_model.params_round + 1
         try:
+            newest, checked_at = -1, -float("inf")
             while not await sleep_or_stop(stop, POLL_S):
-                newest = await self._newest_sealed_round()
+                # seals by others change rarely (a restart, a stand-in): look once per heartbeat, not per poll
+                if time.monotonic() - checked_at >= self.config.network.heartbeat_s:
+                    newest, checked_at = await self._newest_sealed_round(), time.monotonic()
                 if newest > self.global_model.params_round:
                     if not await self._catch_up_from_replicas(newest, evaluator):
                         await sleep_or_stop(stop, 1.0)
@@ -195,7 +198,7 @@ class RoundKeeper:
     async def _record(self, sealed: SealedRound, started: float, evaluator: Any) -> None:
         """Apply the sealed round to the coordinator's θ, evaluate, checkpoint, append to the history."""
         round_ = sealed.record["round"]
-        await asyncio.to_thread(self.global_model.apply, round_, sealed.contributions)
+        await asyncio.to_thread(self.global_model.apply_decoded, round_, sealed.decoded)  # checked at sealing
         credits = await self._credit(sealed)
         eval_loss = await asyncio.to_thread(evaluator, self.global_model)
         if round_ % self.config.outer.checkpoint_every_rounds == 0:

@@ -52,20 +52,15 @@ class AnchorLoop:
         self.fault = fault  # tests only: "nan" or "digest" makes this anchor a hostile contributor
         self.metrics = metrics
         self.global_model = GlobalModel(config)
-        self.outbox: dict[int, dict[str, bytes]] = {}
         self.rounds = RoundParticipant(
             config,
             node,
             coordinator,
             self.global_model,
-            self._own_payload,
             may_stand_in=True,
             data_dir=state_path.parent,
             metrics=metrics,
         )
-
-    def _own_payload(self, round_: int, shard: str) -> bytes | None:
-        return self.outbox.get(round_, {}).get(shard)
 
     async def run(self, stop: asyncio.Event) -> None:
         dataset = await asyncio.to_thread(
@@ -85,8 +80,7 @@ class AnchorLoop:
             started, tokens_before = time.monotonic(), training.tokens
             payloads = await asyncio.to_thread(training.run_round, round_, self.global_model)
             payloads = self._maybe_corrupt(payloads)
-            self.outbox = {r: p for r, p in self.outbox.items() if r >= round_ - 1}
-            self.outbox[round_] = payloads
+            self.rounds.keep(round_, payloads)
             digests = {shard: sha256_hex(data) for shard, data in payloads.items()}
             if self.fault == "digest":
                 digests = {shard: sha256_hex(b"not " + data) for shard, data in payloads.items()}

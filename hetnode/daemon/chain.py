@@ -111,13 +111,11 @@ class ChainLoop:
         self.bytes_received = 0
         self.peer_id = node.identity.peer_id
         self.global_model = GlobalModel(config)
-        self.outbox: dict[int, dict[str, bytes]] = {}
         self.rounds = RoundParticipant(
             config,
             node,
             coordinator,
             self.global_model,
-            self._own_payload,
             may_stand_in=False,
             data_dir=data_dir,
             metrics=metrics,
@@ -136,9 +134,6 @@ class ChainLoop:
         self.downstream: OpenStream | None = None
         self._upstream_ready: asyncio.Event = asyncio.Event()
         self._closing = asyncio.Event()
-
-    def _own_payload(self, round_: int, shard: str) -> bytes | None:
-        return self.outbox.get(round_, {}).get(shard)
 
     # --- lifecycle ---------------------------------------------------------------------------------
 
@@ -283,8 +278,7 @@ class ChainLoop:
             trained_s = time.monotonic() - started
             self.round_open.clear()
             payloads = await asyncio.to_thread(training.end_round, round_, self.peer_id)
-            self.outbox = {r: p for r, p in self.outbox.items() if r >= round_ - 1}
-            self.outbox[round_] = payloads
+            self.rounds.keep(round_, payloads)
             announcement = {
                 "round": round_,
                 "shards": {shard: sha256_hex(data) for shard, data in payloads.items()},

@@ -61,7 +61,8 @@ async def fetch_state(
 
 
 class RoundParticipant:
-    """One replica's side of the round protocol; `own_payload(round, shard)` serves what it announced."""
+    """One replica's side of the round protocol. `keep(round, payloads)` holds what it is about to announce,
+    served to the sealer (and, for a stand-in seal, to every replica) until the next round is sealed."""
 
     def __init__(
         self,
@@ -69,7 +70,6 @@ class RoundParticipant:
         node: SwarmNode,
         coordinator: str,
         global_model: GlobalModel,
-        own_payload: Callable[[int, str], bytes | None],
         may_stand_in: bool,
         data_dir: Path,
         metrics: PeerMetrics | None = None,
@@ -78,17 +78,25 @@ class RoundParticipant:
         self.node = node
         self.coordinator = coordinator
         self.global_model = global_model
-        self.own_payload = own_payload
+        self.outbox: dict[int, dict[str, bytes]] = {}  # round -> shard -> our encoded payload
         self.may_stand_in = may_stand_in  # anchors only: a stage never seals
         self.data_dir = data_dir  # gets the round log
         self.metrics = metrics
         self.peer_id = node.identity.peer_id
-        self.sealer = Sealer(config, node, global_model, own_payload)
+        self.sealer = Sealer(config, node, global_model, self.own_payload)
         self.view = RecentView(node, config, max_age_s=config.network.heartbeat_s)
         self.last_seal_wait_s = 0.0  # of the last wait_for_seal
         self.last_apply = (0.0, 0)  # (seconds, bytes fetched) of the last apply
         node.set_payloads(self.serve_payload)
         node.set_state(self.serve_state)
+
+    def keep(self, round_: int, payloads: dict[str, bytes]) -> None:
+        """Hold our payloads of `round_` (and of the round before, which a late sealer may still fetch)."""
+        self.outbox = {r: p for r, p in self.outbox.items() if r >= round_ - 1}
+        self.outbox[round_] = payloads
+
+    def own_payload(self, round_: int, shard: str) -> bytes | None:
+        return self.outbox.get(round_, {}).get(shard)
 
     def serve_state(self, round_: int, shard: str) -> bytes | None:
         """θ as we hold it, for a peer (the coordinator after a restart) catching up to `round_`."""

@@ -115,7 +115,14 @@ class GlobalModel:
         """θ ← θ − α·aggregate over the sealed contributions (in the given, sealed order)."""
         if round_ != self.params_round + 1:
             raise ValueError(f"round {round_} does not follow the applied round {self.params_round}")
-        decoded = {replica: self.decode_contribution(replica, round_, p) for replica, p in contributions}
+        decoded = [(replica, self.decode_contribution(replica, round_, p)) for replica, p in contributions]
+        self.apply_decoded(round_, decoded)
+
+    def apply_decoded(self, round_: int, contributions: Sequence[tuple[str, list[DecodedPayload]]]) -> None:
+        """`apply` for contributions already validated by `decode_contribution` (the sealer's)."""
+        if round_ != self.params_round + 1:
+            raise ValueError(f"round {round_} does not follow the applied round {self.params_round}")
+        decoded = dict(contributions)
         for shard, spec in self.sparse_specs.items():
             updates = [
                 (replica, message.sparse)

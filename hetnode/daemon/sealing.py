@@ -24,6 +24,7 @@ from hetnode.errors import WireError
 from hetnode.net.node import SwarmNode
 from hetnode.net.streams import PeerRequestError
 from hetnode.planning.rounds import Announcement, ArrivalDeadline, sealed_order
+from hetnode.wire.sync_payload import DecodedPayload
 
 log = logging.getLogger(__name__)
 
@@ -39,6 +40,7 @@ class SealedRound:
     contributions: list[tuple[str, dict[str, bytes]]]  # (peer, shard -> payload), in sealed order
     excluded: list[str]
     announcements: dict[str, Announcement]  # of the contributions, by peer (tokens and steps to credit)
+    decoded: list[tuple[str, list[DecodedPayload]]]  # the validated messages, in sealed order
 
 
 class Sealer:
@@ -104,7 +106,7 @@ class Sealer:
 
         None when no contribution was valid: nothing is sealed, and the excluded announcements are dropped
         from `seen` so the round stays open for whoever announces next."""
-        good: list[tuple[Announcement, dict[str, bytes]]] = []
+        good: list[tuple[Announcement, dict[str, bytes], list[DecodedPayload]]] = []
         excluded = []
         order = sealed_order(seen.values())
         checked = await asyncio.gather(*(self._fetch_and_check(a) for a in order), return_exceptions=True)
@@ -113,7 +115,7 @@ class Sealer:
             try:
                 if isinstance(outcome, BaseException):
                     raise outcome
-                payloads = outcome
+                payloads, decoded = outcome
             except PeerRequestError as exc:
                 log.warning("round %d: leaving out unreachable peer %s: %s", round_, peer, exc)
                 excluded.append(peer)
@@ -129,20 +131,20 @@ class Sealer:
                 log.warning("round %d: excluding peer %s: %s", round_, peer, exc)
                 self.banned[peer] = time.monotonic() + BAN_S
                 continue
-            good.append((announcement, payloads))
+            good.append((announcement, payloads, decoded))
         if not good:
             for peer in excluded:
                 del seen[peer]
             log.info("round %d: no valid contribution among %d announced; not sealing", round_, len(excluded))
             return None
-        for announcement, payloads in good:
+        for announcement, payloads, _ in good:
             for shard, data in payloads.items():
                 self.payloads[(round_, announcement.peer_id, shard)] = data
         self.payloads = {k: v for k, v in self.payloads.items() if k[0] >= round_ - 1}
         record = {
             "round": round_,
             "contributions": [
-                {"peer": a.peer_id, "shards": dict(a.shards), "tokens": a.tokens} for a, _ in good
+                {"peer": a.peer_id, "shards": dict(a.shards), "tokens": a.tokens} for a, _, _ in good
             ],
             "excluded": excluded,
             "sealed_at": time.time(),
@@ -150,7 +152,11 @@ class Sealer:
         if not await self.node.store_own("seal", record, ttl_s=SEAL_TTL_S):
             log.warning("round %d: no DHT node accepted the seal yet", round_)
         return SealedRound(
-            record, [(a.peer_id, p) for a, p in good], excluded, {a.peer_id: a for a, _ in good}
+            record,
+            [(a.peer_id, p) for a, p, _ in good],
+            excluded,
+            {a.peer_id: a for a, _, _ in good},
+            [(a.peer_id, d) for a, _, d in good],
         )
 
     async def _announcement_changed(self, announcement: Announcement) -> bool:
@@ -162,7 +168,9 @@ class Sealer:
             and dict(value.get("shards", {})) != dict(announcement.shards)
         )
 
-    async def _fetch_and_check(self, announcement: Announcement) -> dict[str, bytes]:
+    async def _fetch_and_check(
+        self, announcement: Announcement
+    ) -> tuple[dict[str, bytes], list[DecodedPayload]]:
         max_bytes = int(self.config.network.max_frame_mb * 2**20)
         if not announcement.shards or not set(announcement.shards) <= set(self.global_model.shards):
             raise WireError("shards", f"announced shards {sorted(announcement.shards)} are not the model's")
@@ -178,7 +186,7 @@ class Sealer:
             if data is None or sha256_hex(data) != digest:
                 raise WireError(f"shards.{shard}", "payload differs from its announced sha256")
             payloads[shard] = data
-        await asyncio.to_thread(
+        decoded = await asyncio.to_thread(
             self.global_model.decode_contribution, announcement.peer_id, announcement.round, payloads
         )
-        return payloads
+        return payloads, decoded
