@@ -6,8 +6,9 @@ and one chain of two stages on `slow_mbit` links each.
 2. The same swarm with uncompressed boundaries (`"none"`): chain tokens/s with vs without compression.
 3. hivemind's own dense all-reduce (`DecentralizedAverager`, fp16) of a model-sized vector among the four
    replica hosts: bytes and seconds per round against one SparseLoCo round.
-4. `hetnode train`'s inner loop on the same config, alone on the machine: the anchors' tokens/s between
-   rounds against it.
+4. `hetnode train`'s inner loop on the same config, alone on the machine, against an anchor's tokens/s
+   between rounds: in the full swarm (five trainers share the machine's cores) and with the coordinator and
+   one anchor alone (the daemon's own overhead, as on a volunteer's machine of its own).
 
 Daemons write what each round cost (`DATA_DIR/rounds-local.jsonl`); interface byte counters of every host
 give the bytes on the wire, DHT traffic included. Results: `network.json` and `network.png`.
@@ -84,6 +85,9 @@ def run_benchmark(config: Config, plan: NetworkPlan, out_dir: Path, progress: bo
             _say(progress, f"{what}; chain compression {mode!r} on {plan.slow_mbit:g} Mbit/s links")
             mode_config = replace(config, "pipeline", compression=mode)
             runs[name] = run_swarm(mode_config, plan, work / name, progress, anchors=ANCHORS[:anchors])
+    _say(progress, "coordinator and one anchor alone: the daemon's overhead against hetnode train")
+    solo_config = replace(config, "pipeline", compression="selective")
+    runs["anchor-alone"] = run_swarm(solo_config, plan, work / "anchor-alone", progress, ANCHORS[:1], ())
     _say(progress, "hivemind DecentralizedAverager (fp16) over the same links")
     allreduce = run_allreduce(config, plan, work / "allreduce")
     report = summarise(config, plan, runs, allreduce, local_tokens_per_s)
@@ -112,14 +116,22 @@ def measure_local_tokens_per_s(config: Config, steps: int) -> float:
     return (trainer.tokens - tokens) / (time.perf_counter() - started)
 
 
-def lab_rates(plan: NetworkPlan, anchors: tuple[str, ...] = ANCHORS) -> dict[str, float | None]:
-    return {"coordinator": None, **{a: None for a in anchors}, **{s: plan.slow_mbit for s in STAGES}}
+def lab_rates(
+    plan: NetworkPlan, anchors: tuple[str, ...] = ANCHORS, stages: tuple[str, ...] = STAGES
+) -> dict[str, float | None]:
+    return {"coordinator": None, **{a: None for a in anchors}, **{s: plan.slow_mbit for s in stages}}
 
 
 def run_swarm(
-    config: Config, plan: NetworkPlan, work: Path, progress: bool, anchors: tuple[str, ...] = ANCHORS
+    config: Config,
+    plan: NetworkPlan,
+    work: Path,
+    progress: bool,
+    anchors: tuple[str, ...] = ANCHORS,
+    stages: tuple[str, ...] = STAGES,
 ) -> dict[str, Any]:
-    """Coordinator + `anchors` + a chain of 2 in the lab until `chain_rounds` rounds included the chain.
+    """Coordinator + `anchors` + a chain of `stages` in the lab until `chain_rounds` rounds included the
+    chain (without a chain: the first anchor).
 
     Without anchors the chain has the machine's CPUs to itself: its tokens/s then show what the link
     costs, not what sharing two cores with four other trainers costs."""
@@ -127,7 +139,7 @@ def run_swarm(
     config_path = work / "swarm.toml"
     config_path.write_text(dump_config(config))
     processes: list[LabProcess] = []
-    with NetLab(lab_rates(plan, anchors)) as lab:
+    with NetLab(lab_rates(plan, anchors, stages)) as lab:
         try:
             coordinator = lab.hosts["coordinator"]
             boot = LabProcess(
@@ -139,7 +151,7 @@ def run_swarm(
             )
             processes.append(boot)
             boot.wait_ready()
-            for name in (*anchors, *STAGES):
+            for name in (*anchors, *stages):
                 host = lab.hosts[name]
                 declared = "1000" if name in anchors else f"{plan.slow_mbit:g}"
                 processes.append(
@@ -153,7 +165,8 @@ def run_swarm(
                 )
             ids = {p.name: p.wait_ready()["peer_id"] for p in processes[1:]}
             wire_before = {name: lab.interface_bytes(name) for name in lab.hosts}
-            history = _wait_for_chain_rounds(work / "coordinator", {ids[s] for s in STAGES}, plan, progress)
+            members = {ids[s] for s in stages} if stages else {ids[anchors[0]]}
+            history = _wait_for_rounds(work / "coordinator", members, plan, progress)
             wire_after = {name: lab.interface_bytes(name) for name in lab.hosts}
         finally:
             for process in reversed(processes):
@@ -168,21 +181,20 @@ def run_swarm(
     return {
         "peer_ids": ids,
         "history": history,
-        "round_logs": {name: _read_jsonl(work / name / ROUND_LOG) for name in (*anchors, *STAGES)},
+        "round_logs": {name: _read_jsonl(work / name / ROUND_LOG) for name in (*anchors, *stages)},
         "wire_bytes": wire,
     }
 
 
-def _wait_for_chain_rounds(
-    coordinator_dir: Path, chain: set[str], plan: NetworkPlan, progress: bool
-) -> list[dict]:
+def _wait_for_rounds(coordinator_dir: Path, chain: set[str], plan: NetworkPlan, progress: bool) -> list[dict]:
+    """The coordinator's history once `chain` (the peers watched) was in `plan.chain_rounds` seals."""
     deadline = time.monotonic() + plan.timeout_s
     shown = 0
     while time.monotonic() < deadline:
         history = _read_jsonl(coordinator_dir / HISTORY)
         for entry in history[shown:]:
             if progress:
-                mark = "with the chain" if chain <= set(entry["contributors"]) else "without the chain"
+                mark = "with the watched peers" if chain <= set(entry["contributors"]) else "without them"
                 print(
                     f"  round {entry['round']:>3}  {len(entry['contributors'])} contributions ({mark})"
                     f"  eval loss {entry['eval_loss']:.3f}",
@@ -193,7 +205,7 @@ def _wait_for_chain_rounds(
             return history
         time.sleep(1.0)
     raise HetnodeError(
-        f"the chain was not in {plan.chain_rounds} sealed rounds within {plan.timeout_s:.0f} s"
+        f"the watched peers were not in {plan.chain_rounds} sealed rounds within {plan.timeout_s:.0f} s"
     )
 
 
@@ -316,7 +328,9 @@ def summarise(
     allreduce: dict[str, Any],
     local_tokens_per_s: float,
 ) -> dict[str, Any]:
-    swarms = {mode: summarise_swarm(run, plan) for mode, run in runs.items()}
+    solo = runs["anchor-alone"]["round_logs"][ANCHORS[0]]
+    solo_tokens_per_s = _median([r["tokens_per_s"] for r in solo])
+    swarms = {mode: summarise_swarm(run, plan) for mode, run in runs.items() if mode != "anchor-alone"}
     peers = allreduce["peers"]
     slow = [r for s in STAGES for r in peers[s]["rounds"]]
     allreduce_summary = {
@@ -338,6 +352,7 @@ def summarise(
         },
         "plan": asdict(plan),
         "local_tokens_per_s": local_tokens_per_s,
+        "anchor_alone_tokens_per_s": solo_tokens_per_s,
         "swarms": swarms,
         "allreduce_fp16": allreduce_summary,
         "targets": {
@@ -353,6 +368,7 @@ def summarise(
             "anchor_over_local_tokens_per_s": _ratio(
                 compressed["anchor"]["tokens_per_s"], local_tokens_per_s
             ),
+            "anchor_alone_over_local_tokens_per_s": _ratio(solo_tokens_per_s, local_tokens_per_s),
         },
     }
 
@@ -386,10 +402,11 @@ def plot_network(report: dict[str, Any], path: Path) -> None:
             "chain k\n(alone)",
             "chain d\n(alone)",
             "anchor\n(swarm)",
+            "anchor\n(alone)",
             "train\n(alone)",
         ],
-        [*chain, anchor, report["local_tokens_per_s"]],
-        color=["tab:green", "tab:orange", "tab:green", "tab:orange", "tab:blue", "tab:gray"],
+        [*chain, anchor, report["anchor_alone_tokens_per_s"] or 0, report["local_tokens_per_s"]],
+        color=["tab:green", "tab:orange", "tab:green", "tab:orange", "tab:blue", "tab:blue", "tab:gray"],
     )
     axes[2].tick_params(axis="x", labelsize=8)
     axes[2].set_title("training tokens/s")
