@@ -7,7 +7,7 @@ STAMP := $(VENV)/.hetnode-installed
 .PHONY: demo test lint venv clean
 
 demo: $(STAMP)
-	$(BIN)/hetnode train --config configs/tiny.toml
+	$(BIN)/hetnode demo --quick
 
 test: $(STAMP)
 	$(BIN)/ruff check .

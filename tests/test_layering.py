@@ -16,8 +16,9 @@ ALLOWED = {
     "sim": {"algo", "model", "data", "training", "wire", "planning"},
     "net": {"wire"},
     "daemon": {"algo", "model", "data", "training", "planning", "wire", "net", "sim"},
-    "cli": {"algo", "model", "data", "training", "planning", "wire", "net", "daemon", "sim", "bench"},
+    "cli": {"algo", "model", "data", "training", "planning", "wire", "net", "daemon", "sim", "bench", "demo"},
     "bench": {"algo", "model", "data", "training", "wire", "sim", "planning"},
+    "demo": {"bench", "daemon"},
 }
 SHARED = {"config", "errors", "__init__"}
 PURE = {"algo", "planning", "model", "wire", "data"}  # no I/O libraries, no network stacks

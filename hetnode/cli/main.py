@@ -8,13 +8,13 @@ import sys
 from collections.abc import Sequence
 
 from hetnode import __version__
-from hetnode.cli import bench, swarm, train
+from hetnode.cli import bench, demo, swarm, train
 from hetnode.errors import ConfigError, HetnodeError
 
 EXIT_ERROR = 1
 EXIT_USAGE = 2  # bad config or arguments
 
-SUBCOMMANDS = (train, bench, swarm)
+SUBCOMMANDS = (demo, train, bench, swarm)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -223,11 +223,11 @@ class ChainLoop:
                 raise ChainBroken(f"cannot reach the next stage: {problem}")
             if await sleep_or_stop(stop, 0.5):
                 return
-        if self.layout.upstream is not None:
-            try:
-                await asyncio.wait_for(self._upstream_ready.wait(), max(0.1, deadline - time.monotonic()))
-            except TimeoutError:
-                raise ChainBroken("the previous stage did not connect") from None
+        while self.layout.upstream is not None and not self._upstream_ready.is_set():
+            if time.monotonic() > deadline:
+                raise ChainBroken("the previous stage did not connect")
+            if await sleep_or_stop(stop, 0.1):  # a stop signal must not wait out CONNECT_S
+                return
         log.info(
             "chain %s: stage %d of %d connected (layers %d..%d)",
             self.layout.chain,

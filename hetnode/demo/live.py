@@ -13,6 +13,7 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any, TextIO
 
+from rich import box
 from rich.console import Console, Group, RenderableType
 from rich.live import Live
 from rich.table import Table
@@ -28,7 +29,7 @@ from hetnode.demo.rounds import (
     round_bytes,
 )
 
-ROUNDS_SHOWN = 6
+ROUNDS_SHOWN = 8
 
 
 def _dicts(value: Any) -> list[Mapping[str, Any]]:
@@ -56,44 +57,52 @@ def render(
     total: int,
     url: str | None,
     elapsed_s: float,
+    height: int = 40,
 ) -> RenderableType:
-    """The whole view for one refresh; pure, so it is tested by printing it to a string."""
+    """The whole view for one refresh, sized to fit `height` lines; pure, so it is tested by printing it."""
     status = status or {}
     peers = _dicts(status.get("peers"))
+    chains = _dicts(status.get("chains"))
     last = history[-1] if history else {}
     header = Text.assemble(
         ("hetnode demo", "bold"),
         f"  round {len(history)}/{total}  ETA {human_seconds(eta_s(history, total))}",
         f"  elapsed {human_seconds(elapsed_s)}  eval loss {loss_text(last.get('eval_loss'))}",
-        f"  {len(peers)} peers  {url or ''}",
+        f"  {len(peers)} peers",
     )
     if not status:
-        header.append("  (waiting for the coordinator's status)", style="dim")
+        header.append("  (waiting for the coordinator)", style="dim")
+    lines: list[RenderableType] = [header, Text(f"status page {url or '–'}", style="dim")]
 
-    peer_table = Table(title="peers", title_justify="left", expand=False)
-    for column in ("name", "role", "class", "chain / stage", "round held"):
+    names = {p.get("peer"): p.get("name") for p in peers}
+    for c in chains:
+        members = c.get("members") if isinstance(c.get("members"), list) else []
+        line = Text(f"chain {c.get('chain')}: ")
+        line.append("live" if c.get("live") else "not live", style="green" if c.get("live") else "red")
+        line.append("  " + " → ".join(str(names.get(m) or m) for m in members))
+        lines.append(line)
+
+    peer_table = Table(box=box.SIMPLE_HEAD, pad_edge=False)
+    for column in ("peer", "role", "class", "chain / stage", "round held"):
         peer_table.add_column(column, justify="right" if column == "round held" else "left")
     for p in peers:
         chain = p.get("chain")
         where = "–" if chain is None else f"{chain} / {p.get('stage')}"
         peer_table.add_row(
-            _t(p.get("name")), _t(p.get("role")), _t(p.get("link_class")), _t(where), _t(p.get("params_round"))
+            _t(p.get("name")),
+            _t(p.get("role")),
+            _t(p.get("link_class")),
+            _t(where),
+            _t(p.get("params_round")),
         )
+    lines.append(peer_table)
 
-    names = {p.get("peer"): p.get("name") for p in peers}
-    chain_table = Table(title="chains", title_justify="left")
-    for column in ("chain", "members", "live"):
-        chain_table.add_column(column)
-    for c in _dicts(status.get("chains")):
-        members = c.get("members") if isinstance(c.get("members"), list) else []
-        shown = ", ".join(str(names.get(m) or m) for m in members)
-        live = Text("yes", style="green") if c.get("live") else Text("no", style="red")
-        chain_table.add_row(_t(c.get("chain")), Text(shown), live)
-
-    round_table = Table(title=f"rounds (last {ROUNDS_SHOWN})", title_justify="left")
-    for column in ("round", "contrib.", "tokens", "eval loss", "anchors", "stages", "dense fp32", "smaller"):
-        round_table.add_column(column, justify="right")
-    for entry in list(history)[-ROUNDS_SHOWN:]:
+    fixed = len(lines) + len(peers) + 8  # table headers, rules and blank lines around two tables
+    shown = max(1, min(ROUNDS_SHOWN, height - fixed))
+    round_table = Table(box=box.SIMPLE_HEAD, pad_edge=False)
+    for column in ("round", "contrib", "tokens", "eval loss", "anchors", "stages", "dense fp32", "ratio"):
+        round_table.add_column(column, justify="right", no_wrap=True)
+    for entry in list(history)[-shown:]:
         b = round_bytes(entry)
         round_table.add_row(
             _t(entry.get("round")),
@@ -105,7 +114,8 @@ def render(
             Text(human_bytes(b.dense)),
             Text(human_ratio(b.ratio)),
         )
-    return Group(header, peer_table, chain_table, round_table)
+    lines.append(round_table)
+    return Group(*lines)
 
 
 class LiveView:
@@ -139,7 +149,8 @@ class LiveView:
 
     def update(self, status: Mapping[str, Any] | None, history: Sequence[Mapping[str, Any]]) -> None:
         if self._live is not None:
-            self._live.update(render(status, history, self.total, self.url, time.monotonic() - self._started))
+            elapsed = time.monotonic() - self._started
+            self._live.update(render(status, history, self.total, self.url, elapsed, self.console.height))
             return
         for index in range(self._printed, len(history)):
             eta = eta_s(history[: index + 1], self.total)

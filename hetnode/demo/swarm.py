@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import signal
 import subprocess
 import sys
 import threading
 import time
+import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -110,6 +112,13 @@ class DemoSwarm:
         address = self.lab.hosts[host].address if self.lab else LOOPBACK
         return f"/ip4/{address}/tcp/0"
 
+    def status_where(self) -> str:
+        """Where the status page can be read: from here, or only inside the coordinator's namespace."""
+        if self.lab is None:
+            return f"{self.status_url}/"
+        namespace = self.lab.hosts[COORDINATOR].namespace
+        return f"{self.status_url}/ inside the coordinator's namespace: ip netns exec {namespace} curl ..."
+
     def _prefix(self, host: str) -> list[str]:
         return self.lab.hosts[host].prefix if self.lab else []
 
@@ -153,8 +162,6 @@ class DemoSwarm:
         url = self.status_url + path
         try:
             if self.lab is None:
-                import urllib.request
-
                 with urllib.request.urlopen(url, timeout=HTTP_TIMEOUT_S) as response:
                     return json.loads(response.read())
             result = subprocess.run(
@@ -220,8 +227,6 @@ class DemoSwarm:
             if start_time(pid) == started and alive(pid):
                 log.warning("pid %d (%s) outlived its daemon: killing it", pid, process_name(pid))
                 try:
-                    import os
-
                     os.kill(pid, signal.SIGKILL)
                 except OSError:
                     continue

@@ -1,0 +1,235 @@
+"""The demo's report, live view and digest check, on hand-made data: tables, ratios, the story told, plots
+for 0, 1 and many rounds, and what counts as digest agreement."""
+
+from __future__ import annotations
+
+import io
+import json
+from pathlib import Path
+
+import pytest
+from rich.console import Console
+
+from hetnode.demo.digests import compare_digests, hold_round
+from hetnode.demo.live import LiveView, plain_line, render
+from hetnode.demo.report import DemoRecord, cell, render_markdown, summarise, table, write_report
+from hetnode.demo.rounds import eta_s, human_bytes, round_bytes, seconds_per_round
+
+PROCESSES = [
+    {
+        "name": "coordinator",
+        "role": "coordinator",
+        "bandwidth_mbit": None,
+        "peer_id": "Qcoord",
+        "log": "/x/c.log",
+    },
+    {"name": "anchor-1", "role": "anchor", "bandwidth_mbit": 1000.0, "peer_id": "Qa1", "log": "/x/a1.log"},
+    {"name": "edge_1", "role": "stage", "bandwidth_mbit": 20.0, "peer_id": "Qe1", "log": "/x/e1.log"},
+    {"name": "edge|2", "role": "stage", "bandwidth_mbit": 20.0, "peer_id": "Qe2", "log": "/x/e2.log"},
+]
+DIGESTS = {"embed": "aa", "0": "bb", "head": "cc"}
+
+
+def entry(round_: int, loss: float, with_chain: bool = True) -> dict:
+    contributors = ["Qa1", "Qe1", "Qe2"] if with_chain else ["Qa1"]
+    return {
+        "round": round_,
+        "contributors": contributors,
+        "excluded": [],
+        "tokens": 40960 if with_chain else 20480,
+        "eval_loss": loss,
+        "time": 1000.0 + 10 * round_,
+        "layer_digests": {k: f"{v}{round_}" for k, v in DIGESTS.items()},
+        "payload_bytes": {"anchor": 50_000, "stage": 25_000 if with_chain else 0},
+        "dense_bytes": 7_500_000 if with_chain else 5_000_000,
+    }
+
+
+def record(tmp_path: Path, rounds: int, **extra) -> DemoRecord:
+    history = [entry(r, 5.5 - 0.5 * r, with_chain=r > 0) for r in range(rounds)]
+    fields = {
+        "out": tmp_path,
+        "config_path": tmp_path / "config.toml",
+        "config": {
+            "run": {"name": "tiny"},
+            "model": {"d_model": 128, "n_layers": 4},
+            "outer": {"inner_steps": 10},
+            "pipeline": {"stages": 2, "compression": "selective"},
+        },
+        "requested_rounds": 3,
+        "outcome": "finished",
+        "wall_s": 95.0,
+        "status_url": "http://127.0.0.1:1234",
+        "processes": PROCESSES,
+        "history": history,
+        "chains": [{"chain": "c3-abc", "members": ["edge_1", "edge|2"], "live": True, "first_seen": 0}],
+        "contributions": {
+            "standings": [
+                {
+                    "name": "anchor-1",
+                    "peer": "Qa1",
+                    "role": "anchor",
+                    "tokens": 60000,
+                    "share": 0.6,
+                    "rounds": 3,
+                },
+                {
+                    "name": "edge_1",
+                    "peer": "Qe1",
+                    "role": "stage",
+                    "tokens": 40000,
+                    "share": 0.4,
+                    "rounds": 2,
+                },
+            ]
+        },
+        "digests": {
+            "agree": True,
+            "rounds": [rounds - 1],
+            "peers": [{"name": "anchor-1", "params_round": rounds - 1, "agree": True, "reason": None}],
+        },
+        "round_logs": {"anchor-1": [{"round": 0, "tokens": 20480, "upload_bytes": 50000, "included": True}]},
+    }
+    return DemoRecord(**(fields | extra))
+
+
+def test_round_bytes_and_the_ratio_against_dense_fp32():
+    b = round_bytes(entry(1, 4.0))
+    assert (b.anchor, b.stage, b.sparse, b.dense) == (50_000, 25_000, 75_000, 7_500_000)
+    assert b.ratio == pytest.approx(100.0)
+    assert round_bytes({"payload_bytes": {}, "dense_bytes": 0}).ratio is None  # nothing sent: no ratio
+    assert round_bytes({"payload_bytes": None, "dense_bytes": "x"}).sparse == 0  # hostile shapes: zeros
+
+
+def test_pace_and_eta_come_from_the_seal_times():
+    history = [entry(r, 5.0) for r in range(3)]
+    assert seconds_per_round(history) == pytest.approx(10.0)
+    assert eta_s(history, 8) == pytest.approx(50.0)
+    assert eta_s(history[:1], 8) is None and eta_s(history, 3) == 0.0
+    assert human_bytes(999) == "999 B" and human_bytes(56_300) == "56.3 KB"
+
+
+def test_summary_counts_rounds_losses_bytes_and_names(tmp_path):
+    summary = summarise(record(tmp_path, 3))
+    assert summary["sealed_rounds"] == 3 and summary["eval_loss"] == [5.5, 5.0, 4.5]
+    assert (summary["loss_start"], summary["loss_end"]) == (5.5, 4.5)
+    assert summary["first_stage_round"] == 1
+    assert summary["rounds"][1]["contributor_names"] == ["anchor-1", "edge_1", "edge|2"]
+    assert summary["rounds"][1]["ratio"] == pytest.approx(100.0)
+    assert summary["rounds"][0]["ratio"] == pytest.approx(100.0)  # 5 MB / 50 KB
+    total = summary["bytes"]["total"]
+    assert total == {"anchor": 150_000, "stage": 50_000, "sparse": 200_000, "dense": 20_000_000}
+    assert summary["bytes"]["ratio"] == pytest.approx(100.0)
+    assert summary["bytes"]["mean_per_round"]["sparse"] == pytest.approx(200_000 / 3)
+    assert summary["digests_agree"] is True
+    assert [c["name"] for c in summary["contributions"]] == ["anchor-1", "edge_1"]
+    assert summary["processes"][1]["log"] == "/x/a1.log"  # outside OUT: kept absolute
+    json.dumps(summary)  # summary.json must serialise
+
+
+def test_markdown_has_the_round_table_and_escapes_only_what_breaks_a_table(tmp_path):
+    text = render_markdown(summarise(record(tmp_path, 3)))
+    assert "| round | contributors | tokens | eval loss | anchors | stages | dense fp32 | smaller |" in text
+    assert (
+        "| 1 | 3 (anchor-1, edge_1, edge\\|2) | 40,960 | 5.000 | 50.0 KB | 25.0 KB | 7.5 MB | 100× |" in text
+    )
+    assert "edge_1" in text and "edge\\_1" not in text and "anchor\\-1" not in text  # no markdown escaping
+    assert "&lt;" not in text and "&amp;" not in text  # nor HTML escaping
+    assert "Eval loss fell from 5.500 (round 0) to 4.500 (round 2)" in text
+    assert "first contributed in round 1" in text
+    assert "100× less" in text
+    assert "[loss.png](loss.png)" not in text and "(loss.png)" in text
+    blocks: list[list[int]] = [[]]  # every row of every table has as many cells as its header
+    for line in text.splitlines():
+        if line.startswith("|"):
+            blocks[-1].append(line.replace("\\|", "").count("|"))
+        elif blocks[-1]:
+            blocks.append([])
+    tables = [b for b in blocks if b]
+    assert len(tables) >= 5 and all(len(set(b)) == 1 for b in tables), tables
+
+
+def test_cells_and_tables():
+    assert cell("a|b") == "a\\|b" and cell("x\ny") == "x y" and cell(None) == "–" and cell("a\\") == "a\\\\"
+    assert table(["a", "b"], [[1, 2]], "rl").splitlines() == ["| a | b |", "| ---: | --- |", "| 1 | 2 |"]
+
+
+def test_an_interrupted_run_without_rounds_still_reports(tmp_path):
+    summary = summarise(
+        record(tmp_path, 0, outcome="interrupted", digests=None, contributions=None, chains=[], round_logs={})
+    )
+    text = render_markdown(summary)
+    assert (
+        summary["sealed_rounds"] == 0 and summary["loss_start"] is None and summary["bytes"]["ratio"] is None
+    )
+    assert "No round was sealed." in text and "Not checked" in text and "Interrupted" in text
+
+
+def test_disagreeing_digests_are_named_in_the_story(tmp_path):
+    digests = {
+        "agree": False,
+        "rounds": [2],
+        "peers": [{"name": "edge_1", "params_round": 2, "agree": False, "reason": "digests differ"}],
+    }
+    text = render_markdown(summarise(record(tmp_path, 3, digests=digests)))
+    assert "did not all agree: edge_1 (digests differ)" in text and "**Disagreement**" in text
+
+
+@pytest.mark.parametrize("rounds", [0, 1, 12])
+def test_report_and_plots_are_written_for_any_number_of_rounds(tmp_path, rounds):
+    standings = None if rounds == 0 else record(tmp_path, 1).contributions
+    path = write_report(record(tmp_path, rounds, contributions=standings))
+    assert path == tmp_path / "report.md" and path.read_text().startswith("# hetnode demo")
+    for name in ("loss.png", "bytes.png", "contributions.png"):
+        assert (tmp_path / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert json.loads((tmp_path / "summary.json").read_text())["sealed_rounds"] == rounds
+
+
+def test_digests_agree_only_when_every_replica_matches_its_round():
+    history = [entry(r, 5.0) for r in range(3)]
+    expected = {"anchor-1": "Qa1", "edge-1": "Qe1"}
+    peers = [
+        {"peer_id": "Qa1", "params_round": 2, "layer_digests": history[2]["layer_digests"]},
+        {"peer_id": "Qe1", "params_round": 1, "layer_digests": history[1]["layer_digests"]},
+    ]
+    result = compare_digests(peers, history, expected)
+    assert result["agree"] and result["rounds"] == [1, 2]
+    peers[1] = peers[1] | {"layer_digests": history[2]["layer_digests"]}  # round 1 with round 2's θ
+    result = compare_digests(peers, history, expected)
+    assert not result["agree"] and "differ" in result["peers"][1]["reason"]
+    assert not compare_digests(peers[:1], history, expected)["agree"]  # a replica without a record
+    assert not compare_digests([], history, {})["agree"]  # nobody checked is no agreement
+    assert hold_round(peers, expected, 1) and not hold_round(peers, expected, 2)
+
+
+def test_the_live_view_renders_peer_names_as_text_and_prints_plain_lines_off_a_terminal():
+    status = {
+        "peers": [
+            {
+                "peer": "Qe1",
+                "name": "[bold]edge",
+                "role": "stage",
+                "link_class": "low",
+                "chain": "c1",
+                "stage": 0,
+                "params_round": 1,
+            }
+        ],
+        "chains": [{"chain": "c1", "members": ["Qe1"], "live": True}],
+    }
+    console = Console(file=io.StringIO(), width=160, force_terminal=False)
+    console.print(render(status, [entry(0, 5.0), entry(1, 4.0)], 8, "http://127.0.0.1:1", 12.0))
+    shown = console.file.getvalue()
+    assert "[bold]edge" in shown and "round 2/8" in shown and "100×" in shown
+
+    line = plain_line(entry(1, 4.0), 2, 8, 60.0)
+    assert line.startswith("round 2/8 (#1)  contributors 3") and "eval loss 4.000" in line and "1:00" in line
+    out = io.StringIO()
+    with LiveView(8, None, console=Console(file=io.StringIO(), force_terminal=False), stream=out) as view:
+        view.update(None, [entry(0, 5.0)])
+        view.update(status, [entry(0, 5.0), entry(1, 4.0)])
+        view.update(status, [entry(0, 5.0), entry(1, 4.0)])
+    assert [line.split("  ")[0] for line in out.getvalue().splitlines()] == [
+        "round 1/8 (#0)",
+        "round 2/8 (#1)",
+    ]
