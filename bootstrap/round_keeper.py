@@ -24,7 +24,7 @@ from bootstrap.ledger import Contribution, Ledger
 from bootstrap.swarm_metrics import SwarmMetrics
 from hetnode.config import Config
 from hetnode.daemon.datadir import DataDir
-from hetnode.daemon.lifecycle import sleep_or_stop
+from hetnode.daemon.lifecycle import sleep_or_stop, sleep_or_wake
 from hetnode.daemon.participant import fetch_state
 from hetnode.daemon.presence import Presence
 from hetnode.daemon.rounds import GlobalModel, base_fixed_embedding
@@ -39,7 +39,7 @@ from hetnode.planning.rounds import Announcement, seal_now
 
 log = logging.getLogger(__name__)
 
-POLL_S = 0.25
+POLL_S = 0.5  # announcements are also nudged to us: this is the fallback and the deadline's resolution
 CHECKPOINT = "global.pt"
 HISTORY = "rounds.jsonl"
 HISTORY_KEPT = 500  # rounds kept in memory for the status page
@@ -84,6 +84,12 @@ class RoundKeeper:
         self._load_checkpoint()
         node.set_payloads(self.sealer.serve)
         node.set_state(self._serve_state)
+        self._announced = asyncio.Event()  # a replica nudged us: its announcement is in the DHT
+        node.set_nudge_handler(self._on_nudge)
+
+    def _on_nudge(self, peer: str, topic: str, round_: int) -> None:
+        if topic == "announce":
+            self._announced.set()
 
     def _serve_state(self, round_: int, shard: str) -> bytes | None:
         if round_ != self.global_model.params_round or shard not in self.global_model.shards:
@@ -96,7 +102,7 @@ class RoundKeeper:
         round_ = self.global_model.params_round + 1
         try:
             newest, checked_at = -1, -float("inf")
-            while not await sleep_or_stop(stop, POLL_S):
+            while not await sleep_or_wake(stop, self._announced, POLL_S):
                 # seals by others change rarely (a restart, a stand-in): look once per heartbeat, not per poll
                 if time.monotonic() - checked_at >= self.config.network.heartbeat_s:
                     newest, checked_at = await self._newest_sealed_round(), time.monotonic()

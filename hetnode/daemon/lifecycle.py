@@ -58,3 +58,15 @@ def print_ready(peer_id: str, maddrs: Sequence[str], **extra: object) -> None:
     fields = " ".join(f"{key}={value}" for key, value in extra.items())
     print(f"READY peer_id={peer_id} maddrs={','.join(maddrs)}" + (f" {fields}" if fields else ""), flush=True)
     sys.stdout.flush()
+
+
+async def sleep_or_wake(stop: asyncio.Event, wake: asyncio.Event, seconds: float) -> bool:
+    """Sleep up to `seconds` or until `wake` is set (then cleared); True when woken by `stop`."""
+    waiters = [asyncio.ensure_future(stop.wait()), asyncio.ensure_future(wake.wait())]
+    try:
+        await asyncio.wait(waiters, timeout=max(0.0, seconds), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for waiter in waiters:
+            waiter.cancel()
+    wake.clear()
+    return stop.is_set()

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from hetnode.config import Config
-from hetnode.daemon.lifecycle import sleep_or_stop
+from hetnode.daemon.lifecycle import sleep_or_stop, sleep_or_wake
 from hetnode.daemon.metrics import PeerMetrics
 from hetnode.daemon.round_log import RoundRecord, append_round
 from hetnode.daemon.rounds import GlobalModel, sha256_hex
@@ -31,7 +31,7 @@ from hetnode.planning.rounds import Announcement, seal_now
 log = logging.getLogger(__name__)
 
 ANNOUNCE_TTL_S = 300.0
-POLL_S = 0.25
+POLL_S = 1.0  # seals are nudged to us: polling is the fallback (a lost nudge, a stand-in sealer)
 FETCH_CONCURRENCY = 8  # sealed payloads fetched at once (one stream each)
 
 
@@ -89,6 +89,12 @@ class RoundParticipant:
         self.last_apply = (0.0, 0)  # (seconds, bytes fetched) of the last apply
         node.set_payloads(self.serve_payload)
         node.set_state(self.serve_state)
+        self._sealed = asyncio.Event()  # the sealer nudged us: a seal is in the DHT
+        node.set_nudge_handler(self._on_nudge)
+
+    def _on_nudge(self, peer: str, topic: str, round_: int) -> None:
+        if topic == "seal":
+            self._sealed.set()
 
     def keep(self, round_: int, payloads: dict[str, bytes]) -> None:
         """Hold our payloads of `round_` (and of the round before, which a late sealer may still fetch)."""
@@ -166,6 +172,7 @@ class RoundParticipant:
             if time.monotonic() - announced_at > ANNOUNCE_TTL_S / 3:  # (re)announce until sealed
                 await self.node.store_own("announce", announcement, ANNOUNCE_TTL_S)
                 announced_at = time.monotonic()
+                self.node.nudge([self.coordinator], "announce", round_)
             view = await self.view.get()
             anchors = sorted(p for p, r in view.peers.items() if r["role"] == "anchor")
             stand_in = anchors[0] if anchors and self.coordinator not in view.peers else None
@@ -192,7 +199,7 @@ class RoundParticipant:
                     if sealed is not None:
                         self.sealer.observe_arrivals(expected, seen)
                         return self.peer_id, sealed.record
-            if await sleep_or_stop(stop, POLL_S):
+            if await sleep_or_wake(stop, self._sealed, POLL_S):
                 return None
         return None
 

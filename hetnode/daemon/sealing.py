@@ -151,6 +151,7 @@ class Sealer:
         }
         if not await self.node.store_own("seal", record, ttl_s=SEAL_TTL_S):
             log.warning("round %d: no DHT node accepted the seal yet", round_)
+        self.node.nudge(sorted(seen), "seal", round_)  # announcers look now instead of at their next poll
         return SealedRound(
             record,
             [(a.peer_id, p) for a, p, _ in good],

@@ -78,6 +78,8 @@ InfoProvider = Callable[[], dict[str, Any]]  # -> {"run", "protocol", "coordinat
 PayloadProvider = Callable[[int, str, str], bytes | None]
 StateProvider = Callable[[int, str], bytes | None]
 # (peer, reader, writer): runs for the stream's life; the stream closes when it returns
+NudgeHandler = Callable[[str, str, int], None]  # (peer, topic, round): look at the DHT now
+NUDGE_TIMEOUT_S = 3.0
 StageAcceptor = Callable[[str, asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
 
 
@@ -98,6 +100,8 @@ class SwarmNode:
         self._payloads: PayloadProvider = lambda round_, shard, replica: None
         self._state: StateProvider = lambda round_, shard: None
         self._stage: StageAcceptor | None = None
+        self._nudged: NudgeHandler = lambda peer, topic, round_: None
+        self._background: set[asyncio.Task] = set()  # nudges in flight, cancelled at shutdown
         self._stage_limiter = RateLimiter(limits.requests_per_min)
         self._closed = False
         # bytes by (direction, channel) for the metrics: "sync" payloads, "state" transfer, "probe"
@@ -166,6 +170,26 @@ class SwarmNode:
     def set_state(self, provider: StateProvider) -> None:
         """Serve global parameters for catch-up: `provider(round, shard)` -> a dense payload or None."""
         self._state = provider
+
+    def set_nudge_handler(self, handler: NudgeHandler) -> None:
+        self._nudged = handler
+
+    def nudge(self, peers: Sequence[str], topic: str, round_: int) -> None:
+        """Tell `peers` to look at the DHT now (fire and forget: the DHT stays the record, polling the
+        fallback, so a peer that is gone costs nothing but a failed stream in the background)."""
+        message = encode_request("nudge", round=round_, about=topic)
+
+        async def one(peer: str) -> None:
+            try:
+                await request(self.p2p, peer, CONTROL_HANDLER, message, NUDGE_TIMEOUT_S)
+            except (PeerRequestError, TimeoutError, WireError) as exc:
+                log.debug("nudge %s to %s failed: %s", topic, peer, exc)
+
+        for peer in peers:
+            if peer != self.identity.peer_id and not self._closed:
+                task = asyncio.create_task(one(peer), name=f"nudge-{topic}")
+                self._background.add(task)
+                task.add_done_callback(self._background.discard)
 
     def set_stage_acceptor(self, acceptor: StageAcceptor | None) -> None:
         """Accept chain streams with `acceptor` (it checks who calls); None refuses them all."""
@@ -322,6 +346,9 @@ class SwarmNode:
             self.traffic["sent", "probe"] += await serve_probe_down(
                 stream, message["bytes"], message["seconds"], self.limits.probe_s
             )
+        elif message.type == "nudge":
+            self._nudged(peer, message["about"], message["round"])
+            await stream.send(encode_reply("ack"))
         elif message.type in ("payload", "state"):
             if message.type == "payload":
                 data = self._payloads(message["round"], message["shard"], message["replica"])
@@ -363,6 +390,8 @@ class SwarmNode:
         if self._closed:
             return
         self._closed = True
+        for task in list(self._background):
+            task.cancel()
         if self.dht is not None:
             try:
                 await asyncio.wait_for(self.dht.shutdown(), 5.0)

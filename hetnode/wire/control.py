@@ -1,4 +1,5 @@
-"""Control messages between daemons (ping, info, bandwidth probe) and the frame header they travel in.
+"""Control messages between daemons (ping, info, bandwidth probe, payload and state fetches, nudges) and the
+frame header they travel in.
 
 A frame is a 4-byte big-endian length and that many bytes; a control message is one msgpack map
 `{"type": str, "v": int, ...}`. Decoding treats the bytes as hostile: the length is checked against the
@@ -47,7 +48,10 @@ _REQUESTS: dict[str, _Schema] = {
     "probe_down": {"bytes": (int, 1), "seconds": (float, 0.0)},
     "payload": {"round": (int, 0), "shard": (str, None), "replica": (str, None)},
     "state": {"round": (int, 0), "shard": (str, None)},
+    # "look now": an announcement (to a sealer) or a seal (to replicas) of `round` is in the DHT
+    "nudge": {"round": (int, 0), "about": (str, None)},
 }
+NUDGE_TOPICS = ("announce", "seal")
 _REPLIES: dict[str, _Schema] = {
     "pong": {"time": (float, None)},
     "info": {
@@ -60,6 +64,7 @@ _REPLIES: dict[str, _Schema] = {
     "probe_ready": {"bytes": (int, 0)},
     "probe_result": {"bytes": (int, 0), "seconds": (float, 0.0)},
     "payload_ready": {"bytes": (int, 0)},  # then one frame of that many bytes
+    "ack": {},
     "error": {"code": (str, None), "message": (str, None)},
 }
 
@@ -94,6 +99,8 @@ def decode_request(data: bytes, max_probe_bytes: int) -> ControlMessage:
     message = _decode(data, _REQUESTS)
     if message.type in ("probe_up", "probe_down") and message["bytes"] > max_probe_bytes:
         raise WireError("bytes", f"probe of {message['bytes']} bytes exceeds the limit of {max_probe_bytes}")
+    if message.type == "nudge" and message["about"] not in NUDGE_TOPICS:
+        raise WireError("about", f"expected one of {NUDGE_TOPICS}, got {message['about']!r:.40}")
     return message
 
 

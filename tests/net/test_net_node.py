@@ -209,3 +209,32 @@ def test_rate_limiter_refills_with_time():
     assert limiter.allow("b")  # per peer
     now[0] += 30.0
     assert limiter.allow("a") and not limiter.allow("a")
+
+
+def test_a_nudge_reaches_the_handler_and_a_dead_peer_costs_nothing():
+    async def scenario():
+        async with swarm(2) as (a, b):
+            heard: asyncio.Queue = asyncio.Queue()
+            b.set_nudge_handler(lambda peer, topic, round_: heard.put_nowait((peer, topic, round_)))
+            gone = ephemeral_identity().peer_id  # nobody listens for this one
+            a.nudge([b.identity.peer_id, gone, a.identity.peer_id], "seal", 4)  # returns at once
+            assert await asyncio.wait_for(heard.get(), 10) == (a.identity.peer_id, "seal", 4)
+            assert heard.empty()  # not sent to ourselves
+
+    loop.run(scenario())
+
+
+def test_sleep_or_wake_returns_on_the_first_of_wake_stop_or_timeout():
+    from hetnode.daemon.lifecycle import sleep_or_wake
+
+    async def scenario():
+        stop, wake = asyncio.Event(), asyncio.Event()
+        started = time.monotonic()
+        wake.set()
+        assert await sleep_or_wake(stop, wake, 30) is False and not wake.is_set()
+        assert await sleep_or_wake(stop, wake, 0.05) is False
+        stop.set()
+        assert await sleep_or_wake(stop, wake, 30) is True
+        assert time.monotonic() - started < 10
+
+    loop.run(scenario())

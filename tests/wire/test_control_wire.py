@@ -29,6 +29,8 @@ def test_requests_and_replies_round_trip():
     assert (probe.type, probe["bytes"], probe["seconds"]) == ("probe_down", 1000, 2.0)
     info = decode_reply(encode_reply("info", run="r", protocol=1, coordinator="Qm", role="anchor", name="a"))
     assert info["role"] == "anchor"
+    nudge = decode_request(encode_request("nudge", round=7, about="seal"), MAX_PROBE)
+    assert (nudge.type, nudge["round"], nudge["about"]) == ("nudge", 7, "seal")
 
 
 def _packed(**fields):
@@ -52,6 +54,8 @@ def _packed(**fields):
         (_packed(type="probe_down", v=1, bytes=10, seconds=float("nan")), "seconds"),
         (_packed(type="probe_down", v=1, bytes=10, seconds=-1.0), "seconds"),
         (b"\x00" * (MAX_CONTROL_BYTES + 1), "message"),
+        (_packed(type="nudge", v=1, round=3, about="shutdown"), "about"),
+        (_packed(type="nudge", v=1, round=-1, about="seal"), "round"),
     ],
 )
 def test_hostile_requests_are_refused_with_the_field(data, field):
