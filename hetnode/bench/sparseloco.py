@@ -20,6 +20,7 @@ from tqdm import tqdm  # noqa: E402
 
 from hetnode.config import Config, replace  # noqa: E402
 from hetnode.data import TokenDataset  # noqa: E402
+from hetnode.errors import ConfigError
 from hetnode.model import count_parameters  # noqa: E402
 from hetnode.sim.simulation import ReplicaSimulation, RoundStats, Swarm, SyncMethod  # noqa: E402
 
@@ -47,11 +48,20 @@ def default_methods(h: int = 30) -> tuple[SyncMethod, ...]:
     )
 
 
-def plan_for(quick: bool, steps: int | None = None) -> BenchPlan:
-    """--quick: tiny, R=2; full: small, R=4. `steps` (a multiple of 150 so every H divides it) overrides."""
+def plan_for(quick: bool, steps: int | None = None, only: tuple[str, ...] = ()) -> BenchPlan:
+    """--quick: tiny, R=2; full: small, R=4. `steps` (a multiple of 150 so every H divides it) overrides;
+    `only` keeps the named methods (a long run of two methods costs what a short run of all seven does)."""
+    methods = default_methods()
+    if only:
+        unknown = sorted(set(only) - {m.name for m in methods})
+        if unknown:
+            raise ConfigError(
+                "--methods", "methods", f"unknown {unknown}; choose from {[m.name for m in methods]}"
+            )
+        methods = tuple(m for m in methods if m.name in only)
     if quick:
-        return BenchPlan(replicas=2, steps=steps or 150, batch_size=8, methods=default_methods())
-    return BenchPlan(replicas=4, steps=steps or 150, batch_size=4, methods=default_methods())
+        return BenchPlan(replicas=2, steps=steps or 150, batch_size=8, methods=methods)
+    return BenchPlan(replicas=4, steps=steps or 150, batch_size=4, methods=methods)
 
 
 def run_benchmark(config: Config, plan: BenchPlan, out_dir: Path, progress: bool = True) -> dict:

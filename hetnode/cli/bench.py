@@ -23,6 +23,11 @@ def register(commands: argparse._SubParsersAction) -> None:
     )
     sparse.add_argument("--out", type=Path, default=Path("benchmarks/results"), help="output folder")
     sparse.add_argument("--steps", type=int, default=None, help="inner steps per replica (multiple of 150)")
+    sparse.add_argument(
+        "--methods",
+        default="",
+        help="comma-separated subset, e.g. diloco-H30,sparseloco-k64-H30 (default: all)",
+    )
     sparse.add_argument("--no-progress", action="store_true")
     sparse.set_defaults(handler=run_sparseloco)
     network = benches.add_parser(
@@ -74,7 +79,8 @@ def run_network(args: argparse.Namespace) -> int:
 
 
 def run_sparseloco(args: argparse.Namespace) -> int:
-    plan = sparseloco.plan_for(args.quick, args.steps)
+    only = tuple(name.strip() for name in args.methods.split(",") if name.strip())
+    plan = sparseloco.plan_for(args.quick, args.steps, only)
     report = sparseloco.run_benchmark(_config(args), plan, args.out, progress=not args.no_progress)
     header = ("method", "eval loss", "bytes/round", "total bytes", "vs fp32", "codec/inner")
     print("{:<22} {:>9} {:>12} {:>12} {:>8} {:>11}".format(*header))

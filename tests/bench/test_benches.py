@@ -51,3 +51,14 @@ def test_staleness_bench_records_delays(tiny_config: Config, tmp_path: Path):
             run = report["runs"][f"P{depth}-{optimizer}"]
             assert run["max_delay"] == min(depth - 1, plan.steps - 1)
             assert [step for step, _ in run["curve"]] == [0, 2, 4]
+
+
+def test_sparseloco_plan_keeps_only_the_named_methods():
+    from hetnode.bench.sparseloco import plan_for
+    from hetnode.errors import ConfigError
+
+    plan = plan_for(True, 300, ("diloco-H30", "sparseloco-k64-H30"))
+    assert [m.name for m in plan.methods] == ["diloco-H30", "sparseloco-k64-H30"] and plan.steps == 300
+    assert len(plan_for(True).methods) == 7
+    with pytest.raises(ConfigError, match="unknown"):
+        plan_for(True, None, ("sparseloco-k999",))
