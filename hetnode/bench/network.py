@@ -268,6 +268,24 @@ def _ratio(a: float | None, b: float | None) -> float | None:
     return a / b if a is not None and b else None
 
 
+def critical_sync_s(logs: dict[str, list[dict]]) -> list[float]:
+    """Per stage and round: from the round's last announcement (of any replica in the seal) to this stage
+    having applied the round: what the sync adds to a round once every replica is ready. Waiting for a
+    slower replica's training (part of `seal_wait_s`) is left out. Uses each record's `time` (made just
+    before announcing)."""
+    announced: dict[int, float] = {}
+    for records in logs.values():
+        for r in records:
+            if r["included"] and "time" in r:
+                announced[r["round"]] = max(announced.get(r["round"], 0.0), r["time"])
+    return [
+        r["time"] + r["seal_wait_s"] + r["apply_s"] - announced[r["round"]]
+        for s in STAGES
+        for r in logs.get(s, [])
+        if r["included"] and "time" in r
+    ]
+
+
 def summarise_swarm(run: dict[str, Any], plan: NetworkPlan) -> dict[str, Any]:
     """Per swarm run: the chain's tokens/s, and what a sync round cost an anchor and a slow stage."""
     logs, history = run["round_logs"], run["history"]
@@ -285,6 +303,8 @@ def summarise_swarm(run: dict[str, Any], plan: NetworkPlan) -> dict[str, Any]:
     stage_sync = [r for s in STAGES for r in logs[s] if r["included"]]
     limits = [(r["upload_bytes"] + r["download_bytes"]) / rate_bytes_per_s for r in stage_sync]
     sync_s = [r["seal_wait_s"] + r["apply_s"] for r in stage_sync]
+    critical = critical_sync_s(logs)
+    limit = _median(limits)
     apply_limits = [r["download_bytes"] / rate_bytes_per_s for r in stage_sync]
     anchor_logs = [r for a in ANCHORS for r in logs.get(a, [])]
     seal_times = [e["time"] for e in history]
@@ -304,6 +324,8 @@ def summarise_swarm(run: dict[str, Any], plan: NetworkPlan) -> dict[str, Any]:
             "apply_s": _median([r["apply_s"] for r in stage_sync]),
             "physical_limit_s": _median(limits),
             "sync_over_limit": _median([s / lim for s, lim in zip(sync_s, limits, strict=True) if lim > 0]),
+            "critical_sync_s": _median(critical),
+            "critical_over_limit": _ratio(_median(critical), limit),
             "apply_over_limit": _median(
                 [r["apply_s"] / lim for r, lim in zip(stage_sync, apply_limits, strict=True) if lim > 0]
             ),
@@ -356,11 +378,14 @@ def summarise(
         "swarms": swarms,
         "allreduce_fp16": allreduce_summary,
         "targets": {
-            "round_time_over_physical_limit": sync["sync_over_limit"],
+            "round_time_over_physical_limit": sync["critical_over_limit"],
+            "announce_to_applied_over_physical_limit": sync["sync_over_limit"],
             "allreduce_bytes_over_sparseloco": _ratio(
                 allreduce_summary["wire_bytes_slow_peer"], sparse_bytes
             ),
-            "allreduce_seconds_over_sparseloco": _ratio(allreduce_summary["seconds"], sync["sync_s"]),
+            "allreduce_seconds_over_sparseloco": _ratio(
+                allreduce_summary["seconds"], sync["critical_sync_s"]
+            ),
             "compressed_chain_speedup": _ratio(compressed["chain_tokens_per_s"], plain["chain_tokens_per_s"]),
             "compressed_chain_speedup_alone": _ratio(
                 alone["chain_tokens_per_s"], alone_plain["chain_tokens_per_s"]

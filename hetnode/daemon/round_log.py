@@ -26,7 +26,7 @@ class RoundRecord:
     activation_bytes_received: int = 0
     steps: int = 0  # inner steps (a stage: micro-batches) in the round
     loss: float | None = None  # training loss at the end of the round (a stage: only the last one has it)
-    time: float = field(default_factory=time.time)
+    time: float = field(default_factory=time.time)  # when the record was made: just before announcing
 
     @property
     def tokens_per_s(self) -> float:

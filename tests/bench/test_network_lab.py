@@ -12,7 +12,7 @@ import time
 import pytest
 
 from hetnode.bench.netlab import NetLab, parse_net_dev
-from hetnode.bench.network import NetworkPlan, summarise_swarm
+from hetnode.bench.network import NetworkPlan, critical_sync_s, summarise_swarm
 
 NEEDS_ROOT = pytest.mark.skipif(
     os.geteuid() != 0 or not shutil.which("ip") or not shutil.which("tc"),
@@ -77,6 +77,25 @@ def test_swarm_summary_ratios_follow_their_definitions():
     assert summary["stage_sync"]["physical_limit_s"] == pytest.approx(limit)
     assert summary["stage_sync"]["sync_over_limit"] == pytest.approx(0.5 / limit)  # included rounds only
     assert summary["wire_bytes_per_round"]["coordinator"] == 200
+
+
+def test_critical_sync_starts_at_the_last_announcement_of_the_round():
+    def log(round_, announced, wait, apply, included=True):
+        return {
+            "round": round_,
+            "time": announced,
+            "seal_wait_s": wait,
+            "apply_s": apply,
+            "included": included,
+        }
+
+    logs = {
+        "anchor-1": [log(1, 100.0, 3.0, 0.2)],  # announced last: the seal could not come before 103 - 0.0
+        "anchor-2": [log(1, 90.0, 1.0, 0.1, included=False)],  # not in the seal: does not count
+        "stage-1": [log(1, 95.0, 8.5, 0.4)],  # waited 8.5 s, most of it for anchor-1's training
+        "stage-2": [log(1, 96.0, 7.5, 0.3), log(2, 110.0, 1.0, 0.2, included=False)],
+    }
+    assert critical_sync_s(logs) == pytest.approx([3.9, 3.8])
 
 
 @pytest.mark.slow
