@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import shutil
 import statistics
 import subprocess
@@ -28,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 import matplotlib
+import torch
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
@@ -48,6 +50,9 @@ ANCHORS = ("anchor-1", "anchor-2")
 STAGES = ("stage-1", "stage-2")
 # One machine: the DHT answers in milliseconds, so boundaries can be short; heartbeats stay a few seconds
 # apart so that the control plane's bytes (records, polls) stay small next to a round's payloads.
+# the daemon-overhead run: the anchor on core 0 (as `hetnode train` is measured), the coordinator on core 1,
+# as on two machines: its evaluation after each round then takes nothing from the anchor's training
+SOLO_CORES = {"anchor-1": "0", "coordinator": "1"}
 LAB_TIMINGS = {"heartbeat_s": 2.0, "record_ttl_s": 8.0, "boundary_s": 4.0, "confirm_s": 2.0}
 
 
@@ -85,12 +90,17 @@ def run_benchmark(config: Config, plan: NetworkPlan, out_dir: Path, progress: bo
             _say(progress, f"{what}; chain compression {mode!r} on {plan.slow_mbit:g} Mbit/s links")
             mode_config = replace(config, "pipeline", compression=mode)
             runs[name] = run_swarm(mode_config, plan, work / name, progress, anchors=ANCHORS[:anchors])
-    _say(progress, "coordinator and one anchor alone: the daemon's overhead against hetnode train")
+    _say(
+        progress, "coordinator and one anchor alone, each on a core of its own, against hetnode train on one"
+    )
     solo_config = replace(config, "pipeline", compression="selective")
-    runs["anchor-alone"] = run_swarm(solo_config, plan, work / "anchor-alone", progress, ANCHORS[:1], ())
+    runs["anchor-alone"] = run_swarm(
+        solo_config, plan, work / "anchor-alone", progress, ANCHORS[:1], (), pin=SOLO_CORES
+    )
+    local_one_core = measure_local_tokens_per_s(config, plan.inner_steps, cores={0})
     _say(progress, "hivemind DecentralizedAverager (fp16) over the same links")
     allreduce = run_allreduce(config, plan, work / "allreduce")
-    report = summarise(config, plan, runs, allreduce, local_tokens_per_s)
+    report = summarise(config, plan, runs, allreduce, local_tokens_per_s, local_one_core)
     (out_dir / "network.json").write_text(json.dumps(report, indent=2))
     plot_network(report, out_dir / "network.png")
     return report
@@ -104,8 +114,18 @@ def _say(progress: bool, text: str) -> None:
 # --- the pieces ---------------------------------------------------------------------------------------
 
 
-def measure_local_tokens_per_s(config: Config, steps: int) -> float:
-    """tokens/s of the local trainer's inner loop (a short warm-up, then 3 x `steps` timed steps)."""
+def measure_local_tokens_per_s(config: Config, steps: int, cores: set[int] | None = None) -> float:
+    """tokens/s of the local trainer's inner loop (a short warm-up, then 3 x `steps` timed steps), on
+    `cores` only when given (the process's CPU affinity is restored afterwards)."""
+    if cores is not None:  # one torch thread per core: more threads than cores spin against each other
+        before, threads = os.sched_getaffinity(0), torch.get_num_threads()
+        os.sched_setaffinity(0, cores)
+        torch.set_num_threads(len(cores))
+        try:
+            return measure_local_tokens_per_s(config, steps)
+        finally:
+            os.sched_setaffinity(0, before)
+            torch.set_num_threads(threads)
     dataset = TokenDataset.build(config.data, config.model.vocab_size, config.run.seed)
     trainer = InnerTrainer(config, build_model(config.model, seed=config.run.seed), dataset)
     for _ in range(max(2, steps // 3)):
@@ -114,6 +134,11 @@ def measure_local_tokens_per_s(config: Config, steps: int) -> float:
     for _ in range(3 * steps):  # three rounds' worth: a short window is noisy on a shared machine
         trainer.train_step()
     return (trainer.tokens - tokens) / (time.perf_counter() - started)
+
+
+def _pinned(name: str, pin: dict[str, str] | None) -> list[str]:
+    """Pin a process to one core (`taskset`) with one torch thread; nothing for a process not in `pin`."""
+    return ["env", "OMP_NUM_THREADS=1", "taskset", "-c", pin[name]] if pin and name in pin else []
 
 
 def lab_rates(
@@ -129,6 +154,7 @@ def run_swarm(
     progress: bool,
     anchors: tuple[str, ...] = ANCHORS,
     stages: tuple[str, ...] = STAGES,
+    pin: dict[str, str] | None = None,
 ) -> dict[str, Any]:
     """Coordinator + `anchors` + a chain of `stages` in the lab until `chain_rounds` rounds included the
     chain (without a chain: the first anchor).
@@ -147,7 +173,7 @@ def run_swarm(
                 [*HETNODE, "bootstrap", "--config", str(config_path)]
                 + ["--listen", f"/ip4/{coordinator.address}/tcp/0", "--data-dir", str(work / "coordinator")],
                 work / "coordinator.log",
-                coordinator.prefix,
+                coordinator.prefix + _pinned("coordinator", pin),
             )
             processes.append(boot)
             boot.wait_ready()
@@ -160,7 +186,7 @@ def run_swarm(
                         [*HETNODE, "join", "--peer", boot.maddr, "--name", name, "--bandwidth", declared]
                         + ["--listen", f"/ip4/{host.address}/tcp/0", "--data-dir", str(work / name)],
                         work / f"{name}.log",
-                        host.prefix,
+                        host.prefix + _pinned(name, pin),
                     )
                 )
             ids = {p.name: p.wait_ready()["peer_id"] for p in processes[1:]}
@@ -349,6 +375,7 @@ def summarise(
     runs: dict[str, dict[str, Any]],
     allreduce: dict[str, Any],
     local_tokens_per_s: float,
+    local_one_core_tokens_per_s: float | None = None,
 ) -> dict[str, Any]:
     solo = runs["anchor-alone"]["round_logs"][ANCHORS[0]]
     solo_tokens_per_s = _median([r["tokens_per_s"] for r in solo])
@@ -375,6 +402,7 @@ def summarise(
         "plan": asdict(plan),
         "local_tokens_per_s": local_tokens_per_s,
         "anchor_alone_tokens_per_s": solo_tokens_per_s,
+        "local_one_core_tokens_per_s": local_one_core_tokens_per_s,
         "swarms": swarms,
         "allreduce_fp16": allreduce_summary,
         "targets": {
@@ -393,7 +421,7 @@ def summarise(
             "anchor_over_local_tokens_per_s": _ratio(
                 compressed["anchor"]["tokens_per_s"], local_tokens_per_s
             ),
-            "anchor_alone_over_local_tokens_per_s": _ratio(solo_tokens_per_s, local_tokens_per_s),
+            "anchor_alone_over_local_tokens_per_s": _ratio(solo_tokens_per_s, local_one_core_tokens_per_s),
         },
     }
 
@@ -427,11 +455,18 @@ def plot_network(report: dict[str, Any], path: Path) -> None:
             "chain k\n(alone)",
             "chain d\n(alone)",
             "anchor\n(swarm)",
-            "anchor\n(alone)",
-            "train\n(alone)",
+            "train\n(2 cores)",
+            "anchor\n(1 core)",
+            "train\n(1 core)",
         ],
-        [*chain, anchor, report["anchor_alone_tokens_per_s"] or 0, report["local_tokens_per_s"]],
-        color=["tab:green", "tab:orange", "tab:green", "tab:orange", "tab:blue", "tab:blue", "tab:gray"],
+        [
+            *chain,
+            anchor,
+            report["local_tokens_per_s"],
+            report["anchor_alone_tokens_per_s"] or 0,
+            report["local_one_core_tokens_per_s"] or 0,
+        ],
+        color=["tab:green", "tab:orange", "tab:green", "tab:orange"] + ["tab:blue", "tab:gray"] * 2,
     )
     axes[2].tick_params(axis="x", labelsize=8)
     axes[2].set_title("training tokens/s")
