@@ -17,45 +17,11 @@ from pathlib import Path
 import pytest
 
 from hetnode.config import dump_config, load_config, replace
+from hetnode.demo.swarm import alive, descendants, process_name
 
 ROOT = Path(__file__).resolve().parents[2]
 LOOPBACK = "/ip4/127.0.0.1/tcp/0"
 HETNODE = [sys.executable, "-m", "hetnode.cli.main"]
-
-
-def descendants(pid: int) -> list[int]:
-    """All processes below `pid` (from /proc), e.g. a daemon's p2pd."""
-    children: dict[int, list[int]] = {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-        except OSError:
-            continue
-        ppid = int(stat.rsplit(")", 1)[1].split()[1])
-        children.setdefault(ppid, []).append(int(entry.name))
-    found, todo = [], [pid]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            found.append(child)
-            todo.append(child)
-    return found
-
-
-def process_name(pid: int) -> str | None:
-    try:
-        return Path(f"/proc/{pid}/comm").read_text().strip()
-    except OSError:
-        return None
-
-
-def alive(pid: int) -> bool:
-    name = process_name(pid)
-    if name is None:
-        return False
-    state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    return state != "Z"
 
 
 class Daemon:
