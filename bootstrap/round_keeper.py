@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from bootstrap.ledger import Contribution, Ledger
-from bootstrap.swarm_metrics import SwarmMetrics
+from bootstrap.swarm_metrics import REPLICA_ROLES, SwarmMetrics
 from hetnode.config import Config
 from hetnode.daemon.datadir import DataDir
 from hetnode.daemon.lifecycle import sleep_or_stop, sleep_or_wake
@@ -43,7 +43,6 @@ POLL_S = 0.5  # announcements are also nudged to us: this is the fallback and th
 CHECKPOINT = "global.pt"
 HISTORY = "rounds.jsonl"
 HISTORY_KEPT = 500  # rounds kept in memory for the status page
-REPLICAS = ("anchor", "stage")
 
 
 def read_history(data_dir: Path) -> list[dict[str, Any]]:
@@ -77,7 +76,6 @@ class RoundKeeper:
         self.ledger = ledger  # credit for sealed contributions only (DESIGN §3.5)
         self.metrics = metrics
         self.history: deque[dict[str, Any]] = deque(read_history(data_dir.path), maxlen=HISTORY_KEPT)
-        self.eval_loss: float | None = self.history[-1]["eval_loss"] if self.history else None
         self.global_model = GlobalModel(config)
         self.sealer = Sealer(config, node, self.global_model)
         self.view = RecentView(node, config, max_age_s=config.network.heartbeat_s)
@@ -222,7 +220,7 @@ class RoundKeeper:
             "layer_digests": digests,
             "time": time.time(),
             "payload_bytes": {
-                role: sum(c.bytes_sent for c in credits if c.role == role) for role in REPLICAS
+                role: sum(c.bytes_sent for c in credits if c.role == role) for role in REPLICA_ROLES
             },
             "dense_bytes": sum(self.global_model.dense_bytes(p) for _, p in sealed.contributions),
         }
@@ -267,7 +265,11 @@ class RoundKeeper:
         with open(self.data_dir.path / HISTORY, "a") as history:
             history.write(json.dumps(entry) + "\n")
         self.history.append(entry)
-        self.eval_loss = entry["eval_loss"]
+
+    @property
+    def eval_loss(self) -> float | None:
+        """Of the global θ after the newest round in the history."""
+        return self.history[-1]["eval_loss"] if self.history else None
 
     # --- evaluation and checkpoints -----------------------------------------------------------------
 

@@ -5,7 +5,7 @@ ledger (per-peer labels live only here)."""
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import Any
 
 from prometheus_client import Counter, Gauge
@@ -83,7 +83,3 @@ class SwarmMetrics:
         if math.isfinite(eval_loss):
             self.eval_loss.set(eval_loss)
         self.round_seconds.observe(seconds)
-
-
-def live_chain_count(chains: Sequence[Any]) -> int:
-    return sum(1 for chain in chains if getattr(chain, "live", False))
