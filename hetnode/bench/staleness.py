@@ -43,14 +43,17 @@ def plan_for(
     steps: int | None = None,
     depths: tuple[int, ...] = DEPTHS,
     optimizers: tuple[str, ...] = OPTIMIZERS,
+    eval_every: int | None = None,
 ) -> StalenessPlan:
     if "adamw" not in optimizers or not set(optimizers) <= set(OPTIMIZERS) or not set(depths) <= set(DEPTHS):
         raise ValueError(
             f"optimizers must include adamw (the baseline) and come from {OPTIMIZERS}; depths from {DEPTHS}"
         )
-    if quick:
-        return StalenessPlan(150 if steps is None else steps, 8, 15, depths=depths, optimizers=optimizers)
-    return StalenessPlan(300 if steps is None else steps, 4, 20, depths=depths, optimizers=optimizers)
+    if eval_every is not None and eval_every < 1:
+        raise ValueError(f"eval_every must be >= 1, got {eval_every}")
+    steps = steps if steps is not None else (150 if quick else 300)
+    every = eval_every or (15 if quick else 20)
+    return StalenessPlan(steps, 8 if quick else 4, every, depths=depths, optimizers=optimizers)
 
 
 def run_staleness(config: Config, plan: StalenessPlan, out_dir: Path, progress: bool = True) -> dict:

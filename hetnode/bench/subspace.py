@@ -20,6 +20,7 @@ from tqdm import tqdm  # noqa: E402
 
 from hetnode.config import Config, replace  # noqa: E402
 from hetnode.data import TokenDataset  # noqa: E402
+from hetnode.errors import ConfigError  # noqa: E402
 from hetnode.model import count_parameters  # noqa: E402
 from hetnode.sim.replicas import ChainReplica  # noqa: E402
 from hetnode.sim.simulation import ReplicaSimulation, Swarm, SyncMethod  # noqa: E402
@@ -36,12 +37,23 @@ class SubspacePlan:
     anchors: int = 2
     chains: int = 2
     chain_stages: int = 2
+    runs: tuple[str, ...] = ()  # empty: every run
 
 
-def plan_for(quick: bool, steps: int | None = None) -> SubspacePlan:
+def run_names() -> tuple[str, ...]:
+    """Every run of the bench, in the order it runs them."""
+    return ("replicas", "mixed-dense", *(f"{mode}-{ratio}x" for mode in MODES for ratio in RATIOS))
+
+
+def plan_for(quick: bool, steps: int | None = None, only: tuple[str, ...] = ()) -> SubspacePlan:
+    """--quick: tiny, batch 8; full: small, batch 4. `only` picks a subset of `run_names()`."""
+    unknown = sorted(set(only) - set(run_names()))
+    if unknown:
+        raise ConfigError("--runs", "runs", f"unknown {unknown}; choose from {list(run_names())}")
+    runs = only or run_names()
     if quick:
-        return SubspacePlan(steps=steps or 60, inner_steps=15, batch_size=8)
-    return SubspacePlan(steps=steps or 60, inner_steps=15, batch_size=4)
+        return SubspacePlan(steps=steps or 60, inner_steps=15, batch_size=8, runs=runs)
+    return SubspacePlan(steps=steps or 60, inner_steps=15, batch_size=4, runs=runs)
 
 
 def rank_for(d_model: int, ratio: int) -> int:
@@ -64,6 +76,8 @@ def run_subspace(config: Config, plan: SubspacePlan, out_dir: Path, progress: bo
         for ratio in RATIOS:
             swarm = Swarm(plan.anchors, plan.chains, plan.chain_stages, mode)
             cases.append((f"{mode}-{ratio}x", swarm, rank_for(d, ratio)))
+    if plan.runs:
+        cases = [case for case in cases if case[0] in plan.runs]
     results: dict[str, dict] = {}
     rounds = plan.steps // plan.inner_steps
     with tqdm(total=len(cases) * rounds, desc="subspace bench", unit="round", disable=not progress) as bar:
@@ -110,15 +124,17 @@ def _summarise(sim: ReplicaSimulation, swarm: Swarm, rank: int | None, d: int, f
 def plot_subspace(report: dict, path: Path) -> None:
     fig, ax = plt.subplots(figsize=(8, 5))
     runs = report["runs"]
-    for mode in MODES:
-        xs = [runs[f"{mode}-{r}x"]["compression_ratio"] for r in RATIOS]
-        ax.plot(xs, [runs[f"{mode}-{r}x"]["final_eval_loss"] for r in RATIOS], "o-", label=mode)
-    ax.axhline(
-        runs["replicas"]["final_eval_loss"], color="gray", ls="--", label="4 full replicas (no chains)"
-    )
-    ax.axhline(
-        runs["mixed-dense"]["final_eval_loss"], color="black", ls=":", label="mixed, dense bf16 boundaries"
-    )
+    for mode in MODES:  # a subset run (--runs) plots what it has
+        names = [f"{mode}-{r}x" for r in RATIOS if f"{mode}-{r}x" in runs]
+        if names:
+            xs = [runs[n]["compression_ratio"] for n in names]
+            ax.plot(xs, [runs[n]["final_eval_loss"] for n in names], "o-", label=mode)
+    for name, style, label in (
+        ("replicas", ("gray", "--"), "4 full replicas (no chains)"),
+        ("mixed-dense", ("black", ":"), "mixed, dense bf16 boundaries"),
+    ):
+        if name in runs:
+            ax.axhline(runs[name]["final_eval_loss"], color=style[0], ls=style[1], label=label)
     ax.set_xscale("log", base=2)
     ax.set_xlabel("activation compression d/(k+1)")
     ax.set_ylabel("final eval loss")

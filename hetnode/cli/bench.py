@@ -53,6 +53,18 @@ def register(commands: argparse._SubParsersAction) -> None:
         if name == "staleness":
             bench.add_argument("--depths", default="1,2,4,8", help="comma-separated subset of 1,2,4,8")
             bench.add_argument("--optimizers", default="adamw,nadam,rotated_adamw", help="must include adamw")
+            bench.add_argument(
+                "--eval-every",
+                type=int,
+                default=None,
+                help="updates between evals (default 15 quick, 20 full)",
+            )
+        else:
+            bench.add_argument(
+                "--runs",
+                default="",
+                help="comma-separated subset, e.g. replicas,selective-16x (default: all)",
+            )
 
 
 def _config(args: argparse.Namespace):
@@ -96,7 +108,8 @@ def run_sparseloco(args: argparse.Namespace) -> int:
 
 
 def run_subspace(args: argparse.Namespace) -> int:
-    plan = subspace.plan_for(args.quick, args.steps)
+    only = tuple(name.strip() for name in args.runs.split(",") if name.strip())
+    plan = subspace.plan_for(args.quick, args.steps, only)
     report = subspace.run_subspace(_config(args), plan, args.out, progress=not args.no_progress)
     print(
         "{:<16} {:>6} {:>9} {:>12} {:>11}".format("run", "ratio", "eval loss", "act B/tok/bd", "projection")
@@ -115,7 +128,7 @@ def run_staleness(args: argparse.Namespace) -> int:
     depths = tuple(int(d) for d in args.depths.split(","))
     optimizers = tuple(o.strip() for o in args.optimizers.split(","))
     try:
-        plan = staleness.plan_for(args.quick, args.steps, depths, optimizers)
+        plan = staleness.plan_for(args.quick, args.steps, depths, optimizers, args.eval_every)
     except ValueError as exc:
         raise ConfigError("--depths/--optimizers", "bench staleness", str(exc)) from None
     report = staleness.run_staleness(_config(args), plan, args.out, progress=not args.no_progress)

@@ -62,3 +62,28 @@ def test_sparseloco_plan_keeps_only_the_named_methods():
     assert len(plan_for(True).methods) == 7
     with pytest.raises(ConfigError, match="unknown"):
         plan_for(True, None, ("sparseloco-k999",))
+
+
+def test_subspace_subset_runs_and_plots_only_what_was_asked(tiny_config: Config, tmp_path: Path):
+    plan = subspace.plan_for(True, 4, ("replicas", "selective-16x"))
+    plan = subspace.SubspacePlan(steps=4, inner_steps=4, batch_size=2, runs=plan.runs)
+    report = subspace.run_subspace(tiny_config, plan, tmp_path, progress=False)
+    assert report["runs"].keys() == {"replicas", "selective-16x"}
+    assert 0 < report["runs"]["selective-16x"]["projection_overhead"] < 0.5
+    assert (tmp_path / "subspace.png").stat().st_size > 1000
+    assert len(subspace.plan_for(False).runs) == len(subspace.run_names()) == 12
+
+
+def test_subspace_plan_rejects_unknown_runs():
+    from hetnode.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="unknown"):
+        subspace.plan_for(False, None, ("selective-5x",))
+
+
+def test_staleness_plan_eval_resolution():
+    assert staleness.plan_for(False).eval_every == 20
+    assert staleness.plan_for(True).eval_every == 15
+    assert staleness.plan_for(False, 160, (8,), ("adamw",), eval_every=10).eval_every == 10
+    with pytest.raises(ValueError, match="eval_every"):
+        staleness.plan_for(False, eval_every=0)
