@@ -144,23 +144,30 @@ def summarise_targets(
 
 
 def plot_staleness(report: dict, path: Path) -> None:
-    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
+    """Updates to the async baseline's loss and final loss against P, and the eval curves at the deepest P."""
+    fig, (left, middle, right) = plt.subplots(1, 3, figsize=(17, 4.5))
     depths = report.get("depths", DEPTHS)
+    deepest = max(depths)
     for optimizer in report.get("optimizers", OPTIMIZERS):
         its = [report["runs"][f"P{p}-{optimizer}"]["iterations_to_async_adamw"] for p in depths]
         xs = [p for p, i in zip(depths, its, strict=True) if i is not None]
         left.plot(xs, [i for i in its if i is not None], "o-", label=optimizer)
         finals = [report["runs"][f"P{p}-{optimizer}"]["final_eval_loss"] for p in depths]
-        right.plot(depths, finals, "o-", label=optimizer)
+        middle.plot(depths, finals, "o-", label=optimizer)
+        curve = report["runs"][f"P{deepest}-{optimizer}"]["curve"]
+        right.plot([step for step, _ in curve], [loss for _, loss in curve], ".-", label=optimizer)
     left.set_xscale("log", base=2)
     left.set_xlabel("pipeline stages P (max delay P−1)")
     left.set_ylabel("updates to reach async AdamW's final loss")
     left.set_title("iterations to the same loss (missing = not reached)")
-    right.set_xscale("log", base=2)
-    right.set_xlabel("pipeline stages P")
-    right.set_ylabel("final eval loss")
-    right.set_title(f"{report['config']}, {report['n_layers']} layers, {report['steps']} updates")
-    for ax in (left, right):
+    middle.set_xscale("log", base=2)
+    middle.set_xlabel("pipeline stages P")
+    middle.set_ylabel("final eval loss")
+    middle.set_title(f"{report['config']}, {report['n_layers']} layers, {report['steps']} updates")
+    right.set_xlabel("updates")
+    right.set_ylabel("eval loss")
+    right.set_title(f"eval loss at P = {deepest}")
+    for ax in (left, middle, right):
         ax.grid(alpha=0.3)
         ax.legend()
     fig.tight_layout()
