@@ -3,11 +3,13 @@ summary computes its ratios from round logs the way BENCHMARKS.md says."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -144,3 +146,15 @@ def test_a_shaped_lab_link_moves_bytes_at_its_rate():
             ["ip", "netns", "list"], capture_output=True, text=True
         ).stdout.splitlines()
     )
+
+
+def test_baseline_rounds_with_a_wrong_result_are_not_timed(tmp_path: Path):
+    from hetnode.bench.network import ok_allreduce_rounds
+
+    result = tmp_path / "stage-1.json"
+    good = {"round": 0, "seconds": 16.6, "ok": True}
+    result.write_text(json.dumps({"rounds": [good, {"round": 1, "seconds": 21.0, "ok": False}]}))
+    assert ok_allreduce_rounds(result) == [good]
+    result.write_text("{not json")
+    assert ok_allreduce_rounds(result) == []
+    assert ok_allreduce_rounds(tmp_path / "missing.json") == []
