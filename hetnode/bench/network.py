@@ -400,6 +400,8 @@ def summarise(
         "theory_bytes_per_peer": peers[STAGES[0]]["theory_bytes_per_peer"],
         "all_ok": all(r["ok"] for p in peers.values() for r in p["rounds"]),
         "ok_rounds_slow_peers": len(slow),
+        # attempts the peers agreed to repeat (hivemind stalled or came back off the mean); all peers agree
+        "repeated_attempts": sum(len(r.get("failed_attempts", [])) for r in peers[STAGES[0]]["rounds"]),
     }
     compressed, plain = swarms["selective"], swarms["none"]
     alone, alone_plain = swarms["chain-only-selective"], swarms["chain-only-none"]

@@ -6,7 +6,9 @@ Each copy of this module is one peer (its own host or its own network namespace)
 group every round. Per round it records the wall time of the averaging step (matchmaking included, and
 matchmaking on its own), the bytes the named interface sent and received during the step, and whether
 the tensors came back as the mean over the group (every peer's values are a known function of
-(seed, index, round), so each peer can recompute the exact mean on its own).
+(seed, index, round), so each peer can recompute the exact mean on its own). hivemind's all-reduce now and
+then stalls or returns a partial mean on a loaded machine; the peers then agree (through the DHT) to run
+the round again, up to `--attempts` times, and every failed attempt is kept in the report.
 
     python -m hetnode.net.allreduce_baseline --index 0 --group-size 3 --numel 1000000 --rounds 3 --out a.json
     python -m hetnode.net.allreduce_baseline --index 1 --group-size 3 ... --initial-peer /ip4/.../p2p/Qm...
@@ -58,6 +60,8 @@ class RoundResult:
     ok: bool = False
     error: str | None = None
     peer_indexes: list[int] = field(default_factory=list)
+    attempt: int = 0
+    failed_attempts: list[str] = field(default_factory=list)
 
 
 def tensor_sizes(numel: int) -> list[int]:
@@ -104,27 +108,31 @@ def read_interface_bytes(interface: str) -> tuple[int, int]:
     raise ValueError(f"interface {interface!r} is not in /proc/net/dev")
 
 
-def barrier(dht: DHT, name: str, index: int, count: int, timeout: float) -> None:
-    """Wait until all `count` peers have reached the barrier called `name`.
+def barrier(
+    dht: DHT, name: str, index: int, count: int, timeout: float, value: bool = True
+) -> dict[int, bool]:
+    """Wait until all `count` peers have reached the barrier called `name`; returns each peer's `value`.
 
     Before each round: without it, a peer's round would be timed from when it arrived, including the
-    time it waited for a slower peer to start up or to finish the previous round. After the last round:
-    a peer's step returns once its own results are in, possibly before its reducer has streamed the
-    last results to slower peers; shutting down then would cut those streams (the slower peer keeps
-    its own values for the missing parts, and hivemind only logs a warning).
+    time it waited for a slower peer to start up or to finish the previous round. After each attempt:
+    the values say whether every peer got the right mean, so all of them retry or go on together.
+    After the last round: a peer's step returns once its own results are in, possibly before its
+    reducer has streamed the last results to slower peers; shutting down then would cut those streams
+    (the slower peer keeps its own values for the missing parts, and hivemind only logs a warning).
     """
     key = f"{PREFIX}_barrier_{name}"
     deadline = time.monotonic() + timeout
-    arrived: dict[Any, Any] = {}
+    arrived: dict[int, bool] = {}
     while True:
         if index not in arrived:
             # (re)announce until we see ourselves: a store that reached no replica must not hang everyone.
             # The entry outlives the slowest peer's wait; a fresh DHT per benchmark run has no stale keys.
-            dht.store(key, True, get_dht_time() + timeout + 60, subkey=index)
+            dht.store(key, value, get_dht_time() + timeout + 60, subkey=index)
         found = dht.get(key, latest=True)
-        arrived = found.value if found is not None and isinstance(found.value, dict) else {}
+        entries = found.value if found is not None and isinstance(found.value, dict) else {}
+        arrived = {int(peer): bool(entry.value) for peer, entry in entries.items()}
         if len(arrived) >= count:
-            return
+            return arrived
         if time.monotonic() > deadline:
             raise TimeoutError(f"{len(arrived)} of {count} peers reached the barrier in {timeout:.0f}s")
         time.sleep(BARRIER_POLL_S)
@@ -135,15 +143,16 @@ def run_round(
     args: argparse.Namespace,
     sizes: Sequence[int],
     round_no: int,
+    attempt: int = 0,
 ) -> RoundResult:
     """One timed averaging step on fresh values, then the check against the exact mean."""
-    result = RoundResult(round=round_no)
+    result = RoundResult(round=round_no, attempt=attempt)
     with averager.get_tensors() as tensors:
         # in place: the averager process sees these tensors through shared memory
         for tensor, values in zip(tensors, peer_values(sizes, args.seed, args.index, round_no), strict=True):
             tensor.copy_(values)
     try:
-        barrier(averager.dht, f"round{round_no}", args.index, args.count, args.barrier_timeout)
+        barrier(averager.dht, f"round{round_no}.{attempt}", args.index, args.count, args.barrier_timeout)
     except TimeoutError as e:
         result.error = str(e)
         return result
@@ -190,6 +199,42 @@ def run_round(
     return result
 
 
+def run_agreed_round(
+    averager: DecentralizedAverager, args: argparse.Namespace, sizes: Sequence[int], round_no: int
+) -> RoundResult:
+    """Run round `round_no` until every peer got the right mean, at most `args.attempts` times.
+
+    All peers must retry together (a peer that retries alone finds no group), so after each attempt
+    they post whether theirs was right and read everyone's answer. The result of the last attempt is
+    returned, with the errors of the failed ones before it.
+    """
+    failed: list[str] = []
+    for attempt in range(args.attempts):
+        result = run_round(averager, args, sizes, round_no, attempt)
+        result.failed_attempts = list(failed)
+        try:
+            outcomes = barrier(
+                averager.dht,
+                f"round{round_no}.{attempt}.outcome",
+                args.index,
+                args.count,
+                args.barrier_timeout,
+                value=result.ok,
+            )
+        except TimeoutError as e:  # a peer is gone: no retry can form the group again
+            result.ok = False
+            result.error = result.error or f"after the step: {e}"
+            return result
+        if all(outcomes.values()):
+            return result  # a peer with a wrong mean makes everyone retry, so this one's ok is final
+        wrong = sorted(peer for peer, ok in outcomes.items() if not ok)
+        result.ok = False
+        result.error = result.error or f"peers {wrong} got a wrong or no result"
+        failed.append(f"attempt {attempt}: {result.error}")
+        print(f"round {round_no} attempt {attempt} failed: {result.error}", file=sys.stderr, flush=True)
+    return result
+
+
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         prog="python -m hetnode.net.allreduce_baseline",
@@ -204,6 +249,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--numel", type=int, required=True, help="fp32 elements to average")
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument(
+        "--attempts", type=int, default=2, help="tries per round when a peer's step fails or comes back wrong"
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--interface", help="interface whose /proc/net/dev byte counters to report per round")
     parser.add_argument("--out", type=Path, required=True, help="JSON result file")
@@ -241,6 +289,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         parser.error(f"--numel must be at least {MIN_NUMEL}")
     if args.rounds < 1:
         parser.error("--rounds must be at least 1")
+    if args.attempts < 1:
+        parser.error("--attempts must be at least 1")
     if not args.request_timeout < args.matchmaking_time < args.timeout:
         # hivemind asserts that the scheduled time fits in the step timeout, and warns of deadlocks when
         # request_timeout >= min_matchmaking_time
@@ -296,11 +346,11 @@ def run(args: argparse.Namespace, report: dict[str, Any]) -> None:
         print("READY " + " ".join(maddrs), flush=True)
 
         for round_no in range(args.rounds):
-            result = run_round(averager, args, sizes, round_no)
+            result = run_agreed_round(averager, args, sizes, round_no)
             report["rounds"].append(asdict(result))
             print(f"round {round_no}: {json.dumps(asdict(result))}", file=sys.stderr, flush=True)
-            if result.error is not None and result.seconds is None:
-                break  # the step itself failed: the peers are out of step, later rounds cannot pair up
+            if not result.ok:
+                break  # every attempt failed: the peers may be out of step, later rounds cannot pair up
         else:
             try:
                 barrier(dht, "done", args.index, args.count, args.barrier_timeout)
