@@ -61,6 +61,16 @@ def rank_for(d_model: int, ratio: int) -> int:
     return max(1, round(d_model / ratio) - 1)
 
 
+def run_case(name: str, plan: SubspacePlan, d_model: int) -> tuple[Swarm, int | None]:
+    """The swarm and subspace rank a run of `run_names()` stands for (rank None: no projection)."""
+    if name == "replicas":
+        return Swarm(anchors=plan.anchors + plan.chains), None
+    if name == "mixed-dense":
+        return Swarm(plan.anchors, plan.chains, plan.chain_stages, "none"), None
+    mode, _, ratio = name.rpartition("-")  # "selective-16x"
+    return Swarm(plan.anchors, plan.chains, plan.chain_stages, mode), rank_for(d_model, int(ratio[:-1]))
+
+
 def run_subspace(config: Config, plan: SubspacePlan, out_dir: Path, progress: bool = True) -> dict:
     out_dir.mkdir(parents=True, exist_ok=True)
     config = replace(config, "data", batch_size=plan.batch_size)
@@ -68,16 +78,8 @@ def run_subspace(config: Config, plan: SubspacePlan, out_dir: Path, progress: bo
     dataset = TokenDataset.build(config.data, config.model.vocab_size, seed=config.run.seed)
     method = SyncMethod("sparseloco", "sparseloco", inner_steps=plan.inner_steps, topk=config.outer.topk)
     d = config.model.d_model
-    cases: list[tuple[str, Swarm, int | None]] = [
-        ("replicas", Swarm(anchors=plan.anchors + plan.chains), None),
-        ("mixed-dense", Swarm(plan.anchors, plan.chains, plan.chain_stages, "none"), None),
-    ]
-    for mode in MODES:
-        for ratio in RATIOS:
-            swarm = Swarm(plan.anchors, plan.chains, plan.chain_stages, mode)
-            cases.append((f"{mode}-{ratio}x", swarm, rank_for(d, ratio)))
-    if plan.runs:
-        cases = [case for case in cases if case[0] in plan.runs]
+    names = [name for name in run_names() if not plan.runs or name in plan.runs]
+    cases = [(name, *run_case(name, plan, d)) for name in names]
     results: dict[str, dict] = {}
     rounds = plan.steps // plan.inner_steps
     with tqdm(total=len(cases) * rounds, desc="subspace bench", unit="round", disable=not progress) as bar:

@@ -125,9 +125,11 @@ def run_subspace(args: argparse.Namespace) -> int:
 
 
 def run_staleness(args: argparse.Namespace) -> int:
-    depths = tuple(int(d) for d in args.depths.split(","))
-    optimizers = tuple(o.strip() for o in args.optimizers.split(","))
+    if args.eval_every is not None and args.eval_every < 1:
+        raise ConfigError("--eval-every", "bench staleness", f"must be at least 1, got {args.eval_every}")
     try:
+        depths = tuple(int(d) for d in args.depths.split(","))
+        optimizers = tuple(o.strip() for o in args.optimizers.split(","))
         plan = staleness.plan_for(args.quick, args.steps, depths, optimizers, args.eval_every)
     except ValueError as exc:
         raise ConfigError("--depths/--optimizers", "bench staleness", str(exc)) from None

@@ -87,3 +87,30 @@ def test_staleness_plan_eval_resolution():
     assert staleness.plan_for(False, 160, (8,), ("adamw",), eval_every=10).eval_every == 10
     with pytest.raises(ValueError, match="eval_every"):
         staleness.plan_for(False, eval_every=0)
+
+
+@pytest.mark.parametrize(
+    ("flags", "named"),
+    [
+        (["--eval-every", "0"], "--eval-every"),
+        (["--depths", "two"], "--depths"),
+        (["--depths", "3"], "--depths"),
+    ],
+)
+def test_staleness_cli_names_the_bad_flag(flags, named, tmp_path, capsys):
+    from hetnode.cli.main import EXIT_USAGE, main
+
+    assert main(["bench", "staleness", "--out", str(tmp_path), *flags]) == EXIT_USAGE
+    error = capsys.readouterr().err
+    assert named in error and "Traceback" not in error
+    assert not (tmp_path / "staleness.json").exists()
+
+
+def test_every_subspace_run_name_maps_to_its_swarm():
+    plan = subspace.plan_for(True, 30)
+    for name in subspace.run_names():
+        subspace.run_case(name, plan, 256)  # each name the bench offers can be built
+    swarm, rank = subspace.run_case("everything-16x", plan, 256)
+    assert swarm.mode == "everything" and rank == subspace.rank_for(256, 16)
+    swarm, rank = subspace.run_case("replicas", plan, 256)
+    assert swarm.anchors == plan.anchors + plan.chains and rank is None
