@@ -359,6 +359,7 @@ def summarise_swarm(run: dict[str, Any], plan: NetworkPlan) -> dict[str, Any]:
             "download_bytes": _median([r["download_bytes"] for r in stage_sync]),
             "sync_s": _median(sync_s),
             "apply_s": _median([r["apply_s"] for r in stage_sync]),
+            "fetch_s": _median([r.get("fetch_s", 0.0) for r in stage_sync]),
             "physical_limit_s": _median(limits),
             "sync_over_limit": _median([s / lim for s, lim in zip(sync_s, limits, strict=True) if lim > 0]),
             "critical_sync_s": _median(critical),

@@ -32,7 +32,6 @@ log = logging.getLogger(__name__)
 
 ANNOUNCE_TTL_S = 300.0
 POLL_S = 1.0  # seals are nudged to us: polling is the fallback (a lost nudge, a stand-in sealer)
-FETCH_CONCURRENCY = 8  # sealed payloads fetched at once (one stream each)
 
 
 class RoundFailed(HetnodeError):
@@ -86,7 +85,7 @@ class RoundParticipant:
         self.sealer = Sealer(config, node, global_model, self.own_payload)
         self.view = RecentView(node, config, max_age_s=config.network.heartbeat_s)
         self.last_seal_wait_s = 0.0  # of the last wait_for_seal
-        self.last_apply = (0.0, 0)  # (seconds, bytes fetched) of the last apply
+        self.last_apply = (0.0, 0, 0.0)  # (seconds, bytes fetched, seconds fetching) of the last apply
         node.set_payloads(self.serve_payload)
         node.set_state(self.serve_state)
         self._sealed = asyncio.Event()  # the sealer nudged us: a seal is in the DHT
@@ -137,12 +136,13 @@ class RoundParticipant:
             # Left out of the seal: what we sent never reached θ, so it goes back into error feedback.
             restore_unsent()
             log.info("round %d sealed without us: our payload is kept in error feedback", round_)
-        apply_s, fetched = self.last_apply
+        apply_s, fetched, fetch_s = self.last_apply
         synced = dataclasses.replace(
             record,
             download_bytes=fetched,
             seal_wait_s=round(self.last_seal_wait_s, 3),
             apply_s=round(apply_s, 3),
+            fetch_s=round(fetch_s, 3),
             included=included,
         )
         append_round(self.data_dir, synced)
@@ -212,40 +212,37 @@ class RoundParticipant:
             )
         max_bytes = int(self.config.network.max_frame_mb * 2**20)
         started = time.monotonic()
-        streams = asyncio.Semaphore(FETCH_CONCURRENCY)
-
-        async def fetch(peer: str, shard: str, digest: str) -> tuple[bytes, int]:
-            """One sealed payload and the bytes it cost to get it (0: we had it)."""
-            here = peer == self.peer_id or sealer == self.peer_id  # our payload, or a round we sealed
-            data, cost = (self.serve_payload(round_, shard, peer) if here else None), 0
-            if data is None:
-                try:
-                    async with streams:
-                        data = await self.node.fetch_payload(sealer, round_, shard, peer, max_bytes)
-                except PeerRequestError as exc:
-                    raise RoundFailed(f"cannot fetch {peer[-8:]}'s shard {shard}: {exc}") from None
-                cost = len(data)
-            if sha256_hex(data) != digest:
-                raise RoundFailed(f"{peer[-8:]}'s shard {shard} does not match the sealed digest")
-            return data, cost
-
         wanted = [
             (c["peer"], shard, digest) for c in seal["contributions"] for shard, digest in c["shards"].items()
         ]
-        results = await asyncio.gather(*(fetch(*item) for item in wanted), return_exceptions=True)
-        failures = [r for r in results if isinstance(r, BaseException)]
-        if failures:
-            raise failures[0]
+        # our own payloads, or all of a round we sealed, are here; the rest come from the sealer
+        local = {
+            (peer, shard): data
+            for peer, shard, _ in wanted
+            if (peer == self.peer_id or sealer == self.peer_id)
+            and (data := self.serve_payload(round_, shard, peer)) is not None
+        }
+        remote = [(shard, peer) for peer, shard, _ in wanted if (peer, shard) not in local]
+        fetched, fetch_s = 0, 0.0
+        if remote:
+            try:
+                payloads = await self.node.fetch_payloads(sealer, round_, remote, max_bytes)
+            except PeerRequestError as exc:
+                raise RoundFailed(f"cannot fetch round {round_}'s payloads from the sealer: {exc}") from None
+            fetched, fetch_s = sum(len(data) for data in payloads), time.monotonic() - started
+            local.update({(peer, shard): data for (shard, peer), data in zip(remote, payloads, strict=True)})
         by_peer: dict[str, dict[str, bytes]] = {}
-        for (peer, shard, _), (data, _) in zip(wanted, results, strict=True):
+        for peer, shard, digest in wanted:
+            data = local[(peer, shard)]
+            if sha256_hex(data) != digest:
+                raise RoundFailed(f"{peer[-8:]}'s shard {shard} does not match the sealed digest")
             by_peer.setdefault(peer, {})[shard] = data
-        fetched = sum(cost for _, cost in results)
         contributions = list(by_peer.items())
         try:
             await asyncio.to_thread(self.global_model.apply, round_, contributions)
         except WireError as exc:
             raise RoundFailed(f"a sealed payload is invalid: {exc}") from None
-        self.last_apply = (time.monotonic() - started, fetched)
+        self.last_apply = (time.monotonic() - started, fetched, fetch_s)
         log.info(
             "round %d applied: %d contributions, digest %s",
             round_,

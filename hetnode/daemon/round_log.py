@@ -21,6 +21,7 @@ class RoundRecord:
     download_bytes: int = 0  # sealed payloads we fetched to apply the round
     seal_wait_s: float = 0.0  # from our announcement to seeing the seal
     apply_s: float = 0.0  # fetching, checking and applying the sealed payloads
+    fetch_s: float = 0.0  # of apply_s: fetching the sealed payloads we did not hold
     included: bool = True  # our payload is in the seal
     activation_bytes_sent: int = 0  # a stage: frames it sent to its neighbours
     activation_bytes_received: int = 0

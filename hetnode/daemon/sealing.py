@@ -7,6 +7,9 @@ author that cannot be reached (it left mid-round) is excluded too, but only held
 interval. A seal lists only payloads every replica can apply, so nobody drops a contribution on its own,
 and it never lists none: a round in which nothing valid arrived stays open. The sealer keeps the validated
 payloads and serves them to every replica.
+
+Each announcement is fetched and checked as soon as the sealer sees it (one stream per author), so the
+seal waits only for the last authors' payloads; a re-announcement (a restarted replica) replaces it.
 """
 
 from __future__ import annotations
@@ -60,6 +63,9 @@ class Sealer:
         # expected replicas the last seal went without: their late announcements still teach the deadline
         self._late: tuple[int, float, set[str]] = (-1, 0.0, set())
         self.banned: dict[str, float] = {}
+        # fetch-and-check of each announcement, started when it is first seen: by the time the round is
+        # sealed only the last announcers' payloads are still on their way
+        self._checks: dict[tuple[int, str], tuple[Announcement, asyncio.Task]] = {}
         n = config.network
         self.deadline = ArrivalDeadline(
             floor_s=max(1.0, n.heartbeat_s), ceiling_s=max(30.0, 10 * n.boundary_s)
@@ -79,11 +85,44 @@ class Sealer:
             if value.get("round") == late_round and peer in late_missing:
                 late_missing.discard(peer)  # it came, too late: wait this long next time
                 self.deadline.observe(now - late_first)
-            if value.get("round") != round_ or peer in seen:
+            if value.get("round") != round_:
                 continue
+            if peer in seen:
+                if dict(value["shards"]) == dict(seen[peer].shards):
+                    continue
+                # it restarted and trained the round again: the new payload replaces the old one
+                log.info("round %d: peer %s re-announced; checking its new payload", round_, peer)
             seen[peer] = Announcement(
                 peer, round_, dict(value["shards"]), value["tokens"], now, value.get("steps", 0)
             )
+            self._start_check(seen[peer])
+        for key in [key for key in self._checks if key[0] < round_]:  # rounds gone by
+            self._checks.pop(key)[1].cancel()
+
+    def checking(self) -> int:
+        """Announcements whose payloads are still being fetched and checked."""
+        return sum(not task.done() for _, task in self._checks.values())
+
+    def _start_check(self, announcement: Announcement) -> asyncio.Task:
+        key = (announcement.round, announcement.peer_id)
+        if key in self._checks:
+            self._checks.pop(key)[1].cancel()  # an earlier announcement of this peer, dropped since
+        task = asyncio.create_task(self._fetch_and_check(announcement), name=f"check-{key}")
+        # seal() reads the outcome; a check nobody reads (a round gone by) must not log "never retrieved"
+        task.add_done_callback(lambda done: done.cancelled() or done.exception())
+        self._checks[key] = (announcement, task)
+        return task
+
+    def _check_of(self, announcement: Announcement) -> asyncio.Task:
+        """The check started for this very announcement, or a new one; the seal consumes it."""
+        key = (announcement.round, announcement.peer_id)
+        started = self._checks.get(key)
+        if started is None or started[0] != announcement:
+            return self._start_check(announcement)
+        task = started[1]
+        if task.done() and not task.cancelled() and isinstance(task.exception(), PeerRequestError):
+            return self._start_check(announcement)  # unreachable then, perhaps not now: as if not prefetched
+        return task
 
     def waiting_for(self, expected: set[str]) -> set[str]:
         """The expected replicas a seal still waits for: banned ones are not waited for."""
@@ -109,7 +148,11 @@ class Sealer:
         good: list[tuple[Announcement, dict[str, bytes], list[DecodedPayload]]] = []
         excluded = []
         order = sealed_order(seen.values())
-        checked = await asyncio.gather(*(self._fetch_and_check(a) for a in order), return_exceptions=True)
+        checks = [self._check_of(a) for a in order]
+        checked = await asyncio.gather(*checks, return_exceptions=True)
+        # used up: a peer dropped from `seen` below is fetched afresh when it is seen again
+        for announcement in order:
+            self._checks.pop((announcement.round, announcement.peer_id), None)
         for announcement, outcome in zip(order, checked, strict=True):
             peer = announcement.peer_id
             try:
@@ -175,16 +218,16 @@ class Sealer:
         max_bytes = int(self.config.network.max_frame_mb * 2**20)
         if not announcement.shards or not set(announcement.shards) <= set(self.global_model.shards):
             raise WireError("shards", f"announced shards {sorted(announcement.shards)} are not the model's")
-        own = announcement.peer_id == self.node.identity.peer_id
+        peer, shards = announcement.peer_id, list(announcement.shards)
+        if peer == self.node.identity.peer_id:
+            found = [self.own_payload(announcement.round, shard) for shard in shards]
+        else:
+            found = await self.node.fetch_payloads(
+                peer, announcement.round, [(shard, peer) for shard in shards], max_bytes
+            )
         payloads = {}
-        for shard, digest in announcement.shards.items():
-            if own:
-                data = self.own_payload(announcement.round, shard)
-            else:
-                data = await self.node.fetch_payload(
-                    announcement.peer_id, announcement.round, shard, announcement.peer_id, max_bytes
-                )
-            if data is None or sha256_hex(data) != digest:
+        for shard, data in zip(shards, found, strict=True):
+            if data is None or sha256_hex(data) != announcement.shards[shard]:
                 raise WireError(f"shards.{shard}", "payload differs from its announced sha256")
             payloads[shard] = data
         decoded = await asyncio.to_thread(

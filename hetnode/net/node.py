@@ -32,6 +32,7 @@ from hetnode.net.probe import (
 )
 from hetnode.net.records import record_key, run_schema_validator
 from hetnode.net.streams import (
+    REQUEST_TIMEOUT_S,
     OpenStream,
     PeerRequestError,
     RateLimiter,
@@ -41,7 +42,13 @@ from hetnode.net.streams import (
     request,
     write_frame,
 )
-from hetnode.wire.control import ControlMessage, decode_request, encode_reply, encode_request
+from hetnode.wire.control import (
+    MAX_CONTROL_BYTES,
+    ControlMessage,
+    decode_request,
+    encode_reply,
+    encode_request,
+)
 
 log = logging.getLogger(__name__)
 
@@ -80,6 +87,8 @@ StateProvider = Callable[[int, str], bytes | None]
 # (peer, reader, writer): runs for the stream's life; the stream closes when it returns
 NudgeHandler = Callable[[str, str, int], None]  # (peer, topic, round): look at the DHT now
 NUDGE_TIMEOUT_S = 3.0
+PAYLOAD_TIMEOUT_S = 60.0  # one payload frame: megabytes over a slow link
+MAX_PAYLOADS_PER_STREAM = 256  # pipelined payload requests one stream may carry
 StageAcceptor = Callable[[str, asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
 
 
@@ -216,10 +225,37 @@ class SwarmNode:
             writer.close()
 
     async def fetch_payload(self, peer: str, round_: int, shard: str, replica: str, max_bytes: int) -> bytes:
-        request = encode_request("payload", round=round_, shard=shard, replica=replica)
-        data = await self._fetch(peer, request, max_bytes)
-        self.traffic["received", "sync"] += len(data)
-        return data
+        return (await self.fetch_payloads(peer, round_, [(shard, replica)], max_bytes))[0]
+
+    async def fetch_payloads(
+        self, peer: str, round_: int, wanted: Sequence[tuple[str, str]], max_bytes: int
+    ) -> list[bytes]:
+        """The sync payloads `wanted` ((shard, replica) pairs) of `round_` held by `peer`, in that order.
+
+        One stream for all of them (up to MAX_PAYLOADS_PER_STREAM), requests pipelined: a stream set-up per
+        payload would cost more than a small payload's transfer, and count against the peer's rate limit.
+        Any payload the peer lacks fails the whole fetch."""
+        payloads: list[bytes] = []
+        for start in range(0, len(wanted), MAX_PAYLOADS_PER_STREAM):
+            batch = wanted[start : start + MAX_PAYLOADS_PER_STREAM]
+            stream = await open_stream(self.p2p, peer, CONTROL_HANDLER)
+
+            async def send_requests(stream: OpenStream = stream, batch: Sequence = batch) -> None:
+                for shard, replica in batch:
+                    await stream.send(encode_request("payload", round=round_, shard=shard, replica=replica))
+
+            # requests go out while replies come in: written first, many requests could fill the
+            # buffers while the peer blocks writing a payload nobody reads yet
+            sender = asyncio.create_task(send_requests())
+            try:
+                payloads += [await self._receive_payload(stream, max_bytes) for _ in batch]
+                await sender
+            finally:
+                sender.cancel()
+                await asyncio.gather(sender, return_exceptions=True)  # its error, if any, is the reply's
+                stream.close()
+        self.traffic["received", "sync"] += sum(len(data) for data in payloads)
+        return payloads
 
     async def fetch_state(self, peer: str, round_: int, shard: str, max_bytes: int) -> bytes:
         data = await self._fetch(peer, encode_request("state", round=round_, shard=shard), max_bytes)
@@ -230,15 +266,20 @@ class SwarmNode:
         stream = await open_stream(self.p2p, peer, CONTROL_HANDLER)
         try:
             await stream.send(message)
-            ready = await stream.receive()
-            if ready.type != "payload_ready" or ready["bytes"] > max_bytes:
-                raise PeerRequestError(peer, f"unexpected payload reply {ready.type} of {ready.fields}")
-            try:
-                return await read_frame(stream.reader, max_bytes, timeout=60.0)
-            except (TimeoutError, asyncio.IncompleteReadError, WireError) as exc:
-                raise PeerRequestError(peer, f"payload transfer failed: {exc!r}") from None
+            return await self._receive_payload(stream, max_bytes)
         finally:
             stream.close()
+
+    @staticmethod
+    async def _receive_payload(stream: OpenStream, max_bytes: int) -> bytes:
+        """A `payload_ready` reply and the frame it announces."""
+        ready = await stream.receive()
+        if ready.type != "payload_ready" or ready["bytes"] > max_bytes:
+            raise PeerRequestError(stream.peer, f"unexpected payload reply {ready.type} of {ready.fields}")
+        try:
+            return await read_frame(stream.reader, max_bytes, timeout=PAYLOAD_TIMEOUT_S)
+        except (TimeoutError, asyncio.IncompleteReadError, WireError) as exc:
+            raise PeerRequestError(stream.peer, f"payload transfer failed: {exc!r}") from None
 
     async def join_dht(
         self,
@@ -349,17 +390,39 @@ class SwarmNode:
         elif message.type == "nudge":
             self._nudged(peer, message["about"], message["round"])
             await stream.send(encode_reply("ack"))
-        elif message.type in ("payload", "state"):
-            if message.type == "payload":
-                data = self._payloads(message["round"], message["shard"], message["replica"])
-            else:
-                data = self._state(message["round"], message["shard"])
+        elif message.type == "payload":
+            await self._serve_payloads(message, stream)
+        elif message.type == "state":
+            data = self._state(message["round"], message["shard"])
             if data is None:
-                what = f"{message.type} for round {message['round']} shard {message['shard']!r}"
-                raise WireError("round", f"no {what} here")
+                raise WireError("round", f"no state for round {message['round']} shard {message['shard']!r}")
             await stream.send(encode_reply("payload_ready", bytes=len(data)))
-            await write_frame(writer, data, timeout=60.0)
-            self.traffic["sent", "sync" if message.type == "payload" else "state"] += len(data)
+            await write_frame(writer, data, timeout=PAYLOAD_TIMEOUT_S)
+            self.traffic["sent", "state"] += len(data)
+
+    async def _serve_payloads(self, message: ControlMessage, stream: OpenStream) -> None:
+        """Serve `message` and every further payload request on the stream, until the peer closes it."""
+        for served in range(1, MAX_PAYLOADS_PER_STREAM + 1):
+            data = self._payloads(message["round"], message["shard"], message["replica"])
+            if data is None:
+                what = f"payload for round {message['round']} shard {message['shard']!r}"
+                raise WireError("round", f"no {what} of {message['replica'][-8:]} here")
+            await stream.send(encode_reply("payload_ready", bytes=len(data)))
+            await write_frame(stream.writer, data, timeout=PAYLOAD_TIMEOUT_S)
+            self.traffic["sent", "sync"] += len(data)
+            if served == MAX_PAYLOADS_PER_STREAM:
+                return
+            try:
+                following = await read_frame(stream.reader, MAX_CONTROL_BYTES, REQUEST_TIMEOUT_S)
+            except asyncio.IncompleteReadError as exc:
+                if not exc.partial:
+                    return  # the peer closed the stream: it has all it asked for
+                raise
+            message = decode_request(following, self.limits.probe_bytes)
+            if message.type != "payload":
+                raise WireError(
+                    "type", f"only payload requests may follow a payload request, not {message.type}"
+                )
 
     async def ping(self, peer: str) -> float:
         """Round-trip time in ms of one control request (stream set-up included)."""

@@ -12,6 +12,7 @@ from hetnode.data.dataset import TokenDataset
 from hetnode.net import loop
 from hetnode.net.identity import ephemeral_identity
 from hetnode.net.node import NodeLimits, SwarmNode
+from hetnode.planning.rounds import Announcement
 
 pytestmark = pytest.mark.slow
 
@@ -42,7 +43,7 @@ async def start_nodes(count: int, run: str) -> list[SwarmNode]:
 
 async def announce(
     node: SwarmNode, config, dataset, model: GlobalModel, lie: bool = False, warmup: int = 0
-) -> None:
+) -> Announcement:
     """Train round 0 as `node`'s replica (after `warmup` earlier rounds, for a different payload), serve
     the payload and announce its digests (or wrong ones)."""
     peer = node.identity.peer_id
@@ -54,6 +55,7 @@ async def announce(
     digests = {shard: sha256_hex((b"x" if lie else b"") + data) for shard, data in payloads.items()}
     record = {"round": 0, "shards": digests, "tokens": 100, "steps": 1}
     assert await node.store_own("announce", record, ttl_s=60.0)
+    return Announcement(peer, 0, digests, 100, time.monotonic(), 1)
 
 
 async def collect_all(sealer: Sealer, want: int) -> dict:
@@ -74,9 +76,9 @@ def test_a_seal_holds_the_valid_reachable_authors_and_bans_only_the_invalid(conf
             model = GlobalModel(config)
             for node in (honest, gone, liar):
                 await announce(node, config, dataset, model, lie=node is liar)
+            await gone.shutdown()  # it left mid-round, after announcing
             sealer = Sealer(config, sealer_node, model)
             seen = await collect_all(sealer, 3)
-            await gone.shutdown()  # it left mid-round, after announcing
             sealed = await sealer.seal(0, seen)
             now = time.monotonic()
             assert sealed is not None
@@ -101,9 +103,9 @@ def test_a_round_with_nothing_valid_is_not_sealed_and_stays_open(config, dataset
             model = GlobalModel(config)
             for node in (gone, liar):
                 await announce(node, config, dataset, model, lie=node is liar)
+            await gone.shutdown()
             sealer = Sealer(config, sealer_node, model)
             seen = await collect_all(sealer, 2)
-            await gone.shutdown()
             assert await sealer.seal(0, seen) is None  # an empty seal would move every replica's round
             assert seen == {}  # the round stays open for whoever announces next
             assert not (await sealer_node.read_field("seal"))
@@ -120,17 +122,49 @@ def test_a_peer_that_re_announced_while_being_fetched_is_retried_not_banned(conf
         sealer_node, restarted = nodes
         try:
             model = GlobalModel(config)
-            await announce(restarted, config, dataset, model)
+            before = await announce(restarted, config, dataset, model)
+            await announce(restarted, config, dataset, model, warmup=1)  # restarted: a new payload
             sealer = Sealer(config, sealer_node, model)
-            seen = await collect_all(sealer, 1)
-            await announce(
-                restarted, config, dataset, model, warmup=1
-            )  # restarted: a new payload, same round
-            assert await sealer.seal(0, seen) is None
+            # the sealer still holds the first announcement when it fetches: the payload differs from it
+            assert await sealer.seal(0, {before.peer_id: before}) is None
             assert sealer.banned[restarted.identity.peer_id] - time.monotonic() < RETRY_S
             await asyncio.sleep(sealer.banned[restarted.identity.peer_id] - time.monotonic())
             sealed = await sealer.seal(0, await collect_all(sealer, 1))
             assert sealed is not None and sealed.contributions[0][0] == restarted.identity.peer_id
+        finally:
+            for node in reversed(nodes):
+                await node.shutdown()
+
+    loop.run(scenario())
+
+
+def test_payloads_are_checked_as_announced_and_a_re_announcement_replaces_the_check(config, dataset):
+    async def scenario():
+        nodes = await start_nodes(3, config.run.name)
+        sealer_node, early, restarted = nodes
+        try:
+            model = GlobalModel(config)
+            early_announcement = await announce(early, config, dataset, model)
+            first = await announce(restarted, config, dataset, model)
+            sealer = Sealer(config, sealer_node, model)
+            seen = await collect_all(sealer, 2)
+            # fetched and decoded as soon as seen: gone by the time the round is sealed, still in it
+            deadline = time.monotonic() + 20
+            while sealer.checking() and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
+            await early.shutdown()
+            second = await announce(restarted, config, dataset, model, warmup=1)
+            assert second.shards != first.shards
+            while seen[restarted.identity.peer_id].shards != second.shards and time.monotonic() < deadline:
+                await sealer.collect(0, seen)
+                await asyncio.sleep(0.1)
+            sealed = await sealer.seal(0, seen)
+            assert sealed is not None and not sealed.excluded
+            by_peer = {c["peer"]: c["shards"] for c in sealed.record["contributions"]}
+            assert by_peer == {
+                early.identity.peer_id: early_announcement.shards,
+                restarted.identity.peer_id: second.shards,
+            }
         finally:
             for node in reversed(nodes):
                 await node.shutdown()

@@ -238,3 +238,52 @@ def test_sleep_or_wake_returns_on_the_first_of_wake_stop_or_timeout():
         assert time.monotonic() - started < 10
 
     loop.run(scenario())
+
+
+def test_many_payloads_come_over_one_pipelined_stream_and_a_missing_one_fails_the_fetch():
+    from hetnode.net.node import MAX_PAYLOADS_PER_STREAM
+
+    # more than one stream's worth, some large: replies must flow while requests are still going out
+    sizes = {f"s{i}": (3 * 2**20 if i % 97 == 0 else 200 + i) for i in range(MAX_PAYLOADS_PER_STREAM + 5)}
+    held = {(5, shard, "r"): os.urandom(size) for shard, size in sizes.items()}
+
+    async def scenario():
+        async with swarm(2, limits=NodeLimits(4 * 2**20, 3.0, requests_per_min=3)) as (server, client):
+            server.set_payloads(lambda round_, shard, replica: held.get((round_, shard, replica)))
+            peer = server.identity.peer_id
+            wanted = [(shard, "r") for shard in sizes]
+            got = await client.fetch_payloads(peer, 5, wanted, max_bytes=4 * 2**20)
+            assert got == [held[(5, shard, "r")] for shard in sizes]  # every one, in the asked order
+            assert client.traffic["received", "sync"] == sum(sizes.values())
+            # two streams for 261 payloads, under a limit of 3 requests a minute: one more stream is left
+            with pytest.raises(PeerRequestError, match="no payload for round 5 shard 'gone'"):
+                await client.fetch_payloads(peer, 5, [("s1", "r"), ("gone", "r"), ("s2", "r")], 4 * 2**20)
+
+    loop.run(scenario())
+
+
+def test_only_payload_requests_may_follow_a_payload_request():
+    from hetnode.wire.control import encode_request
+
+    async def scenario():
+        async with swarm(2) as (server, client):
+            server.set_payloads(lambda round_, shard, replica: b"x" * 10)
+            requests = encode_request("payload", round=1, shard="a", replica="r")
+            requests = frame_header(len(requests)) + requests
+            probe = encode_request("probe_up", bytes=1024)
+            _, reader, writer = await client.p2p.call_binary_stream_handler(
+                server.p2p.peer_id, CONTROL_HANDLER
+            )
+            try:
+                writer.write(requests + frame_header(len(probe)) + probe)
+                await writer.drain()
+                replies = [await read_frame(reader, 2**16, timeout=15.0) for _ in range(3)]
+            finally:
+                writer.close()
+            # the payload is served, then the probe is refused with a reason
+            assert decode_reply(replies[0]).type == "payload_ready" and replies[1] == b"x" * 10
+            refusal = decode_reply(replies[2])
+            assert refusal.type == "error" and "only payload requests" in refusal["message"]
+            assert await client.ping(server.identity.peer_id) > 0
+
+    loop.run(scenario())

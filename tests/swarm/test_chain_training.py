@@ -58,6 +58,8 @@ def test_an_anchor_and_a_chain_of_two_train_one_model(swarm):
         logged = [r for r in read_rounds(swarm.tmp_path / edge.name) if r["included"]]
         assert logged and all(r["role"] == "stage" and r["tokens"] == TOKENS_PER_REPLICA for r in logged)
         assert all(r["activation_bytes_sent"] > 0 and r["upload_bytes"] > 0 for r in logged)
+        # a stage fetches the others' payloads for its layers from the sealer, within its apply time
+        assert all(r["download_bytes"] > 0 and 0 < r["fetch_s"] <= r["apply_s"] for r in logged)
     [anchor_round, *_] = read_rounds(swarm.tmp_path / "anchor")
     assert anchor_round["role"] == "anchor" and anchor_round["tokens_per_s"] > 0
 
