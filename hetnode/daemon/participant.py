@@ -216,13 +216,13 @@ class RoundParticipant:
             (c["peer"], shard, digest) for c in seal["contributions"] for shard, digest in c["shards"].items()
         ]
         # our own payloads, or all of a round we sealed, are here; the rest come from the sealer
-        local = {
+        held = {
             (peer, shard): data
             for peer, shard, _ in wanted
             if (peer == self.peer_id or sealer == self.peer_id)
             and (data := self.serve_payload(round_, shard, peer)) is not None
         }
-        remote = [(shard, peer) for peer, shard, _ in wanted if (peer, shard) not in local]
+        remote = [(shard, peer) for peer, shard, _ in wanted if (peer, shard) not in held]
         fetched, fetch_s = 0, 0.0
         if remote:
             try:
@@ -230,10 +230,10 @@ class RoundParticipant:
             except PeerRequestError as exc:
                 raise RoundFailed(f"cannot fetch round {round_}'s payloads from the sealer: {exc}") from None
             fetched, fetch_s = sum(len(data) for data in payloads), time.monotonic() - started
-            local.update({(peer, shard): data for (shard, peer), data in zip(remote, payloads, strict=True)})
+            held.update({(peer, shard): data for (shard, peer), data in zip(remote, payloads, strict=True)})
         by_peer: dict[str, dict[str, bytes]] = {}
         for peer, shard, digest in wanted:
-            data = local[(peer, shard)]
+            data = held[(peer, shard)]
             if sha256_hex(data) != digest:
                 raise RoundFailed(f"{peer[-8:]}'s shard {shard} does not match the sealed digest")
             by_peer.setdefault(peer, {})[shard] = data

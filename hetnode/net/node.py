@@ -224,9 +224,6 @@ class SwarmNode:
         finally:
             writer.close()
 
-    async def fetch_payload(self, peer: str, round_: int, shard: str, replica: str, max_bytes: int) -> bytes:
-        return (await self.fetch_payloads(peer, round_, [(shard, replica)], max_bytes))[0]
-
     async def fetch_payloads(
         self, peer: str, round_: int, wanted: Sequence[tuple[str, str]], max_bytes: int
     ) -> list[bytes]:
