@@ -1,7 +1,9 @@
 """The sealer on real p2pd nodes over loopback: who enters a seal, who is left out, and for how long."""
 
 import asyncio
+import contextlib
 import time
+from collections.abc import AsyncIterator
 
 import pytest
 
@@ -30,15 +32,20 @@ def dataset(config):
     return TokenDataset.build(config.data, config.model.vocab_size, config.run.seed)
 
 
-async def start_nodes(count: int, run: str) -> list[SwarmNode]:
+@contextlib.asynccontextmanager
+async def running_nodes(count: int, run: str) -> AsyncIterator[list[SwarmNode]]:
+    """`count` nodes on one DHT, all shut down on exit (a node a test stopped already is stopped again)."""
     nodes = [await SwarmNode.start(ephemeral_identity(), LIMITS, LOOPBACK)]
-    await nodes[0].join_dht(run, [])
-    maddrs = await nodes[0].visible_maddrs()
-    for _ in range(count - 1):
-        node = await SwarmNode.start(ephemeral_identity(), LIMITS, LOOPBACK, initial_peers=maddrs)
-        await node.join_dht(run, maddrs)
-        nodes.append(node)
-    return nodes
+    try:
+        await nodes[0].join_dht(run, [])
+        maddrs = await nodes[0].visible_maddrs()
+        for _ in range(count - 1):
+            nodes.append(await SwarmNode.start(ephemeral_identity(), LIMITS, LOOPBACK, initial_peers=maddrs))
+            await nodes[-1].join_dht(run, maddrs)
+        yield nodes
+    finally:
+        for node in reversed(nodes):
+            await node.shutdown()
 
 
 async def announce(
@@ -70,9 +77,8 @@ async def collect_all(sealer: Sealer, want: int) -> dict:
 
 def test_a_seal_holds_the_valid_reachable_authors_and_bans_only_the_invalid(config, dataset):
     async def scenario():
-        nodes = await start_nodes(4, config.run.name)
-        sealer_node, honest, gone, liar = nodes
-        try:
+        async with running_nodes(4, config.run.name) as nodes:
+            sealer_node, honest, gone, liar = nodes
             model = GlobalModel(config)
             for node in (honest, gone, liar):
                 await announce(node, config, dataset, model, lie=node is liar)
@@ -88,18 +94,14 @@ def test_a_seal_holds_the_valid_reachable_authors_and_bans_only_the_invalid(conf
             assert sealer.banned[liar.identity.peer_id] - now > RETRY_S
             assert sealer.banned[liar.identity.peer_id] - now <= BAN_S
             assert sealer.serve(0, "head", honest.identity.peer_id) is not None
-        finally:
-            for node in reversed(nodes):
-                await node.shutdown()
 
     loop.run(scenario())
 
 
 def test_a_round_with_nothing_valid_is_not_sealed_and_stays_open(config, dataset):
     async def scenario():
-        nodes = await start_nodes(3, config.run.name)
-        sealer_node, gone, liar = nodes
-        try:
+        async with running_nodes(3, config.run.name) as nodes:
+            sealer_node, gone, liar = nodes
             model = GlobalModel(config)
             for node in (gone, liar):
                 await announce(node, config, dataset, model, lie=node is liar)
@@ -109,18 +111,14 @@ def test_a_round_with_nothing_valid_is_not_sealed_and_stays_open(config, dataset
             assert await sealer.seal(0, seen) is None  # an empty seal would move every replica's round
             assert seen == {}  # the round stays open for whoever announces next
             assert not (await sealer_node.read_field("seal"))
-        finally:
-            for node in reversed(nodes):
-                await node.shutdown()
 
     loop.run(scenario())
 
 
 def test_a_peer_that_re_announced_while_being_fetched_is_retried_not_banned(config, dataset):
     async def scenario():
-        nodes = await start_nodes(2, config.run.name)
-        sealer_node, restarted = nodes
-        try:
+        async with running_nodes(2, config.run.name) as nodes:
+            sealer_node, restarted = nodes
             model = GlobalModel(config)
             before = await announce(restarted, config, dataset, model)
             await announce(restarted, config, dataset, model, warmup=1)  # restarted: a new payload
@@ -131,18 +129,14 @@ def test_a_peer_that_re_announced_while_being_fetched_is_retried_not_banned(conf
             await asyncio.sleep(sealer.banned[restarted.identity.peer_id] - time.monotonic())
             sealed = await sealer.seal(0, await collect_all(sealer, 1))
             assert sealed is not None and sealed.contributions[0][0] == restarted.identity.peer_id
-        finally:
-            for node in reversed(nodes):
-                await node.shutdown()
 
     loop.run(scenario())
 
 
 def test_payloads_are_checked_as_announced_and_a_re_announcement_replaces_the_check(config, dataset):
     async def scenario():
-        nodes = await start_nodes(3, config.run.name)
-        sealer_node, early, restarted = nodes
-        try:
+        async with running_nodes(3, config.run.name) as nodes:
+            sealer_node, early, restarted = nodes
             model = GlobalModel(config)
             early_announcement = await announce(early, config, dataset, model)
             first = await announce(restarted, config, dataset, model)
@@ -165,8 +159,5 @@ def test_payloads_are_checked_as_announced_and_a_re_announcement_replaces_the_ch
                 early.identity.peer_id: early_announcement.shards,
                 restarted.identity.peer_id: second.shards,
             }
-        finally:
-            for node in reversed(nodes):
-                await node.shutdown()
 
     loop.run(scenario())
