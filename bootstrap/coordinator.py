@@ -53,6 +53,7 @@ class BootstrapOptions:
     http_port: int | None = DEFAULT_STATUS_PORT  # status page, API, /metrics; None: off; 0: any free port
     metrics_port: int | None = None  # a separate /metrics port (None: on http_port)
     http_host: str = "127.0.0.1"
+    stand_ins: tuple[str, ...] = ()  # peers that may seal while the coordinator is away (TRUST §1)
 
 
 def listen_address(requested: str, state: dict) -> str:
@@ -137,7 +138,9 @@ class Coordinator:
         data_dir.write_json(STATE_FILE, state)
         # a restarted coordinator finds the swarm again through the neighbours it remembers
         await node.join_dht(run, self._bootstrapped_from, require_bootstrap=False)
-        manifest = Manifest(self.options.protocol, run, self.config, float(state["created"]))
+        manifest = Manifest(
+            self.options.protocol, run, self.config, float(state["created"]), self.options.stand_ins
+        )
         if not await node.store_own("manifest", manifest.envelope(), MANIFEST_TTL_S):
             log.warning("the DHT did not accept the manifest yet; retrying")
         n = self.config.network
@@ -146,7 +149,9 @@ class Coordinator:
         with Ledger(data_dir.path / LEDGER_FILE) as ledger:
             peer_metrics = PeerMetrics(lambda: presence.record, lambda: node.traffic, trains=False)
             swarm_metrics = SwarmMetrics(peer_metrics, ledger)
-            keeper = RoundKeeper(self.config, node, presence, data_dir, ledger, swarm_metrics)
+            keeper = RoundKeeper(
+                self.config, node, presence, data_dir, ledger, swarm_metrics, self.options.stand_ins
+            )
             board = StatusBoard(ledger, stale_after_s=max(60.0, 6 * n.heartbeat_s))
             servers = self._http_servers(board, peer_metrics)
             try:

@@ -3,9 +3,15 @@ the same aggregate to its own copy of θ, evaluate, checkpoint every K rounds, a
 and state.
 
 After a restart (or a crash between checkpoints) the swarm may hold rounds the coordinator does not: its
-own last seal is newer than its checkpoint, or anchors sealed in its place while it was away. It then
-takes θ from the replicas that hold the newest round, trusting only parameters whose layer digests match
-what the majority of those replicas publish, and seals from the next round on.
+own last seal is newer than its checkpoint, or a stand-in listed in the manifest sealed in its place while
+it was away. Before it seals anything in this life it takes θ of that round from any replica, trusting
+only parameters whose layer digests match its own history (its rounds) or the stand-in's signed record
+(the stand-in's rounds), never a vote of replicas. Once it has sealed, no other peer's seal or θ is ever
+adopted (TRUST §1): the swarm follows the coordinator's chain.
+
+Credit follows from the protocol, not from claims: a sealed contribution earns the manifest's schedule
+(H × batch × sequence tokens per replica, split over a chain's stages by the shards each delivered). A
+ledger failure is logged and never stops sealing or applying.
 """
 
 from __future__ import annotations
@@ -14,7 +20,7 @@ import asyncio
 import json
 import logging
 import time
-from collections import Counter, deque
+from collections import deque
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +31,7 @@ from bootstrap.swarm_metrics import REPLICA_ROLES, SwarmMetrics
 from hetnode.config import Config
 from hetnode.daemon.datadir import DataDir
 from hetnode.daemon.lifecycle import sleep_or_stop, sleep_or_wake
-from hetnode.daemon.participant import fetch_state
+from hetnode.daemon.participant import fetch_state, payload_opener
 from hetnode.daemon.presence import Presence
 from hetnode.daemon.rounds import GlobalModel, base_fixed_embedding
 from hetnode.daemon.sealing import SealedRound, Sealer
@@ -35,7 +41,8 @@ from hetnode.errors import WireError
 from hetnode.model.decoder import build_model
 from hetnode.net.node import SwarmNode
 from hetnode.net.streams import PeerRequestError
-from hetnode.planning.rounds import Announcement, seal_now
+from hetnode.planning.rounds import Announcement, replica_tokens, seal_now
+from hetnode.wire.seals import seal_digest
 
 log = logging.getLogger(__name__)
 
@@ -68,6 +75,7 @@ class RoundKeeper:
         data_dir: DataDir,
         ledger: Ledger,
         metrics: SwarmMetrics | None = None,
+        stand_ins: tuple[str, ...] = (),
     ) -> None:
         self.config = config
         self.node = node
@@ -76,8 +84,10 @@ class RoundKeeper:
         self.ledger = ledger  # credit for sealed contributions only (DESIGN §3.5)
         self.metrics = metrics
         self.history: deque[dict[str, Any]] = deque(read_history(data_dir.path), maxlen=HISTORY_KEPT)
-        self.global_model = GlobalModel(config)
+        self.stand_ins = tuple(sorted(set(stand_ins) - {node.identity.peer_id}))
+        self.global_model = GlobalModel(config, opener=payload_opener(node.run or "", config))
         self.sealer = Sealer(config, node, self.global_model)
+        self.sealed_in_this_life = False  # from then on, no other seal or θ is ever adopted
         self.view = RecentView(node, config, max_age_s=config.network.heartbeat_s)
         self._load_checkpoint()
         node.set_payloads(self.sealer.serve)
@@ -99,19 +109,27 @@ class RoundKeeper:
         seen: dict[str, Announcement] = {}
         round_ = self.global_model.params_round + 1
         try:
-            newest, checked_at = -1, -float("inf")
+            newer, checked_at = None, -float("inf")
             while not await sleep_or_wake(stop, self._announced, POLL_S):
-                # seals by others change rarely (a restart, a stand-in): look once per heartbeat, not per poll
-                if time.monotonic() - checked_at >= self.config.network.heartbeat_s:
-                    newest, checked_at = await self._newest_sealed_round(), time.monotonic()
-                if newest > self.global_model.params_round:
-                    if not await self._catch_up_from_replicas(newest, evaluator):
+                # seals missed while away change rarely: look once per heartbeat, and only until we seal
+                if (
+                    not self.sealed_in_this_life
+                    and time.monotonic() - checked_at >= self.config.network.heartbeat_s
+                ):
+                    newer, checked_at = await self._newer_trusted_seal(), time.monotonic()
+                if newer is not None and newer[1]["round"] > self.global_model.params_round:
+                    if not await self._catch_up_from_replicas(*newer, evaluator):
                         await sleep_or_stop(stop, 1.0)
                     continue
                 round_ = self.global_model.params_round + 1
                 if any(a.round != round_ for a in seen.values()):
                     seen = {}
-                await self._poll(round_, seen, evaluator)
+                try:
+                    await self._poll(round_, seen, evaluator)
+                except Exception:  # a round that fails here must not end the coordinator; θ is untouched
+                    log.exception("round %d: sealing failed; the round stays open", round_)
+                    seen.clear()
+                    await sleep_or_stop(stop, 1.0)
         finally:
             await asyncio.to_thread(self._checkpoint)  # a clean stop loses no round
 
@@ -132,48 +150,58 @@ class RoundKeeper:
 
     # --- after a restart: rounds the swarm sealed without us ----------------------------------------
 
-    async def _newest_sealed_round(self) -> int:
-        """The newest round sealed by us (in an earlier life) or by an anchor standing in for us."""
-        own = self.node.identity.peer_id
-        newest, stand_ins = -1, {}
-        for peer, entry in (await self.node.read_field("seal")).items():
-            round_ = entry.value.get("round") if isinstance(entry.value, dict) else None
-            if not isinstance(round_, int):
+    async def _newer_trusted_seal(self) -> tuple[str, dict[str, Any]] | None:
+        """(sealer, seal) of the newest round sealed by us in an earlier life, or by a stand-in of the
+        manifest, that is newer than the θ we hold; None when there is none. Anyone else's seal is noise."""
+        held = self.global_model.params_round
+        best: tuple[str, dict[str, Any]] | None = None
+        seals = await self.node.read_field("seal")
+        for sealer in (self.node.identity.peer_id, *self.stand_ins):
+            entry = seals.get(sealer)
+            seal = entry.value if entry is not None and isinstance(entry.value, dict) else None
+            if seal is None or not isinstance(seal.get("round"), int) or seal["round"] <= held:
                 continue
-            if peer == own:
-                newest = max(newest, round_)
-            elif round_ > self.global_model.params_round:
-                stand_ins[peer] = round_
-        if stand_ins:  # only an anchor may seal in our place
-            view = await SwarmView.read(self.node, self.config)
-            for peer, round_ in stand_ins.items():
-                if view.peers.get(peer, {}).get("role") == "anchor":
-                    newest = max(newest, round_)
-        return newest
+            if best is None or seal["round"] > best[1]["round"]:
+                best = (sealer, seal)
+        return best
 
-    async def _catch_up_from_replicas(self, round_: int, evaluator: Any) -> bool:
-        """Take θ after `round_` from a replica whose parameters match the majority's layer digests."""
+    def _trusted_digests(self, sealer: str, round_: int, view: SwarmView) -> dict[str, str] | None:
+        """θ's layer digests after `round_` as its sealer signed them: our own history for our seals, the
+        stand-in's own record for its seals."""
+        if sealer == self.node.identity.peer_id:
+            entries = [h for h in self.history if h["round"] == round_ and h.get("layer_digests")]
+            return dict(entries[-1]["layer_digests"]) if entries else None
+        record = view.peers.get(sealer, {})
+        if record.get("params_round") == round_ and record.get("layer_digests"):
+            return dict(record["layer_digests"])
+        return None
+
+    async def _catch_up_from_replicas(self, sealer: str, seal: dict[str, Any], evaluator: Any) -> bool:
+        """θ after `seal`'s round from any replica that holds it, checked against the sealer's digests."""
+        round_ = seal["round"]
         view = await SwarmView.read(self.node, self.config)
-        holders = {
-            peer: tuple(sorted(record["layer_digests"].items()))
+        digests = self._trusted_digests(sealer, round_, view)
+        if digests is None:
+            log.info("round %d was sealed by %s; waiting for its signed digests", round_, sealer[-8:])
+            return False
+        holders = sorted(
+            peer
             for peer, record in view.peers.items()
             if record["role"] in ("anchor", "stage")
             and record["params_round"] == round_
-            and record["layer_digests"]
-        }
-        if not holders:
-            log.info("round %d was sealed without us; waiting for a replica that holds it", round_)
-            return False
-        (majority, votes), *_ = Counter(holders.values()).most_common(1)
-        for peer in sorted(p for p, digests in holders.items() if digests == majority):
-            try:  # all or nothing, and only θ whose layers match the majority's digests
-                await fetch_state(self.node, peer, self.global_model, round_, dict(majority))
+            and record["layer_digests"] == digests
+        )
+        if sealer in view.peers and sealer not in holders and sealer != self.node.identity.peer_id:
+            holders.insert(0, sealer)
+        for peer in holders:
+            try:  # all or nothing, and only θ whose layers match the sealer's digests
+                await fetch_state(self.node, peer, self.global_model, round_, digests)
             except (PeerRequestError, WireError) as exc:
                 log.warning("catch-up from %s failed: %s", peer, exc)
                 continue
+            self.global_model.seal_hash = seal_digest(seal)
             await asyncio.to_thread(self._checkpoint)
             eval_loss = await asyncio.to_thread(evaluator, self.global_model)
-            digests = self.global_model.digests()
             await self.presence.update(params_round=round_, layer_digests=digests, outer_step=round_)
             self._append_history(
                 {
@@ -184,26 +212,36 @@ class RoundKeeper:
                     "eval_loss": eval_loss,
                     "seal_seconds": 0.0,
                     "layer_digests": digests,
+                    "seal_hash": self.global_model.seal_hash,
                     "time": time.time(),
                     "caught_up_from": peer,
+                    "sealed_by": sealer,
                 }
             )
             log.info(
-                "caught up to round %d from %s (%d of %d replicas agree), eval loss %.4f",
+                "caught up to round %d from %s (sealed by %s), eval loss %.4f",
                 round_,
                 peer,
-                votes,
-                len(holders),
+                sealer,
                 eval_loss,
             )
             return True
+        if not holders:
+            log.info("round %d was sealed without us; waiting for a replica that holds it", round_)
         return False
 
     async def _record(self, sealed: SealedRound, started: float, evaluator: Any) -> None:
-        """Apply the sealed round to the coordinator's θ, evaluate, checkpoint, append to the history."""
+        """Apply the sealed round to the coordinator's θ, credit it, evaluate, checkpoint, append to the
+        history. The step was aggregated and checked before the seal was published: it cannot fail here."""
         round_ = sealed.record["round"]
-        await asyncio.to_thread(self.global_model.apply_decoded, round_, sealed.decoded)  # checked at sealing
-        credits = await self._credit(sealed)
+        await asyncio.to_thread(self.global_model.commit, sealed.prepared)
+        self.global_model.seal_hash = sealed.digest
+        self.sealed_in_this_life = True
+        credits = self.credits(sealed)
+        try:
+            await asyncio.to_thread(self.ledger.record_round, round_, sealed.record["sealed_at"], credits)
+        except Exception:  # the ledger is a view of the rounds: its failure must not stop them
+            log.exception("round %d: the ledger refused the round's credits", round_)
         eval_loss = await asyncio.to_thread(evaluator, self.global_model)
         if round_ % self.config.outer.checkpoint_every_rounds == 0:
             await asyncio.to_thread(self._checkpoint)
@@ -213,11 +251,12 @@ class RoundKeeper:
             "round": round_,
             "contributors": [peer for peer, _ in sealed.contributions],
             "excluded": sealed.excluded,
-            # tokens trained: one count per replica (an anchor, or a chain's first stage: "embed")
-            "tokens": sum(c["tokens"] for c in sealed.record["contributions"] if "embed" in c["shards"]),
+            # tokens trained by the schedule: a replica's worth per anchor, a chain's split over its stages
+            "tokens": sum(c.tokens for c in credits),
             "eval_loss": eval_loss,
             "seal_seconds": round(time.monotonic() - started, 3),
             "layer_digests": digests,
+            "seal_hash": sealed.digest,
             "time": time.time(),
             "payload_bytes": {
                 role: sum(c.bytes_sent for c in credits if c.role == role) for role in REPLICA_ROLES
@@ -237,29 +276,32 @@ class RoundKeeper:
             eval_loss,
         )
 
-    async def _credit(self, sealed: SealedRound) -> list[Contribution]:
-        """Write the ledger rows of a sealed round: tokens and steps as announced, bytes as fetched."""
-        peers = (await self.view.get()).peers
-        shards = set(self.global_model.shards)
+    def credits(self, sealed: SealedRound) -> list[Contribution]:
+        """The ledger rows of a sealed round, from the protocol: every contribution was validated, so its
+        shards are the model's; tokens and steps follow from the manifest's schedule and those shards."""
+        names = self._names
+        schedule = replica_tokens(self.config)
+        all_shards = len(self.global_model.shards)
         credits = []
         for peer, payloads in sealed.contributions:
-            announcement = sealed.announcements[peer]
-            record = peers.get(peer, {})
+            full = len(payloads) == all_shards
             credits.append(
                 Contribution(
                     peer=peer,
-                    name=record.get("name") or peer[-8:],
-                    # from what it sent, not from its record: a full replica sends every shard
-                    role="anchor" if set(payloads) == shards else "stage",
-                    tokens=announcement.tokens,
-                    inner_steps=announcement.steps,
+                    name=names.get(peer) or peer[-8:],
+                    role="anchor" if full else "stage",
+                    tokens=schedule * len(payloads) // all_shards,
+                    inner_steps=self.config.outer.inner_steps,
                     bytes_sent=sum(len(data) for data in payloads.values()),
                 )
             )
-        await asyncio.to_thread(
-            self.ledger.record_round, sealed.record["round"], sealed.record["sealed_at"], credits
-        )
         return credits
+
+    @property
+    def _names(self) -> dict[str, str]:
+        """Display names from the last view (names are advice: they earn nothing)."""
+        view = self.view.cached
+        return {peer: record["name"] for peer, record in view.peers.items()} if view is not None else {}
 
     def _append_history(self, entry: dict[str, Any]) -> None:
         with open(self.data_dir.path / HISTORY, "a") as history:
@@ -291,7 +333,14 @@ class RoundKeeper:
     def _checkpoint(self) -> None:
         path: Path = self.data_dir.path / CHECKPOINT
         tmp = path.with_suffix(".tmp")
-        torch.save({"params_round": self.global_model.params_round, "params": self.global_model.params}, tmp)
+        torch.save(
+            {
+                "params_round": self.global_model.params_round,
+                "seal_hash": self.global_model.seal_hash,
+                "params": self.global_model.params,
+            },
+            tmp,
+        )
         tmp.replace(path)
 
     def _load_checkpoint(self) -> None:
@@ -306,4 +355,15 @@ class RoundKeeper:
             for name, tensor in params.items():
                 self.global_model.params[name].copy_(tensor)
         self.global_model.params_round = int(state["params_round"])
+        seal_hash = state.get("seal_hash")
+        if not isinstance(seal_hash, str):  # a checkpoint from before seals were chained: ask the history
+            seal_hash = next(
+                (
+                    h.get("seal_hash")
+                    for h in reversed(self.history)
+                    if h["round"] == self.global_model.params_round
+                ),
+                None,
+            )
+        self.global_model.seal_hash = seal_hash
         log.info("global model restored at round %d from %s", self.global_model.params_round, path)

@@ -1,4 +1,3 @@
 """hetnode: heterogeneous decentralised pre-training (anchors + compressed chains + SparseLoCo)."""
 
 __version__ = "0.1.0"
-PROTOCOL_VERSION = 1

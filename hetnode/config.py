@@ -97,6 +97,9 @@ class OuterConfig:
     # The coordinator writes θ to disk every this many sealed rounds (and when it stops); after a crash
     # it takes the rounds it missed from the replicas, so K trades disk writes for catch-up downloads.
     checkpoint_every_rounds: int = 5
+    # The largest |shift| + max|table| a contribution's 2-bit quantisation may carry (TRUST §2): honest
+    # pseudo-gradients sit far below 1; the bound keeps every aggregate and θ − α·Δ finite in float32.
+    max_value: float = 1000.0
 
 
 @dataclass(frozen=True)
@@ -328,6 +331,9 @@ def validate(config: Config, source: str) -> None:
         f"must be >= 1, got {o.checkpoint_every_rounds}",
     )
     _require(o.weight_decay >= 0, source, "outer.weight_decay", "must be >= 0")
+    _require(
+        0 < o.max_value <= 1e30, source, "outer.max_value", f"must be in (0, 1e30], got {o.max_value}"
+    )
 
     _require(p.stages >= 1, source, "pipeline.stages", f"must be >= 1, got {p.stages}")
     _require(

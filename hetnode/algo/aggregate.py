@@ -124,6 +124,35 @@ def outer_sgd_step(
         p.add_(delta[name].to(device=p.device, dtype=p.dtype), alpha=-lr)
 
 
+FLOAT32_MAX = float(torch.finfo(torch.float32).max)
+
+
+@torch.no_grad()
+def unsafe_outer_step(
+    params: dict[str, torch.Tensor],
+    delta: dict[str, torch.Tensor],
+    lr: float = 1.0,
+    weight_decay: float = 0.0,
+) -> str | None:
+    """The first tensor name for which `outer_sgd_step` could leave a non-finite value, else None.
+
+    Checked before any parameter changes (all-or-nothing rounds, TRUST §2): Δ must be finite and
+    max|θ|·|1 − lr·wd| + lr·max|Δ| must stay below float32's largest value, which bounds every result.
+    """
+    _check_keys(params, delta)
+    decay = abs(1.0 - lr * weight_decay) if weight_decay else 1.0
+    for name, p in params.items():
+        d = delta[name]
+        if d.numel() == 0:
+            continue
+        if not bool(torch.isfinite(d).all()):
+            return name
+        bound = float(p.abs().max()) * decay + abs(lr) * float(d.abs().max())
+        if not bound < FLOAT32_MAX:
+            return name
+    return None
+
+
 class NesterovOuter:
     """DiLoCo's outer Nesterov SGD with Δ as the gradient (Douillard et al. 2023, arXiv:2311.08105).
 

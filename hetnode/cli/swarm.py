@@ -49,6 +49,14 @@ def register(commands: argparse._SubParsersAction) -> None:
         help="a separate port for /metrics only (default: served on --http-port)",
     )
     boot.add_argument("--http-host", default="127.0.0.1", help="address the HTTP server binds (0.0.0.0: all)")
+    boot.add_argument(
+        "--stand-in",
+        action="append",
+        default=[],
+        metavar="PEER_ID",
+        help="a peer (an anchor) that may seal rounds while the coordinator is away; repeatable "
+        "(default: none, the swarm waits for the coordinator)",
+    )
     boot.add_argument("--protocol-version", type=int, default=None, help=argparse.SUPPRESS)  # tests only
     boot.set_defaults(handler=run_bootstrap)
 
@@ -92,8 +100,10 @@ def register(commands: argparse._SubParsersAction) -> None:
 
 def run_bootstrap(args: argparse.Namespace) -> int:
     from bootstrap.coordinator import DEFAULT_LISTEN, BootstrapOptions, Coordinator
+    from hetnode.net.identity import check_peer_id
     from hetnode.wire.manifest import PROTOCOL_VERSION
 
+    stand_ins = tuple(check_peer_id(peer, "--stand-in") for peer in args.stand_in)
     options = BootstrapOptions(
         config_path=args.config,
         data_dir=args.data_dir.expanduser(),
@@ -104,6 +114,7 @@ def run_bootstrap(args: argparse.Namespace) -> int:
         http_port=args.http_port,
         metrics_port=args.metrics_port,
         http_host=args.http_host,
+        stand_ins=stand_ins,
     )
     return loop.run(Coordinator(options).run())
 

@@ -21,7 +21,7 @@ import msgpack
 
 from hetnode.config import Config
 from hetnode.daemon.metrics import PeerMetrics
-from hetnode.daemon.participant import RoundParticipant
+from hetnode.daemon.participant import RoundParticipant, payload_opener
 from hetnode.daemon.presence import Presence
 from hetnode.daemon.round_log import RoundRecord
 from hetnode.daemon.rounds import AnchorTraining, GlobalModel, sha256_hex
@@ -42,8 +42,10 @@ class AnchorLoop:
         state_path: Path,
         fault: str | None = None,
         metrics: PeerMetrics | None = None,
+        stand_ins: tuple[str, ...] = (),
     ) -> None:
-        """`state_path`: local state for restarts; its folder (the data dir) also gets the round log."""
+        """`state_path`: local state for restarts; its folder (the data dir) also gets the round log;
+        `stand_ins`: the manifest's stand-in sealers."""
         self.config = config
         self.node = node
         self.presence = presence
@@ -51,7 +53,7 @@ class AnchorLoop:
         self.state_path = state_path
         self.fault = fault  # tests only: "nan" or "digest" makes this anchor a hostile contributor
         self.metrics = metrics
-        self.global_model = GlobalModel(config)
+        self.global_model = GlobalModel(config, opener=payload_opener(node.run or "", config))
         self.rounds = RoundParticipant(
             config,
             node,
@@ -60,6 +62,7 @@ class AnchorLoop:
             may_stand_in=True,
             data_dir=state_path.parent,
             metrics=metrics,
+            stand_ins=stand_ins,
         )
 
     async def run(self, stop: asyncio.Event) -> None:
@@ -79,8 +82,7 @@ class AnchorLoop:
             round_ = self.global_model.params_round + 1
             started, tokens_before = time.monotonic(), training.tokens
             payloads = await asyncio.to_thread(training.run_round, round_, self.global_model)
-            payloads = self._maybe_corrupt(payloads)
-            self.rounds.keep(round_, payloads)
+            payloads = self.rounds.keep(round_, self._maybe_corrupt(payloads))
             digests = {shard: sha256_hex(data) for shard, data in payloads.items()}
             if self.fault == "digest":
                 digests = {shard: sha256_hex(b"not " + data) for shard, data in payloads.items()}

@@ -27,7 +27,7 @@ from pathlib import Path
 from hetnode.config import Config
 from hetnode.daemon.lifecycle import sleep_or_stop
 from hetnode.daemon.metrics import PeerMetrics
-from hetnode.daemon.participant import RoundParticipant
+from hetnode.daemon.participant import RoundParticipant, payload_opener
 from hetnode.daemon.presence import Presence
 from hetnode.daemon.round_log import RoundRecord
 from hetnode.daemon.rounds import GlobalModel, sha256_hex
@@ -110,7 +110,7 @@ class ChainLoop:
         self.bytes_sent = 0  # activation and gradient frames, since the chain started
         self.bytes_received = 0
         self.peer_id = node.identity.peer_id
-        self.global_model = GlobalModel(config)
+        self.global_model = GlobalModel(config, opener=payload_opener(node.run or "", config))
         self.rounds = RoundParticipant(
             config,
             node,
@@ -277,8 +277,8 @@ class ChainLoop:
             await self._until(self.round_done)
             trained_s = time.monotonic() - started
             self.round_open.clear()
-            payloads = await asyncio.to_thread(training.end_round, round_, self.peer_id)
-            self.rounds.keep(round_, payloads)
+            messages = await asyncio.to_thread(training.end_round, round_, self.peer_id)
+            payloads = self.rounds.keep(round_, messages)
             announcement = {
                 "round": round_,
                 "shards": {shard: sha256_hex(data) for shard, data in payloads.items()},

@@ -1,9 +1,13 @@
 """A replica's part in sealed rounds, shared by anchors and chain stages (DESIGN §3.5–3.6).
 
-`RoundParticipant` announces a payload, waits for the seal (the coordinator's, or the lowest-id live
-anchor's when the coordinator is silent: only anchors stand in), fetches exactly the sealed payloads,
-checks their sha256 against the seal and applies all of them or none. When a round cannot be applied here
-it catches up by downloading θ from the coordinator.
+`RoundParticipant` signs and announces a payload, waits for the seal, fetches exactly the sealed payloads,
+checks their sha256 against the seal and their authors' signatures, and applies all of them or none.
+
+Who may seal (TRUST §1): the coordinator, or, while its record has expired, the lowest-id live stand-in
+the signed manifest lists (none unless the operator named some). A seal counts only as the next link of
+the chain this replica holds (`seal_verdict`): a far-future seal, a fork or a seal by anyone else is
+ignored. When a round cannot be applied here it catches up by downloading θ from the sealer, checked
+against the digests the sealer publishes in its own signed record.
 """
 
 from __future__ import annotations
@@ -20,13 +24,15 @@ from hetnode.config import Config
 from hetnode.daemon.lifecycle import sleep_or_stop, sleep_or_wake
 from hetnode.daemon.metrics import PeerMetrics
 from hetnode.daemon.round_log import RoundRecord, append_round
-from hetnode.daemon.rounds import GlobalModel, sha256_hex
+from hetnode.daemon.rounds import ApplyError, GlobalModel, PayloadOpener, sha256_hex
 from hetnode.daemon.sealing import Sealer
 from hetnode.daemon.view import RecentView, SwarmView
 from hetnode.errors import HetnodeError, WireError
 from hetnode.net.node import SwarmNode
+from hetnode.net.signing import open_payload, sign_payload
 from hetnode.net.streams import PeerRequestError
 from hetnode.planning.rounds import Announcement, seal_now
+from hetnode.wire.seals import seal_digest, seal_verdict
 
 log = logging.getLogger(__name__)
 
@@ -38,8 +44,14 @@ class RoundFailed(HetnodeError):
     """A sealed round could not be applied here (payload unavailable or invalid): catch up from state."""
 
 
-async def read_seal(node: SwarmNode, coordinator: str) -> dict[str, Any] | None:
-    entry = (await node.read_field("seal")).get(coordinator)
+def payload_opener(run: str, config: Config) -> PayloadOpener:
+    """How daemons of `run` open sync payloads: the author's signature is checked before anything else."""
+    max_bytes = int(config.network.max_frame_mb * 2**20)
+    return lambda data: open_payload(run, data, max_bytes)
+
+
+async def read_seal(node: SwarmNode, sealer: str) -> dict[str, Any] | None:
+    entry = (await node.read_field("seal")).get(sealer)
     return entry.value if entry is not None and isinstance(entry.value, dict) else None
 
 
@@ -72,13 +84,17 @@ class RoundParticipant:
         may_stand_in: bool,
         data_dir: Path,
         metrics: PeerMetrics | None = None,
+        stand_ins: tuple[str, ...] = (),
     ) -> None:
+        """`stand_ins`: the manifest's list of peers that may seal while the coordinator is silent;
+        `may_stand_in`: this replica's role allows it (anchors only: a stage never seals)."""
         self.config = config
         self.node = node
         self.coordinator = coordinator
         self.global_model = global_model
-        self.outbox: dict[int, dict[str, bytes]] = {}  # round -> shard -> our encoded payload
-        self.may_stand_in = may_stand_in  # anchors only: a stage never seals
+        self.outbox: dict[int, dict[str, bytes]] = {}  # round -> shard -> our signed payload
+        self.stand_ins = tuple(sorted(set(stand_ins) - {coordinator}))
+        self.may_stand_in = may_stand_in and node.identity.peer_id in self.stand_ins
         self.data_dir = data_dir  # gets the round log
         self.metrics = metrics
         self.peer_id = node.identity.peer_id
@@ -95,10 +111,14 @@ class RoundParticipant:
         if topic == "seal":
             self._sealed.set()
 
-    def keep(self, round_: int, payloads: dict[str, bytes]) -> None:
-        """Hold our payloads of `round_` (and of the round before, which a late sealer may still fetch)."""
+    def keep(self, round_: int, messages: dict[str, bytes]) -> dict[str, bytes]:
+        """Sign our payload messages of `round_` and hold them (and the round before's, which a late sealer
+        may still fetch); returns the signed payloads, whose sha256 we announce."""
+        run = self.node.run or ""
+        signed = {shard: sign_payload(self.node.identity, run, body) for shard, body in messages.items()}
         self.outbox = {r: p for r, p in self.outbox.items() if r >= round_ - 1}
-        self.outbox[round_] = payloads
+        self.outbox[round_] = signed
+        return signed
 
     def own_payload(self, round_: int, shard: str) -> bytes | None:
         return self.outbox.get(round_, {}).get(shard)
@@ -129,7 +149,7 @@ class RoundParticipant:
         try:
             included = await self.apply(*sealed)
         except RoundFailed as exc:
-            log.warning("round %d: %s; catching up from the coordinator", round_, exc)
+            log.warning("round %d: %s; catching up from the sealer", round_, exc)
             await self.catch_up(stop)
             return False
         if not included:
@@ -155,8 +175,9 @@ class RoundParticipant:
     ) -> tuple[str, dict] | None:
         """(sealer, seal) for `round_` or later, announcing until then; None when stopped.
 
-        The coordinator seals; when it is silent (its record has expired) the lowest-id live anchor seals
-        in its place, and every replica accepts that seal too."""
+        The coordinator seals; when it is silent (its record has expired) the lowest-id live stand-in of the
+        manifest seals in its place, and every replica accepts that seal too. Seals from anyone else, and
+        seals that are not the next link after the one we hold, are not taken (`seal_verdict`)."""
         waiting_since = time.monotonic()
         try:
             return await self._wait_for_seal(round_, announcement, stop, waiting_since)
@@ -174,16 +195,21 @@ class RoundParticipant:
                 announced_at = time.monotonic()
                 self.node.nudge([self.coordinator], "announce", round_)
             view = await self.view.get()
-            anchors = sorted(p for p, r in view.peers.items() if r["role"] == "anchor")
-            stand_in = anchors[0] if anchors and self.coordinator not in view.peers else None
+            stand_in = self.acting_stand_in(view)
             seals = await self.node.read_field("seal")
-            for sealer in (self.coordinator, stand_in):
-                entry = seals.get(sealer) if sealer else None
-                if (
-                    entry is not None
-                    and isinstance(entry.value, dict)
-                    and entry.value.get("round", -1) >= round_
-                ):
+            allowed = [self.coordinator] + ([stand_in] if stand_in else [])
+            for sealer in allowed:
+                entry = seals.get(sealer)
+                if entry is None or not isinstance(entry.value, dict):
+                    continue
+                verdict = seal_verdict(
+                    entry.value, sealer, allowed, self.global_model.params_round, self.global_model.seal_hash
+                )
+                if verdict in (
+                    "apply",
+                    "behind",
+                    "fork",
+                ):  # apply() takes the next link, catches up otherwise
                     return sealer, entry.value
             silent_for = time.monotonic() - waiting_since
             if (
@@ -210,6 +236,9 @@ class RoundParticipant:
             raise RoundFailed(
                 f"the seal is for round {round_}, we hold round {self.global_model.params_round}"
             )
+        held_hash = self.global_model.seal_hash
+        if held_hash is not None and seal.get("prev") != held_hash:
+            raise RoundFailed(f"the seal of round {round_} does not follow the seal we hold (a fork)")
         max_bytes = int(self.config.network.max_frame_mb * 2**20)
         started = time.monotonic()
         wanted = [
@@ -240,25 +269,52 @@ class RoundParticipant:
         contributions = list(by_peer.items())
         try:
             await asyncio.to_thread(self.global_model.apply, round_, contributions)
-        except WireError as exc:
-            raise RoundFailed(f"a sealed payload is invalid: {exc}") from None
+        except (WireError, ApplyError) as exc:  # θ is untouched: apply is all or nothing
+            raise RoundFailed(f"a sealed payload cannot be applied: {exc}") from None
+        self.global_model.seal_hash = seal_digest(seal)
         self.last_apply = (time.monotonic() - started, fetched, fetch_s)
         # no digest here: hashing all of θ costs as much as the step; the record publishes the digests
         log.info("round %d applied: %d contributions, %d bytes fetched", round_, len(contributions), fetched)
         return any(peer == self.peer_id for peer, _ in contributions)
 
+    def acting_stand_in(self, view: SwarmView) -> str | None:
+        """The listed stand-in that seals now: the lowest-id live one, while the coordinator is silent."""
+        if self.coordinator in view.peers:
+            return None
+        live = [peer for peer in self.stand_ins if view.peers.get(peer, {}).get("role") == "anchor"]
+        return live[0] if live else None
+
     async def catch_up(self, stop: asyncio.Event) -> bool:
-        """If the swarm has sealed rounds we do not hold, download θ from the coordinator.
+        """If the sealer (the coordinator, or the acting stand-in) has sealed rounds we do not hold, or a
+        chain we do not hold, download θ from it, checked against the digests its signed record publishes.
 
         True when θ was replaced (local training state built on the old θ is then stale)."""
         while not stop.is_set():
-            seal = await read_seal(self.node, self.coordinator)
-            if seal is None or seal["round"] <= self.global_model.params_round:
-                return False  # nothing sealed yet, or we hold that θ (or newer: a coordinator restarting)
-            record = (await SwarmView.read(self.node, self.config)).peers.get(self.coordinator, {})
+            view = await SwarmView.read(self.node, self.config)
+            sealer = self.coordinator
+            seal = await read_seal(self.node, sealer)
+            stand_in = self.acting_stand_in(view)
+            if stand_in is not None:
+                theirs = await read_seal(self.node, stand_in)
+                if theirs is not None and theirs.get("round", -1) > (seal or {}).get("round", -1):
+                    sealer, seal = stand_in, theirs
+            held = self.global_model.params_round
+            if seal is None or seal["round"] < held:
+                return False  # nothing sealed yet, or we hold newer θ (a coordinator restarting)
+            if seal["round"] == held and seal_digest(seal) == self.global_model.seal_hash:
+                return False  # we hold exactly that round
+            record = view.peers.get(sealer, {})
             digests = record.get("layer_digests") if record.get("params_round") == seal["round"] else None
+            if sealer != self.coordinator and digests is None:
+                log.info(
+                    "catch-up: stand-in %s has not published round %d's digests yet", sealer, seal["round"]
+                )
+                if await sleep_or_stop(stop, 1.0):
+                    return False
+                continue
             try:
-                await fetch_state(self.node, self.coordinator, self.global_model, seal["round"], digests)
+                await fetch_state(self.node, sealer, self.global_model, seal["round"], digests)
+                self.global_model.seal_hash = seal_digest(seal)
                 log.info("caught up: holding θ after round %d", self.global_model.params_round)
                 return True
             except (PeerRequestError, WireError) as exc:

@@ -225,6 +225,7 @@ class PeerDaemon:
                 self.options.data_dir / f"anchor-state-{self.contact.manifest.run}.pt",
                 self.options.fault,
                 self.metrics,
+                self.contact.manifest.stand_ins,
             )
         else:
             layout = ChainLayout.from_view(view, wanted, self.node.identity.peer_id) if view else None

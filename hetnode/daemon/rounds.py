@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import hashlib
 import logging
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from hetnode.algo.aggregate import aggregate_sparse, outer_sgd_step
+from hetnode.algo.aggregate import aggregate_sparse, outer_sgd_step, unsafe_outer_step
 from hetnode.algo.sparseloco import (
     CompressedTensor,
     DenseCodec,
@@ -25,7 +26,7 @@ from hetnode.algo.sparseloco import (
 from hetnode.algo.subspace import frozen_embedding
 from hetnode.config import Config
 from hetnode.data.dataset import TokenDataset
-from hetnode.errors import CheckpointError, WireError
+from hetnode.errors import CheckpointError, HetnodeError, WireError
 from hetnode.model.decoder import build_model
 from hetnode.model.subspace import SubspaceConstraint
 from hetnode.planning.layer_split import split_layers
@@ -37,6 +38,26 @@ log = logging.getLogger(__name__)
 
 Params = dict[str, torch.Tensor]
 NUM_DATA_SLOTS = 256  # replicas pick a slot from their peer id; slots are disjoint slices of the data
+# (signed envelope) -> (author peer id, payload message); raises WireError for a forged or malformed one
+PayloadOpener = Callable[[bytes], tuple[str, bytes]]
+
+
+class ApplyError(HetnodeError):
+    """A round's aggregate would make θ non-finite; nothing was changed. `peers`: the contributors."""
+
+    def __init__(self, round_: int, tensor: str, peers: Sequence[str]) -> None:
+        self.round = round_
+        self.tensor = tensor
+        self.peers = tuple(peers)
+        super().__init__(f"round {round_}: the step of {tensor} would not be finite in float32")
+
+
+@dataclass(frozen=True)
+class PreparedRound:
+    """A round's aggregate, checked: committing it cannot fail or leave θ half-updated."""
+
+    round: int
+    delta: dict[str, torch.Tensor]  # dense Δ of every tensor that any contribution touched
 
 
 def sha256_hex(data: bytes) -> str:
@@ -67,18 +88,23 @@ def data_slot(peer_id: str) -> int:
 
 
 class GlobalModel:
-    """θ after round `params_round` (−1: the seeded initialisation every replica starts from)."""
+    """θ after round `params_round` (−1: the seeded initialisation every replica starts from).
 
-    def __init__(self, config: Config) -> None:
+    `opener` checks the author's signature on each payload (the daemons pass one; in-process users of
+    bare payload messages, such as the simulator's tests, pass None)."""
+
+    def __init__(self, config: Config, opener: PayloadOpener | None = None) -> None:
         self.config = config
+        self.opener = opener
         model = build_model(config.model, seed=config.run.seed)
         self.params: Params = {n: p.detach().clone() for n, p in model.named_parameters()}
         self.params_round = -1
+        self.seal_hash: str | None = ""  # of the seal that produced θ ("" before round 0, None: unknown)
         self.shards = shard_names(self.params)
         max_bytes = int(config.network.max_frame_mb * 2**20)
         o = config.outer
         self.sparse_specs = {
-            shard: ShardSpec(shard, self._shapes(names), "sparseloco", o.topk, o.tile, max_bytes)
+            shard: ShardSpec(shard, self._shapes(names), "sparseloco", o.topk, o.tile, max_bytes, o.max_value)
             for shard, names in self.shards.items()
         }
         self.dense_specs = {
@@ -98,31 +124,44 @@ class GlobalModel:
     ) -> list[DecodedPayload]:
         """Validate one contributor's payloads; raise WireError naming what is wrong.
 
-        An anchor contributes every shard, a chain stage only the shards of its own layers."""
+        Every payload must be signed by `replica` (when an opener is set) and name it, the round and the
+        shard in its header. An anchor contributes every shard, a chain stage only its own layers'."""
         if not payloads or not set(payloads) <= set(self.shards):
             raise WireError(
                 "shards", f"expected a non-empty subset of {sorted(self.shards)}, got {sorted(payloads)}"
             )
         decoded = []
         for shard, data in payloads.items():
-            message = decode_payload(data, self.sparse_specs[shard])
+            body = data
+            if self.opener is not None:
+                author, body = self.opener(data)
+                if author != replica:
+                    raise WireError("author", f"shard {shard} is signed by {author[-8:]}, not {replica[-8:]}")
+            message = decode_payload(body, self.sparse_specs[shard])
             if message.replica != replica or message.round != round_ or message.shard != shard:
                 raise WireError("header", f"payload is ({message.replica}, {message.round}, {message.shard})")
             decoded.append(message)
         return decoded
 
     def apply(self, round_: int, contributions: Sequence[tuple[str, dict[str, bytes]]]) -> None:
-        """θ ← θ − α·aggregate over the sealed contributions (in the given, sealed order)."""
-        if round_ != self.params_round + 1:
-            raise ValueError(f"round {round_} does not follow the applied round {self.params_round}")
+        """θ ← θ − α·aggregate over the sealed contributions (in the given, sealed order): all or nothing.
+
+        WireError for an invalid payload, ApplyError for an aggregate that would not be finite."""
         decoded = [(replica, self.decode_contribution(replica, round_, p)) for replica, p in contributions]
         self.apply_decoded(round_, decoded)
 
     def apply_decoded(self, round_: int, contributions: Sequence[tuple[str, list[DecodedPayload]]]) -> None:
         """`apply` for contributions already validated by `decode_contribution` (the sealer's)."""
+        self.commit(self.prepare(round_, contributions))
+
+    def prepare(
+        self, round_: int, contributions: Sequence[tuple[str, list[DecodedPayload]]]
+    ) -> PreparedRound:
+        """Aggregate every shard of the round and check the step before any parameter changes."""
         if round_ != self.params_round + 1:
             raise ValueError(f"round {round_} does not follow the applied round {self.params_round}")
         decoded = dict(contributions)
+        delta: dict[str, torch.Tensor] = {}
         for shard, spec in self.sparse_specs.items():
             updates = [
                 (replica, message.sparse)
@@ -130,14 +169,22 @@ class GlobalModel:
                 for message in messages
                 if message.shard == shard
             ]
-            if not updates:
-                continue
-            delta = aggregate_sparse(updates, dict(spec.shapes))
-            params = {n: self.params[n] for n in spec.shapes}
-            outer_sgd_step(
-                params, delta, lr=self.config.outer.lr, weight_decay=self.config.outer.weight_decay
-            )
-        self.params_round = round_
+            if updates:
+                delta.update(aggregate_sparse(updates, dict(spec.shapes)))
+        o = self.config.outer
+        unsafe = unsafe_outer_step({n: self.params[n] for n in delta}, delta, o.lr, o.weight_decay)
+        if unsafe is not None:
+            raise ApplyError(round_, unsafe, [replica for replica, _ in contributions])
+        return PreparedRound(round_, delta)
+
+    def commit(self, prepared: PreparedRound) -> None:
+        """Step θ by a prepared round (checked: nothing here can fail half-way)."""
+        if prepared.round != self.params_round + 1:
+            raise ValueError(f"round {prepared.round} does not follow the applied round {self.params_round}")
+        o = self.config.outer
+        params = {n: self.params[n] for n in prepared.delta}
+        outer_sgd_step(params, prepared.delta, lr=o.lr, weight_decay=o.weight_decay)
+        self.params_round = prepared.round
 
     def digests(self) -> dict[str, str]:
         return layer_digests(self.params)
@@ -224,6 +271,7 @@ class AnchorTraining:
         """What a restart needs to go on: θ and its round, error feedback, inner optimiser."""
         state = {
             "params_round": global_model.params_round,
+            "seal_hash": global_model.seal_hash,
             "global_params": global_model.params,
             "feedback": self.feedback.state_dict(),
             "trainer": self.trainer.state_dict(),
@@ -251,6 +299,8 @@ class AnchorTraining:
             for name, tensor in params.items():
                 global_model.params[name].copy_(tensor)
         global_model.params_round = int(state["params_round"])
+        seal_hash = state.get("seal_hash")  # absent in states saved before seals were chained
+        global_model.seal_hash = seal_hash if isinstance(seal_hash, str) else None
         return True
 
     def feedback_norm(self) -> float:

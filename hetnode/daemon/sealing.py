@@ -4,9 +4,15 @@ A contribution enters the seal only after the sealer fetched every shard from it
 sha256 against the announcement and decoded it against the model (shapes, index ranges, finite tables).
 A payload that is invalid is excluded, logged with the peer id, and its author is banned for a while; an
 author that cannot be reached (it left mid-round) is excluded too, but only held back for a short retry
-interval. A seal lists only payloads every replica can apply, so nobody drops a contribution on its own,
+interval. Before sealing, the sealer aggregates the round exactly as appliers will (`GlobalModel.prepare`)
+and excludes any contribution whose step would not be finite, so nothing it seals can fail later (TRUST
+§2). A seal lists only payloads every replica can apply, so nobody drops a contribution on its own,
 and it never lists none: a round in which nothing valid arrived stays open. The sealer keeps the validated
-payloads and serves them to every replica.
+payloads and serves them to every replica. Each seal names the previous seal's hash (`prev`): replicas
+accept only the next link of the chain they hold.
+
+Budgets: at most MAX_CONCURRENT_FETCHES authors are fetched at once, each payload capped at the most a
+valid payload of its shard can weigh, so the memory of a round's fetches is bounded by the model.
 
 Each announcement is fetched and checked as soon as the sealer sees it (one stream per author), so the
 seal waits only for the last authors' payloads; a re-announcement (a restarted replica) replaces it.
@@ -22,11 +28,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from hetnode.config import Config
-from hetnode.daemon.rounds import GlobalModel, sha256_hex
+from hetnode.daemon.rounds import ApplyError, GlobalModel, PreparedRound, sha256_hex
 from hetnode.errors import WireError
 from hetnode.net.node import SwarmNode
 from hetnode.net.streams import PeerRequestError
 from hetnode.planning.rounds import Announcement, ArrivalDeadline, sealed_order
+from hetnode.wire.seals import seal_digest
 from hetnode.wire.sync_payload import DecodedPayload
 
 log = logging.getLogger(__name__)
@@ -35,6 +42,10 @@ BAN_S = 120.0  # an author of an invalid payload is ignored this long
 RETRY_S = 5.0  # an unreachable author's announcement is tried again after this long
 POLL_RETRY_S = 0.5  # a re-announced contribution is read again after this long
 SEAL_TTL_S = 3600.0
+MAX_CONCURRENT_FETCHES = 8  # authors whose payloads are in flight to the sealer at once
+
+
+Checked = tuple[Announcement, dict[str, bytes], list[DecodedPayload]]  # (claim, payloads, decoded)
 
 
 @dataclass(frozen=True)
@@ -44,6 +55,11 @@ class SealedRound:
     excluded: list[str]
     announcements: dict[str, Announcement]  # of the contributions, by peer (tokens and steps to credit)
     decoded: list[tuple[str, list[DecodedPayload]]]  # the validated messages, in sealed order
+    prepared: PreparedRound  # the checked aggregate: committing it is the coordinator's apply
+
+    @property
+    def digest(self) -> str:
+        return seal_digest(self.record)
 
 
 class Sealer:
@@ -66,6 +82,8 @@ class Sealer:
         # fetch-and-check of each announcement, started when it is first seen: by the time the round is
         # sealed only the last announcers' payloads are still on their way
         self._checks: dict[tuple[int, str], tuple[Announcement, asyncio.Task]] = {}
+        self._fetching = asyncio.Semaphore(MAX_CONCURRENT_FETCHES)
+        self.missed: set[str] = set()  # expected by an earlier seal, not announced since
         n = config.network
         self.deadline = ArrivalDeadline(
             floor_s=max(1.0, n.heartbeat_s), ceiling_s=max(30.0, 10 * n.boundary_s)
@@ -87,6 +105,7 @@ class Sealer:
                 self.deadline.observe(now - late_first)
             if value.get("round") != round_:
                 continue
+            self.missed.discard(peer)
             if peer in seen:
                 if dict(value["shards"]) == dict(seen[peer].shards):
                     continue
@@ -125,11 +144,20 @@ class Sealer:
         return task
 
     def waiting_for(self, expected: set[str]) -> set[str]:
-        """The expected replicas a seal still waits for: banned ones are not waited for."""
+        """The expected replicas a seal still waits for: banned ones are not, and neither is a replica that
+        missed a round it was waited for, until it announces again (a self-declared anchor that never
+        delivers must not stretch every round to the deadline)."""
         now = time.monotonic()
-        return {peer for peer in expected if self.banned.get(peer, 0.0) <= now}
+        return {peer for peer in expected if self.banned.get(peer, 0.0) <= now and peer not in self.missed}
+
+    def note_missing(self, expected: set[str], seen: dict[str, Announcement]) -> None:
+        """After a seal: the expected replicas that did not announce are not waited for any more."""
+        self.missed = (self.missed | set(expected)) - set(seen)
+        if len(self.missed) > 100_000:  # forget old identities rather than grow without bound
+            self.missed.clear()
 
     def observe_arrivals(self, expected: set[str], seen: dict[str, Announcement]) -> None:
+        self.note_missing(expected, seen)
         first = min(a.seen_at for a in seen.values())
         round_ = next(iter(seen.values())).round
         self._late = (round_, first, set(expected) - set(seen))
@@ -145,7 +173,7 @@ class Sealer:
 
         None when no contribution was valid: nothing is sealed, and the excluded announcements are dropped
         from `seen` so the round stays open for whoever announces next."""
-        good: list[tuple[Announcement, dict[str, bytes], list[DecodedPayload]]] = []
+        good: list[Checked] = []
         excluded = []
         order = sealed_order(seen.values())
         checks = [self._check_of(a) for a in order]
@@ -175,7 +203,8 @@ class Sealer:
                 self.banned[peer] = time.monotonic() + BAN_S
                 continue
             good.append((announcement, payloads, decoded))
-        if not good:
+        good, prepared = await self._prepare(round_, good, excluded)
+        if prepared is None:
             for peer in excluded:
                 del seen[peer]
             log.info("round %d: no valid contribution among %d announced; not sealing", round_, len(excluded))
@@ -191,6 +220,7 @@ class Sealer:
             ],
             "excluded": excluded,
             "sealed_at": time.time(),
+            "prev": self.global_model.seal_hash or "",
         }
         if not await self.node.store_own("seal", record, ttl_s=SEAL_TTL_S):
             log.warning("round %d: no DHT node accepted the seal yet", round_)
@@ -201,7 +231,33 @@ class Sealer:
             excluded,
             {a.peer_id: a for a, _, _ in good},
             [(a.peer_id, d) for a, _, d in good],
+            prepared,
         )
+
+    async def _prepare(
+        self, round_: int, good: list[Checked], excluded: list[str]
+    ) -> tuple[list[Checked], PreparedRound | None]:
+        """Aggregate the valid contributions as appliers will; a contribution whose step alone would not be
+        finite is excluded (and its author banned). None when nothing is left."""
+        while good:
+            try:
+                contributions = [(a.peer_id, decoded) for a, _, decoded in good]
+                return good, await asyncio.to_thread(self.global_model.prepare, round_, contributions)
+            except ApplyError as exc:
+                culprits = set()
+                for announcement, _, decoded in good:
+                    alone = [(announcement.peer_id, decoded)]
+                    try:
+                        await asyncio.to_thread(self.global_model.prepare, round_, alone)
+                    except ApplyError:
+                        culprits.add(announcement.peer_id)
+                culprits = culprits or {a.peer_id for a, _, _ in good}  # only together: θ is at fault
+                log.warning("round %d: excluding %s: %s", round_, sorted(p[-8:] for p in culprits), exc)
+                for peer in sorted(culprits):
+                    excluded.append(peer)
+                    self.banned[peer] = time.monotonic() + BAN_S
+                good = [g for g in good if g[0].peer_id not in culprits]
+        return good, None
 
     async def _announcement_changed(self, announcement: Announcement) -> bool:
         entry = (await self.node.read_field("announce")).get(announcement.peer_id)
@@ -215,16 +271,18 @@ class Sealer:
     async def _fetch_and_check(
         self, announcement: Announcement
     ) -> tuple[dict[str, bytes], list[DecodedPayload]]:
-        max_bytes = int(self.config.network.max_frame_mb * 2**20)
         if not announcement.shards or not set(announcement.shards) <= set(self.global_model.shards):
             raise WireError("shards", f"announced shards {sorted(announcement.shards)} are not the model's")
         peer, shards = announcement.peer_id, list(announcement.shards)
         if peer == self.node.identity.peer_id:
             found = [self.own_payload(announcement.round, shard) for shard in shards]
         else:
-            found = await self.node.fetch_payloads(
-                peer, announcement.round, [(shard, peer) for shard in shards], max_bytes
-            )
+            # the most a valid payload of these shards can weigh: an author cannot make us hold more
+            max_bytes = max(self.global_model.sparse_specs[shard].max_payload_bytes() for shard in shards)
+            async with self._fetching:
+                found = await self.node.fetch_payloads(
+                    peer, announcement.round, [(shard, peer) for shard in shards], max_bytes
+                )
         payloads = {}
         for shard, data in zip(shards, found, strict=True):
             if data is None or sha256_hex(data) != announcement.shards[shard]:

@@ -88,6 +88,17 @@ def _private_key_from_der(der: bytes) -> RSAPrivateKey:
     return key
 
 
+def check_peer_id(text: str, what: str = "peer id") -> str:
+    """`text` if it is a libp2p peer id (base58 of a sha2-256 multihash); HetnodeError naming `what`."""
+    try:
+        decoded = multihash.decode(base58.b58decode(text))
+    except Exception:
+        raise HetnodeError(f"{what}: {text[:80]!r} is not a peer id (Qm…, as a READY line prints it)") from None
+    if decoded.name != "sha2-256":
+        raise HetnodeError(f"{what}: {text[:80]!r} is not an RSA peer id")
+    return text
+
+
 def peer_id_from_maddr(maddr: str) -> str:
     """The peer id at the end of a `/.../p2p/<id>` multiaddr, checked to be valid base58."""
     head, sep, tail = maddr.rstrip("/").rpartition("/p2p/")

@@ -6,18 +6,67 @@ Keys (hivemind prefixes them as `{run}_{field}`):
   so that a daemon of another protocol version can still read it and refuse with a clear message.
 - `round`: subkey = the coordinator's owner key; the current boundary (outer step) number.
 - `peers`: subkey = each peer's owner key; what the peer says about itself.
+
+Every field has a lifetime cap (`MAX_TTL_S`) and a size cap (`MAX_RECORD_BYTES`), enforced by
+`RecordCapsValidator` where a record is stored and again where it is read (TRUST §5): without them one
+seal with a 10-year expiry stays forever, and a handful of huge records push a key past hivemind's reply
+limit so that fresh readers see no entries at all.
+
+hivemind answers a DHT get in one unary p2pd message of at most 4 MiB (`DEFAULT_MAX_MSG_SIZE = 4 * 1024**2`
+in hivemind/p2p/p2p_daemon_bindings/control.py, the persistent connection's limit; a larger answer comes
+back as "response size exceeds message size limit", i.e. no entries). One `peers` entry at its cap weighs
+~4.9 KB in a reply (a 4 KiB value, a 356-byte RSA-2048 signature, a 391-byte owner subkey), so ~860 live
+peers fit in one reply; a real `1b` record (20 shard digests) is ~1.55 KB there, ~2,700 of them fit.
+`announce` has the same cap and the same count; `seal` and `manifest` have one or a few writers.
 """
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
+from typing import Any
+
 import pydantic.v1 as pydantic
+from hivemind.dht.routing import DHTID
 from hivemind.dht.schema import BytesWithPublicKey, SchemaValidator
+from hivemind.dht.validation import DHTRecord, RecordValidatorBase
+from hivemind.utils import MSGPackSerializer
 
 MAX_NAME_CHARS = 64
 ShardName = pydantic.constr(strict=True, regex=r"^(embed|head|[0-9]{1,4})$")
 Digest = pydantic.constr(strict=True, regex=r"^[0-9a-f]{8,64}$")
 Sha256 = pydantic.constr(strict=True, regex=r"^[0-9a-f]{64}$")
 MAX_MANIFEST_BYTES = 64 * 1024
+MAX_SHARDS = 1026  # 1024 layers, embed and head: the most shards a dict keyed by ShardName may have
+
+# Callers stay well under these: peers record_ttl_s (30 s in configs/), announce 300 s, manifest 600 s,
+# round 4 x boundary_s (120 s by default), seal 3600 s.
+MAX_TTL_S: dict[str, float] = {
+    "manifest": 900.0,
+    "round": 300.0,
+    "peers": 120.0,
+    "announce": 600.0,
+    "seal": 7200.0,
+}
+# msgpack bytes of the value. Real records (1b config, 18 layers): peers ~0.8 KB, announce ~1.4 KB,
+# manifest ~1.2 KB, round ~50 B; a seal holds ~1.46 KB per contribution of all 20 shards, ~179 of them.
+MAX_RECORD_BYTES: dict[str, int] = {
+    "peers": 4 * 1024,
+    "announce": 4 * 1024,
+    "seal": 256 * 1024,
+    "manifest": MAX_MANIFEST_BYTES + 1024,  # the schema's largest body and its envelope
+    "round": 256,
+}
+TTL_SLACK_S = 30.0  # honest peers' clocks disagree by seconds
+SIGNATURE_BYTES = 512  # RSASignatureValidator's "[signature:<base64>]" suffix: 356 bytes for RSA-2048
+MAX_SUBKEY_BYTES = 1024  # "[owner:<ssh-rsa key>]" in msgpack: 391 bytes for RSA-2048
+
+
+def _at_most_shards(value: Any) -> Any:
+    # before the items are validated: a dict of 10^5 shards is refused on its length alone
+    if isinstance(value, dict) and len(value) > MAX_SHARDS:
+        raise ValueError(f"{len(value)} shards, at most {MAX_SHARDS}")
+    return value
 
 
 class ManifestRecord(pydantic.BaseModel):
@@ -53,6 +102,8 @@ class PeerRecord(pydantic.BaseModel):
     layer_digests: dict[ShardName, Digest] | None  # type: ignore[valid-type]
     tokens: pydantic.conint(strict=True, ge=0) | None  # type: ignore[valid-type]
 
+    _cap_digests = pydantic.validator("layer_digests", pre=True, allow_reuse=True)(_at_most_shards)
+
 
 class AnnounceRecord(pydantic.BaseModel):
     """A replica's payload for `round` is ready: the sha256 of each shard's message, the tokens behind it."""
@@ -62,11 +113,15 @@ class AnnounceRecord(pydantic.BaseModel):
     tokens: pydantic.conint(strict=True, ge=0)  # type: ignore[valid-type]
     steps: pydantic.conint(strict=True, ge=0)  # type: ignore[valid-type]
 
+    _cap_shards = pydantic.validator("shards", pre=True, allow_reuse=True)(_at_most_shards)
+
 
 class Contribution(pydantic.BaseModel):
     peer: pydantic.constr(strict=True, min_length=1, max_length=128)  # type: ignore[valid-type]
     shards: dict[ShardName, Sha256]  # type: ignore[valid-type]
     tokens: pydantic.conint(strict=True, ge=0)  # type: ignore[valid-type]
+
+    _cap_shards = pydantic.validator("shards", pre=True, allow_reuse=True)(_at_most_shards)
 
 
 class SealRecord(pydantic.BaseModel):
@@ -76,6 +131,7 @@ class SealRecord(pydantic.BaseModel):
     contributions: pydantic.conlist(Contribution, max_items=1024)  # type: ignore[valid-type]
     excluded: pydantic.conlist(pydantic.constr(strict=True, max_length=128), max_items=1024)  # type: ignore[valid-type]
     sealed_at: pydantic.StrictFloat
+    prev: pydantic.constr(strict=True, regex=r"^([0-9a-f]{64})?$")  # type: ignore[valid-type]  # the seal before
 
 
 class RunRecords(pydantic.BaseModel):
@@ -99,3 +155,41 @@ def record_key(run: str, field: str) -> str:
 def check_peer_record(value: dict) -> dict:
     """Validate a record read from the DHT again on our side (relays may run other code)."""
     return PeerRecord.parse_obj(value).dict()
+
+
+class RecordCapsValidator(RecordValidatorBase):
+    """Refuses a record of `run` that would live longer, or weighs more, than its field's cap.
+
+    It runs before the signature check (a higher priority), so an over-cap record costs a comparison, not
+    an RSA verification and a msgpack decode. hivemind validates what it reads as well: a relay that
+    holds an over-cap entry (it runs other code) has its whole answer for that key dropped, as it would
+    for a forged signature."""
+
+    def __init__(self, run: str, clock: Callable[[], float] = time.time) -> None:
+        self.clock = clock
+        self._fields = {DHTID.generate(source=record_key(run, f)).to_bytes(): f for f in MAX_TTL_S}
+
+    def validate(self, record: DHTRecord) -> bool:
+        field = self._fields.get(record.key)
+        if field is None:
+            return True  # not a key of the run: the schema validator decides
+        if record.expiration_time > self.clock() + MAX_TTL_S[field] + TTL_SLACK_S:
+            return False
+        if len(record.subkey or b"") > MAX_SUBKEY_BYTES:
+            return False
+        return len(record.value) <= MAX_RECORD_BYTES[field] + SIGNATURE_BYTES
+
+    @property
+    def priority(self) -> int:
+        return 20  # RSASignatureValidator is 10; validation runs from the highest priority down
+
+
+def cap_problem(field: str, value: Any, expiration_time: float, now: float) -> str | None:
+    """Why an entry read from the DHT breaks its field's caps, or None. Checked again on read: the
+    entry may come from our own storage or a path that skipped the validator."""
+    if expiration_time > now + MAX_TTL_S[field] + TTL_SLACK_S:
+        return f"expires in {expiration_time - now:.0f} s, beyond the {MAX_TTL_S[field]:.0f} s cap"
+    size = len(MSGPackSerializer.dumps(value))
+    if size > MAX_RECORD_BYTES[field]:
+        return f"{size} bytes, over the {MAX_RECORD_BYTES[field]}-byte cap"
+    return None

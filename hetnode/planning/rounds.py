@@ -12,6 +12,8 @@ from collections import deque
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
+from hetnode.config import Config
+
 
 @dataclass(frozen=True)
 class Announcement:
@@ -75,3 +77,9 @@ def seal_now(
 def sealed_order(contributions: Iterable[Announcement]) -> list[Announcement]:
     """The fixed order every replica aggregates in (by peer id), so results are bit-identical."""
     return sorted(contributions, key=lambda a: a.peer_id)
+
+
+def replica_tokens(config: Config) -> int:
+    """Tokens one replica trains per round by the manifest's schedule (H × batch × sequence): what a
+    sealed contribution earns, split over a chain's stages by the shards each delivered (TRUST §1)."""
+    return config.outer.inner_steps * config.data.batch_size * config.data.seq_len

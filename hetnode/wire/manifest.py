@@ -15,8 +15,10 @@ import msgpack
 from hetnode.config import Config, config_from_dict
 from hetnode.errors import ConfigError, HetnodeError, WireError
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: signed payloads, seal chains, stand-ins listed in the manifest
 MAX_BODY_BYTES = 64 * 1024
+MAX_STAND_INS = 64
+MAX_PEER_ID_CHARS = 128
 
 
 class ProtocolMismatch(HetnodeError):
@@ -39,9 +41,14 @@ class Manifest:
     run: str
     config: Config
     created: float
+    # peers that may seal while the coordinator is silent (the operator's choice; TRUST §1)
+    stand_ins: tuple[str, ...] = ()
 
     def envelope(self) -> dict[str, Any]:
-        body = msgpack.packb({"config": self.config.to_dict(), "created": self.created}, use_bin_type=True)
+        body = msgpack.packb(
+            {"config": self.config.to_dict(), "created": self.created, "stand_ins": list(self.stand_ins)},
+            use_bin_type=True,
+        )
         if len(body) > MAX_BODY_BYTES:
             raise ValueError(f"manifest body of {len(body)} bytes exceeds {MAX_BODY_BYTES}")
         return {"protocol": self.protocol, "run": self.run, "body": body}
@@ -70,8 +77,15 @@ def manifest_from_envelope(envelope: Any) -> Manifest:
     created = raw.get("created")
     if not isinstance(created, float):
         raise WireError("manifest.created", "missing or not a float")
+    stand_ins = raw.get("stand_ins", [])
+    if (
+        not isinstance(stand_ins, list)
+        or len(stand_ins) > MAX_STAND_INS
+        or not all(isinstance(p, str) and 0 < len(p) <= MAX_PEER_ID_CHARS for p in stand_ins)
+    ):
+        raise WireError("manifest.stand_ins", f"must be a list of at most {MAX_STAND_INS} peer ids")
     try:
         config = config_from_dict(raw["config"], source=f"manifest of run {run}")
     except ConfigError as exc:
         raise WireError("manifest.config", str(exc)) from None
-    return Manifest(protocol=protocol, run=run, config=config, created=created)
+    return Manifest(protocol, run, config, created, tuple(stand_ins))

@@ -9,6 +9,7 @@ so a bad payload is never partially applied. Each violation raises `WireError` n
 from __future__ import annotations
 
 import math
+import struct
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -22,6 +23,8 @@ from hetnode.errors import WireError
 PAYLOAD_TYPE = "sync"
 PAYLOAD_VERSION = 1
 MAX_ID_CHARS = 256
+ENVELOPE_SLACK_BYTES = 4096  # message header + the signed envelope's key and signature
+TENSOR_SLACK_BYTES = 64  # one tensor entry's map keys and length prefixes
 
 CodecName = Literal["sparseloco", "fp32", "bf16"]
 SparseValues = tuple[torch.Tensor, torch.Tensor]  # (flat indices, float32 values)
@@ -37,6 +40,20 @@ class ShardSpec:
     topk: int = 64
     tile: int = 64
     max_bytes: int = 64 * 2**20
+    max_value: float = 1000.0  # bound on |shift| + max|table| of a sparse tensor (TRUST §2)
+
+    def max_payload_bytes(self) -> int:
+        """The most bytes a valid payload of this shard can weigh, signed envelope included: what a
+        fetch of it may reserve (every size is fixed by the shapes and the codec)."""
+        total = ENVELOPE_SLACK_BYTES
+        for name, shape in self.shapes.items():
+            total += TENSOR_SLACK_BYTES + len(name.encode()) + 9 * len(shape)
+            if self.codec == "sparseloco":
+                n = SparseLoCoCodec(self.topk, self.tile).grid(tuple(shape)).total_selected
+                total += math.ceil(n / 2) * 3 + math.ceil(n / 4) + 5 * 9
+            else:
+                total += math.prod(shape) * (4 if self.codec == "fp32" else 2)
+        return min(total, self.max_bytes)
 
 
 @dataclass(frozen=True)
@@ -139,7 +156,7 @@ def decode_payload(data: bytes, spec: ShardSpec) -> DecodedPayload:
         if shape != tuple(spec.shapes[name]):
             raise WireError(f"{where}.shape", f"expected {tuple(spec.shapes[name])}, got {shape}")
         if spec.codec == "sparseloco":
-            sparse[name] = _decode_sparse(entry, shape, codec, where)
+            sparse[name] = _decode_sparse(entry, shape, codec, where, spec.max_value)
         else:
             dense[name] = _decode_dense(entry, shape, codec, where)
     missing = sorted(set(spec.shapes) - seen)
@@ -148,7 +165,20 @@ def decode_payload(data: bytes, spec: ShardSpec) -> DecodedPayload:
     return DecodedPayload(replica, round_, spec.shard, spec.codec, sparse, dense)
 
 
-def _decode_sparse(entry: dict, shape: tuple[int, ...], codec: SparseLoCoCodec, where: str) -> SparseValues:
+def _as_float32(value: float | int, field: str) -> float:
+    """`value` rounded to float32 as the codec will use it; WireError when it is not finite there."""
+    try:
+        (rounded,) = struct.unpack("<f", struct.pack("<f", float(value)))
+    except (OverflowError, struct.error):
+        rounded = math.inf
+    if not math.isfinite(rounded):
+        raise WireError(field, f"{value!r} is not a finite float32")
+    return rounded
+
+
+def _decode_sparse(
+    entry: dict, shape: tuple[int, ...], codec: SparseLoCoCodec, where: str, max_value: float
+) -> SparseValues:
     grid = codec.grid(shape)
     idx = _expect(entry, "idx", bytes, where)
     codes = _expect(entry, "codes", bytes, where)
@@ -161,11 +191,16 @@ def _decode_sparse(entry: dict, shape: tuple[int, ...], codec: SparseLoCoCodec, 
     want_codes = math.ceil(grid.total_selected / 4)
     if len(codes) != want_codes:
         raise WireError(f"{where}.codes", f"expected {want_codes} bytes, got {len(codes)}")
-    if len(q) != 5 or not all(isinstance(x, float | int) and math.isfinite(x) for x in q):
-        raise WireError(f"{where}.q", "must be 5 finite numbers (shift + 4-entry table)")
-    ct = CompressedTensor(
-        shape, idx, codes, float(q[0]), (float(q[1]), float(q[2]), float(q[3]), float(q[4]))
-    )
+    if len(q) != 5 or not all(isinstance(x, float | int) and not isinstance(x, bool) for x in q):
+        raise WireError(f"{where}.q", "must be 5 numbers (shift + 4-entry table)")
+    # Check the values in the dtype they are applied in: a shift finite in float64 can overflow float32.
+    shift, *table = (_as_float32(x, f"{where}.q") for x in q)
+    bound = abs(shift) + max(abs(t) for t in table)
+    if not bound <= max_value:
+        raise WireError(
+            f"{where}.q", f"|shift| + max|table| = {bound:.3g} exceeds the run's limit {max_value:g}"
+        )
+    ct = CompressedTensor(shape, idx, codes, shift, (table[0], table[1], table[2], table[3]))
     try:
         return codec.sparse(ct)
     except ValueError as exc:  # out-of-range or unordered indices, bad padding
