@@ -240,6 +240,7 @@ class Coordinator:
             "chain": None,
             "stage": None,
             "layers": None,
+            "chain_layout": None,
             "outer_step": 0,
             "last_seen": time.time(),
             "params_round": None,

@@ -66,6 +66,24 @@ def register(commands: argparse._SubParsersAction) -> None:
         required=True,
         help="multiaddr of any swarm member (ending in /p2p/<peer id>), or the coordinator's http://HOST:PORT",
     )
+    join.add_argument(
+        "--coordinator",
+        default=None,
+        metavar="PEER_ID",
+        help="the coordinator to follow (its READY line and status page show the id); needed when --peer "
+        "is another member's multiaddr, implied by the coordinator's own address or URL",
+    )
+    join.add_argument(
+        "--data-source",
+        default=None,
+        help="your copy of the run's data (dir:FOLDER or bin:FILE) when the run does not train on the "
+        "bundled corpus; a manifest never picks a path on your machine",
+    )
+    join.add_argument(
+        "--data-cache",
+        default="~/.cache/hetnode",
+        help="where tokenised data is cached (default %(default)s)",
+    )
     join.add_argument("--name", default=None, help="name on the leaderboard (default: host name)")
     join.add_argument("--bandwidth", default="auto", help="auto (measure) or this link's Mbit/s")
     join.add_argument("--role", choices=("auto", "anchor", "stage"), default="auto")
@@ -142,6 +160,11 @@ def run_join(args: argparse.Namespace) -> int:
             raise ConfigError(
                 "--device", "device", "cuda requested but no CUDA device is available (use cpu)"
             )
+    coordinator = None
+    if args.coordinator is not None:
+        from hetnode.net.identity import check_peer_id
+
+        coordinator = check_peer_id(args.coordinator, "--coordinator")
     safe_name = "".join(c if c.isalnum() or c in "-_." else "_" for c in name)
     options = JoinOptions(
         peer=args.peer,
@@ -156,6 +179,9 @@ def run_join(args: argparse.Namespace) -> int:
         metrics_port=args.metrics_port,
         http_host=args.http_host,
         fault=args.fault,
+        coordinator=coordinator,
+        data_source=args.data_source,
+        data_cache=args.data_cache,
     )
     return loop.run(PeerDaemon(options).run())
 

@@ -29,7 +29,7 @@ from hetnode.daemon.metrics import PeerMetrics
 from hetnode.daemon.peer_address import is_url, resolve_peer
 from hetnode.daemon.presence import Presence
 from hetnode.daemon.resources import available_memory_gb, measure_tflops
-from hetnode.daemon.swarm import RunContact, find_run, read_round, start_when_reachable
+from hetnode.daemon.swarm import RunContact, find_run, local_config, read_round, start_when_reachable
 from hetnode.daemon.view import SwarmView
 from hetnode.errors import HetnodeError
 from hetnode.model.decoder import count_parameters
@@ -55,6 +55,7 @@ from hetnode.wire.manifest import PROTOCOL_VERSION
 log = logging.getLogger(__name__)
 
 MAX_PROBE_ANCHORS = 3
+PIN_FILE = "coordinator.json"  # the coordinator this data dir follows, once it joined
 REMEASURE_EVERY_BOUNDARIES = 20
 
 
@@ -72,6 +73,9 @@ class JoinOptions:
     metrics_port: int | None = None  # None: no /metrics; 0: any free port
     http_host: str = "127.0.0.1"
     fault: str | None = None  # tests only: make this anchor a hostile contributor ("nan" or "digest")
+    coordinator: str | None = None  # the coordinator's peer id we mean to follow (pinned)
+    data_source: str | None = None  # our own copy of the run's data (None: the bundled corpus)
+    data_cache: str = "~/.cache/hetnode"  # where tokenised data is cached; never taken from a manifest
 
 
 def limits_of(config: Config) -> NodeLimits:
@@ -94,19 +98,28 @@ class PeerDaemon:
         self._role_key: str | None = None  # "anchor" or the chain id
         self.metrics: PeerMetrics | None = None
         self._http: HttpServer | None = None
+        self._config: Config | None = None
+        self._data_dir: DataDir | None = None
+        self.pinned: str | None = options.coordinator
 
     @property
     def config(self) -> Config:
-        assert self.contact is not None
-        return self.contact.manifest.config
+        assert self._config is not None, "the run's config is known once the run was found"
+        return self._config
 
     async def run(self) -> int:
         if is_url(self.options.peer):
             peer = await asyncio.to_thread(resolve_peer, self.options.peer, self.options.connect_timeout_s)
             self.options = dataclasses.replace(self.options, peer=peer)
+            # the URL is the coordinator's own: it names the peer id to follow
+            self.pinned = self.pinned or peer_id_from_maddr(peer)
         peer_id_from_maddr(self.options.peer)  # a clear error before any daemon starts
         stop = stop_on_signals()
         with DataDir(self.options.data_dir) as data_dir:
+            remembered = data_dir.read_json(PIN_FILE).get("coordinator")
+            if self.pinned is None and isinstance(remembered, str):
+                self.pinned = remembered  # a restart follows the coordinator it followed before
+            self._data_dir = data_dir
             identity = load_or_create_identity(data_dir.path / "identity.key")
             self.node = await start_when_reachable(
                 identity,
@@ -160,7 +173,18 @@ class PeerDaemon:
 
     async def _serve(self, stop: asyncio.Event) -> None:
         self.node.set_info(self._info)
-        self.contact = await find_run(self.node, self.options.peer, self.options.connect_timeout_s, stop)
+        self.contact = await find_run(
+            self.node,
+            self.options.peer,
+            self.options.connect_timeout_s,
+            stop,
+            pinned=self.pinned,
+            require_pin=True,
+        )
+        self._data_dir.write_json(PIN_FILE, {"coordinator": self.contact.coordinator, "saved": time.time()})
+        self._config = local_config(
+            self.contact.manifest.config, self.options.data_source, self.options.data_cache
+        )
         self.node.limits = limits_of(self.config)
         log.info("joined run %s (coordinator %s)", self.contact.manifest.run, self.contact.coordinator)
         await self._start_presence()
@@ -286,6 +310,7 @@ class PeerDaemon:
             "chain": None,
             "stage": None,
             "layers": [0, self.config.model.n_layers - 1] if role == "anchor" else None,
+            "chain_layout": None,
             "outer_step": 0,
             "last_seen": time.time(),
             "params_round": None,
@@ -355,7 +380,9 @@ class PeerDaemon:
         if role != record["role"] or (role != "stage" and self.assignment is not None):
             self.assignment, self.chain_live, self.chain_broken = None, False, False
             layers = [0, self.config.model.n_layers - 1] if role == "anchor" else None
-            await self.presence.update(role=role, chain=None, stage=None, layers=layers, outer_step=boundary)
+            await self.presence.update(
+                role=role, chain=None, stage=None, layers=layers, chain_layout=None, outer_step=boundary
+            )
             log.info("boundary %d: role %s", boundary, role)
         self._run_role(stop, view)
         if role == "idle" and record["wants"] == "stage":
@@ -382,7 +409,12 @@ class PeerDaemon:
             return
         self.assignment = mine
         await self.presence.update(
-            role="stage", chain=mine.chain, stage=mine.stage, layers=list(mine.layers), outer_step=boundary
+            role="stage",
+            chain=mine.chain,
+            stage=mine.stage,
+            layers=list(mine.layers),
+            chain_layout=[list(member) for member in mine.layout],
+            outer_step=boundary,
         )
         deadline = opened + n.confirm_s
         while time.monotonic() < deadline:
@@ -402,7 +434,7 @@ class PeerDaemon:
             problems[0] if problems else "no claims seen",
         )
         self.assignment, self.chain_live = None, False
-        await self.presence.update(role="idle", chain=None, stage=None, layers=None)
+        await self.presence.update(role="idle", chain=None, stage=None, layers=None, chain_layout=None)
 
     async def _apply_remeasurement(self, boundary: int) -> None:
         """Re-measure now and then (auto bandwidth only); a new class changes the role at a boundary."""

@@ -46,6 +46,7 @@ class Presence:
 
     async def announce_offline(self) -> None:
         try:
-            await asyncio.wait_for(self.update(role="offline", chain=None, stage=None, layers=None), 5.0)
+            offline = {"role": "offline", "chain": None, "stage": None, "layers": None, "chain_layout": None}
+            await asyncio.wait_for(self.update(**offline), 5.0)
         except Exception as exc:  # shutting down: the record will expire anyway
             log.debug("offline announcement failed: %r", exc)

@@ -1,4 +1,9 @@
-"""Finding a run through one known peer: its run id, the coordinator, the signed manifest, the round."""
+"""Finding a run through one known peer: its run id, the coordinator, the signed manifest, the round.
+
+A volunteer pins the coordinator it meant (TRUST §1): the peer it joins through only helps it find the
+DHT, and a member that names another coordinator is refused. What the manifest says about local paths
+(the data source beyond the bundled corpus, the data cache) is never taken: `local_config` replaces them
+with the volunteer's own."""
 
 from __future__ import annotations
 
@@ -7,8 +12,9 @@ import logging
 import time
 from dataclasses import dataclass
 
+from hetnode.config import Config, replace
 from hetnode.daemon.lifecycle import Stopped, sleep_or_stop
-from hetnode.errors import HetnodeError
+from hetnode.errors import ConfigError, HetnodeError
 from hetnode.net.identity import Identity, peer_id_from_maddr
 from hetnode.net.node import DEFAULT_LIMITS, PeersUnreachable, SwarmNode
 from hetnode.net.streams import PeerRequestError
@@ -23,10 +29,23 @@ class RunContact:
     manifest: Manifest
 
 
+class CoordinatorNotPinned(HetnodeError):
+    """A volunteer joined through a member without saying which coordinator it means to follow."""
+
+
 async def find_run(
-    node: SwarmNode, peer_maddr: str, timeout_s: float, stop: asyncio.Event, client_mode: bool = False
+    node: SwarmNode,
+    peer_maddr: str,
+    timeout_s: float,
+    stop: asyncio.Event,
+    client_mode: bool = False,
+    pinned: str | None = None,
+    require_pin: bool = False,
 ) -> RunContact:
-    """Ask the known peer which run it serves, join that run's DHT and read the coordinator's manifest."""
+    """Ask the known peer which run it serves, join that run's DHT and read the coordinator's manifest.
+
+    `pinned`: the coordinator we mean to follow; a peer that names another is refused. With `require_pin`
+    and no pin, only the coordinator itself may be the peer we join through (status queries need none)."""
     target = peer_id_from_maddr(peer_maddr)
     deadline = time.monotonic() + timeout_s
     info = None
@@ -42,6 +61,16 @@ async def find_run(
     if not info["run"]:
         raise HetnodeError(f"{peer_maddr} is not part of a run yet")
     coordinator = info["coordinator"] or target
+    if pinned is not None and coordinator != pinned:
+        raise HetnodeError(
+            f"{peer_maddr} follows coordinator {coordinator}, not the pinned {pinned}: refusing to join"
+        )
+    if require_pin and pinned is None and coordinator != target:
+        raise CoordinatorNotPinned(
+            f"{peer_maddr} is a member of run {info['run']}, not its coordinator; to trust its coordinator "
+            f"{coordinator}, pass --coordinator {coordinator} (check it against the coordinator's READY line "
+            "or status page), or join through the coordinator's own address or http://HOST:PORT"
+        )
     await node.join_dht(info["run"], [peer_maddr], client_mode=client_mode)
     while True:
         entry = (await node.read_field("manifest")).get(coordinator)
@@ -82,3 +111,20 @@ async def read_round(node: SwarmNode, coordinator: str) -> int | None:
     if entry is None or not isinstance(entry.value, dict) or not isinstance(entry.value.get("round"), int):
         return None
     return entry.value["round"]
+
+
+def local_config(manifest_config: Config, data_source: str | None, data_cache: str) -> Config:
+    """The run's config as this volunteer trains it: the manifest's model and schedule, but the volunteer's
+    own local paths. A manifest may name the bundled corpus ("wiki"); any other source names a path on the
+    coordinator's machine, which a volunteer must supply itself (`--data-source`)."""
+    source = data_source
+    if source is None:
+        if manifest_config.data.source != "wiki":
+            raise ConfigError(
+                "--data-source",
+                "data.source",
+                f"the run trains on {manifest_config.data.source!r}, a path on the coordinator's machine; "
+                "a volunteer never reads a path a manifest names: pass --data-source with your own copy",
+            )
+        source = "wiki"
+    return replace(manifest_config, "data", source=source, data_dir=data_cache)

@@ -29,11 +29,16 @@ class SwarmView:
         cls, entries: Mapping[str, StoredValue], stages_per_chain: int, n_layers: int
     ) -> SwarmView:
         peers = {}
+        shards = {"embed", "head", *(str(i) for i in range(n_layers))}
         for peer_id, entry in entries.items():
             try:
                 record = check_peer_record(entry.value)
             except Exception as exc:  # a relay passed on something our schema refuses
-                log.warning("ignoring the record of peer %s: %s", peer_id, exc)
+                log.debug("ignoring the record of peer %s: %s", peer_id, exc)
+                continue
+            problem = _model_problem(record, shards, n_layers)
+            if problem:  # schema-valid, but not about this run's model: keys limited to its shards
+                log.debug("ignoring the record of peer %s: %s", peer_id, problem)
                 continue
             if record["role"] != "offline":
                 peers[peer_id] = record
@@ -60,7 +65,13 @@ class SwarmView:
 
     def claims(self) -> list[Claim]:
         return [
-            Claim(peer_id, record["chain"], record["stage"], tuple(record["layers"]))
+            Claim(
+                peer_id,
+                record["chain"],
+                record["stage"],
+                tuple(record["layers"]),
+                tuple((str(p), int(a), int(b)) for p, a, b in record.get("chain_layout") or ()),
+            )
             for peer_id, record in self.peers.items()
             if record["role"] == "stage"
             and record["chain"]
@@ -121,6 +132,19 @@ class SwarmView:
             for c in self.chains()
         ]
         return {"run": run, "round": round_, "peers": peers, "chains": chains}
+
+
+def _model_problem(record: dict[str, Any], shards: set[str], n_layers: int) -> str:
+    """Why a schema-valid record cannot be about this run's model ("" when it can)."""
+    digests = record.get("layer_digests") or {}
+    if not set(digests) <= shards:
+        return f"layer_digests name shards the model does not have: {sorted(set(digests) - shards)[:3]}"
+    layers = record.get("layers")
+    if layers is not None and not 0 <= layers[0] <= layers[1] < n_layers:
+        return f"layers {layers} outside 0..{n_layers - 1}"
+    if len(record.get("chain_layout") or ()) > 64:
+        return "a chain layout longer than any chain"
+    return ""
 
 
 class RecentView:

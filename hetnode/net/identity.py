@@ -93,7 +93,7 @@ def check_peer_id(text: str, what: str = "peer id") -> str:
     try:
         decoded = multihash.decode(base58.b58decode(text))
     except Exception:
-        raise HetnodeError(f"{what}: {text[:80]!r} is not a peer id (Qm…, as a READY line prints it)") from None
+        raise HetnodeError(f"{what}: {text[:80]!r} is not a peer id (Qm…, as READY lines print it)") from None
     if decoded.name != "sha2-256":
         raise HetnodeError(f"{what}: {text[:80]!r} is not an RSA peer id")
     return text

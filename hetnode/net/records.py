@@ -81,6 +81,15 @@ class RoundRecord(pydantic.BaseModel):
     period_s: pydantic.confloat(strict=True, gt=0)  # type: ignore[valid-type]
 
 
+ChainMember = tuple[
+    pydantic.constr(strict=True, min_length=1, max_length=128),  # type: ignore[valid-type]
+    pydantic.conint(strict=True, ge=0, le=MAX_SHARDS),  # type: ignore[valid-type]
+    pydantic.conint(strict=True, ge=0, le=MAX_SHARDS),  # type: ignore[valid-type]
+]
+MAX_TOKENS = 2**40  # per record or announcement: far above any round (H × batch × sequence), far below overflow
+MAX_STEPS = 2**20
+
+
 class PeerRecord(pydantic.BaseModel):
     name: pydantic.constr(strict=True, max_length=MAX_NAME_CHARS)  # type: ignore[valid-type]
     link_class: pydantic.constr(strict=True, regex="^(high|low|slow)$")  # type: ignore[valid-type]
@@ -95,12 +104,14 @@ class PeerRecord(pydantic.BaseModel):
     chain: pydantic.constr(strict=True, max_length=64) | None  # type: ignore[valid-type]
     stage: pydantic.conint(strict=True, ge=0, le=1024) | None  # type: ignore[valid-type]
     layers: pydantic.conlist(pydantic.conint(strict=True, ge=0), min_items=2, max_items=2) | None  # type: ignore[valid-type]
+    # the whole chain (peer, first layer, last layer) per stage, which the chain's name commits to
+    chain_layout: pydantic.conlist(ChainMember, max_items=64) | None = None  # type: ignore[valid-type]
     outer_step: pydantic.conint(strict=True, ge=0)  # type: ignore[valid-type]
     last_seen: pydantic.StrictFloat
     version: pydantic.StrictInt
     params_round: pydantic.conint(strict=True, ge=-1) | None  # type: ignore[valid-type]
     layer_digests: dict[ShardName, Digest] | None  # type: ignore[valid-type]
-    tokens: pydantic.conint(strict=True, ge=0) | None  # type: ignore[valid-type]
+    tokens: pydantic.conint(strict=True, ge=0, le=MAX_TOKENS) | None  # type: ignore[valid-type]
 
     _cap_digests = pydantic.validator("layer_digests", pre=True, allow_reuse=True)(_at_most_shards)
 
@@ -110,8 +121,8 @@ class AnnounceRecord(pydantic.BaseModel):
 
     round: pydantic.conint(strict=True, ge=0)  # type: ignore[valid-type]
     shards: dict[ShardName, Sha256]  # type: ignore[valid-type]
-    tokens: pydantic.conint(strict=True, ge=0)  # type: ignore[valid-type]
-    steps: pydantic.conint(strict=True, ge=0)  # type: ignore[valid-type]
+    tokens: pydantic.conint(strict=True, ge=0, le=MAX_TOKENS)  # type: ignore[valid-type]
+    steps: pydantic.conint(strict=True, ge=0, le=MAX_STEPS)  # type: ignore[valid-type]
 
     _cap_shards = pydantic.validator("shards", pre=True, allow_reuse=True)(_at_most_shards)
 
@@ -119,7 +130,7 @@ class AnnounceRecord(pydantic.BaseModel):
 class Contribution(pydantic.BaseModel):
     peer: pydantic.constr(strict=True, min_length=1, max_length=128)  # type: ignore[valid-type]
     shards: dict[ShardName, Sha256]  # type: ignore[valid-type]
-    tokens: pydantic.conint(strict=True, ge=0)  # type: ignore[valid-type]
+    tokens: pydantic.conint(strict=True, ge=0, le=MAX_TOKENS)  # type: ignore[valid-type]
 
     _cap_shards = pydantic.validator("shards", pre=True, allow_reuse=True)(_at_most_shards)
 

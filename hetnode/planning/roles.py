@@ -83,12 +83,16 @@ class Candidate:
     tflops: float
 
 
+Layout = tuple[tuple[str, int, int], ...]  # (peer id, first layer, last layer) per stage, in stage order
+
+
 @dataclass(frozen=True)
 class StageAssignment:
     chain: str
     stage: int
     peer_id: str
     layers: tuple[int, int]  # first, last (inclusive)
+    layout: Layout = ()  # the whole chain's assignment, which the chain's name commits to
 
 
 @dataclass(frozen=True)
@@ -131,11 +135,12 @@ def pack_chains(
         ranges = split_layers(n_layers, [max(m.tflops, 1e-6) for m in members])
         layout = [(m.peer_id, (r.start, r.stop - 1)) for m, r in zip(members, ranges, strict=True)]
         name = chain_id(boundary, layout)
+        committed = tuple((peer, first, last) for peer, (first, last) in layout)
         plans.append(
             ChainPlan(
                 chain=name,
                 stages=tuple(
-                    StageAssignment(chain=name, stage=i, peer_id=peer, layers=layers)
+                    StageAssignment(chain=name, stage=i, peer_id=peer, layers=layers, layout=committed)
                     for i, (peer, layers) in enumerate(layout)
                 ),
             )
@@ -153,12 +158,13 @@ def assignment_for(plans: Sequence[ChainPlan], peer_id: str) -> StageAssignment 
 
 @dataclass(frozen=True)
 class Claim:
-    """What one peer's record says about its chain."""
+    """What one peer's record says about its chain: its stage and layers, and the whole layout."""
 
     peer_id: str
     chain: str
     stage: int
     layers: tuple[int, int]
+    layout: Layout = ()
 
 
 @dataclass(frozen=True)
@@ -169,46 +175,57 @@ class ChainStatus:
     problem: str  # empty when live
 
 
-def chain_status(claims: Iterable[Claim], stages_per_chain: int, n_layers: int) -> list[ChainStatus]:
-    """Group claims by chain; a chain is live when its claims form one complete, consistent assignment.
+def commits(claim: Claim) -> bool:
+    """True when `claim` is one its chain's name commits to: the layout hashes to the name, and the claimer
+    sits at its stage with its layers in that layout. Anyone else's claim on the name is noise (TRUST §5)."""
+    boundary = _boundary_of(claim.chain)
+    layout = claim.layout
+    if boundary is None or not 0 <= claim.stage < len(layout):
+        return False
+    if layout[claim.stage] != (claim.peer_id, *claim.layers):
+        return False
+    return chain_id(boundary, [(peer, (first, last)) for peer, first, last in layout]) == claim.chain
 
-    Complete and consistent: exactly one claim per stage 0..S-1, layer ranges contiguous in stage order
-    and covering 0..n_layers-1 exactly once, and the chain name matches what those claims commit to.
+
+def chain_status(claims: Iterable[Claim], stages_per_chain: int, n_layers: int) -> list[ChainStatus]:
+    """Group claims by chain; a chain is live when every member of the layout its name commits to claims it.
+
+    Only claims that commit to the name count (`commits`), so a stranger claiming a live chain's name and
+    stage changes nothing. The layout must have `stages_per_chain` stages whose layer ranges are contiguous
+    in stage order and cover 0..n_layers-1 exactly once.
     """
     by_chain: dict[str, list[Claim]] = {}
     for claim in claims:
         by_chain.setdefault(claim.chain, []).append(claim)
     result = []
     for name in sorted(by_chain):
-        members = sorted(by_chain[name], key=lambda c: (c.stage, c.peer_id))
-        slots: list[str | None] = [None] * stages_per_chain
-        problem = ""
-        for claim in members:
-            if not 0 <= claim.stage < stages_per_chain:
-                problem = problem or f"stage {claim.stage} out of range"
-            elif slots[claim.stage] is not None:
-                problem = problem or f"stage {claim.stage} claimed twice"
-            else:
-                slots[claim.stage] = claim.peer_id
+        valid = [c for c in by_chain[name] if commits(c)]
+        if not valid:
+            result.append(
+                ChainStatus(name, False, (None,) * stages_per_chain, "claims do not match the chain's name")
+            )
+            continue
+        layout = valid[0].layout  # every valid claim has it: the name commits to one layout
+        claimed = {c.peer_id for c in valid}
+        slots = tuple(peer if peer in claimed else None for peer, _, _ in layout)
+        problem = _layout_problem(layout, stages_per_chain, n_layers)
         if not problem and None in slots:
             problem = f"stage {slots.index(None)} has no member"
-        if not problem:
-            expected_first = 0
-            for claim in members:
-                first, last = claim.layers
-                if first != expected_first or last < first:
-                    problem = f"stage {claim.stage} layers {first}..{last} break the cover"
-                    break
-                expected_first = last + 1
-            if not problem and expected_first != n_layers:
-                problem = f"layers cover 0..{expected_first - 1} of 0..{n_layers - 1}"
-        if not problem:
-            boundary = _boundary_of(name)
-            layout = [(c.peer_id, c.layers) for c in members]
-            if boundary is None or chain_id(boundary, layout) != name:
-                problem = "claims do not match the chain's name"
-        result.append(ChainStatus(chain=name, live=not problem, stages=tuple(slots), problem=problem))
+        result.append(ChainStatus(chain=name, live=not problem, stages=slots, problem=problem))
     return result
+
+
+def _layout_problem(layout: Layout, stages_per_chain: int, n_layers: int) -> str:
+    if len(layout) != stages_per_chain:
+        return f"{len(layout)} stages, the run has {stages_per_chain}"
+    expected_first = 0
+    for stage, (_, first, last) in enumerate(layout):
+        if first != expected_first or last < first:
+            return f"stage {stage} layers {first}..{last} break the cover"
+        expected_first = last + 1
+    if expected_first != n_layers:
+        return f"layers cover 0..{expected_first - 1} of 0..{n_layers - 1}"
+    return ""
 
 
 def _boundary_of(name: str) -> int | None:

@@ -114,7 +114,7 @@ def test_pack_chains_name_depends_on_boundary_and_members():
 
 
 def _claims(plan):
-    return [Claim(s.peer_id, s.chain, s.stage, s.layers) for s in plan.stages]
+    return [Claim(s.peer_id, s.chain, s.stage, s.layers, s.layout) for s in plan.stages]
 
 
 def test_chain_status_live_when_every_member_confirms():
@@ -139,14 +139,32 @@ def test_chain_status_not_live_with_a_member_missing(drop):
 def test_chain_status_rejects_inconsistent_claims():
     [plan] = pack_chains(_candidates(3), 3, n_layers=4, boundary=5)
     claims = _claims(plan)
-    # a member that computed a different layer split (it saw other compute figures)
-    bad_layers = claims[:2] + [Claim(claims[2].peer_id, plan.chain, 2, (claims[2].layers[0], 2))]
-    assert not chain_status(bad_layers, 3, 4)[0].live
-    # two peers claim the same stage
-    twice = claims + [Claim("intruder", plan.chain, 1, claims[1].layers)]
-    assert "claimed twice" in chain_status(twice, 3, 4)[0].problem
+    # a member that computed a different layer split (it saw other compute figures) does not count
+    bad = Claim(claims[2].peer_id, plan.chain, 2, (claims[2].layers[0], 2), claims[2].layout)
+    status = chain_status(claims[:2] + [bad], 3, 4)[0]
+    assert not status.live and "stage 2 has no member" in status.problem
     # a stranger who copies the chain's name with a consistent-looking layout does not match the name
-    swapped = [Claim("stranger" if c.stage == 0 else c.peer_id, c.chain, c.stage, c.layers) for c in claims]
-    assert "name" in chain_status(swapped, 3, 4)[0].problem
+    swapped = [
+        Claim("stranger" if c.stage == 0 else c.peer_id, c.chain, c.stage, c.layers, c.layout) for c in claims
+    ]
+    assert not chain_status(swapped, 3, 4)[0].live
+    forged = tuple(("stranger", *m[1:]) if i == 0 else m for i, m in enumerate(claims[0].layout))
+    alone = [Claim("stranger", plan.chain, 0, claims[0].layers, forged)]
+    assert "name" in chain_status(alone, 3, 4)[0].problem
     # out-of-range stage
-    assert "out of range" in chain_status([Claim("x", plan.chain, 7, (0, 3))], 3, 4)[0].problem
+    assert "name" in chain_status([Claim("x", plan.chain, 7, (0, 3))], 3, 4)[0].problem
+
+
+def test_a_strangers_claim_on_a_live_chain_changes_nothing():
+    """Hide-the-swarm attack: an identity claims a live chain's name and stage (with or without copying its
+    layout); the chain stays live with its own members."""
+    [plan] = pack_chains(_candidates(3), 3, n_layers=4, boundary=5)
+    claims = _claims(plan)
+    layout = claims[1].layout
+    intruders = [
+        Claim("intruder", plan.chain, 1, claims[1].layers, layout),
+        Claim("intruder-2", plan.chain, 1, claims[1].layers),
+        Claim("intruder-3", plan.chain, 0, (0, 3), (("intruder-3", 0, 3),)),
+    ]
+    [status] = chain_status(claims + intruders, 3, 4)
+    assert status.live and status.stages == plan.members

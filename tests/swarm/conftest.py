@@ -121,7 +121,7 @@ class Swarm:
         self, name: str, peer: str, bandwidth: str = "auto", listen: str = LOOPBACK, extra=(), prefix=None
     ):
         args = ["join", "--peer", peer, "--name", name, "--bandwidth", bandwidth, "--listen", listen]
-        args += ["--data-dir", str(self.tmp_path / name)]
+        args += ["--data-dir", str(self.tmp_path / name), "--data-cache", str(self.data_dir)]
         if "--metrics-port" not in extra:
             args += ["--metrics-port", "0"]  # every test daemon serves /metrics (READY says where)
         return self.start(name, [*args, *extra], prefix)
@@ -216,14 +216,28 @@ class Swarm:
         return [pid for d in self.daemons for pid in d.p2pd if alive(pid)]
 
 
+def _stop_and_check(procs: Swarm) -> None:
+    procs.stop_all()
+    leftovers = procs.leftover_p2pd()
+    for pid in leftovers:  # never leave one behind, but fail the test that did
+        os.kill(pid, signal.SIGKILL)
+    assert not leftovers, f"p2pd processes survived their daemons: {leftovers}"
+
+
 @pytest.fixture
 def swarm(tmp_path: Path, data_dir: Path):
     procs = Swarm(tmp_path, data_dir)
     try:
         yield procs
     finally:
-        procs.stop_all()
-        leftovers = procs.leftover_p2pd()
-        for pid in leftovers:  # never leave one behind, but fail the test that did
-            os.kill(pid, signal.SIGKILL)
-        assert not leftovers, f"p2pd processes survived their daemons: {leftovers}"
+        _stop_and_check(procs)
+
+
+@pytest.fixture(scope="module")
+def module_swarm(tmp_path_factory: pytest.TempPathFactory, data_dir: Path):
+    """One swarm shared by a module's tests: each adds what it needs and checks from where it began."""
+    procs = Swarm(tmp_path_factory.mktemp("swarm"), data_dir)
+    try:
+        yield procs
+    finally:
+        _stop_and_check(procs)

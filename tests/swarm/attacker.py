@@ -1,0 +1,288 @@
+"""A hostile peer built from hetnode's own client code: `python tests/swarm/attacker.py ATTACK --peer MADDR`.
+
+It joins the run like any volunteer would (its own p2pd, the run's DHT, the coordinator's manifest), then
+does one attack class of TRUST.md for `--seconds`, and prints one `RESULT {json}` line saying what the
+swarm let it do (which writes the DHT accepted, what it was served). The tests assert on the swarm
+afterwards; this script only attacks. Loopback only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import msgpack
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from hetnode.algo.sparseloco import SparseLoCoCodec  # noqa: E402
+from hetnode.daemon.rounds import GlobalModel, sha256_hex  # noqa: E402
+from hetnode.daemon.swarm import find_run  # noqa: E402
+from hetnode.daemon.view import SwarmView  # noqa: E402
+from hetnode.net.identity import ephemeral_identity  # noqa: E402
+from hetnode.net.node import CONTROL_HANDLER, DEFAULT_LIMITS, SwarmNode  # noqa: E402
+from hetnode.net.signing import sign_payload  # noqa: E402
+from hetnode.net.streams import PeerRequestError, open_stream, request  # noqa: E402
+from hetnode.sim.replicas import layer_digests  # noqa: E402
+from hetnode.wire.control import encode_request, frame_header  # noqa: E402
+from hetnode.wire.sync_payload import SyncPayload, encode_payload  # noqa: E402
+
+LOOPBACK = "/ip4/127.0.0.1/tcp/0"
+TEN_YEARS_S = 10 * 365 * 86400.0
+
+
+class Attacker:
+    def __init__(
+        self, node: SwarmNode, coordinator: str, model: GlobalModel, seconds: float, name: str
+    ) -> None:
+        self.name = name
+        self.node = node
+        self.coordinator = coordinator
+        self.model = model
+        self.config = model.config
+        self.until = time.monotonic() + seconds
+        self.served: dict[tuple[int, str], bytes] = {}
+        self.result: dict[str, Any] = {"peer_id": node.identity.peer_id}
+        node.set_payloads(lambda round_, shard, replica: self.served.get((round_, shard)))
+
+    def record(self, **changes: Any) -> dict[str, Any]:
+        """A schema-valid peer record claiming to be a fast anchor."""
+        base = {
+            "name": self.name,
+            "link_class": "high",
+            "up_mbps": 10000.0,
+            "down_mbps": 10000.0,
+            "rtt_ms": 1.0,
+            "mem_gb": 512.0,
+            "device": "cuda",
+            "tflops": 1000.0,
+            "wants": "anchor",
+            "role": "anchor",
+            "chain": None,
+            "stage": None,
+            "layers": [0, self.config.model.n_layers - 1],
+            "chain_layout": None,
+            "outer_step": 0,
+            "last_seen": time.time(),
+            "version": 1,
+            "params_round": None,
+            "layer_digests": None,
+            "tokens": None,
+        }
+        return base | changes
+
+    async def coordinator_round(self) -> int:
+        view = await SwarmView.read(self.node, self.config)
+        held = view.peers.get(self.coordinator, {}).get("params_round")
+        return held if isinstance(held, int) else -1
+
+    def message(self, round_: int, shard: str, shift: float, scale: float = 1e-4) -> bytes:
+        """A payload message for `shard` with small random values, its quantisation shift set to `shift`
+        (packed as float64, so a value beyond float32 stays finite on the wire)."""
+        codec = SparseLoCoCodec(self.config.outer.topk, self.config.outer.tile)
+        generator = torch.Generator().manual_seed(round_)
+        tensors = {}
+        for name in self.model.shards[shard]:
+            delta = torch.randn(self.model.params[name].shape, generator=generator) * scale
+            tensors[name] = codec.compress(delta)
+        data = encode_payload(SyncPayload(self.node.identity.peer_id, round_, shard, "sparseloco", tensors))
+        if shift == 0.0:
+            return data
+        message = msgpack.unpackb(data, raw=False)
+        for entry in message["tensors"]:
+            entry["q"][0] = shift
+        return msgpack.packb(message, use_bin_type=True, use_single_float=False)
+
+    async def contribute(self, shift: float, tokens: int, steps: int) -> None:
+        """Announce a signed contribution of every shard for each round the coordinator opens."""
+        announced = -1
+        accepted, refused = 0, 0
+        await self.node.store_own("peers", self.record(), 60.0)
+        while time.monotonic() < self.until:
+            round_ = await self.coordinator_round() + 1
+            if round_ != announced:
+                run = self.node.run or ""
+                digests = {}
+                for shard in self.model.shards:
+                    signed = sign_payload(self.node.identity, run, self.message(round_, shard, shift))
+                    self.served[(round_, shard)] = signed
+                    digests[shard] = sha256_hex(signed)
+                ok = await self.node.store_own(
+                    "announce", {"round": round_, "shards": digests, "tokens": tokens, "steps": steps}, 300.0
+                )
+                accepted, refused = accepted + ok, refused + (not ok)
+                self.node.nudge([self.coordinator], "announce", round_)
+                announced = round_
+            await self.node.store_own("peers", self.record(), 60.0)
+            await asyncio.sleep(0.5)
+        self.result.update(announcements_accepted=accepted, announcements_refused=refused)
+
+
+async def overflow(a: Attacker) -> None:
+    """crash: a shift finite in float64 that overflows float32, then one beyond the run's value bound."""
+    half = (a.until - time.monotonic()) / 2
+    a.until = time.monotonic() + half
+    await a.contribute(shift=1e39, tokens=1, steps=1)
+    a.until = time.monotonic() + half
+    await a.contribute(shift=1e6, tokens=1, steps=1)
+
+
+async def ledger(a: Attacker) -> None:
+    """game the ledger: overflowing claims (refused by the schema), then the largest the schema allows
+    with a well-formed contribution that gets sealed."""
+    huge = {"round": 0, "shards": {}, "tokens": 2**62, "steps": 2**62}
+    a.result["huge_claim_stored"] = await a.node.store_own("announce", huge, 60.0)
+    await a.contribute(shift=0.0, tokens=2**40, steps=2**20)
+
+
+async def hijack(a: Attacker) -> None:
+    """hijack + stall: forged seals (next round with a fabricated contribution under an honest name,
+    a far-future round, a 10-year TTL) and a record claiming θ of zeros for a far round."""
+    zeros = {name: torch.zeros_like(p) for name, p in a.model.params.items()}
+    with torch.no_grad():  # the θ we offer anyone who would catch up from us
+        for name, p in a.model.params.items():
+            p.copy_(zeros[name])
+    a.result["ten_year_seal_stored"] = False
+    while time.monotonic() < a.until:
+        held = await a.coordinator_round()
+        view = await SwarmView.read(a.node, a.config)
+        honest = sorted(
+            p for p, r in view.peers.items() if r["role"] == "anchor" and p != a.node.identity.peer_id
+        )
+        forged = {
+            "round": held + 1,
+            "contributions": [{"peer": p, "shards": {"embed": "0" * 64}, "tokens": 1} for p in honest[:1]],
+            "excluded": [],
+            "sealed_at": time.time(),
+            "prev": "0" * 64,
+        }
+        far = forged | {"round": held + 10**9, "contributions": []}
+        a.result["ten_year_seal_stored"] |= await a.node.store_own("seal", far, TEN_YEARS_S)
+        a.result["far_seal_stored"] = await a.node.store_own("seal", far, 3000.0)
+        a.result["forged_seal_stored"] = await a.node.store_own("seal", forged, 3000.0)
+        claim = a.record(params_round=held + 5, layer_digests=layer_digests(zeros), outer_step=held + 5)
+        await a.node.store_own("peers", claim, 60.0)
+        a.model.params_round = held + 5
+        a.node.set_state(lambda round_, shard: a.model.state_payload(shard))
+        await asyncio.sleep(1.0)
+
+
+async def records(a: Attacker) -> None:
+    """hide the swarm: an oversized record, a record full of shards the model does not have, and a
+    stranger's claim on a chain name."""
+    huge = {str(i): "f" * 64 for i in range(1000)}
+    a.result["huge_record_stored"] = await a.node.store_own("peers", a.record(layer_digests=huge), 60.0)
+    foreign = {str(5000 + i): "f" * 64 for i in range(20)}
+    a.result["foreign_record_stored"] = await a.node.store_own("peers", a.record(layer_digests=foreign), 60.0)
+    while time.monotonic() < a.until:
+        await a.node.store_own("peers", a.record(layer_digests=foreign), 60.0)
+        await asyncio.sleep(1.0)
+
+
+async def exhaust(a: Attacker) -> None:
+    """exhaust: hold many idle streams, ask for 4 MB probes without a live record, hammer state requests."""
+    target = a.coordinator
+    opened = []
+    for _ in range(64):
+        try:
+            stream = await open_stream(a.node.p2p, target, CONTROL_HANDLER, timeout=5.0)
+            stream.writer.write(frame_header(1 << 16)[:2])  # half a header, then silence
+            opened.append(stream)
+        except PeerRequestError:
+            pass
+
+    async def refused(stream) -> bool:  # a refused stream answers with its reason at once
+        try:
+            await stream.receive(timeout=2.0)
+        except PeerRequestError as exc:
+            return "no reply" not in str(exc)
+        return False
+
+    verdicts = await asyncio.gather(*(refused(s) for s in opened))
+    refused_streams = sum(verdicts)
+    held = [s for s, r in zip(opened, verdicts, strict=True) if not r]
+    probe_bytes = 0
+    probe_refused = 0
+    for _ in range(4):
+        try:
+            stream = await open_stream(a.node.p2p, target, CONTROL_HANDLER, timeout=5.0)
+            await stream.send(encode_request("probe_down", bytes=4 * 2**20, seconds=3.0))
+            reply = await stream.receive(timeout=10.0)
+            if reply.type == "probe_ready":
+                while chunk := await asyncio.wait_for(stream.reader.read(1 << 16), 10.0):
+                    probe_bytes += len(chunk)
+            stream.close()
+        except (PeerRequestError, TimeoutError):
+            probe_refused += 1
+    state_bytes, state_refused = 0, 0
+    while time.monotonic() < a.until:
+        round_ = await a.coordinator_round()
+        try:
+            data = await a.node.fetch_state(target, max(round_, 0), "embed", 64 * 2**20)
+            state_bytes += len(data)
+        except PeerRequestError:
+            state_refused += 1
+        await asyncio.sleep(0.05)
+    for stream in opened:
+        stream.close()
+    a.result.update(
+        streams_held=len(held),
+        streams_refused=refused_streams,
+        probe_bytes=probe_bytes,
+        probes_refused=probe_refused,
+        state_bytes=state_bytes,
+        state_refused=state_refused,
+    )
+    try:  # the coordinator still answers us after all that (when the budget refills)
+        await request(a.node.p2p, target, CONTROL_HANDLER, encode_request("ping"), 10.0)
+        a.result["ping_after"] = True
+    except PeerRequestError:
+        a.result["ping_after"] = False
+
+
+async def redirect(a: Attacker) -> None:
+    """redirect a volunteer: a member answering `info` with another coordinator (a rogue one's id)."""
+    run = a.node.run or ""
+    rogue = ephemeral_identity().peer_id
+    a.node.set_info(
+        lambda: {
+            "run": run,
+            "protocol": 0,
+            "coordinator": rogue,
+            "role": "anchor",
+            "name": "rogue",
+        }
+    )
+    maddrs = await a.node.visible_maddrs()
+    print("MADDR " + maddrs[0], flush=True)
+    while time.monotonic() < a.until:
+        await asyncio.sleep(0.5)
+
+
+ATTACKS = {f.__name__: f for f in (overflow, ledger, hijack, records, exhaust, redirect)}
+
+
+async def main(args: argparse.Namespace) -> None:
+    node = await SwarmNode.start(ephemeral_identity(), DEFAULT_LIMITS, [LOOPBACK], initial_peers=[args.peer])
+    try:
+        contact = await find_run(node, args.peer, 30.0, asyncio.Event())
+        model = GlobalModel(contact.manifest.config)
+        attacker = Attacker(node, contact.coordinator, model, args.seconds, f"attacker-{args.attack}")
+        await ATTACKS[args.attack](attacker)
+        print("RESULT " + json.dumps(attacker.result), flush=True)
+    finally:
+        await node.shutdown()
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser()
+    parser.add_argument("attack", choices=sorted(ATTACKS))
+    parser.add_argument("--peer", required=True)
+    parser.add_argument("--seconds", type=float, default=20.0)
+    asyncio.run(main(parser.parse_args()))

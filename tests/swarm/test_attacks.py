@@ -1,0 +1,213 @@
+"""One attacker process per attack class of TRUST.md against one live swarm (coordinator + 2 anchors).
+
+The attacker (`tests/swarm/attacker.py`) is a volunteer built from hetnode's own client code. After each
+attack the swarm must be whole: the coordinator and the honest anchors alive, honest rounds still
+sealing, every honest replica holding the coordinator's θ, status routes answering, and the attacker
+credited nothing beyond the schedule. The swarm is shared (one set-up for all attacks); each test checks
+from the round it started at, so the tests stay independent of each other's outcome.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from hetnode.config import load_config
+from hetnode.planning.rounds import replica_tokens
+
+pytestmark = pytest.mark.slow
+
+ROOT = Path(__file__).resolve().parents[2]
+
+ATTACKER = [sys.executable, str(ROOT / "tests" / "swarm" / "attacker.py")]
+HONEST = {"anchor-a", "anchor-b"}
+
+
+@pytest.fixture(scope="module")
+def live(module_swarm):
+    swarm = module_swarm
+    config = swarm.config(outer={"inner_steps": 8})
+    boot = swarm.bootstrap(config)
+    boot.wait_ready()
+    for name in sorted(HONEST):
+        swarm.join(name, boot.maddr, "1000")
+    for daemon in swarm.daemons[1:]:
+        daemon.wait_ready()
+    swarm.wait_for_round(1, timeout=120)
+    return swarm, boot, config
+
+
+def attack(swarm, name: str, seconds: float = 15.0, extra: tuple[str, ...] = ()) -> dict:
+    boot = swarm.daemons[0]
+    result = subprocess.run(
+        [*ATTACKER, name, "--peer", boot.maddr, "--seconds", str(seconds), *extra],
+        capture_output=True,
+        text=True,
+        timeout=seconds + 120,
+        cwd=ROOT,
+    )
+    lines = [line for line in result.stdout.splitlines() if line.startswith("RESULT ")]
+    assert result.returncode == 0 and lines, f"attacker {name} failed:\n{result.stderr[-3000:]}"
+    return json.loads(lines[-1].removeprefix("RESULT "))
+
+
+def http(boot, path: str) -> bytes:
+    with urllib.request.urlopen(f"{boot.ready['http']}{path}", timeout=10) as response:
+        assert response.status == 200
+        return response.read()
+
+
+def assert_whole(swarm, boot, since: int, attacker: str | None = None) -> list[dict]:
+    """The swarm after an attack: alive, sealing past `since`, one θ, status answering, no stolen credit."""
+    for daemon in swarm.daemons:
+        assert daemon.proc.poll() is None, f"{daemon.name} exited:\n{daemon.tail()}"
+    history = swarm.wait_for_round(since + 2, timeout=120)
+    # only the honest replicas: an attacker's record may claim anything until it expires
+    document = swarm.wait_for(
+        boot.maddr,
+        lambda d: all((p["params_round"] or -1) >= since + 2 for p in d["peers"] if p["name"] in HONEST),
+        timeout=60,
+        what=f"the honest replicas applied round {since + 2}",
+    )
+    assert set(swarm.agree_with_coordinator(document, HONEST)) == HONEST
+    for entry in history:
+        if entry["round"] > since and "contributors" in entry and entry.get("caught_up_from") is None:
+            assert len(entry["contributors"]) >= 1
+    status = json.loads(http(boot, "/api/status"))
+    assert status["params_round"] >= since + 2
+    http(boot, "/metrics")
+    http(boot, "/")
+    contributions = json.loads(http(boot, "/api/contributions"))
+    if attacker is not None:
+        config = load_config(swarm.tmp_path / "swarm.toml")
+        rounds_in = sum(attacker in h["contributors"] for h in swarm.history())
+        mine = [row for row in contributions["standings"] if row["peer"] == attacker]
+        tokens = mine[0]["tokens"] if mine else 0
+        assert tokens <= rounds_in * replica_tokens(config), (tokens, rounds_in)
+    return history
+
+
+def current_round(swarm) -> int:
+    history = swarm.history()
+    return history[-1]["round"] if history else -1
+
+
+def test_crash_a_float32_overflowing_payload_is_excluded_and_nothing_is_half_applied(live):
+    swarm, boot, _ = live
+    since = current_round(swarm)
+    result = attack(swarm, "overflow", seconds=16)
+    assert result["announcements_accepted"] >= 1
+    history = assert_whole(swarm, boot, since, result["peer_id"])
+    attacker = result["peer_id"]
+    assert not any(attacker in h["contributors"] for h in history)
+    assert any(attacker in h["excluded"] for h in history if h["round"] > since)
+    assert "float32" in boot.log_path.read_text() or "exceeds the run's limit" in boot.log_path.read_text()
+
+
+def test_game_the_ledger_credit_follows_the_schedule_not_the_claim(live):
+    swarm, boot, _ = live
+    since = current_round(swarm)
+    result = attack(swarm, "ledger", seconds=16)
+    assert result["huge_claim_stored"] is False  # 2^62 tokens is refused by every DHT node's schema
+    history = assert_whole(swarm, boot, since, result["peer_id"])
+    attacker = result["peer_id"]
+    included = [h for h in history if attacker in h["contributors"]]
+    assert included, "a well-formed contribution is sealed (the claim is what must not count)"
+    config = load_config(swarm.tmp_path / "swarm.toml")
+    for entry in included:  # the round's tokens count the schedule of each replica, nothing claimed
+        assert entry["tokens"] == len(entry["contributors"]) * replica_tokens(config)
+
+
+def test_hijack_and_stall_forged_and_far_future_seals_change_nothing(live):
+    swarm, boot, _ = live
+    since = current_round(swarm)
+    result = attack(swarm, "hijack", seconds=12)
+    assert result["ten_year_seal_stored"] is False  # TTL cap
+    history = assert_whole(swarm, boot, since, result["peer_id"])
+    assert all(h.get("caught_up_from") is None for h in history if h["round"] > since)
+    assert all(h["round"] < 10**6 for h in history)
+    # θ is the coordinator's: its history chains seal after seal
+    hashes = [h.get("seal_hash") for h in history if h["round"] > since]
+    assert all(hashes) and len(set(hashes)) == len(hashes)
+
+
+def test_hide_the_swarm_oversized_and_foreign_records_do_not_hide_peers(live):
+    swarm, boot, _ = live
+    since = current_round(swarm)
+    result = attack(swarm, "records", seconds=8)
+    assert result["huge_record_stored"] is False  # record byte cap
+    document = swarm.status(boot.maddr)  # a fresh reader, as a joining volunteer is
+    names = {p["name"] for p in document["peers"]}
+    assert names >= HONEST and "attacker-records" not in names
+    assert_whole(swarm, boot, since)
+
+
+def test_exhaust_streams_probes_and_state_requests_are_budgeted(live):
+    swarm, boot, _ = live
+    since = current_round(swarm)
+    started = time.monotonic()
+    result = attack(swarm, "exhaust", seconds=8)
+    assert result["streams_refused"] >= 64 - 8 and result["streams_held"] <= 8  # the per-peer stream cap
+    assert result["probe_bytes"] == 0  # no live record, no probe: no amplification
+    assert result["state_refused"] > 0  # the byte budget ran out
+    assert time.monotonic() - started < 120
+    assert_whole(swarm, boot, since)
+
+
+def test_redirect_a_volunteer_is_refused_without_its_pinned_coordinator(live, tmp_path):
+    swarm, boot, config = live
+    since = current_round(swarm)
+    rogue = subprocess.Popen(
+        [*ATTACKER, "redirect", "--peer", boot.maddr, "--seconds", "40"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+        cwd=ROOT,
+    )
+    try:
+        maddr = next(line.split()[1] for line in rogue.stdout if line.startswith("MADDR "))
+        base = [sys.executable, "-m", "hetnode.cli.main", "join", "--peer", maddr, "--bandwidth", "1000"]
+        base += ["--listen", "/ip4/127.0.0.1/tcp/0", "--connect-timeout", "20"]
+        unpinned = subprocess.run(
+            [*base, "--name", "victim", "--data-dir", str(tmp_path / "v1")],
+            capture_output=True,
+            text=True,
+            timeout=90,
+            cwd=ROOT,
+        )
+        assert unpinned.returncode != 0 and "--coordinator" in unpinned.stderr, unpinned.stderr[-2000:]
+        pinned = subprocess.run(
+            [*base, "--name", "victim", "--data-dir", str(tmp_path / "v2"), "--coordinator", boot.peer_id],
+            capture_output=True,
+            text=True,
+            timeout=90,
+            cwd=ROOT,
+        )
+        assert pinned.returncode != 0 and "not the pinned" in pinned.stderr, pinned.stderr[-2000:]
+    finally:
+        rogue.terminate()
+        rogue.wait(30)
+    assert_whole(swarm, boot, since)
+
+
+def test_a_coordinator_restart_after_the_attacks_resumes_its_own_chain(live):
+    swarm, boot, config = live
+    before = swarm.history()[-1]
+    assert boot.stop() == 0
+    restarted = swarm.bootstrap(config)
+    restarted.wait_ready()
+    swarm.daemons.remove(boot)
+    swarm.daemons.insert(0, restarted)
+    history = swarm.wait_for_round(before["round"] + 2, timeout=150)
+    assert restarted.ready["run"] == boot.ready["run"]
+    after = [h for h in history if h["round"] > before["round"]]
+    assert after and all(
+        h.get("caught_up_from") in (None,) or h.get("sealed_by") == restarted.peer_id for h in after
+    )
+    assert_whole(swarm, restarted, before["round"])
