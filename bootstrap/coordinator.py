@@ -24,6 +24,7 @@ from hetnode.config import Config, load_config
 from hetnode.daemon.datadir import DataDir
 from hetnode.daemon.http_server import DEFAULT_STATUS_PORT, HttpServer, Response
 from hetnode.daemon.lifecycle import print_ready, sleep_or_stop, stop_on_signals, until_stopped
+from hetnode.daemon.live_peers import LivePeers
 from hetnode.daemon.metrics import PeerMetrics
 from hetnode.daemon.peer import limits_of
 from hetnode.daemon.presence import Presence
@@ -175,6 +176,7 @@ class Coordinator:
                     asyncio.create_task(self._refresh_manifest(node, manifest, stop), name="manifest"),
                     asyncio.create_task(self._remember_neighbours(node, data_dir, stop), name="neighbours"),
                     asyncio.create_task(keeper.run(stop), name="rounds"),
+                    asyncio.create_task(LivePeers(node, self.config).follow(stop), name="live-peers"),
                     asyncio.create_task(
                         self._keep_status(keeper, board, swarm_metrics, state, maddrs, stop), name="status"
                     ),

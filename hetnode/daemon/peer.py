@@ -25,6 +25,7 @@ from hetnode.daemon.chain import ChainLayout, ChainLoop
 from hetnode.daemon.datadir import DataDir
 from hetnode.daemon.http_server import HttpServer, Response
 from hetnode.daemon.lifecycle import Stopped, print_ready, sleep_or_stop, stop_on_signals, until_stopped
+from hetnode.daemon.live_peers import LivePeers
 from hetnode.daemon.metrics import PeerMetrics
 from hetnode.daemon.peer_address import is_url, resolve_peer
 from hetnode.daemon.presence import Presence
@@ -46,6 +47,7 @@ from hetnode.planning.roles import (
     StageAssignment,
     assignment_for,
     classify_link,
+    format_layout,
     next_role,
     pack_chains,
     wanted_role,
@@ -207,6 +209,7 @@ class PeerDaemon:
         tasks = [
             asyncio.create_task(self.presence.heartbeat(stop), name="heartbeat"),
             asyncio.create_task(self._follow_boundaries(stop), name="boundaries"),
+            asyncio.create_task(LivePeers(self.node, self.config).follow(stop), name="live-peers"),
         ]
         self._run_role(stop)
         try:
@@ -280,10 +283,36 @@ class PeerDaemon:
     # --- joining -------------------------------------------------------------------------------------
 
     async def _start_presence(self) -> None:
+        """Publish our record (idle, link unknown) so that members serve us probes, measure the link,
+        then publish what we measured and the role it gives."""
         device = self.options.device
         mem_gb = available_memory_gb(device)
         tflops = measure_tflops(device)
-        link = await self._measure_link()
+        record = {
+            "name": self.options.name,
+            "link_class": "slow",
+            "up_mbps": None,
+            "down_mbps": None,
+            "rtt_ms": None,
+            "mem_gb": round(float(mem_gb), 2),
+            "device": device,
+            "tflops": float(tflops),
+            "wants": "idle",
+            "role": "idle",
+            "chain": None,
+            "stage": None,
+            "layers": None,
+            "chain_layout": None,
+            "outer_step": 0,
+            "last_seen": time.time(),
+            "params_round": None,
+            "layer_digests": None,
+            "tokens": None,
+        }
+        n = self.config.network
+        self.presence = Presence(self.node, record, n.heartbeat_s, n.record_ttl_s)
+        await self.presence.publish()
+        link = await self._measure_link(patient=True)
         self.link_class = self._classify(link, mem_gb)
         wants = wanted_role(self.link_class, self.options.role)
         role: Role = next_role("idle", False, wants)
@@ -296,45 +325,36 @@ class PeerDaemon:
             self.link_class,
             role if role != "idle" else f"idle (wants {wants})",
         )
-        record = {
-            "name": self.options.name,
-            "link_class": self.link_class,
-            "up_mbps": float(link.up_mbps),
-            "down_mbps": float(link.down_mbps),
-            "rtt_ms": float(link.rtt_ms) if link.rtt_ms != float("inf") else None,
-            "mem_gb": round(float(mem_gb), 2),
-            "device": device,
-            "tflops": float(tflops),
-            "wants": wants,
-            "role": role,
-            "chain": None,
-            "stage": None,
-            "layers": [0, self.config.model.n_layers - 1] if role == "anchor" else None,
-            "chain_layout": None,
-            "outer_step": 0,
-            "last_seen": time.time(),
-            "params_round": None,
-            "layer_digests": None,
-            "tokens": None,
-        }
-        n = self.config.network
-        self.presence = Presence(self.node, record, n.heartbeat_s, n.record_ttl_s)
-        await self.presence.publish()
+        await self.presence.update(
+            link_class=self.link_class,
+            up_mbps=float(link.up_mbps),
+            down_mbps=float(link.down_mbps),
+            rtt_ms=float(link.rtt_ms) if link.rtt_ms != float("inf") else None,
+            wants=wants,
+            role=role,
+            layers=[0, self.config.model.n_layers - 1] if role == "anchor" else None,
+        )
 
-    async def _measure_link(self) -> LinkMeasurement:
+    async def _measure_link(self, patient: bool = False) -> LinkMeasurement:
+        """Our link against the coordinator and a few anchors. `patient`: on joining, members serve probes
+        only once they have read our record (within a heartbeat or two), so refusals are retried."""
         if self.options.bandwidth_mbps is not None:
             rate = float(self.options.bandwidth_mbps)
             return LinkMeasurement(up_mbps=rate, down_mbps=rate, rtt_ms=float("inf"))
-        targets = [self.contact.coordinator] + await self._probe_anchors()
-        results = []
-        for target in targets:
-            try:
-                results.append(await self.node.measure_link(target))
-            except (PeerRequestError, TimeoutError) as exc:
-                log.warning("bandwidth probe against %s failed: %s", target, exc)
-        if not results:
-            raise HetnodeError("could not measure the link against any peer; pass --bandwidth <Mbit/s>")
-        return combine(results)
+        deadline = time.monotonic() + (self.options.connect_timeout_s if patient else 0.0)
+        while True:
+            targets = [self.contact.coordinator] + await self._probe_anchors()
+            results = []
+            for target in targets:
+                try:
+                    results.append(await self.node.measure_link(target))
+                except (PeerRequestError, TimeoutError) as exc:
+                    log.info("bandwidth probe against %s failed: %s", target, exc)
+            if results:
+                return combine(results)
+            if time.monotonic() > deadline:
+                raise HetnodeError("could not measure the link against any peer; pass --bandwidth <Mbit/s>")
+            await asyncio.sleep(self.config.network.heartbeat_s)
 
     async def _probe_anchors(self) -> list[str]:
         view = await self._view()
@@ -413,7 +433,7 @@ class PeerDaemon:
             chain=mine.chain,
             stage=mine.stage,
             layers=list(mine.layers),
-            chain_layout=[list(member) for member in mine.layout],
+            chain_layout=format_layout(mine.layout),
             outer_step=boundary,
         )
         deadline = opened + n.confirm_s

@@ -11,7 +11,7 @@ from typing import Any
 from hetnode.config import Config
 from hetnode.net.node import StoredValue, SwarmNode
 from hetnode.net.records import check_peer_record
-from hetnode.planning.roles import Candidate, ChainStatus, Claim, chain_prefix, chain_status
+from hetnode.planning.roles import Candidate, ChainStatus, Claim, chain_prefix, chain_status, parse_layout
 
 log = logging.getLogger(__name__)
 
@@ -70,7 +70,7 @@ class SwarmView:
                 record["chain"],
                 record["stage"],
                 tuple(record["layers"]),
-                tuple((str(p), int(a), int(b)) for p, a, b in record.get("chain_layout") or ()),
+                parse_layout(record.get("chain_layout") or []),
             )
             for peer_id, record in self.peers.items()
             if record["role"] == "stage"

@@ -81,12 +81,11 @@ class RoundRecord(pydantic.BaseModel):
     period_s: pydantic.confloat(strict=True, gt=0)  # type: ignore[valid-type]
 
 
-ChainMember = tuple[
-    pydantic.constr(strict=True, min_length=1, max_length=128),  # type: ignore[valid-type]
-    pydantic.conint(strict=True, ge=0, le=MAX_SHARDS),  # type: ignore[valid-type]
-    pydantic.conint(strict=True, ge=0, le=MAX_SHARDS),  # type: ignore[valid-type]
-]
-MAX_TOKENS = 2**40  # per record or announcement: far above any round (H × batch × sequence), far below overflow
+# "peer:first-last" (a string: hivemind's schema check refuses any type conversion, list -> tuple included)
+ChainMember = pydantic.constr(strict=True, regex=r"^[1-9A-HJ-NP-Za-km-z]{1,128}:[0-9]{1,4}-[0-9]{1,4}$")
+MAX_TOKENS = (
+    2**40
+)  # per record or announcement: far above any round (H × batch × sequence), far below overflow
 MAX_STEPS = 2**20
 
 

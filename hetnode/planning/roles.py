@@ -175,6 +175,23 @@ class ChainStatus:
     problem: str  # empty when live
 
 
+def format_layout(layout: Layout) -> list[str]:
+    """A layout as records carry it: "peer:first-last" per stage (the text `chain_id` hashes)."""
+    return [f"{peer}:{first}-{last}" for peer, first, last in layout]
+
+
+def parse_layout(members: Iterable[str]) -> Layout:
+    """`format_layout` reversed; a malformed member gives an empty layout (a claim committing to nothing)."""
+    layout = []
+    for member in members:
+        peer, _, span = member.rpartition(":")
+        first, _, last = span.partition("-")
+        if not (peer and first.isdigit() and last.isdigit()):
+            return ()
+        layout.append((peer, int(first), int(last)))
+    return tuple(layout)
+
+
 def commits(claim: Claim) -> bool:
     """True when `claim` is one its chain's name commits to: the layout hashes to the name, and the claimer
     sits at its stage with its layers in that layout. Anyone else's claim on the name is noise (TRUST §5)."""
