@@ -4,21 +4,32 @@ Credit is granted only for contributions in sealed rounds (DESIGN §3.5), so the
 once it is sealed and the leaderboard matches what each peer's own round log says. Rows are keyed by
 (round, peer) and written with `INSERT OR IGNORE`: replaying a round after a restart never double-counts.
 
-The coordinator's event loop writes from its worker thread while the HTTP server's threads read, so each
-thread gets its own connection (sqlite3 connections must not be shared between threads) and the database
-runs in WAL mode, where readers never block the writer. `LedgerCollector` turns the standings into
-per-peer Prometheus series at scrape time (per-peer labels are allowed on the coordinator only, STYLE.md).
+The ledger defends itself whatever its caller passes (TRUST.md §1, §5):
+- every number written is an int (not a bool) in [0, MAX_COUNT]; a bad row refuses the whole round with a
+  `LedgerError` naming the field and the peer;
+- sums use SQL `total()` (a float, which cannot overflow) over values in that range: each term is a
+  non-negative int, so while the result is below 2**53 every partial sum is an exactly representable
+  integer and the answer is exact (2**53 ~ 9e15 tokens: over 100x the largest training runs to date);
+  above it the answer is a float's approximation, never an error. A row outside the range (a database
+  written before these bounds) counts as 0 and is reported once at open: old poison cannot fail a route;
+- connections are bounded whatever the number of threads: one writer connection behind a lock (SQLite
+  admits one writer at a time anyway, and the sealing loop never waits behind HTTP readers for a
+  connection) and a pool of at most `max_connections - 1` reader connections, lent for one query each.
+  A pool rather than one shared reader: in WAL mode readers run in parallel and never block the writer.
+`LedgerCollector` turns the standings into per-peer Prometheus series at scrape time (per-peer labels are
+allowed on the coordinator only, STYLE.md).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import logging
 import math
 import re
 import sqlite3
 import threading
-import weakref
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -28,12 +39,19 @@ from prometheus_client.registry import Collector
 
 from hetnode.errors import HetnodeError
 
+log = logging.getLogger(__name__)
+
 SCHEMA_VERSION = 1
 BUSY_TIMEOUT_S = 10.0
+MAX_CONNECTIONS = 8  # one writer + 7 readers: a status page needs a few, each query takes milliseconds
 MAX_PEER_CHARS = 128
 MAX_NAME_CHARS = 64
 MAX_ROLE_CHARS = 64
-MAX_INT = 2**63 - 1  # SQLite INTEGER
+MAX_INT = 2**63 - 1  # SQLite INTEGER; the bound on round numbers
+# Per contribution: tokens, inner steps and payload bytes. 2**40 (~1.1e12) is over 1000x one replica's
+# round (H x batch x seq ~ 5e8 tokens at H=500, 512 x 2048) and a TiB of payload.
+MAX_COUNT = 2**40
+COUNT_FIELDS = ("tokens", "inner_steps", "bytes_sent")
 _SURROGATE = re.compile("[\ud800-\udfff]")
 
 _SCHEMA = """
@@ -51,25 +69,42 @@ CREATE TABLE IF NOT EXISTS contributions (
 CREATE INDEX IF NOT EXISTS contributions_by_peer ON contributions (peer, round);
 """
 
+
+def _valid(column: str) -> str:
+    return f"(typeof({column}) = 'integer' AND {column} BETWEEN 0 AND {MAX_COUNT})"
+
+
+def _credit(column: str) -> str:
+    """A column's value where it is within the schema's bounds, else 0 (see the module docstring)."""
+    return f"CASE WHEN {_valid(column)} THEN {column} ELSE 0 END"
+
+
 # Per-peer sums, with name and role taken from the peer's latest round (the row at MAX(round)).
-_STANDINGS = """
+_STANDINGS = f"""
 WITH per_peer AS (
-    SELECT peer, SUM(tokens) AS tokens, COUNT(*) AS rounds, SUM(inner_steps) AS inner_steps,
-           SUM(bytes_sent) AS bytes_sent, MAX(round) AS last_round, MAX(sealed_at) AS last_seen
+    SELECT peer, total({_credit("tokens")}) AS tokens, COUNT(*) AS rounds,
+           total({_credit("inner_steps")}) AS inner_steps, total({_credit("bytes_sent")}) AS bytes_sent,
+           MAX(round) AS last_round, MAX(sealed_at) AS last_seen
     FROM contributions GROUP BY peer
 )
 SELECT p.peer, c.name, c.role, p.tokens, p.rounds, p.inner_steps, p.bytes_sent, p.last_round, p.last_seen
 FROM per_peer AS p JOIN contributions AS c ON c.peer = p.peer AND c.round = p.last_round
 ORDER BY p.tokens DESC, c.name, p.peer
 """
+_TOTALS = f"SELECT total({_credit('tokens')}), COUNT(DISTINCT round), COUNT(*) FROM contributions"
+_OUT_OF_BOUNDS = "SELECT COUNT(*) FROM contributions WHERE NOT ({})".format(
+    " AND ".join(_valid(field) for field in COUNT_FIELDS)
+)
 
 
 class LedgerError(HetnodeError, ValueError):
-    """A contribution failed validation (`field` names the part at fault), or the ledger cannot be used."""
+    """A contribution failed validation (`field` names the part at fault, `peer` whose), or the ledger
+    cannot be used."""
 
-    def __init__(self, field: str, message: str) -> None:
+    def __init__(self, field: str, message: str, peer: str | None = None) -> None:
         self.field = field
         self.message = message
+        self.peer = peer
         super().__init__(f"{field}: {message}")
 
 
@@ -111,87 +146,158 @@ class LedgerTotals:
     contributions: int  # rows: (round, peer) pairs
 
 
-class _Connection(sqlite3.Connection):
-    """A subclass only so that the ledger can hold weak references to its per-thread connections."""
+class _Pool:
+    """At most `size` connections, each lent to one caller at a time; a caller waits up to `wait_s`."""
+
+    def __init__(self, open_: Callable[[], sqlite3.Connection], size: int, wait_s: float) -> None:
+        self._open, self._wait_s = open_, wait_s
+        self._slots = threading.BoundedSemaphore(size)
+        self._lock = threading.Lock()
+        self._idle: list[sqlite3.Connection] = []
+        self.opened = self.peak = 0
+        self.closed = False
+
+    @contextlib.contextmanager
+    def connection(self) -> Iterator[sqlite3.Connection]:
+        if not self._slots.acquire(timeout=self._wait_s):
+            raise LedgerError("ledger", f"every reader connection was busy for {self._wait_s} s")
+        try:
+            with self._lock:
+                if self.closed:
+                    raise LedgerError("ledger", "the ledger is closed")
+                conn = self._idle.pop() if self._idle else None
+                if conn is None:
+                    self.opened += 1
+                    self.peak = max(self.peak, self.opened)
+            try:
+                conn = conn or self._open()  # outside the lock: opening touches the disk
+            except BaseException:
+                with self._lock:
+                    self.opened -= 1
+                raise
+            try:
+                yield conn
+            finally:
+                with self._lock:
+                    self._idle.append(conn)
+                if self.closed:
+                    self.close()
+        finally:
+            self._slots.release()
+
+    def close(self) -> None:
+        """Close the idle connections; one lent out is closed when it comes back."""
+        with self._lock:
+            self.closed = True
+            idle, self._idle = self._idle, []
+            self.opened -= len(idle)
+        for conn in idle:
+            conn.close()
 
 
 class Ledger:
-    """The SQLite ledger at `path` (the coordinator passes `DATA_DIR/ledger.sqlite`), a connection per thread.
+    """The SQLite ledger at `path` (the coordinator passes `DATA_DIR/ledger.sqlite`).
 
-    Threads that live only for one request (the HTTP server's) should call `release()` when done, so that
-    their connection is closed at once rather than when the garbage collector finds it.
+    Safe to use from any number of threads; at most `max_connections` (≥ 2) SQLite connections are open at
+    once. A caller that finds every reader connection busy waits up to `busy_timeout_s`, then gets a
+    `LedgerError`.
     """
 
-    def __init__(self, path: str | Path, busy_timeout_s: float = BUSY_TIMEOUT_S) -> None:
+    def __init__(
+        self,
+        path: str | Path,
+        busy_timeout_s: float = BUSY_TIMEOUT_S,
+        *,
+        max_connections: int = MAX_CONNECTIONS,
+    ) -> None:
+        if max_connections < 2:
+            raise LedgerError(
+                "max_connections", f"must be at least 2 (a writer and a reader), got {max_connections}"
+            )
         self.path = Path(path)
         self.busy_timeout_s = busy_timeout_s
-        self._local = threading.local()
-        self._connections: weakref.WeakSet[_Connection] = weakref.WeakSet()
-        self._lock = threading.Lock()
-        self._closed = False
-        self._create_schema()
+        self.max_connections = max_connections
+        self._write_lock = threading.Lock()
+        self._writer: sqlite3.Connection | None = self._open()
+        self._readers = _Pool(self._open, max_connections - 1, busy_timeout_s)
+        try:
+            self._create_schema()
+            self._report_out_of_bounds()
+        except BaseException:
+            self.close()
+            raise
 
     # -- connections ---------------------------------------------------------------------------------
 
-    def _conn(self) -> _Connection:
-        if self._closed:
-            raise LedgerError("ledger", f"{self.path} is closed")
-        conn: _Connection | None = getattr(self._local, "conn", None)
-        if conn is None:
-            try:
-                conn = sqlite3.connect(
-                    self.path,
-                    timeout=self.busy_timeout_s,
-                    isolation_level=None,  # transactions are explicit: BEGIN IMMEDIATE ... COMMIT
-                    check_same_thread=False,  # only so that close() may close every thread's connection
-                    factory=_Connection,
-                )
-                conn.execute(f"PRAGMA busy_timeout = {int(self.busy_timeout_s * 1000)}")
-                conn.execute("PRAGMA journal_mode = WAL")
-                conn.execute("PRAGMA synchronous = NORMAL")
-            except sqlite3.Error as exc:
-                raise LedgerError("path", f"cannot open the ledger at {self.path}: {exc}") from None
-            self._local.conn = conn
-            with self._lock:
-                self._connections.add(conn)
+    def _open(self) -> sqlite3.Connection:
+        try:
+            conn = sqlite3.connect(
+                self.path,
+                timeout=self.busy_timeout_s,
+                isolation_level=None,  # transactions are explicit: BEGIN IMMEDIATE ... COMMIT
+                check_same_thread=False,  # lent to one thread at a time, never shared at once
+            )
+            conn.execute(f"PRAGMA busy_timeout = {int(self.busy_timeout_s * 1000)}")
+            conn.execute("PRAGMA journal_mode = WAL")
+            conn.execute("PRAGMA synchronous = NORMAL")
+        except sqlite3.Error as exc:
+            raise LedgerError("path", f"cannot open the ledger at {self.path}: {exc}") from None
         return conn
 
-    def _create_schema(self) -> None:
-        conn = self._conn()
-        version = conn.execute("PRAGMA user_version").fetchone()[0]
-        if version > SCHEMA_VERSION:
-            raise LedgerError("schema_version", f"{self.path} has version {version}, newer than ours")
-        if version == SCHEMA_VERSION:
-            return
-        conn.execute("BEGIN IMMEDIATE")
+    @contextlib.contextmanager
+    def _writing(self) -> Iterator[sqlite3.Connection]:
+        if not self._write_lock.acquire(timeout=self.busy_timeout_s):
+            raise LedgerError("ledger", f"another write held the ledger for {self.busy_timeout_s} s")
         try:
-            for statement in _SCHEMA.split(";"):  # not executescript, which would commit first
-                if statement.strip():
-                    conn.execute(statement)
-            conn.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
-            conn.execute("COMMIT")
-        except BaseException:
-            conn.execute("ROLLBACK")
-            raise
+            if self._writer is None:
+                raise LedgerError("ledger", f"{self.path} is closed")
+            yield self._writer
+        finally:
+            self._write_lock.release()
+
+    def _reading(self) -> contextlib.AbstractContextManager[sqlite3.Connection]:
+        return self._readers.connection()
+
+    @property
+    def peak_connections(self) -> int:
+        """The most SQLite connections ever open at once (the writer's included)."""
+        return self._readers.peak + 1
+
+    def _create_schema(self) -> None:
+        with self._writing() as conn:
+            version = conn.execute("PRAGMA user_version").fetchone()[0]
+            if version > SCHEMA_VERSION:
+                raise LedgerError("schema_version", f"{self.path} has version {version}, newer than ours")
+            if version == SCHEMA_VERSION:
+                return
+            conn.execute("BEGIN IMMEDIATE")
+            try:
+                for statement in _SCHEMA.split(";"):  # not executescript, which would commit first
+                    if statement.strip():
+                        conn.execute(statement)
+                conn.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
+                conn.execute("COMMIT")
+            except BaseException:
+                conn.execute("ROLLBACK")
+                raise
+
+    def _report_out_of_bounds(self) -> None:
+        """Rows from before the bounds existed still load; say once that they earn nothing."""
+        with self._reading() as conn:
+            bad = conn.execute(_OUT_OF_BOUNDS).fetchone()[0]
+        if bad:
+            log.warning("ledger %s: %d rows hold counts outside [0, 2**40], credited as 0", self.path, bad)
 
     def release(self) -> None:
-        """Close the calling thread's connection, if it has one; the next call opens a new one."""
-        conn = getattr(self._local, "conn", None)
-        if conn is not None:
-            self._local.conn = None
-            with self._lock:
-                self._connections.discard(conn)
-            conn.close()
+        """Nothing to do: connections are pooled, not per thread (kept for callers of the old design)."""
 
     def close(self) -> None:
-        """Close every thread's connection. Call it once the writers and the HTTP server have stopped."""
-        self._closed = True
-        with self._lock:
-            connections = list(self._connections)
-            self._connections.clear()
-        for conn in connections:
-            conn.close()
-        self._local = threading.local()
+        """Close every connection; ones lent out close when returned. Further use raises `LedgerError`."""
+        self._readers.close()
+        with self._write_lock:
+            if self._writer is not None:
+                self._writer.close()
+                self._writer = None
 
     def __enter__(self) -> Ledger:
         return self
@@ -206,62 +312,48 @@ class Ledger:
 
         A (round, peer) already recorded is left as it was, so replaying a round counts nothing twice.
         Everything is validated first: a bad contribution raises `LedgerError` (a `ValueError`) naming the
-        field, and nothing of the round is written.
+        field and the peer, and nothing of the round is written.
         """
         rows = _validated_rows(round_, sealed_at, contributions)
         if not rows:
             return 0
-        conn = self._conn()
-        conn.execute("BEGIN IMMEDIATE")  # take the write lock now, so busy_timeout applies to it
-        try:
-            cursor = conn.executemany(
-                "INSERT OR IGNORE INTO contributions "
-                "(round, peer, name, role, tokens, inner_steps, bytes_sent, sealed_at) "
-                "VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
-                rows,
-            )
-            written = cursor.rowcount
-            conn.execute("COMMIT")
-        except BaseException:
-            conn.execute("ROLLBACK")
-            raise
+        with self._writing() as conn:
+            conn.execute("BEGIN IMMEDIATE")  # take the write lock now, so busy_timeout applies to it
+            try:
+                cursor = conn.executemany(
+                    "INSERT OR IGNORE INTO contributions "
+                    "(round, peer, name, role, tokens, inner_steps, bytes_sent, sealed_at) "
+                    "VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                    rows,
+                )
+                written = cursor.rowcount
+                conn.execute("COMMIT")
+            except BaseException:
+                conn.execute("ROLLBACK")
+                raise
         return written
 
     # -- reading -------------------------------------------------------------------------------------
 
     def standings(self) -> list[Standing]:
         """Every peer's credit, by tokens (most first), then name, then peer id."""
-        rows = self._conn().execute(_STANDINGS).fetchall()
-        total = sum(row[3] for row in rows)
-        return [
-            Standing(
-                peer=peer,
-                name=name,
-                role=role,
-                tokens=tokens,
-                share=tokens / total if total > 0 else 0.0,
-                rounds=rounds,
-                inner_steps=inner_steps,
-                bytes_sent=bytes_sent,
-                last_round=last_round,
-                last_seen=last_seen,
-            )
-            for peer, name, role, tokens, rounds, inner_steps, bytes_sent, last_round, last_seen in rows
-        ]
+        with self._reading() as conn:
+            rows = conn.execute(_STANDINGS).fetchall()
+        # total() answers floats: tokens, inner_steps and bytes_sent back to ints (exact, module docstring)
+        rows = [(*r[:3], int(r[3]), r[4], int(r[5]), int(r[6]), *r[7:]) for r in rows]
+        total = sum(r[3] for r in rows)
+        return [Standing(*r[:4], r[3] / total if total > 0 else 0.0, *r[4:]) for r in rows]
 
     def totals(self) -> LedgerTotals:
-        tokens, rounds, contributions = (
-            self._conn()
-            .execute("SELECT COALESCE(SUM(tokens), 0), COUNT(DISTINCT round), COUNT(*) FROM contributions")
-            .fetchone()
-        )
-        return LedgerTotals(tokens=tokens, rounds=rounds, contributions=contributions)
+        with self._reading() as conn:
+            tokens, rounds, contributions = conn.execute(_TOTALS).fetchone()
+        return LedgerTotals(tokens=int(tokens), rounds=rounds, contributions=contributions)
 
 
 def _validated_rows(
     round_: int, sealed_at: float, contributions: Sequence[Contribution]
 ) -> list[tuple[int, str, str, str, int, int, int, float]]:
-    _check_count("round", round_)
+    _check_int("round", round_, MAX_INT)
     if isinstance(sealed_at, bool) or not isinstance(sealed_at, int | float) or not math.isfinite(sealed_at):
         raise LedgerError("sealed_at", f"must be a finite number, got {sealed_at!r}")
     rows = []
@@ -272,37 +364,31 @@ def _validated_rows(
         if not isinstance(c.peer, str) or not c.peer or len(c.peer) > MAX_PEER_CHARS:
             raise LedgerError("peer", f"must be a non-empty string of at most {MAX_PEER_CHARS} chars")
         if c.peer in seen:
-            raise LedgerError("peer", f"{c.peer!r} appears twice in round {round_}")
+            raise LedgerError("peer", f"{c.peer!r} appears twice in round {round_}", c.peer)
         seen.add(c.peer)
-        for field in ("tokens", "inner_steps", "bytes_sent"):
-            _check_count(field, getattr(c, field), c.peer)
-        rows.append(
-            (
-                round_,
-                c.peer,
-                _text("name", c.name, MAX_NAME_CHARS, c.peer),
-                _text("role", c.role, MAX_ROLE_CHARS, c.peer),
-                c.tokens,
-                c.inner_steps,
-                c.bytes_sent,
-                float(sealed_at),
-            )
-        )
+        for field in COUNT_FIELDS:
+            _check_int(field, getattr(c, field), MAX_COUNT, c.peer, round_)
+        name = _text("name", c.name, MAX_NAME_CHARS, c.peer)
+        role = _text("role", c.role, MAX_ROLE_CHARS, c.peer)
+        rows.append((round_, c.peer, name, role, c.tokens, c.inner_steps, c.bytes_sent, float(sealed_at)))
     return rows
 
 
-def _check_count(field: str, value: object, peer: str | None = None) -> None:
-    whose = f" (peer {peer})" if peer else ""
+def _check_int(
+    field: str, value: object, limit: int, peer: str | None = None, round_: int | None = None
+) -> None:
+    whose = f" (peer {peer!r}, round {round_})" if peer else ""
     if isinstance(value, bool) or not isinstance(value, int):
-        raise LedgerError(field, f"must be an int, got {type(value).__name__}{whose}")
-    if not 0 <= value <= MAX_INT:
-        raise LedgerError(field, f"must be in [0, 2**63), got {value}{whose}")
+        raise LedgerError(field, f"must be an int, got {type(value).__name__}{whose}", peer)
+    if not 0 <= value <= limit:
+        bound = "2**40" if limit == MAX_COUNT else "2**63 - 1"
+        raise LedgerError(field, f"{value} is outside [0, {bound}]{whose}", peer)
 
 
 def _text(field: str, value: object, limit: int, peer: str) -> str:
     """Peer-chosen text is kept as it is (escaping is the renderer's job), only cut to `limit` characters."""
     if not isinstance(value, str):
-        raise LedgerError(field, f"must be a string, got {type(value).__name__} (peer {peer})")
+        raise LedgerError(field, f"must be a string, got {type(value).__name__} (peer {peer!r})", peer)
     # Lone surrogates cannot be stored as UTF-8; they become U+FFFD rather than failing the round.
     return _SURROGATE.sub("\ufffd", value[:limit])
 
@@ -322,35 +408,24 @@ class LedgerCollector(Collector):
         yield from self._families()
 
     def collect(self) -> Iterator[Metric]:
-        try:
-            standings = self.ledger.standings()
-        finally:
-            self.ledger.release()  # scrapes run on the HTTP server's short-lived threads
-        yield from self._families(standings)
+        yield from self._families(self.ledger.standings())
 
-    @staticmethod
-    def _families(standings: Sequence[Standing] = ()) -> Iterator[Metric]:
+    _COUNTERS = (  # (family, Standing field, help)
+        ("hetnode_contribution_tokens", "tokens", "Tokens credited in sealed rounds"),
+        ("hetnode_contribution_rounds", "rounds", "Sealed rounds the peer contributed to"),
+        ("hetnode_contribution_inner_steps", "inner_steps", "Inner steps credited in sealed rounds"),
+        ("hetnode_contribution_bytes", "bytes_sent", "Payload bytes sent in sealed rounds"),
+    )
+
+    @classmethod
+    def _families(cls, standings: Sequence[Standing] = ()) -> Iterator[Metric]:
         labels = ["peer", "name"]
-        tokens = CounterMetricFamily(
-            "hetnode_contribution_tokens", "Tokens credited in sealed rounds", labels=labels
-        )
-        rounds = CounterMetricFamily(
-            "hetnode_contribution_rounds", "Sealed rounds the peer contributed to", labels=labels
-        )
-        steps = CounterMetricFamily(
-            "hetnode_contribution_inner_steps", "Inner steps credited in sealed rounds", labels=labels
-        )
-        sent = CounterMetricFamily(
-            "hetnode_contribution_bytes", "Payload bytes sent in sealed rounds", labels=labels
-        )
-        share = GaugeMetricFamily(
-            "hetnode_contribution_share", "The peer's fraction of all credited tokens", labels=labels
-        )
+        families: list[tuple[Metric, str]] = [
+            (CounterMetricFamily(name, help_, labels=labels), field) for name, field, help_ in cls._COUNTERS
+        ]
+        share_help = "The peer's fraction of all credited tokens"
+        families.append((GaugeMetricFamily("hetnode_contribution_share", share_help, labels=labels), "share"))
         for s in standings:
-            values = [s.peer, s.name]
-            tokens.add_metric(values, s.tokens)
-            rounds.add_metric(values, s.rounds)
-            steps.add_metric(values, s.inner_steps)
-            sent.add_metric(values, s.bytes_sent)
-            share.add_metric(values, s.share)
-        yield from (tokens, rounds, steps, sent, share)
+            for family, field in families:
+                family.add_metric([s.peer, s.name], getattr(s, field))
+        yield from (family for family, _ in families)

@@ -70,10 +70,7 @@ class StatusBoard:
             return self._snapshot, self._updated  # replaced whole, never mutated
 
     def _standings(self) -> list[Standing]:
-        try:
-            return self.ledger.standings()
-        finally:
-            self.ledger.release()  # each request runs on its own short-lived thread
+        return self.ledger.standings()  # the ledger bounds its connections, whatever the threads
 
     def routes(self) -> dict[str, Route]:
         return {
@@ -103,10 +100,7 @@ class StatusBoard:
         )
 
     def _rounds(self) -> int:
-        try:
-            return self.ledger.totals().rounds
-        finally:
-            self.ledger.release()
+        return self.ledger.totals().rounds
 
     def healthz(self) -> Response:
         snapshot, updated = self._latest()

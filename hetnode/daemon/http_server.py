@@ -1,25 +1,48 @@
-"""A small HTTP server for /metrics, /healthz and the coordinator's status page, on its own thread.
+"""A small HTTP server for /metrics, /healthz and the coordinator's status page, on its own threads.
 
 Handlers run on the server's threads, never on the daemon's event loop, so a slow scrape cannot delay a
 round; they must only read state that is safe to read from another thread (prometheus-client registries
 are; the coordinator hands over immutable snapshots). Only GET and HEAD are served, paths are matched
 exactly (the query string is ignored), and a handler that fails answers 500 and logs, without taking the
 daemon down.
+
+Clients are strangers (TRUST.md §5), so every connection is budgeted:
+- at most `max_connections` at a time, each on its own thread. Past the cap, the oldest connection that
+  is still sending its request is dropped to make room (idle sockets are then worth nothing to an
+  attacker, and a scrape still gets in); when every connection is busy answering, the new one is closed
+  at once, on the accepting thread, without a thread of its own. Both are counted and logged at most
+  once a minute;
+- the whole request (line and headers) must arrive within `request_timeout_s` and `max_request_bytes`,
+  one deadline for all reads, so a client trickling a byte at a time (slowloris) is dropped on time;
+- each write of the answer is bounded by `request_timeout_s` too (`sendall` keeps one deadline).
+Connections serve one request (HTTP/1.0, no keep-alive).
 """
 
 from __future__ import annotations
 
+import contextlib
+import io
 import logging
+import socket
+import sys
 import threading
+import time
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
 
 from hetnode.errors import HetnodeError
 
 log = logging.getLogger(__name__)
 
 DEFAULT_STATUS_PORT = 8400  # the coordinator's status page, API and /metrics
+MAX_CONNECTIONS = 64  # threads, sockets and (on the coordinator) waiters for a ledger connection
+REQUEST_TIMEOUT_S = 10.0  # a scraper or browser on any real link sends its request in well under a second
+MAX_REQUEST_BYTES = 64 * 1024  # request line + headers; the stdlib alone allows 100 headers of 64 KiB
+LISTEN_BACKLOG = 128  # the stdlib's 5 drops SYNs when many clients connect at once
+LOG_INTERVAL_S = 60.0  # refusals are logged at most this often
 
 
 @dataclass(frozen=True)
@@ -32,57 +55,259 @@ class Response:
 Route = Callable[[], Response]
 
 
-class HttpServer:
-    """`routes` maps exact paths to handlers; `start()` binds and returns the port (0 picks a free one)."""
+@dataclass(frozen=True)
+class HttpStats:
+    """Counters since `start()`; `active` is the connections open now."""
 
-    def __init__(self, host: str, port: int, routes: dict[str, Route]) -> None:
+    active: int = 0
+    served: int = 0
+    refused: int = 0  # closed at once: every connection was busy answering
+    evicted: int = 0  # still sending its request when the cap was reached, dropped for a newer one
+    timed_out: int = 0  # request not complete within request_timeout_s
+    too_large: int = 0  # request line + headers over max_request_bytes
+
+
+class RequestTooLarge(HetnodeError):
+    """The request line and headers exceeded the server's byte budget."""
+
+
+class _RequestReader(io.RawIOBase):
+    """Reads a request from `sock` against one deadline and one byte budget, whatever the reads' sizes."""
+
+    def __init__(self, sock: socket.socket, deadline: float, budget: int, on_timeout: Callable[[], None]):
+        super().__init__()
+        self._sock, self._deadline, self._budget, self._on_timeout = sock, deadline, budget, on_timeout
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer: Any) -> int:
+        remaining = self._deadline - time.monotonic()
+        try:
+            if remaining <= 0:
+                raise TimeoutError("request not received in time")
+            if self._budget <= 0:
+                raise RequestTooLarge("request line and headers too large")
+            self._sock.settimeout(remaining)
+            n = self._sock.recv_into(memoryview(buffer)[: self._budget])
+        except TimeoutError:
+            self._on_timeout()
+            raise
+        self._budget -= n
+        return n
+
+
+class _Handler(BaseHTTPRequestHandler):
+    server_version = "hetnode"
+    sys_version = ""
+    server: _Server  # narrower than the stdlib's BaseServer
+
+    def setup(self) -> None:
+        server = self.server
+        self.timeout = server.request_timeout_s  # StreamRequestHandler.setup applies it to the socket
+        super().setup()
+        self.rfile.close()  # replaced by a reader with one deadline for the whole request
+        reader = _RequestReader(
+            self.connection,
+            time.monotonic() + server.request_timeout_s,
+            server.max_request_bytes,
+            server.count_timeout,
+        )
+        self.rfile = io.BufferedReader(reader)
+
+    def do_GET(self) -> None:  # noqa: N802 (the stdlib's name)
+        self._answer(send_body=True)
+
+    def do_HEAD(self) -> None:  # noqa: N802
+        self._answer(send_body=False)
+
+    def _answer(self, send_body: bool) -> None:
+        self.close_connection = True
+        if not self.server.begin_answer(self.request):
+            return  # dropped for a newer connection while its request was still arriving
+        self.connection.settimeout(self.server.request_timeout_s)  # for the writes below
+        route = self.server.routes.get(self.path.split("?", 1)[0])
+        if route is None:
+            response = Response(b"not found\n", status=404)
+        else:
+            try:
+                response = route()
+            except Exception:
+                log.exception("HTTP handler for %s failed", self.path[:200])
+                response = Response(b"internal error\n", status=500)
+        self.send_response(response.status)
+        self.send_header("Content-Type", response.content_type)
+        self.send_header("Content-Length", str(len(response.body)))
+        self.send_header("Cache-Control", "no-store")
+        self.send_header("X-Content-Type-Options", "nosniff")
+        self.end_headers()
+        if send_body:
+            self.wfile.write(response.body)
+
+    def log_message(self, format: str, *args: object) -> None:
+        log.debug("%s %s", self.address_string(), format % args)
+
+
+class _Server(ThreadingHTTPServer):
+    daemon_threads = True
+    block_on_close = False  # stop() ends the connections itself rather than waiting on their threads
+    request_queue_size = LISTEN_BACKLOG
+
+    def __init__(
+        self,
+        address: tuple[str, int],
+        routes: dict[str, Route],
+        max_connections: int,
+        request_timeout_s: float,
+        max_request_bytes: int,
+    ) -> None:
+        self.routes = routes
+        self.max_connections = max_connections
+        self.request_timeout_s = request_timeout_s
+        self.max_request_bytes = max_request_bytes
+        self._lock = threading.Lock()
+        self._arriving: OrderedDict[socket.socket, None] = OrderedDict()  # oldest first
+        self._answering: set[socket.socket] = set()
+        self._counts = dict.fromkeys(("served", "refused", "evicted", "timed_out", "too_large"), 0)
+        self._logged_at = -LOG_INTERVAL_S
+        super().__init__(address, _Handler)
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        """On the accepting thread: admit the connection (dropping an arriving one if need be) or close it."""
+        victim = None
+        with self._lock:
+            full = len(self._arriving) + len(self._answering) >= self.max_connections
+            if full and self._arriving:
+                victim, _ = self._arriving.popitem(last=False)
+                self._counts["evicted"] += 1
+            elif full:
+                self._counts["refused"] += 1
+            if not full or victim is not None:
+                self._arriving[request] = None
+        if full:
+            self._log_full()
+        if victim is not None:
+            _hang_up(victim)  # its thread's read returns at once; that thread closes the socket
+        elif full:
+            self.shutdown_request(request)
+            return
+        try:
+            super().process_request(request, client_address)
+        except BaseException:  # no thread (e.g. the OS refused one): free the slot; the caller closes it
+            with self._lock:
+                self._arriving.pop(request, None)
+            raise
+
+    def process_request_thread(self, request: Any, client_address: Any) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            with self._lock:
+                self._arriving.pop(request, None)
+                self._answering.discard(request)
+
+    def begin_answer(self, request: socket.socket) -> bool:
+        """The request is in: the connection no longer counts as evictable. False if it was evicted."""
+        with self._lock:
+            if request not in self._arriving:
+                return False
+            del self._arriving[request]
+            self._answering.add(request)
+            self._counts["served"] += 1
+            return True
+
+    def count_timeout(self) -> None:
+        with self._lock:
+            self._counts["timed_out"] += 1
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        """Clients that hang up, time out or send too much are routine: no traceback on stderr."""
+        exc = sys.exc_info()[1]
+        if isinstance(exc, RequestTooLarge):
+            with self._lock:
+                self._counts["too_large"] += 1
+            log.debug("HTTP request from %s too large", client_address)
+        elif isinstance(exc, OSError):
+            log.debug("HTTP connection from %s failed: %s", client_address, exc)
+        else:
+            log.error("HTTP connection from %s failed", client_address, exc_info=exc)
+
+    def stats(self) -> HttpStats:
+        with self._lock:
+            return HttpStats(active=len(self._arriving) + len(self._answering), **self._counts)
+
+    def hang_up_all(self) -> None:
+        with self._lock:
+            connections = [*self._arriving, *self._answering]
+        for request in connections:
+            _hang_up(request)
+
+    def _log_full(self) -> None:
+        now = time.monotonic()
+        with self._lock:
+            if now - self._logged_at < LOG_INTERVAL_S:
+                return
+            self._logged_at = now
+            counts = dict(self._counts)
+        log.warning(
+            "HTTP connection cap %d reached on port %d: %d connections refused, %d dropped so far",
+            self.max_connections,
+            self.server_address[1],
+            counts["refused"],
+            counts["evicted"],
+        )
+
+
+def _hang_up(request: socket.socket) -> None:
+    """Shut a socket down (not close: its thread still owns the descriptor) so that blocked reads return."""
+    with contextlib.suppress(OSError):  # already gone
+        request.shutdown(socket.SHUT_RDWR)
+
+
+class HttpServer:
+    """`routes` maps exact paths to handlers; `start()` binds and returns the port (0 picks a free one).
+
+    The budgets (module docstring) are keyword arguments with defaults for the status page and /metrics.
+    """
+
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        routes: dict[str, Route],
+        *,
+        max_connections: int = MAX_CONNECTIONS,
+        request_timeout_s: float = REQUEST_TIMEOUT_S,
+        max_request_bytes: int = MAX_REQUEST_BYTES,
+    ) -> None:
+        if max_connections < 1:
+            raise ValueError(f"max_connections must be at least 1, got {max_connections}")
+        if not request_timeout_s > 0:
+            raise ValueError(f"request_timeout_s must be positive, got {request_timeout_s}")
+        if max_request_bytes < 1024:
+            raise ValueError(f"max_request_bytes must be at least 1024, got {max_request_bytes}")
         self.host, self.port, self.routes = host, port, dict(routes)
-        self._server: ThreadingHTTPServer | None = None
+        self.max_connections = max_connections
+        self.request_timeout_s = request_timeout_s
+        self.max_request_bytes = max_request_bytes
+        self._server: _Server | None = None
         self._thread: threading.Thread | None = None
+        self._final = HttpStats()  # what stats() answers once stopped
 
     def start(self) -> int:
-        routes = self.routes
-
-        class Handler(BaseHTTPRequestHandler):
-            server_version = "hetnode"
-            sys_version = ""
-
-            def do_GET(self) -> None:  # noqa: N802 (the stdlib's name)
-                self._answer(send_body=True)
-
-            def do_HEAD(self) -> None:  # noqa: N802
-                self._answer(send_body=False)
-
-            def _answer(self, send_body: bool) -> None:
-                route = routes.get(self.path.split("?", 1)[0])
-                if route is None:
-                    response = Response(b"not found\n", status=404)
-                else:
-                    try:
-                        response = route()
-                    except Exception:
-                        log.exception("HTTP handler for %s failed", self.path)
-                        response = Response(b"internal error\n", status=500)
-                self.send_response(response.status)
-                self.send_header("Content-Type", response.content_type)
-                self.send_header("Content-Length", str(len(response.body)))
-                self.send_header("Cache-Control", "no-store")
-                self.send_header("X-Content-Type-Options", "nosniff")
-                self.end_headers()
-                if send_body:
-                    self.wfile.write(response.body)
-
-            def log_message(self, format: str, *args: object) -> None:
-                log.debug("%s %s", self.address_string(), format % args)
-
         try:
-            self._server = ThreadingHTTPServer((self.host, self.port), Handler)
+            self._server = _Server(
+                (self.host, self.port),
+                self.routes,
+                self.max_connections,
+                self.request_timeout_s,
+                self.max_request_bytes,
+            )
         except OSError as exc:
             raise HetnodeError(
                 f"cannot serve HTTP on {self.host}:{self.port}: {exc.strerror or exc} "
                 "(pick another port, 0 for any free one, or 'off')"
             ) from None
-        self._server.daemon_threads = True
         self.port = self._server.server_address[1]
         self._thread = threading.Thread(target=self._server.serve_forever, name="http", daemon=True)
         self._thread.start()
@@ -93,10 +318,16 @@ class HttpServer:
         host = "127.0.0.1" if self.host in ("0.0.0.0", "") else self.host
         return f"http://{host}:{self.port}"
 
+    def stats(self) -> HttpStats:
+        """Connection counters (zero before `start()`, the last ones after `stop()`), e.g. for metrics."""
+        return self._server.stats() if self._server is not None else self._final
+
     def stop(self) -> None:
         if self._server is not None:
-            self._server.shutdown()
+            self._server.shutdown()  # no new connections
+            self._server.hang_up_all()  # open ones end now rather than at their timeout
             self._server.server_close()
+            self._final = self._server.stats()
             self._server = None
         if self._thread is not None:
             self._thread.join(timeout=5.0)

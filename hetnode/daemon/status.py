@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import re
 import time
+import unicodedata
 from typing import Any
 
 from hetnode.daemon.swarm import find_run, read_round
@@ -31,33 +33,88 @@ async def query_status(peer_maddr: str, timeout_s: float, listen: str) -> dict[s
         await node.shutdown()
 
 
+# Terminal escape sequences: CSI (ESC [ or U+009B ... final byte); OSC, DCS, SOS, PM, APC strings up to BEL
+# or ST (or the end); any other ESC with its intermediates and final byte. A cut-off one is removed too.
+_ESCAPES = re.compile(
+    r"(?:\x1b\[|\x9b)[0-?]*[ -/]*[@-~]?"
+    r"|(?:\x1b[\]PX^_]|[\x90\x98\x9d\x9e\x9f])[^\x07\x1b\x9c]*(?:\x07|\x1b\\|\x9c)?"
+    r"|\x1b[ -/]*[0-~]?"
+)
+_JOINERS = {"\u200c", "\u200d"}  # ZWNJ, ZWJ: needed by emoji sequences and several scripts, inert
+
+
+def _printable_char(char: str) -> str:
+    category = unicodedata.category(char)
+    if category in ("Zl", "Zp") or (category == "Cc" and char in "\t\n\v\f\r\x85"):
+        return " "
+    if category == "Cc" or (category == "Cf" and char not in _JOINERS):
+        return ""  # other C0/C1 controls, DEL, bidi overrides and isolates, invisible tags
+    if category == "Cs":
+        return "\ufffd"
+    return char
+
+
+def printable(text: str, limit: int) -> str:
+    """`text` safe to print on a terminal, at most `limit` characters (an ellipsis marks a cut).
+
+    Peer-chosen strings (names, roles, chain ids: anything read from the DHT) could otherwise move the
+    cursor, retitle the window, hide or reorder text (bidi overrides) or plant clickable links (OSC 8).
+    Escape sequences are removed whole, other control and format characters dropped (line breaks and tabs
+    become spaces); letters, marks, symbols and emoji of any script are kept.
+    """
+    if limit <= 0:
+        return ""
+    if not isinstance(text, str):
+        text = str(text)
+    # Cutting first bounds the work; a sequence cut in half is still removed whole (see _ESCAPES).
+    text = text[: 16 * limit + 1024]
+    clean = "".join(_printable_char(char) for char in _ESCAPES.sub("", text))
+    return clean if len(clean) <= limit else clean[: limit - 1] + "\u2026"
+
+
+def _cell(value: Any, limit: int) -> str:
+    return "-" if value is None or value == "" else printable(str(value), limit) or "-"
+
+
+def _mbps(value: Any) -> str:
+    return f"{value:.1f}" if isinstance(value, int | float) and not isinstance(value, bool) else "-"
+
+
 def render_table(document: dict[str, Any]) -> str:
+    """The swarm as a table; every string from the DHT goes through `printable` first."""
     now = document.get("time", time.time())
+    peers, chains = document.get("peers") or [], document.get("chains") or []
     lines = [
-        f"run {document['run']} ({document['config']}), round {document['round']}, "
-        f"{len(document['peers'])} peers, coordinator {document['coordinator'][-8:]}",
+        f"run {_cell(document.get('run'), 64)} ({_cell(document.get('config'), 64)}), "
+        f"round {_cell(document.get('round'), 20)}, {len(peers)} peers, "
+        f"coordinator {_cell(str(document.get('coordinator', ''))[-8:], 8)}",
         "",
         f"{'name':<16} {'peer':<10} {'class':<6} {'role':<12} {'chain':<16} {'stage':>5} {'layers':>7} "
         f"{'up Mb/s':>8} {'down Mb/s':>9} {'round':>5} {'embed digest':<16} {'seen':>6}",
     ]
-    for p in document["peers"]:
-        layers = f"{p['layers'][0]}-{p['layers'][1]}" if p["layers"] else "-"
-        up = f"{p['up_mbps']:.1f}" if p["up_mbps"] is not None else "-"
-        down = f"{p['down_mbps']:.1f}" if p["down_mbps"] is not None else "-"
-        stage = "-" if p["stage"] is None else str(p["stage"])
-        chain = p["chain"] or "-"
-        seen = f"{now - p['last_seen']:.0f}s"
-        applied = "-" if p.get("params_round") is None else str(p["params_round"])
-        digest = (p.get("layer_digests") or {}).get("embed", "-")
+    for p in peers:
+        layers = p.get("layers")
+        span = (
+            f"{_cell(layers[0], 3)}-{_cell(layers[1], 3)}"
+            if isinstance(layers, list | tuple) and len(layers) == 2
+            else "-"
+        )
+        digests = p.get("layer_digests")
+        digest = digests.get("embed") if isinstance(digests, dict) else None
+        last_seen = p.get("last_seen")
+        seen = f"{now - last_seen:.0f}s" if isinstance(last_seen, int | float) else "-"
         lines.append(
-            f"{p['name'][:16]:<16} {p['peer_id'][-8:]:<10} {p['class']:<6} {p['role']:<12} {chain:<16} "
-            f"{stage:>5} {layers:>7} {up:>8} {down:>9} {applied:>5} {digest:<16} {seen:>6}"
+            f"{_cell(p.get('name'), 16):<16} {_cell(str(p.get('peer_id', ''))[-8:], 8):<10} "
+            f"{_cell(p.get('class'), 6):<6} {_cell(p.get('role'), 12):<12} {_cell(p.get('chain'), 32):<16} "
+            f"{_cell(p.get('stage'), 5):>5} {span:>7} {_mbps(p.get('up_mbps')):>8} "
+            f"{_mbps(p.get('down_mbps')):>9} {_cell(p.get('params_round'), 5):>5} {_cell(digest, 16):<16} "
+            f"{seen:>6}"
         )
     lines.append("")
-    if not document["chains"]:
+    if not chains:
         lines.append("no chains")
-    for chain in document["chains"]:
-        members = ", ".join((peer or "?")[-8:] for peer in chain["stages"])
-        state = "live" if chain["live"] else f"not live ({chain['problem']})"
-        lines.append(f"chain {chain['id']}: {state}; stages {members}")
+    for chain in chains:
+        members = ", ".join(_cell(str(peer or "?")[-8:], 8) for peer in chain.get("stages") or [])
+        state = "live" if chain.get("live") else f"not live ({_cell(chain.get('problem'), 80)})"
+        lines.append(f"chain {_cell(chain.get('id'), 64)}: {state}; stages {members}")
     return "\n".join(lines)
