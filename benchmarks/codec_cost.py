@@ -22,7 +22,7 @@ from hetnode.algo.sparseloco import DenseCodec, ErrorFeedback, SparseLoCoCodec, 
 from hetnode.config import load_config
 from hetnode.data import TokenDataset
 from hetnode.model import build_model, count_parameters
-from hetnode.sim.replicas import shard_names
+from hetnode.model.shards import shard_names
 from hetnode.training.trainer import InnerTrainer
 from hetnode.wire.sync_payload import ShardSpec, SyncPayload, decode_payload, encode_payload
 

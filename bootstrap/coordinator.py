@@ -16,6 +16,7 @@ from pathlib import Path
 
 from prometheus_client import CONTENT_TYPE_LATEST
 
+from bootstrap.admissions import Admissions, read_allowlist
 from bootstrap.ledger import Ledger
 from bootstrap.round_keeper import RoundKeeper
 from bootstrap.status_page import StatusBoard
@@ -24,7 +25,7 @@ from hetnode.config import Config, load_config
 from hetnode.daemon.datadir import DataDir
 from hetnode.daemon.http_server import DEFAULT_STATUS_PORT, HttpServer, Response
 from hetnode.daemon.lifecycle import print_ready, sleep_or_stop, stop_on_signals, until_stopped
-from hetnode.daemon.live_peers import LivePeers
+from hetnode.daemon.membership import Membership
 from hetnode.daemon.metrics import PeerMetrics
 from hetnode.daemon.peer import limits_of
 from hetnode.daemon.presence import Presence
@@ -55,6 +56,8 @@ class BootstrapOptions:
     metrics_port: int | None = None  # a separate /metrics port (None: on http_port)
     http_host: str = "127.0.0.1"
     stand_ins: tuple[str, ...] = ()  # peers that may seal while the coordinator is away (TRUST §1)
+    admission: str = "open"  # open | allowlist | tokens
+    allowlist: Path | None = None  # peer ids admitted in "allowlist" mode
 
 
 def listen_address(requested: str, state: dict) -> str:
@@ -139,9 +142,22 @@ class Coordinator:
         data_dir.write_json(STATE_FILE, state)
         # a restarted coordinator finds the swarm again through the neighbours it remembers
         await node.join_dht(run, self._bootstrapped_from, require_bootstrap=False)
+        o = self.options
         manifest = Manifest(
-            self.options.protocol, run, self.config, float(state["created"]), self.options.stand_ins
+            o.protocol,
+            run,
+            self.config,
+            float(state["created"]),
+            o.stand_ins,
+            o.admission,
+            node.identity.private_key.get_public_key().to_bytes().decode(),
         )
+        if o.admission != "open":
+            allowlist = read_allowlist(o.allowlist) if o.allowlist is not None else frozenset()
+            admissions = Admissions(o.admission, node.identity, run, data_dir, allowlist)
+            node.set_admit_handler(admissions.grant)
+            log.info("closed run: admission by %s", o.admission)
+        membership = Membership(node, self.config, manifest, node.identity.peer_id)
         if not await node.store_own("manifest", manifest.envelope(), MANIFEST_TTL_S):
             log.warning("the DHT did not accept the manifest yet; retrying")
         n = self.config.network
@@ -176,7 +192,7 @@ class Coordinator:
                     asyncio.create_task(self._refresh_manifest(node, manifest, stop), name="manifest"),
                     asyncio.create_task(self._remember_neighbours(node, data_dir, stop), name="neighbours"),
                     asyncio.create_task(keeper.run(stop), name="rounds"),
-                    asyncio.create_task(LivePeers(node, self.config).follow(stop), name="live-peers"),
+                    asyncio.create_task(membership.follow(stop), name="membership"),
                     asyncio.create_task(
                         self._keep_status(keeper, board, swarm_metrics, state, maddrs, stop), name="status"
                     ),
@@ -248,6 +264,7 @@ class Coordinator:
             "params_round": None,
             "layer_digests": None,
             "tokens": None,
+            "admission": None,
         }
 
     async def _open_boundaries(

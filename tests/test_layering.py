@@ -15,7 +15,7 @@ ALLOWED = {
     "training": {"algo", "model", "data"},
     "sim": {"algo", "model", "data", "training", "wire", "planning"},
     "net": {"wire"},
-    "daemon": {"algo", "model", "data", "training", "planning", "wire", "net", "sim"},
+    "daemon": {"algo", "model", "data", "training", "planning", "wire", "net"},
     "cli": {"algo", "model", "data", "training", "planning", "wire", "net", "daemon", "sim", "bench", "demo"},
     "bench": {"algo", "model", "data", "training", "wire", "sim", "planning"},
     "demo": {"bench", "daemon"},

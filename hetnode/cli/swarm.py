@@ -28,8 +28,17 @@ def port_or_off(text: str) -> int | None:
 
 
 def register(commands: argparse._SubParsersAction) -> None:
-    boot = commands.add_parser("bootstrap", help="run the coordinator: DHT entry point, manifest, boundaries")
-    boot.add_argument("--config", required=True, type=Path, help="run config (TOML), e.g. configs/tiny.toml")
+    boot = commands.add_parser(
+        "bootstrap",
+        help="run the coordinator: DHT entry point, manifest, boundaries (`bootstrap token`: a join token)",
+    )
+    boot.add_argument(
+        "action",
+        nargs="?",
+        choices=("token",),
+        help="token: print a join token for --name, signed by this coordinator's key (closed runs)",
+    )
+    boot.add_argument("--config", type=Path, help="run config (TOML), e.g. configs/tiny.toml")
     boot.add_argument("--listen", default=None, help="listen multiaddr (default /ip4/0.0.0.0/tcp/31337)")
     boot.add_argument("--announce-maddr", action="append", default=[], help="public multiaddr to announce")
     boot.add_argument(
@@ -57,6 +66,16 @@ def register(commands: argparse._SubParsersAction) -> None:
         help="a peer (an anchor) that may seal rounds while the coordinator is away; repeatable "
         "(default: none, the swarm waits for the coordinator)",
     )
+    boot.add_argument(
+        "--admit",
+        nargs="+",
+        default=["open"],
+        metavar="MODE",
+        help="who may take part: open (default), allowlist FILE (peer ids, one per line), or tokens "
+        "(volunteers join with `join --token` from `bootstrap token --name NAME`)",
+    )
+    boot.add_argument("--name", default=None, help="bootstrap token: the volunteer's name on the leaderboard")
+    boot.add_argument("--days", type=float, default=7.0, help="bootstrap token: days it stays valid")
     boot.add_argument("--protocol-version", type=int, default=None, help=argparse.SUPPRESS)  # tests only
     boot.set_defaults(handler=run_bootstrap)
 
@@ -83,6 +102,9 @@ def register(commands: argparse._SubParsersAction) -> None:
         "--data-cache",
         default="~/.cache/hetnode",
         help="where tokenised data is cached (default %(default)s)",
+    )
+    join.add_argument(
+        "--token", default=None, help="a join token from the operator (runs that admit by token)"
     )
     join.add_argument("--name", default=None, help="name on the leaderboard (default: host name)")
     join.add_argument("--bandwidth", default="auto", help="auto (measure) or this link's Mbit/s")
@@ -121,7 +143,12 @@ def run_bootstrap(args: argparse.Namespace) -> int:
     from hetnode.net.identity import check_peer_id
     from hetnode.wire.manifest import PROTOCOL_VERSION
 
+    if args.action == "token":
+        return print_token(args)
+    if args.config is None:
+        raise ConfigError("--config", "config", "the coordinator needs a run config, e.g. configs/tiny.toml")
     stand_ins = tuple(check_peer_id(peer, "--stand-in") for peer in args.stand_in)
+    admission, allowlist = admission_mode(args.admit)
     options = BootstrapOptions(
         config_path=args.config,
         data_dir=args.data_dir.expanduser(),
@@ -133,8 +160,38 @@ def run_bootstrap(args: argparse.Namespace) -> int:
         metrics_port=args.metrics_port,
         http_host=args.http_host,
         stand_ins=stand_ins,
+        admission=admission,
+        allowlist=allowlist,
     )
     return loop.run(Coordinator(options).run())
+
+
+def admission_mode(words: list[str]) -> tuple[str, Path | None]:
+    """`--admit open | allowlist FILE | tokens` as (mode, allowlist file)."""
+    mode, *rest = words
+    if mode == "allowlist" and len(rest) == 1:
+        return mode, Path(rest[0]).expanduser()
+    if mode in ("open", "tokens") and not rest:
+        return mode, None
+    raise ConfigError("--admit", "admit", f"expected open, allowlist FILE or tokens, got {' '.join(words)!r}")
+
+
+def print_token(args: argparse.Namespace) -> int:
+    """`hetnode bootstrap token --name NAME [--data-dir DIR]`: a join token signed by the coordinator."""
+    from bootstrap.admissions import issue_token
+    from hetnode.net.identity import load_or_create_identity
+
+    if not args.name:
+        raise ConfigError("--name", "name", "a join token names its volunteer: pass --name")
+    if not 0 < args.days <= 3650:
+        raise ConfigError("--days", "days", f"must be in (0, 3650], got {args.days}")
+    key = args.identity or args.data_dir.expanduser() / "identity.key"
+    if not key.exists():
+        raise ConfigError(
+            "--data-dir", "identity", f"no coordinator key at {key}: start the coordinator once"
+        )
+    print(issue_token(load_or_create_identity(key), args.name, args.days), flush=True)
+    return 0
 
 
 def run_join(args: argparse.Namespace) -> int:
@@ -182,6 +239,7 @@ def run_join(args: argparse.Namespace) -> int:
         coordinator=coordinator,
         data_source=args.data_source,
         data_cache=args.data_cache,
+        token=args.token,
     )
     return loop.run(PeerDaemon(options).run())
 

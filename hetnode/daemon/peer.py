@@ -25,7 +25,7 @@ from hetnode.daemon.chain import ChainLayout, ChainLoop
 from hetnode.daemon.datadir import DataDir
 from hetnode.daemon.http_server import HttpServer, Response
 from hetnode.daemon.lifecycle import Stopped, print_ready, sleep_or_stop, stop_on_signals, until_stopped
-from hetnode.daemon.live_peers import LivePeers
+from hetnode.daemon.membership import Membership
 from hetnode.daemon.metrics import PeerMetrics
 from hetnode.daemon.peer_address import is_url, resolve_peer
 from hetnode.daemon.presence import Presence
@@ -76,6 +76,7 @@ class JoinOptions:
     http_host: str = "127.0.0.1"
     fault: str | None = None  # tests only: make this anchor a hostile contributor ("nan" or "digest")
     coordinator: str | None = None  # the coordinator's peer id we mean to follow (pinned)
+    token: str | None = None  # a join token, for runs that admit by token
     data_source: str | None = None  # our own copy of the run's data (None: the bundled corpus)
     data_cache: str = "~/.cache/hetnode"  # where tokenised data is cached; never taken from a manifest
 
@@ -102,6 +103,8 @@ class PeerDaemon:
         self._http: HttpServer | None = None
         self._config: Config | None = None
         self._data_dir: DataDir | None = None
+        self.membership: Membership | None = None
+        self.admission: str | None = None  # our admission to a closed run
         self.pinned: str | None = options.coordinator
 
     @property
@@ -188,6 +191,9 @@ class PeerDaemon:
             self.contact.manifest.config, self.options.data_source, self.options.data_cache
         )
         self.node.limits = limits_of(self.config)
+        manifest = self.contact.manifest
+        self.membership = Membership(self.node, self.config, manifest, self.contact.coordinator)
+        self.admission = await self._get_admitted() if manifest.admission != "open" else None
         log.info("joined run %s (coordinator %s)", self.contact.manifest.run, self.contact.coordinator)
         await self._start_presence()
         record = self.presence.record
@@ -209,7 +215,7 @@ class PeerDaemon:
         tasks = [
             asyncio.create_task(self.presence.heartbeat(stop), name="heartbeat"),
             asyncio.create_task(self._follow_boundaries(stop), name="boundaries"),
-            asyncio.create_task(LivePeers(self.node, self.config).follow(stop), name="live-peers"),
+            asyncio.create_task(self.membership.follow(stop), name="membership"),
         ]
         self._run_role(stop)
         try:
@@ -308,6 +314,7 @@ class PeerDaemon:
             "params_round": None,
             "layer_digests": None,
             "tokens": None,
+            "admission": self.admission,
         }
         n = self.config.network
         self.presence = Presence(self.node, record, n.heartbeat_s, n.record_ttl_s)
@@ -334,6 +341,14 @@ class PeerDaemon:
             role=role,
             layers=[0, self.config.model.n_layers - 1] if role == "anchor" else None,
         )
+
+    async def _get_admitted(self) -> str:
+        """A closed run: ask the coordinator for an admission (with our join token, or for our allowlisted
+        key); it goes into our record, where every member checks it."""
+        try:
+            return await self.node.request_admission(self.contact.coordinator, self.options.token or "")
+        except PeerRequestError as exc:
+            raise HetnodeError(f"run {self.contact.manifest.run} did not admit this peer: {exc}") from None
 
     async def _measure_link(self, patient: bool = False) -> LinkMeasurement:
         """Our link against the coordinator and a few anchors. `patient`: on joining, members serve probes

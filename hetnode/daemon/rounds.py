@@ -28,10 +28,11 @@ from hetnode.config import Config
 from hetnode.data.dataset import TokenDataset
 from hetnode.errors import CheckpointError, HetnodeError, WireError
 from hetnode.model.decoder import build_model
+from hetnode.model.shards import layer_digests, shard_names
 from hetnode.model.subspace import SubspaceConstraint
 from hetnode.planning.layer_split import split_layers
-from hetnode.sim.replicas import WorkingCopy, layer_digests, shard_names
 from hetnode.training.trainer import InnerTrainer
+from hetnode.training.working_copy import WorkingCopy
 from hetnode.wire.sync_payload import DecodedPayload, ShardSpec, SyncPayload, decode_payload, encode_payload
 
 log = logging.getLogger(__name__)

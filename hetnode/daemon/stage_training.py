@@ -20,9 +20,8 @@ from hetnode.config import Config
 from hetnode.daemon.rounds import NUM_DATA_SLOTS, GlobalModel, base_fixed_embedding, data_slot
 from hetnode.data.dataset import TokenDataset
 from hetnode.model.decoder import layer_of
-from hetnode.sim.pipeline import build_stage_worker
-from hetnode.sim.replicas import WorkingCopy
-from hetnode.training.stage_worker import Frame
+from hetnode.training.stage_worker import Frame, build_stage_worker
+from hetnode.training.working_copy import WorkingCopy
 from hetnode.wire.activation_frame import FrameLimits
 from hetnode.wire.sync_payload import SyncPayload, encode_payload
 

@@ -2,6 +2,11 @@
 
 Start order: P2P (so we can ask the coordinator which run it serves), then the DHT node with the run's
 validators. Shutdown runs in reverse and is idempotent. Every DHT call has a timeout.
+
+Every entry point is budgeted (TRUST §5, hetnode/net/budgets.py): a control stream holds a stream slot
+for its peer while it runs, probes are served only to peers the probe policy allows and within the probe
+bytes budget, payload and state replies are charged to their byte budgets before they are sent, and chain
+streams have their own small cap. Refusals are counted in `budgets.refusals` and logged rate-limited.
 """
 
 from __future__ import annotations
@@ -22,17 +27,22 @@ from hivemind.dht.validation import CompositeValidator
 from hivemind.p2p import P2P
 
 from hetnode.errors import HetnodeError, WireError
-from hetnode.net.identity import Identity, owner_subkey, peer_id_of_subkey, write_identity_file
-from hetnode.net.probe import (
-    LinkMeasurement,
-    measure_download,
-    measure_upload,
-    serve_probe_down,
-    serve_probe_up,
+from hetnode.net.budgets import Budgets, NodeBudgets
+from hetnode.net.control_server import (
+    MAX_PAYLOADS_PER_STREAM,
+    PAYLOAD_TIMEOUT_S,
+    ControlServer,
+    InfoProvider,
+    NudgeHandler,
+    PayloadProvider,
+    ProbePolicy,
 )
-from hetnode.net.records import record_key, run_schema_validator
+from hetnode.net.identity import Identity, owner_subkey, peer_id_of_subkey, write_identity_file
+from hetnode.net.log_limits import RefusalLog
+from hetnode.net.probe import LinkMeasurement, measure_download, measure_upload
+from hetnode.net.records import RecordCapsValidator, cap_problem, record_key, run_schema_validator
+from hetnode.net.state_cache import StateCache, StateProvider
 from hetnode.net.streams import (
-    REQUEST_TIMEOUT_S,
     OpenStream,
     PeerRequestError,
     RateLimiter,
@@ -40,15 +50,8 @@ from hetnode.net.streams import (
     open_stream,
     read_frame,
     request,
-    write_frame,
 )
-from hetnode.wire.control import (
-    MAX_CONTROL_BYTES,
-    ControlMessage,
-    decode_request,
-    encode_reply,
-    encode_request,
-)
+from hetnode.wire.control import ControlMessage, encode_request
 
 log = logging.getLogger(__name__)
 
@@ -67,6 +70,7 @@ class NodeLimits:
     probe_bytes: int
     probe_s: float
     requests_per_min: int
+    budgets: NodeBudgets = NodeBudgets()  # daemons: NodeBudgets.sized(probe_bytes, max frame bytes)
 
 
 DEFAULT_LIMITS = NodeLimits(
@@ -81,14 +85,8 @@ class StoredValue:
     expiration: float
 
 
-InfoProvider = Callable[[], dict[str, Any]]  # -> {"run", "protocol", "coordinator", "role", "name"}
-PayloadProvider = Callable[[int, str, str], bytes | None]
-StateProvider = Callable[[int, str], bytes | None]
-# (peer, reader, writer): runs for the stream's life; the stream closes when it returns
-NudgeHandler = Callable[[str, str, int], None]  # (peer, topic, round): look at the DHT now
 NUDGE_TIMEOUT_S = 3.0
-PAYLOAD_TIMEOUT_S = 60.0  # one payload frame: megabytes over a slow link
-MAX_PAYLOADS_PER_STREAM = 256  # pipelined payload requests one stream may carry
+# (peer, reader, writer): runs for the stream's life; the stream closes when it returns
 StageAcceptor = Callable[[str, asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
 
 
@@ -96,20 +94,13 @@ class SwarmNode:
     def __init__(self, identity: Identity, p2p: P2P, limits: NodeLimits) -> None:
         self.identity = identity
         self.p2p = p2p
-        self.limits = limits
+        self._limits = limits
         self.dht: DHTNode | None = None
         self.run: str | None = None
-        self._info: InfoProvider = lambda: {
-            "run": self.run or "",
-            "protocol": 0,
-            "coordinator": "",
-            "role": "idle",
-            "name": "",
-        }
-        self._payloads: PayloadProvider = lambda round_, shard, replica: None
-        self._state: StateProvider = lambda round_, shard: None
+        self.budgets = Budgets(limits.budgets)
+        self.refusals = RefusalLog(log)
         self._stage: StageAcceptor | None = None
-        self._nudged: NudgeHandler = lambda peer, topic, round_: None
+        self._member_policy: Callable[[str], bool] = lambda peer: True
         self._background: set[asyncio.Task] = set()  # nudges in flight, cancelled at shutdown
         self._stage_limiter = RateLimiter(limits.requests_per_min)
         self._closed = False
@@ -118,6 +109,30 @@ class SwarmNode:
         self.traffic: Counter[tuple[str, str]] = Counter(
             {(d, c): 0 for d in ("sent", "received") for c in ("sync", "state", "probe")}
         )
+        self._server = ControlServer(
+            limits.probe_bytes,
+            limits.probe_s,
+            self.budgets,
+            self.traffic,
+            info=lambda: {
+                "run": self.run or "",
+                "protocol": 0,
+                "coordinator": "",
+                "role": "idle",
+                "name": "",
+            },
+        )
+
+    @property
+    def limits(self) -> NodeLimits:
+        return self._limits
+
+    @limits.setter
+    def limits(self, limits: NodeLimits) -> None:
+        """New limits (the run's manifest is read after the node starts) apply to requests from now on."""
+        self._limits = limits
+        self._server.probe_bytes, self._server.probe_s = limits.probe_bytes, limits.probe_s
+        self.budgets.reconfigure(limits.budgets)
 
     @classmethod
     async def start(
@@ -142,7 +157,8 @@ class SwarmNode:
         if not client_mode:
             limiter = RateLimiter(limits.requests_per_min)
             await p2p.add_binary_stream_handler(
-                CONTROL_HANDLER, guarded_handler(CONTROL_HANDLER, limiter, node._control)
+                CONTROL_HANDLER,
+                guarded_handler(CONTROL_HANDLER, limiter, node._server.handle, node.budgets, node.refusals),
             )
             await p2p.add_binary_stream_handler(STAGE_HANDLER, node._accept_stage)
         return node
@@ -170,18 +186,45 @@ class SwarmNode:
             raise HetnodeError(f"cannot start the P2P daemon on {list(host_maddrs)}: {exc}") from exc
 
     def set_info(self, provider: InfoProvider) -> None:
-        self._info = provider
+        self._server.info = provider
 
     def set_payloads(self, provider: PayloadProvider) -> None:
         """Serve sync payloads: `provider(round, shard, replica)` returns the encoded message or None."""
-        self._payloads = provider
+        self._server.payloads = provider
 
     def set_state(self, provider: StateProvider) -> None:
-        """Serve global parameters for catch-up: `provider(round, shard)` -> a dense payload or None."""
-        self._state = provider
+        """Serve global parameters for catch-up: `provider(round, shard)` -> a dense payload or None.
+
+        The provider runs in a worker thread (encoding a shard is slow) and its answers are cached for
+        the newest round, so it must read θ consistently while the loop may apply a round; a torn read
+        would fail the requester's digest check, not corrupt anything."""
+        self._server.state.clear()
+        self._server.state = StateCache(provider)
+
+    def set_probe_policy(self, policy: ProbePolicy) -> None:
+        """Serve bandwidth probes only to peers for which `policy(peer)` is True (default: everyone)."""
+        self._server.probe_policy = policy
+
+    def set_member_policy(self, policy: Callable[[str], bool]) -> None:
+        """A closed run: only peers for which `policy(peer)` is True are heard. Their records and
+        announcements are the only ones `read_field` returns, and only they may open chain streams or ask
+        anything but ping, info and admit (what a volunteer needs to get admitted)."""
+        self._member_policy = policy
+        self._server.member_policy = policy
+
+    def set_admit_handler(self, handler: Callable[[str, str], str]) -> None:
+        """A closed run's coordinator: `handler(peer, token)` returns an admission or raises WireError."""
+        self._server.admit = handler
+
+    async def request_admission(self, peer: str, token: str) -> str:
+        """Ask `peer` (the coordinator) for an admission of our key, with a join token or ""."""
+        reply = await request(self.p2p, peer, CONTROL_HANDLER, encode_request("admit", token=token))
+        if reply.type != "admitted":
+            raise PeerRequestError(peer, f"expected an admission, got {reply.type}")
+        return reply["admission"]
 
     def set_nudge_handler(self, handler: NudgeHandler) -> None:
-        self._nudged = handler
+        self._server.nudged = handler
 
     def nudge(self, peers: Sequence[str], topic: str, round_: int) -> None:
         """Tell `peers` to look at the DHT now (fire and forget: the DHT stays the record, polling the
@@ -212,9 +255,22 @@ class SwarmNode:
         self, info: Any, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
     ) -> None:
         peer = info.peer_id.to_base58()
+        slot = None
         try:
-            if self._stage is None or not self._stage_limiter.allow(peer):
-                log.info("refusing a chain stream from peer %s (not our upstream stage now)", peer)
+            if self._stage is None:
+                refusal = "not our upstream stage now"
+            elif not self._member_policy(peer):
+                refusal = "not admitted to this closed run"
+            elif not self._stage_limiter.allow(peer):
+                refusal = "rate limited"
+            else:
+                slot = self.budgets.stage_streams.reserve(peer)
+                refusal = f"too many chain streams ({self.budgets.stage_streams.refused_by(peer)})"
+            if slot is None:  # closed at once: the opener waits for an accept frame, not for a reason
+                self.budgets.refusals["stage"] += 1
+                self.refusals.warning(
+                    peer, "stage", "refusing a chain stream from peer %s (%s)", peer, refusal
+                )
                 return
             await self._stage(peer, reader, writer)
         except asyncio.CancelledError:
@@ -222,6 +278,8 @@ class SwarmNode:
         except Exception:
             log.exception("chain stream from peer %s failed", peer)
         finally:
+            if slot is not None:
+                slot.release()
             writer.close()
 
     async def fetch_payloads(
@@ -291,7 +349,11 @@ class SwarmNode:
         """
         self.run = run
         validators = CompositeValidator(
-            [RSASignatureValidator(self.identity.private_key), run_schema_validator(run)]
+            [
+                RSASignatureValidator(self.identity.private_key),
+                run_schema_validator(run),
+                RecordCapsValidator(run),
+            ]
         )
         try:
             self.dht = await asyncio.wait_for(
@@ -341,8 +403,9 @@ class SwarmNode:
             log.warning("storing %s timed out", field)
             return False
 
-    async def read_field(self, field: str) -> dict[str, StoredValue]:
-        """All valid, unexpired entries of `field`, by the peer id that signed them."""
+    async def read_field(self, field: str, members_only: bool = True) -> dict[str, StoredValue]:
+        """All valid, unexpired entries of `field` within its caps, by the peer id that signed them; in a
+        closed run only members' entries unless `members_only` is False (for deciding who is a member)."""
         dht = self._require_dht()
         try:
             found = await asyncio.wait_for(dht.get(record_key(self.run, field), latest=True), DHT_TIMEOUT_S)
@@ -357,6 +420,14 @@ class SwarmNode:
             peer_id = peer_id_of_subkey(subkey)
             if peer_id is None or item.expiration_time < now:
                 continue
+            problem = cap_problem(field, item.value, item.expiration_time, now)
+            if problem is not None:
+                self.refusals.warning(
+                    peer_id, f"record:{field}", "ignoring the %s entry of %s: %s", field, peer_id, problem
+                )
+                continue
+            if members_only and not self._member_policy(peer_id):
+                continue
             entries[peer_id] = StoredValue(peer_id, item.value, item.expiration_time)
         return entries
 
@@ -364,62 +435,6 @@ class SwarmNode:
         if self.dht is None or self.run is None:
             raise HetnodeError("the DHT is not joined yet")
         return self.dht
-
-    # --- control handler: ping, info, bandwidth probe -------------------------------------------------
-
-    async def _control(
-        self, peer: str, first: bytes, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
-    ) -> None:
-        message = decode_request(first, self.limits.probe_bytes)
-        stream = OpenStream(peer, reader, writer)
-        if message.type == "ping":
-            await stream.send(encode_reply("pong", time=time.time()))
-        elif message.type == "info":
-            await stream.send(encode_reply("info", **self._info()))
-        elif message.type == "probe_up":
-            self.traffic["received", "probe"] += await serve_probe_up(
-                stream, message["bytes"], self.limits.probe_s
-            )
-        elif message.type == "probe_down":
-            self.traffic["sent", "probe"] += await serve_probe_down(
-                stream, message["bytes"], message["seconds"], self.limits.probe_s
-            )
-        elif message.type == "nudge":
-            self._nudged(peer, message["about"], message["round"])
-            await stream.send(encode_reply("ack"))
-        elif message.type == "payload":
-            await self._serve_payloads(message, stream)
-        elif message.type == "state":
-            data = self._state(message["round"], message["shard"])
-            if data is None:
-                raise WireError("round", f"no state for round {message['round']} shard {message['shard']!r}")
-            await stream.send(encode_reply("payload_ready", bytes=len(data)))
-            await write_frame(writer, data, timeout=PAYLOAD_TIMEOUT_S)
-            self.traffic["sent", "state"] += len(data)
-
-    async def _serve_payloads(self, message: ControlMessage, stream: OpenStream) -> None:
-        """Serve `message` and every further payload request on the stream, until the peer closes it."""
-        for served in range(1, MAX_PAYLOADS_PER_STREAM + 1):
-            data = self._payloads(message["round"], message["shard"], message["replica"])
-            if data is None:
-                what = f"payload for round {message['round']} shard {message['shard']!r}"
-                raise WireError("round", f"no {what} of {message['replica'][-8:]} here")
-            await stream.send(encode_reply("payload_ready", bytes=len(data)))
-            await write_frame(stream.writer, data, timeout=PAYLOAD_TIMEOUT_S)
-            self.traffic["sent", "sync"] += len(data)
-            if served == MAX_PAYLOADS_PER_STREAM:
-                return
-            try:
-                following = await read_frame(stream.reader, MAX_CONTROL_BYTES, REQUEST_TIMEOUT_S)
-            except asyncio.IncompleteReadError as exc:
-                if not exc.partial:
-                    return  # the peer closed the stream: it has all it asked for
-                raise
-            message = decode_request(following, self.limits.probe_bytes)
-            if message.type != "payload":
-                raise WireError(
-                    "type", f"only payload requests may follow a payload request, not {message.type}"
-                )
 
     async def ping(self, peer: str) -> float:
         """Round-trip time in ms of one control request (stream set-up included)."""
@@ -450,6 +465,7 @@ class SwarmNode:
         if self._closed:
             return
         self._closed = True
+        self._server.state.clear()
         for task in list(self._background):
             task.cancel()
         if self.dht is not None:

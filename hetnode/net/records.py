@@ -105,6 +105,8 @@ class PeerRecord(pydantic.BaseModel):
     layers: pydantic.conlist(pydantic.conint(strict=True, ge=0), min_items=2, max_items=2) | None  # type: ignore[valid-type]
     # the whole chain (peer, first layer, last layer) per stage, which the chain's name commits to
     chain_layout: pydantic.conlist(ChainMember, max_items=64) | None = None  # type: ignore[valid-type]
+    # a closed run: the coordinator's signed admission of this peer (`hetnode.wire.admission`)
+    admission: pydantic.constr(strict=True, max_length=2048) | None = None  # type: ignore[valid-type]
     outer_step: pydantic.conint(strict=True, ge=0)  # type: ignore[valid-type]
     last_seen: pydantic.StrictFloat
     version: pydantic.StrictInt

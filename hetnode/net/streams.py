@@ -1,6 +1,7 @@
 """Framed request/response over hivemind P2P streams, with the wire discipline every handler shares:
-size limits before reading, schema checks, a per-peer rate limit, a timeout on every await, and a clear
-error reply plus a log line for anything bad. A handler failure never escapes into the daemon.
+size limits before reading, schema checks, a per-peer rate limit and stream budget checked before any read,
+a timeout on every await, and a clear error reply plus a rate-limited log line for anything bad. A handler
+failure never escapes into the daemon.
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ from hivemind.p2p import P2P, PeerID
 from hivemind.p2p.p2p_daemon_bindings.datastructures import StreamInfo
 
 from hetnode.errors import HetnodeError, WireError
+from hetnode.net.budgets import Budgets, Refused
+from hetnode.net.log_limits import RefusalLog
 from hetnode.wire.control import (
     HEADER_BYTES,
     MAX_CONTROL_BYTES,
@@ -72,28 +75,80 @@ class RateLimiter:
 
 Reply = Callable[[bytes], Awaitable[None]]
 RequestHandler = Callable[[str, bytes, asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
+REFUSAL_LINGER_S = 2.0  # how long a refused stream waits for its peer to close after the error reply
+MAX_LINGERING = 64  # refused streams waiting at once; beyond, they are closed at once
 
 
-def guarded_handler(name: str, limiter: RateLimiter, handle: RequestHandler) -> Callable:
-    """Wrap `handle(peer, first_frame, reader, writer)` with the shared discipline for handler `name`."""
+def guarded_handler(
+    name: str,
+    limiter: RateLimiter,
+    handle: RequestHandler,
+    budgets: Budgets | None = None,
+    refusals: RefusalLog | None = None,
+) -> Callable:
+    """Wrap `handle(peer, first_frame, reader, writer)` with the shared discipline for handler `name`.
+
+    Before reading anything the peer must pass the rate limit and hold one of `budgets.streams`' slots
+    (for the peer and in total) until the stream ends. `handle` may raise `Refused` (e.g. a byte budget)
+    or `WireError`: the peer gets an error reply with the code, and the log a rate-limited warning."""
+    refusals = refusals if refusals is not None else RefusalLog(log)
+    lingering = 0
+
+    async def refuse(
+        reader: asyncio.StreamReader, writer: asyncio.StreamWriter, code: str, text: str
+    ) -> None:
+        """Reply with the reason, then wait (briefly, without reading a request) for the peer to close.
+
+        Closing a stream while the peer's request is still unread resets it, and the peer would see a
+        broken pipe instead of the reason. The wait discards input unparsed and is bounded in time,
+        bytes and in how many refused streams wait at once, so a refusal stays cheap."""
+        nonlocal lingering
+        await _reply_error(writer, code, text)
+        if lingering >= MAX_LINGERING:
+            return
+        lingering += 1
+        try:
+            await _discard_until_eof(reader, MAX_CONTROL_BYTES, REFUSAL_LINGER_S)
+        finally:
+            lingering -= 1
+
+    def count(reason: str) -> None:
+        if budgets is not None:
+            budgets.refusals[reason] += 1
 
     async def serve(info: StreamInfo, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         peer = info.peer_id.to_base58()
+        slot = None
         try:
-            allowed = limiter.allow(peer)
-            # read the request even when refusing it: closing a stream the peer is still writing to would
-            # reset it, and the peer would see a broken pipe instead of the reason
-            first = await read_frame(reader, MAX_CONTROL_BYTES, REQUEST_TIMEOUT_S)
-            if not allowed:
-                log.warning("%s: rate limit exceeded by peer %s", name, peer)
-                await _reply_error(writer, "rate_limited", "too many requests, slow down")
+            if not limiter.allow(peer):
+                count("rate_limited")
+                refusals.warning(peer, "rate_limited", "%s: rate limit exceeded by peer %s", name, peer)
+                await refuse(reader, writer, "rate_limited", "too many requests, slow down")
                 return
+            if budgets is not None:
+                slot = budgets.streams.reserve(peer)
+                if slot is None:
+                    count("busy")
+                    scope = budgets.streams.refused_by(peer)
+                    refusals.warning(
+                        peer, "busy", "%s: too many open streams (%s) from peer %s", name, scope, peer
+                    )
+                    await refuse(reader, writer, "busy", f"too many open streams ({scope} limit)")
+                    return
+            first = await read_frame(reader, MAX_CONTROL_BYTES, REQUEST_TIMEOUT_S)
             await handle(peer, first, reader, writer)
+        except Refused as exc:
+            refusals.warning(peer, exc.code, "%s: refused peer %s: %s", name, peer, exc.reason)
+            await refuse(reader, writer, exc.code, exc.reason)
         except WireError as exc:
-            log.warning("%s: bad request from peer %s: %s", name, peer, exc)
-            await _reply_error(writer, "bad_request", str(exc))
+            count("bad_request")
+            refusals.warning(peer, "bad_request", "%s: bad request from peer %s: %s", name, peer, exc)
+            await refuse(reader, writer, "bad_request", str(exc))
         except (TimeoutError, asyncio.IncompleteReadError, ConnectionError, PeerRequestError) as exc:
-            log.warning("%s: peer %s: stream ended early (%s)", name, peer, type(exc).__name__)
+            count("incomplete")
+            refusals.warning(
+                peer, "incomplete", "%s: peer %s: stream ended early (%s)", name, peer, type(exc).__name__
+            )
             await _reply_error(writer, "incomplete", "request incomplete or too slow")
         except asyncio.CancelledError:
             raise
@@ -101,6 +156,8 @@ def guarded_handler(name: str, limiter: RateLimiter, handle: RequestHandler) -> 
             log.exception("%s: handler failed on a request from peer %s", name, peer)
             await _reply_error(writer, "internal", "internal error")
         finally:
+            if slot is not None:
+                slot.release()
             writer.close()
 
     return serve
@@ -109,6 +166,19 @@ def guarded_handler(name: str, limiter: RateLimiter, handle: RequestHandler) -> 
 async def _reply_error(writer: asyncio.StreamWriter, code: str, message: str) -> None:
     with contextlib.suppress(Exception):  # the peer may be gone already; the caller logged the cause
         await write_frame(writer, encode_reply("error", code=code, message=message[:500]), timeout=2.0)
+
+
+async def _discard_until_eof(reader: asyncio.StreamReader, max_bytes: int, timeout: float) -> None:
+    async def discard() -> None:
+        left = max_bytes
+        while left > 0:
+            chunk = await reader.read(min(left, 65536))
+            if not chunk:
+                return
+            left -= len(chunk)
+
+    with contextlib.suppress(Exception):  # a timeout, a reset: the stream is closed next in any case
+        await asyncio.wait_for(discard(), timeout)
 
 
 @dataclass

@@ -15,13 +15,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from hetnode.algo.optim import build_optimizer
 from hetnode.config import Config
 from hetnode.data import TokenDataset
-from hetnode.model.decoder import build_stage
-from hetnode.model.subspace import SubspaceConstraint
-from hetnode.training.schedule import warmup_cosine
-from hetnode.training.stage_worker import Frame, StageWorker
+from hetnode.training.stage_worker import Frame, StageWorker, build_stage_worker
 from hetnode.wire.activation_frame import FrameLimits, decode_frame, encode_frame
 
 
@@ -149,35 +145,3 @@ def build_chain_workers(
         build_stage_worker(config, splits, i, optimizer, compress, constrained, seed, wire_dtype)
         for i in range(len(splits))
     ]
-
-
-def build_stage_worker(
-    config: Config,
-    splits: Sequence[range],
-    index: int,
-    optimizer: str,
-    compress: bool,
-    constrained: bool,
-    seed: int,
-    wire_dtype: torch.dtype | None = None,
-) -> StageWorker:
-    """The worker of stage `index` alone (a networked stage builds only its own layers).
-
-    Every stage of a chain builds the same seeded constraint, so U and T_fix agree without a transfer."""
-    inner = config.inner
-    stage = build_stage(config.model, list(splits), index, seed=seed)
-    constraint = None
-    if (constrained or compress) and len(splits) > 1:
-        constraint = SubspaceConstraint.create(
-            config.model, config.pipeline.subspace_rank, splits[-1].start, config.run.seed
-        )
-        constraint.attach(stage)
-    dtype = wire_dtype or (torch.bfloat16 if compress else torch.float32)
-
-    def lr_at(step: int) -> float:
-        return warmup_cosine(step, inner.lr, inner.warmup_steps, config.train.max_steps, inner.min_lr_ratio)
-
-    optim = build_optimizer(stage, inner, optimizer)
-    return StageWorker(
-        stage, optim, lr_at, inner.grad_clip, constraint, compress and constraint is not None, dtype
-    )

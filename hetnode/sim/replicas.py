@@ -9,54 +9,16 @@ T_fix' = T_fix + (T_S − P(T_S)), so the working input embedding equals the glo
 from __future__ import annotations
 
 import dataclasses
-import hashlib
-from collections import defaultdict
 
 import torch
 
 from hetnode.algo.aggregate import NesterovOuter
 from hetnode.algo.sparseloco import ErrorFeedback, SparseLoCoCodec
-from hetnode.model import layer_of
-from hetnode.model.subspace import SubspaceConstraint
 from hetnode.sim.pipeline import PipelineChain
 from hetnode.training.trainer import InnerTrainer
+from hetnode.training.working_copy import WorkingCopy
 
 Params = dict[str, torch.Tensor]
-
-
-def shard_names(params: Params) -> dict[str, list[str]]:
-    """Tensor names grouped by layer ("embed", "0".."L-1", "head"): one sync message per group."""
-    shards: dict[str, list[str]] = defaultdict(list)
-    for name in params:
-        shards[layer_of(name)].append(name)
-    return dict(shards)
-
-
-def layer_digests(params: Params, prefix_chars: int = 16) -> dict[str, str]:
-    """sha256 prefix of the exact bytes of each layer group: equal digests mean bit-identical layers."""
-    digests = {}
-    for shard, names in sorted(shard_names(params).items()):
-        h = hashlib.sha256()
-        for name in sorted(names):
-            h.update(name.encode())
-            h.update(params[name].detach().cpu().contiguous().numpy().tobytes())
-        digests[shard] = h.hexdigest()[:prefix_chars]
-    return digests
-
-
-@dataclasses.dataclass
-class WorkingCopy:
-    """Builds a round's working copy from the global parameters (projection + embedding drift)."""
-
-    constraint: SubspaceConstraint | None  # None: train the global parameters as they are
-    base_fixed: torch.Tensor | None  # T_fix of the architecture (None when no subspace mode is on)
-
-    def prepare(self, global_params: Params) -> tuple[Params, torch.Tensor | None]:
-        if self.constraint is None:
-            return {n: t.clone() for n, t in global_params.items()}, self.base_fixed
-        reference = {n: self.constraint.project_tensor(n, t) for n, t in global_params.items()}
-        embed = global_params["embed.weight"]
-        return reference, self.base_fixed + (embed - reference["embed.weight"])
 
 
 class Replica:

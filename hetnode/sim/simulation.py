@@ -19,11 +19,13 @@ from hetnode.algo.subspace import frozen_embedding
 from hetnode.config import Config
 from hetnode.data import TokenDataset
 from hetnode.model import build_model
+from hetnode.model.shards import shard_names
 from hetnode.model.subspace import SubspaceConstraint
 from hetnode.planning.layer_split import split_layers
 from hetnode.sim.pipeline import PipelineChain, build_chain_workers
-from hetnode.sim.replicas import AnchorReplica, ChainReplica, Params, Replica, WorkingCopy, shard_names
+from hetnode.sim.replicas import AnchorReplica, ChainReplica, Params, Replica
 from hetnode.training.trainer import InnerTrainer
+from hetnode.training.working_copy import WorkingCopy
 from hetnode.wire.activation_frame import FrameLimits
 from hetnode.wire.sync_payload import ShardSpec, SyncPayload, decode_payload, encode_payload
 

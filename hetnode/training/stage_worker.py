@@ -15,16 +15,19 @@ from __future__ import annotations
 
 import time
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 from torch.func import functional_call
 
+from hetnode.algo.optim import build_optimizer
 from hetnode.algo.subspace import decode_activations, encode_activations
-from hetnode.model.decoder import DecoderStage
+from hetnode.config import Config
+from hetnode.model.decoder import DecoderStage, build_stage
 from hetnode.model.subspace import SubspaceConstraint
+from hetnode.training.schedule import warmup_cosine
 
 
 @dataclass
@@ -185,3 +188,35 @@ class StageWorker:
         if self.compress:
             out = encode_activations(out, tokens, c.basis, c.fixed)
         return out.to(self.wire_dtype)
+
+
+def build_stage_worker(
+    config: Config,
+    splits: Sequence[range],
+    index: int,
+    optimizer: str,
+    compress: bool,
+    constrained: bool,
+    seed: int,
+    wire_dtype: torch.dtype | None = None,
+) -> StageWorker:
+    """The worker of stage `index` alone (a networked stage builds only its own layers).
+
+    Every stage of a chain builds the same seeded constraint, so U and T_fix agree without a transfer."""
+    inner = config.inner
+    stage = build_stage(config.model, list(splits), index, seed=seed)
+    constraint = None
+    if (constrained or compress) and len(splits) > 1:
+        constraint = SubspaceConstraint.create(
+            config.model, config.pipeline.subspace_rank, splits[-1].start, config.run.seed
+        )
+        constraint.attach(stage)
+    dtype = wire_dtype or (torch.bfloat16 if compress else torch.float32)
+
+    def lr_at(step: int) -> float:
+        return warmup_cosine(step, inner.lr, inner.warmup_steps, config.train.max_steps, inner.min_lr_ratio)
+
+    optim = build_optimizer(stage, inner, optimizer)
+    return StageWorker(
+        stage, optim, lr_at, inner.grad_clip, constraint, compress and constraint is not None, dtype
+    )

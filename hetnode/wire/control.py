@@ -50,7 +50,12 @@ _REQUESTS: dict[str, _Schema] = {
     "state": {"round": (int, 0), "shard": (str, None)},
     # "look now": an announcement (to a sealer) or a seal (to replicas) of `round` is in the DHT
     "nudge": {"round": (int, 0), "about": (str, None)},
+    # a closed run: an admission for the caller's key, for a join token ("" for an allowlisted key)
+    "admit": {"token": (str, None)},
 }
+# what a peer that is not a member of a closed run may still ask (to find the run and get admitted)
+OPEN_TO_STRANGERS = ("ping", "info", "admit")
+LONG_TEXT_CHARS = {"token": 2048, "admission": 2048}  # signed texts (`hetnode.wire.admission`)
 NUDGE_TOPICS = ("announce", "seal")
 _REPLIES: dict[str, _Schema] = {
     "pong": {"time": (float, None)},
@@ -64,6 +69,7 @@ _REPLIES: dict[str, _Schema] = {
     "probe_ready": {"bytes": (int, 0)},
     "probe_result": {"bytes": (int, 0), "seconds": (float, 0.0)},
     "payload_ready": {"bytes": (int, 0)},  # then one frame of that many bytes
+    "admitted": {"admission": (str, None)},
     "ack": {},
     "error": {"code": (str, None), "message": (str, None)},
 }
@@ -139,8 +145,9 @@ def _decode(data: bytes, schemas: dict[str, _Schema]) -> ControlMessage:
             raise WireError(name, f"expected {kind.__name__}, got {type(value).__name__}")
         if isinstance(value, float) and not math.isfinite(value):
             raise WireError(name, "not finite")
-        if isinstance(value, str) and len(value) > MAX_TEXT_CHARS:
-            raise WireError(name, f"longer than {MAX_TEXT_CHARS} characters")
+        limit = LONG_TEXT_CHARS.get(name, MAX_TEXT_CHARS)
+        if isinstance(value, str) and len(value) > limit:
+            raise WireError(name, f"longer than {limit} characters")
         if lower is not None and value < lower:
             raise WireError(name, f"must be >= {lower}, got {value}")
         fields[name] = value

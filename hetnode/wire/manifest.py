@@ -14,11 +14,13 @@ import msgpack
 
 from hetnode.config import Config, config_from_dict
 from hetnode.errors import ConfigError, HetnodeError, WireError
+from hetnode.wire.admission import MODES, AdmissionMode
 
 PROTOCOL_VERSION = 2  # 2: signed payloads, seal chains, stand-ins listed in the manifest
 MAX_BODY_BYTES = 64 * 1024
 MAX_STAND_INS = 64
 MAX_PEER_ID_CHARS = 128
+MAX_KEY_CHARS = 2048
 
 
 class ProtocolMismatch(HetnodeError):
@@ -43,12 +45,18 @@ class Manifest:
     created: float
     # peers that may seal while the coordinator is silent (the operator's choice; TRUST §1)
     stand_ins: tuple[str, ...] = ()
+    admission: AdmissionMode = "open"  # who may take part (`hetnode.wire.admission`)
+    coordinator_key: str = ""  # OpenSSH text of the coordinator's public key: it signs admissions
 
     def envelope(self) -> dict[str, Any]:
-        body = msgpack.packb(
-            {"config": self.config.to_dict(), "created": self.created, "stand_ins": list(self.stand_ins)},
-            use_bin_type=True,
-        )
+        fields = {
+            "config": self.config.to_dict(),
+            "created": self.created,
+            "stand_ins": list(self.stand_ins),
+            "admission": self.admission,
+            "coordinator_key": self.coordinator_key,
+        }
+        body = msgpack.packb(fields, use_bin_type=True)
         if len(body) > MAX_BODY_BYTES:
             raise ValueError(f"manifest body of {len(body)} bytes exceeds {MAX_BODY_BYTES}")
         return {"protocol": self.protocol, "run": self.run, "body": body}
@@ -84,8 +92,14 @@ def manifest_from_envelope(envelope: Any) -> Manifest:
         or not all(isinstance(p, str) and 0 < len(p) <= MAX_PEER_ID_CHARS for p in stand_ins)
     ):
         raise WireError("manifest.stand_ins", f"must be a list of at most {MAX_STAND_INS} peer ids")
+    admission = raw.get("admission", "open")
+    if admission not in MODES:
+        raise WireError("manifest.admission", f"expected one of {MODES}, got {admission!r:.40}")
+    key = raw.get("coordinator_key", "")
+    if not isinstance(key, str) or len(key) > MAX_KEY_CHARS:
+        raise WireError("manifest.coordinator_key", f"must be text of at most {MAX_KEY_CHARS} characters")
     try:
         config = config_from_dict(raw["config"], source=f"manifest of run {run}")
     except ConfigError as exc:
         raise WireError("manifest.config", str(exc)) from None
-    return Manifest(protocol, run, config, created, tuple(stand_ins))
+    return Manifest(protocol, run, config, created, tuple(stand_ins), admission, key)

@@ -4,10 +4,10 @@ import time
 
 from hetnode.daemon.view import SwarmView
 from hetnode.net.node import StoredValue
-from hetnode.planning.roles import pack_chains
+from hetnode.planning.roles import format_layout, pack_chains
 
 
-def record(name, role="idle", wants="stage", chain=None, stage=None, layers=None, tflops=1.0):
+def record(name, role="idle", wants="stage", chain=None, stage=None, layers=None, tflops=1.0, layout=None):
     return {
         "name": name,
         "link_class": "low" if wants == "stage" else "high",
@@ -22,12 +22,14 @@ def record(name, role="idle", wants="stage", chain=None, stage=None, layers=None
         "chain": chain,
         "stage": stage,
         "layers": layers,
+        "chain_layout": format_layout(layout) if layout else None,
         "outer_step": 0,
         "last_seen": time.time(),
         "version": 1,
         "params_round": None,
         "layer_digests": None,
         "tokens": None,
+        "admission": None,
     }
 
 
@@ -43,7 +45,14 @@ def test_pool_keeps_peers_that_already_claimed_at_this_boundary():
     later = view_of(
         {
             "A": record("a"),
-            "B": record("b", "stage", chain=plan.chain, stage=b_stage.stage, layers=list(b_stage.layers)),
+            "B": record(
+                "b",
+                "stage",
+                chain=plan.chain,
+                stage=b_stage.stage,
+                layers=list(b_stage.layers),
+                layout=b_stage.layout,
+            ),
         }
     )
     assert pack_chains(later.idle_candidates(7), 2, 4, boundary=7) == [plan]
@@ -67,7 +76,9 @@ def test_offline_peers_anchors_and_bad_records_are_left_out():
 def test_status_document_shows_live_chains_and_stable_fields():
     [plan] = pack_chains(view_of({"A": record("a"), "B": record("b")}).idle_candidates(3), 2, 4, boundary=3)
     records = {
-        s.peer_id: record(s.peer_id.lower(), "stage", chain=s.chain, stage=s.stage, layers=list(s.layers))
+        s.peer_id: record(
+            s.peer_id.lower(), "stage", chain=s.chain, stage=s.stage, layers=list(s.layers), layout=s.layout
+        )
         for s in plan.stages
     }
     records["C"] = record("c", role="anchor", wants="anchor", layers=[0, 3])
@@ -93,3 +104,28 @@ def test_status_document_shows_live_chains_and_stable_fields():
     del records[plan.stages[1].peer_id]
     [chain] = view_of(records).status_document("run-1", 4)["chains"]
     assert not chain["live"] and chain["stages"][1] is None
+
+
+def test_the_records_daemons_write_pass_the_dht_schema():
+    """hivemind's schema check refuses any type conversion: a stage's claim must travel as written."""
+    from hivemind.dht.routing import DHTID
+    from hivemind.dht.validation import DHTRecord
+    from hivemind.utils import MSGPackSerializer
+
+    from hetnode.net.identity import ephemeral_identity, owner_subkey
+    from hetnode.net.records import record_key, run_schema_validator
+
+    identity = ephemeral_identity()
+    [plan] = pack_chains(view_of({"A": record("a"), "B": record("b")}).idle_candidates(3), 2, 4, boundary=3)
+    stage = plan.stages[0]
+    claim = record("a", "stage", chain=stage.chain, stage=0, layers=list(stage.layers), layout=stage.layout)
+    validator = run_schema_validator("run-1")
+    for value in (record("a"), claim, dict(claim, admission="hnadmit1.abc")):
+        stored = DHTRecord(
+            key=DHTID.generate(source=record_key("run-1", "peers")).to_bytes(),
+            subkey=MSGPackSerializer.dumps(owner_subkey(identity)),
+            value=MSGPackSerializer.dumps(value),
+            expiration_time=time.time() + 30,
+        )
+        assert validator.validate(stored), value
+    assert view_of({"A": claim}).claims()[0].layout == stage.layout

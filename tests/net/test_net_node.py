@@ -41,12 +41,14 @@ def peer_record(name="p", role="idle", **changes):
         "chain": None,
         "stage": None,
         "layers": None,
+        "chain_layout": None,
         "outer_step": 0,
         "last_seen": time.time(),
         "version": 1,
         "params_round": None,
         "layer_digests": None,
         "tokens": None,
+        "admission": None,
     }
     record.update(changes)
     return record

@@ -5,7 +5,7 @@ import torch
 
 from hetnode.config import Config, replace
 from hetnode.data import TokenDataset
-from hetnode.sim.replicas import layer_digests
+from hetnode.model.shards import layer_digests
 from hetnode.sim.simulation import ReplicaSimulation, Swarm, SyncMethod
 
 

@@ -25,11 +25,11 @@ from hetnode.algo.sparseloco import SparseLoCoCodec  # noqa: E402
 from hetnode.daemon.rounds import GlobalModel, sha256_hex  # noqa: E402
 from hetnode.daemon.swarm import find_run  # noqa: E402
 from hetnode.daemon.view import SwarmView  # noqa: E402
+from hetnode.model.shards import layer_digests  # noqa: E402
 from hetnode.net.identity import ephemeral_identity  # noqa: E402
 from hetnode.net.node import CONTROL_HANDLER, DEFAULT_LIMITS, SwarmNode  # noqa: E402
 from hetnode.net.signing import sign_payload  # noqa: E402
 from hetnode.net.streams import PeerRequestError, open_stream, request  # noqa: E402
-from hetnode.sim.replicas import layer_digests  # noqa: E402
 from hetnode.wire.control import encode_request, frame_header  # noqa: E402
 from hetnode.wire.sync_payload import SyncPayload, encode_payload  # noqa: E402
 
@@ -74,6 +74,7 @@ class Attacker:
             "params_round": None,
             "layer_digests": None,
             "tokens": None,
+            "admission": None,
         }
         return base | changes
 

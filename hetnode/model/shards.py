@@ -1,0 +1,33 @@
+"""A model's parameters grouped by layer ("embed", "0".."L-1", "head"): the unit of one sync message, and
+the digests by which replicas show they hold bit-identical θ."""
+
+from __future__ import annotations
+
+import hashlib
+from collections import defaultdict
+
+import torch
+
+from hetnode.model import layer_of
+
+Params = dict[str, torch.Tensor]
+
+
+def shard_names(params: Params) -> dict[str, list[str]]:
+    """Tensor names grouped by layer ("embed", "0".."L-1", "head"): one sync message per group."""
+    shards: dict[str, list[str]] = defaultdict(list)
+    for name in params:
+        shards[layer_of(name)].append(name)
+    return dict(shards)
+
+
+def layer_digests(params: Params, prefix_chars: int = 16) -> dict[str, str]:
+    """sha256 prefix of the exact bytes of each layer group: equal digests mean bit-identical layers."""
+    digests = {}
+    for shard, names in sorted(shard_names(params).items()):
+        h = hashlib.sha256()
+        for name in sorted(names):
+            h.update(name.encode())
+            h.update(params[name].detach().cpu().contiguous().numpy().tobytes())
+        digests[shard] = h.hexdigest()[:prefix_chars]
+    return digests
