@@ -103,9 +103,10 @@ class Sealer:
             if value.get("round") == late_round and peer in late_missing:
                 late_missing.discard(peer)  # it came, too late: wait this long next time
                 self.deadline.observe(now - late_first)
+            if value.get("round") in (round_ - 1, round_):
+                self.missed.discard(peer)  # delivering again (if late): wait for it from the next seal on
             if value.get("round") != round_:
                 continue
-            self.missed.discard(peer)
             if peer in seen:
                 if dict(value["shards"]) == dict(seen[peer].shards):
                     continue

@@ -8,6 +8,7 @@ import time
 import unicodedata
 from typing import Any
 
+from hetnode.daemon.membership import Membership
 from hetnode.daemon.swarm import find_run, read_round
 from hetnode.daemon.view import SwarmView
 from hetnode.net.identity import ephemeral_identity, peer_id_from_maddr
@@ -22,6 +23,10 @@ async def query_status(peer_maddr: str, timeout_s: float, listen: str) -> dict[s
     try:
         contact = await find_run(node, peer_maddr, timeout_s, asyncio.Event(), client_mode=True)
         config = contact.manifest.config
+        membership = Membership(node, config, contact.manifest, contact.coordinator)
+        if membership.closed:  # a closed run shows its admitted members only
+            await membership.refresh()
+            node.set_member_policy(membership.is_member)
         view = await SwarmView.read(node, config)
         round_ = await read_round(node, contact.coordinator)
         document = view.status_document(contact.manifest.run, round_ if round_ is not None else -1)

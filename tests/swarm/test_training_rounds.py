@@ -7,6 +7,8 @@ import signal
 
 import pytest
 
+from hetnode.net.identity import load_or_create_identity
+
 pytestmark = pytest.mark.slow
 
 FAST_ROUNDS = {"inner_steps": 10}
@@ -138,7 +140,11 @@ def test_anchor_restart_resumes_its_error_feedback_and_round(swarm, tmp_path):
 
 
 def test_anchors_seal_while_the_coordinator_is_away_and_it_catches_up_on_return(swarm):
-    boot = swarm.bootstrap(swarm.config(outer=FAST_ROUNDS))
+    """Stand-ins are the operator's choice (TRUST §1): both anchors are listed in the manifest, so their
+    keys are made before the coordinator starts."""
+    ids = [load_or_create_identity(swarm.tmp_path / f"anchor-{i}" / "identity.key").peer_id for i in (1, 2)]
+    stand_ins = [arg for peer in ids for arg in ("--stand-in", peer)]
+    boot = swarm.bootstrap(swarm.config(outer=FAST_ROUNDS), extra=stand_ins)
     boot.wait_ready()
     anchors = [swarm.join(f"anchor-{i}", boot.maddr, "1000") for i in (1, 2)]
     for anchor in anchors:
@@ -165,7 +171,7 @@ def test_anchors_seal_while_the_coordinator_is_away_and_it_catches_up_on_return(
     assert "sealing in its place" not in other.tail(300)
 
     # the coordinator comes back (same data dir: same identity and address) with an older θ on disk
-    again = swarm.bootstrap(swarm.tmp_path / "swarm.toml")
+    again = swarm.bootstrap(swarm.tmp_path / "swarm.toml", extra=stand_ins)
     again.wait_ready()
     assert again.maddr == boot.maddr
     history = swarm.wait_for_history(
