@@ -10,9 +10,11 @@ from the round it started at, so the tests stay independent of each other's outc
 from __future__ import annotations
 
 import json
+import socket
 import subprocess
 import sys
 import time
+import urllib.parse
 import urllib.request
 from pathlib import Path
 
@@ -157,6 +159,20 @@ def test_exhaust_streams_probes_and_state_requests_are_budgeted(live):
     assert result["probe_bytes"] == 0  # no live record, no probe: no amplification
     assert result["state_refused"] > 0  # the byte budget ran out
     assert time.monotonic() - started < 120
+    # 200 half-open HTTP connections (a request line and no end): the status page still answers at once
+    url = urllib.parse.urlsplit(boot.ready["http"])
+    held = []
+    try:
+        for _ in range(200):
+            conn = socket.create_connection((url.hostname, url.port), timeout=5)
+            conn.sendall(b"GET /api/status HTTP/1.1\r\nHost: x\r\n")
+            held.append(conn)
+        asked = time.monotonic()
+        json.loads(http(boot, "/api/status"))
+        assert time.monotonic() - asked < 5
+    finally:
+        for conn in held:
+            conn.close()
     assert_whole(swarm, boot, since)
 
 
