@@ -32,6 +32,7 @@ from hetnode.daemon.presence import Presence
 from hetnode.daemon.view import SwarmView
 from hetnode.net.identity import Identity, load_or_create_identity
 from hetnode.net.node import PeersUnreachable, SwarmNode
+from hetnode.net.records import new_peer_record
 from hetnode.wire.manifest import PROTOCOL_VERSION, Manifest
 
 log = logging.getLogger(__name__)
@@ -244,28 +245,7 @@ class Coordinator:
         board.update(status_snapshot(self.config, state, keeper, view, maddrs))
 
     def _record(self) -> dict:
-        return {
-            "name": "coordinator",
-            "link_class": "high",
-            "up_mbps": None,
-            "down_mbps": None,
-            "rtt_ms": None,
-            "mem_gb": 0.0,
-            "device": "cpu",
-            "tflops": 0.0,
-            "wants": "idle",
-            "role": "coordinator",
-            "chain": None,
-            "stage": None,
-            "layers": None,
-            "chain_layout": None,
-            "outer_step": 0,
-            "last_seen": time.time(),
-            "params_round": None,
-            "layer_digests": None,
-            "tokens": None,
-            "admission": None,
-        }
+        return new_peer_record("coordinator", link_class="high", role="coordinator")
 
     async def _open_boundaries(
         self, node: SwarmNode, data_dir: DataDir, state: dict, stop: asyncio.Event

@@ -38,6 +38,7 @@ from hetnode.net.budgets import NodeBudgets
 from hetnode.net.identity import load_or_create_identity, peer_id_from_maddr
 from hetnode.net.node import NodeLimits, SwarmNode
 from hetnode.net.probe import LinkMeasurement, combine
+from hetnode.net.records import new_peer_record
 from hetnode.net.streams import PeerRequestError
 from hetnode.planning.reachability import assess
 from hetnode.planning.roles import (
@@ -305,28 +306,13 @@ class PeerDaemon:
         device = self.options.device
         mem_gb = available_memory_gb(device)
         tflops = measure_tflops(device)
-        record = {
-            "name": self.options.name,
-            "link_class": "slow",
-            "up_mbps": None,
-            "down_mbps": None,
-            "rtt_ms": None,
-            "mem_gb": round(float(mem_gb), 2),
-            "device": device,
-            "tflops": float(tflops),
-            "wants": "idle",
-            "role": "idle",
-            "chain": None,
-            "stage": None,
-            "layers": None,
-            "chain_layout": None,
-            "outer_step": 0,
-            "last_seen": time.time(),
-            "params_round": None,
-            "layer_digests": None,
-            "tokens": None,
-            "admission": self.admission,
-        }
+        record = new_peer_record(
+            self.options.name,
+            mem_gb=round(float(mem_gb), 2),
+            device=device,
+            tflops=float(tflops),
+            admission=self.admission,
+        )
         n = self.config.network
         self.presence = Presence(self.node, record, n.heartbeat_s, n.record_ttl_s)
         await self.presence.publish()

@@ -205,3 +205,35 @@ def cap_problem(field: str, value: Any, expiration_time: float, now: float) -> s
     if size > MAX_RECORD_BYTES[field]:
         return f"{size} bytes, over the {MAX_RECORD_BYTES[field]}-byte cap"
     return None
+
+
+def new_peer_record(name: str, **fields: Any) -> dict[str, Any]:
+    """A complete peer record (hivemind's schema check wants every field, even the nulls): an idle peer
+    whose link is not measured yet, with `fields` changed."""
+    unknown = set(fields) - set(PeerRecord.__fields__)
+    if unknown:
+        raise ValueError(f"not peer record fields: {sorted(unknown)}")
+    record: dict[str, Any] = {
+        "name": name,
+        "link_class": "slow",
+        "up_mbps": None,
+        "down_mbps": None,
+        "rtt_ms": None,
+        "mem_gb": 0.0,
+        "device": "cpu",
+        "tflops": 0.0,
+        "wants": "idle",
+        "role": "idle",
+        "chain": None,
+        "stage": None,
+        "layers": None,
+        "chain_layout": None,
+        "outer_step": 0,
+        "last_seen": time.time(),
+        "version": 1,
+        "params_round": None,
+        "layer_digests": None,
+        "tokens": None,
+        "admission": None,
+    }
+    return record | fields

@@ -4,33 +4,25 @@ import time
 
 from hetnode.daemon.view import SwarmView
 from hetnode.net.node import StoredValue
+from hetnode.net.records import new_peer_record
 from hetnode.planning.roles import format_layout, pack_chains
 
 
 def record(name, role="idle", wants="stage", chain=None, stage=None, layers=None, tflops=1.0, layout=None):
-    return {
-        "name": name,
-        "link_class": "low" if wants == "stage" else "high",
-        "up_mbps": 20.0,
-        "down_mbps": 20.0,
-        "rtt_ms": None,
-        "mem_gb": 4.0,
-        "device": "cpu",
-        "tflops": tflops,
-        "wants": wants,
-        "role": role,
-        "chain": chain,
-        "stage": stage,
-        "layers": layers,
-        "chain_layout": format_layout(layout) if layout else None,
-        "outer_step": 0,
-        "last_seen": time.time(),
-        "version": 1,
-        "params_round": None,
-        "layer_digests": None,
-        "tokens": None,
-        "admission": None,
-    }
+    return new_peer_record(
+        name,
+        link_class="low" if wants == "stage" else "high",
+        up_mbps=20.0,
+        down_mbps=20.0,
+        mem_gb=4.0,
+        tflops=tflops,
+        wants=wants,
+        role=role,
+        chain=chain,
+        stage=stage,
+        layers=layers,
+        chain_layout=format_layout(layout) if layout else None,
+    )
 
 
 def view_of(records):

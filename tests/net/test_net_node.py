@@ -17,7 +17,7 @@ from hivemind.p2p import PeerID
 from hetnode.net import loop
 from hetnode.net.identity import ephemeral_identity, load_or_create_identity, owner_subkey, peer_id_of_subkey
 from hetnode.net.node import CONTROL_HANDLER, NodeLimits, SwarmNode
-from hetnode.net.records import record_key
+from hetnode.net.records import new_peer_record, record_key
 from hetnode.net.streams import PeerRequestError, RateLimiter, read_frame
 from hetnode.wire.control import decode_reply, frame_header
 
@@ -27,31 +27,8 @@ RUN = "testrun"
 
 
 def peer_record(name="p", role="idle", **changes):
-    record = {
-        "name": name,
-        "link_class": "low",
-        "up_mbps": 20.0,
-        "down_mbps": 20.0,
-        "rtt_ms": None,
-        "mem_gb": 1.0,
-        "device": "cpu",
-        "tflops": 0.5,
-        "wants": "stage",
-        "role": role,
-        "chain": None,
-        "stage": None,
-        "layers": None,
-        "chain_layout": None,
-        "outer_step": 0,
-        "last_seen": time.time(),
-        "version": 1,
-        "params_round": None,
-        "layer_digests": None,
-        "tokens": None,
-        "admission": None,
-    }
-    record.update(changes)
-    return record
+    link = {"link_class": "low", "up_mbps": 20.0, "down_mbps": 20.0, "mem_gb": 1.0, "tflops": 0.5}
+    return new_peer_record(name, role=role, wants="stage", **link) | changes
 
 
 @contextlib.asynccontextmanager

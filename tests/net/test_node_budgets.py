@@ -13,7 +13,7 @@ from hetnode.net import loop
 from hetnode.net.budgets import NodeBudgets
 from hetnode.net.identity import ephemeral_identity, owner_subkey
 from hetnode.net.node import CONTROL_HANDLER, NodeLimits, SwarmNode
-from hetnode.net.records import record_key
+from hetnode.net.records import new_peer_record, record_key
 from hetnode.net.streams import PeerRequestError, read_frame
 from hetnode.wire.control import decode_reply, encode_request, frame_header
 
@@ -178,31 +178,9 @@ def _seal(round_=3):
 
 
 def _peer(name="p", **changes):
-    record = {
-        "name": name,
-        "link_class": "low",
-        "up_mbps": 20.0,
-        "down_mbps": 20.0,
-        "rtt_ms": None,
-        "mem_gb": 1.0,
-        "device": "cpu",
-        "tflops": 0.5,
-        "wants": "stage",
-        "role": "idle",
-        "chain": None,
-        "stage": None,
-        "layers": None,
-        "chain_layout": None,
-        "outer_step": 0,
-        "last_seen": time.time(),
-        "version": 1,
-        "params_round": None,
-        "layer_digests": {"embed": "0" * 16, "head": "1" * 16, "0": "2" * 16},
-        "tokens": None,
-        "admission": None,
-    }
-    record.update(changes)
-    return record
+    digests = {"embed": "0" * 16, "head": "1" * 16, "0": "2" * 16}
+    link = {"link_class": "low", "up_mbps": 20.0, "down_mbps": 20.0, "mem_gb": 1.0, "tflops": 0.5}
+    return new_peer_record(name, wants="stage", layer_digests=digests, **link) | changes
 
 
 def test_records_that_live_too_long_or_weigh_too_much_are_refused_and_honest_ones_kept():

@@ -28,6 +28,7 @@ from hetnode.daemon.view import SwarmView  # noqa: E402
 from hetnode.model.shards import layer_digests  # noqa: E402
 from hetnode.net.identity import ephemeral_identity  # noqa: E402
 from hetnode.net.node import CONTROL_HANDLER, DEFAULT_LIMITS, SwarmNode  # noqa: E402
+from hetnode.net.records import new_peer_record  # noqa: E402
 from hetnode.net.signing import sign_payload  # noqa: E402
 from hetnode.net.streams import PeerRequestError, open_stream, request  # noqa: E402
 from hetnode.wire.control import encode_request, frame_header  # noqa: E402
@@ -53,30 +54,22 @@ class Attacker:
 
     def record(self, **changes: Any) -> dict[str, Any]:
         """A schema-valid peer record claiming to be a fast anchor."""
-        base = {
-            "name": self.name,
-            "link_class": "high",
-            "up_mbps": 10000.0,
-            "down_mbps": 10000.0,
-            "rtt_ms": 1.0,
-            "mem_gb": 512.0,
-            "device": "cuda",
-            "tflops": 1000.0,
-            "wants": "anchor",
-            "role": "anchor",
-            "chain": None,
-            "stage": None,
-            "layers": [0, self.config.model.n_layers - 1],
-            "chain_layout": None,
-            "outer_step": 0,
-            "last_seen": time.time(),
-            "version": 1,
-            "params_round": None,
-            "layer_digests": None,
-            "tokens": None,
-            "admission": None,
-        }
-        return base | changes
+        return (
+            new_peer_record(
+                self.name,
+                link_class="high",
+                up_mbps=10000.0,
+                down_mbps=10000.0,
+                rtt_ms=1.0,
+                mem_gb=512.0,
+                device="cuda",
+                tflops=1000.0,
+                wants="anchor",
+                role="anchor",
+                layers=[0, self.config.model.n_layers - 1],
+            )
+            | changes
+        )
 
     async def coordinator_round(self) -> int:
         view = await SwarmView.read(self.node, self.config)
