@@ -13,10 +13,10 @@ import secrets
 import time
 from pathlib import Path
 
-from hetnode.daemon.datadir import DataDir
 from hetnode.errors import HetnodeError, WireError
 from hetnode.net.identity import Identity, check_peer_id
 from hetnode.net.signing import sign_text, verify_text
+from hetnode.service.datadir import DataDir
 from hetnode.wire.admission import (
     Admission,
     AdmissionMode,

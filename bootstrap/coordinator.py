@@ -22,17 +22,17 @@ from bootstrap.round_keeper import RoundKeeper
 from bootstrap.status_page import StatusBoard
 from bootstrap.swarm_metrics import SwarmMetrics
 from hetnode.config import Config, load_config
-from hetnode.daemon.datadir import DataDir
-from hetnode.daemon.http_server import DEFAULT_STATUS_PORT, HttpServer, Response
-from hetnode.daemon.lifecycle import print_ready, sleep_or_stop, stop_on_signals, until_stopped
 from hetnode.daemon.membership import Membership
-from hetnode.daemon.metrics import PeerMetrics
-from hetnode.daemon.peer import limits_of
-from hetnode.daemon.presence import Presence
 from hetnode.daemon.view import SwarmView
 from hetnode.net.identity import Identity, load_or_create_identity
 from hetnode.net.node import PeersUnreachable, SwarmNode
 from hetnode.net.records import new_peer_record
+from hetnode.service.datadir import DataDir
+from hetnode.service.http_server import DEFAULT_STATUS_PORT, HttpServer, Response
+from hetnode.service.lifecycle import print_ready, sleep_or_stop, stop_on_signals, until_stopped
+from hetnode.service.limits import limits_of
+from hetnode.service.metrics import PeerMetrics
+from hetnode.service.presence import Presence
 from hetnode.wire.manifest import PROTOCOL_VERSION, Manifest
 
 log = logging.getLogger(__name__)

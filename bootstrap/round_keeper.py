@@ -29,10 +29,7 @@ import torch
 from bootstrap.ledger import Contribution, Ledger
 from bootstrap.swarm_metrics import REPLICA_ROLES, SwarmMetrics
 from hetnode.config import Config
-from hetnode.daemon.datadir import DataDir
-from hetnode.daemon.lifecycle import sleep_or_stop, sleep_or_wake
 from hetnode.daemon.participant import fetch_state, payload_opener
-from hetnode.daemon.presence import Presence
 from hetnode.daemon.rounds import GlobalModel, base_fixed_embedding
 from hetnode.daemon.sealing import SealedRound, Sealer
 from hetnode.daemon.view import RecentView, SwarmView
@@ -41,7 +38,10 @@ from hetnode.errors import WireError
 from hetnode.model.decoder import build_model
 from hetnode.net.node import SwarmNode
 from hetnode.net.streams import PeerRequestError
-from hetnode.planning.rounds import Announcement, replica_tokens, seal_now
+from hetnode.planning.rounds import Announcement, replica_tokens, seal_now, shard_order
+from hetnode.service.datadir import DataDir
+from hetnode.service.lifecycle import sleep_or_stop, sleep_or_wake
+from hetnode.service.presence import Presence
 from hetnode.wire.seals import seal_digest
 
 log = logging.getLogger(__name__)
@@ -281,16 +281,19 @@ class RoundKeeper:
         shards are the model's; tokens and steps follow from the manifest's schedule and those shards."""
         names = self._names
         schedule = replica_tokens(self.config)
-        all_shards = len(self.global_model.shards)
+        order = shard_order(self.config.model.n_layers)
+        n = len(order)
         credits = []
         for peer, payloads in sealed.contributions:
-            full = len(payloads) == all_shards
+            # shards [first, first + count) of the model's order: a chain's stages cover [0, n) between them,
+            # so their integer shares telescope to exactly one replica's schedule
+            first, count = min(order.index(shard) for shard in payloads), len(payloads)
             credits.append(
                 Contribution(
                     peer=peer,
                     name=names.get(peer) or peer[-8:],
-                    role="anchor" if full else "stage",
-                    tokens=schedule * len(payloads) // all_shards,
+                    role="anchor" if count == n else "stage",
+                    tokens=schedule * (first + count) // n - schedule * first // n,
                     inner_steps=self.config.outer.inner_steps,
                     bytes_sent=sum(len(data) for data in payloads.values()),
                 )

@@ -1,7 +1,7 @@
 """The coordinator's status page and JSON API, readable without Grafana.
 
 The event loop calls `StatusBoard.update(snapshot)` after each sealed round and each heartbeat; the HTTP
-server's threads (`hetnode.daemon.http_server`) call the routes. The board keeps a deep copy of the latest
+server's threads (`hetnode.service.http_server`) call the routes. The board keeps a deep copy of the latest
 snapshot and swaps it whole under a lock, so a handler never sees a half-updated one. Credit comes from
 the ledger, not from the snapshot. Routes: `/` (HTML), `/api/status`, `/api/contributions`, `/healthz`
 (the coordinator adds `/metrics` itself).
@@ -34,7 +34,7 @@ from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from bootstrap.ledger import Ledger, Standing
-from hetnode.daemon.http_server import Response, Route
+from hetnode.service.http_server import Response, Route
 
 LEADERBOARD_TOP = 100
 HISTORY_ROWS = 20

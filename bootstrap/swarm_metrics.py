@@ -11,7 +11,7 @@ from typing import Any
 from prometheus_client import Counter, Gauge
 
 from bootstrap.ledger import Ledger, LedgerCollector
-from hetnode.daemon.metrics import PeerMetrics
+from hetnode.service.metrics import PeerMetrics
 
 ROLES = ("anchor", "stage", "idle")
 CLASSES = ("high", "low", "slow")

@@ -15,10 +15,24 @@ ALLOWED = {
     "training": {"algo", "model", "data"},
     "sim": {"algo", "model", "data", "training", "wire", "planning"},
     "net": {"wire"},
-    "daemon": {"algo", "model", "data", "training", "planning", "wire", "net"},
-    "cli": {"algo", "model", "data", "training", "planning", "wire", "net", "daemon", "sim", "bench", "demo"},
+    "service": {"net", "wire", "model", "algo"},
+    "daemon": {"algo", "model", "data", "training", "planning", "wire", "net", "service"},
+    "cli": {
+        "algo",
+        "model",
+        "data",
+        "training",
+        "planning",
+        "wire",
+        "net",
+        "service",
+        "daemon",
+        "sim",
+        "bench",
+        "demo",
+    },
     "bench": {"algo", "model", "data", "training", "wire", "sim", "planning"},
-    "demo": {"bench", "daemon"},
+    "demo": {"bench", "daemon", "service"},
 }
 SHARED = {"config", "errors", "__init__"}
 PURE = {"algo", "planning", "model", "wire", "data"}  # no I/O libraries, no network stacks

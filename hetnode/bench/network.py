@@ -44,7 +44,7 @@ from hetnode.training.trainer import InnerTrainer  # noqa: E402
 
 log = logging.getLogger(__name__)
 
-ROUND_LOG = "rounds-local.jsonl"  # written by every daemon (hetnode/daemon/round_log.py)
+ROUND_LOG = "rounds-local.jsonl"  # written by every daemon (hetnode/service/round_log.py)
 HISTORY = "rounds.jsonl"  # the coordinator's sealed rounds
 ANCHORS = ("anchor-1", "anchor-2")
 STAGES = ("stage-1", "stage-2")

@@ -7,9 +7,9 @@ import json
 import socket
 from pathlib import Path
 
-from hetnode.daemon.http_server import DEFAULT_STATUS_PORT
 from hetnode.errors import ConfigError
 from hetnode.net import loop
+from hetnode.service.http_server import DEFAULT_STATUS_PORT
 
 DEFAULT_HOME = Path("~/.hetnode")
 

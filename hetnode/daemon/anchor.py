@@ -20,13 +20,13 @@ from pathlib import Path
 import msgpack
 
 from hetnode.config import Config
-from hetnode.daemon.metrics import PeerMetrics
 from hetnode.daemon.participant import RoundParticipant, payload_opener
-from hetnode.daemon.presence import Presence
-from hetnode.daemon.round_log import RoundRecord
 from hetnode.daemon.rounds import AnchorTraining, GlobalModel, sha256_hex
 from hetnode.data.dataset import TokenDataset
 from hetnode.net.node import SwarmNode
+from hetnode.service.metrics import PeerMetrics
+from hetnode.service.presence import Presence
+from hetnode.service.round_log import RoundRecord
 
 log = logging.getLogger(__name__)
 

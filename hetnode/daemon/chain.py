@@ -25,11 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from hetnode.config import Config
-from hetnode.daemon.lifecycle import sleep_or_stop
-from hetnode.daemon.metrics import PeerMetrics
 from hetnode.daemon.participant import RoundParticipant, payload_opener
-from hetnode.daemon.presence import Presence
-from hetnode.daemon.round_log import RoundRecord
 from hetnode.daemon.rounds import GlobalModel, sha256_hex
 from hetnode.daemon.stage_training import StageTraining
 from hetnode.daemon.view import SwarmView
@@ -37,6 +33,10 @@ from hetnode.data.dataset import TokenDataset
 from hetnode.errors import HetnodeError, WireError
 from hetnode.net.node import SwarmNode
 from hetnode.net.streams import OpenStream, PeerRequestError, read_frame, write_frame
+from hetnode.service.lifecycle import sleep_or_stop
+from hetnode.service.metrics import PeerMetrics
+from hetnode.service.presence import Presence
+from hetnode.service.round_log import RoundRecord
 from hetnode.training.stage_worker import Frame
 from hetnode.wire.activation_frame import decode_frame, encode_frame
 

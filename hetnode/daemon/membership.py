@@ -17,11 +17,11 @@ import time
 from typing import Any
 
 from hetnode.config import Config
-from hetnode.daemon.lifecycle import sleep_or_stop
 from hetnode.errors import HetnodeError, WireError
 from hetnode.net.node import SwarmNode
 from hetnode.net.records import check_peer_record
 from hetnode.net.signing import signer_key, verify_text
+from hetnode.service.lifecycle import sleep_or_stop
 from hetnode.wire.admission import parse_admission_body
 from hetnode.wire.manifest import Manifest
 

@@ -21,9 +21,6 @@ from pathlib import Path
 from typing import Any
 
 from hetnode.config import Config
-from hetnode.daemon.lifecycle import sleep_or_stop, sleep_or_wake
-from hetnode.daemon.metrics import PeerMetrics
-from hetnode.daemon.round_log import RoundRecord, append_round
 from hetnode.daemon.rounds import ApplyError, GlobalModel, PayloadOpener, sha256_hex
 from hetnode.daemon.sealing import Sealer
 from hetnode.daemon.view import RecentView, SwarmView
@@ -32,6 +29,9 @@ from hetnode.net.node import SwarmNode
 from hetnode.net.signing import open_payload, sign_payload
 from hetnode.net.streams import PeerRequestError
 from hetnode.planning.rounds import Announcement, seal_now
+from hetnode.service.lifecycle import sleep_or_stop, sleep_or_wake
+from hetnode.service.metrics import PeerMetrics
+from hetnode.service.round_log import RoundRecord, append_round
 from hetnode.wire.seals import seal_digest, seal_verdict
 
 log = logging.getLogger(__name__)

@@ -22,21 +22,15 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from hetnode.config import Config
 from hetnode.daemon.anchor import AnchorLoop
 from hetnode.daemon.chain import ChainLayout, ChainLoop
-from hetnode.daemon.datadir import DataDir
-from hetnode.daemon.http_server import HttpServer, Response
-from hetnode.daemon.lifecycle import Stopped, print_ready, sleep_or_stop, stop_on_signals, until_stopped
 from hetnode.daemon.membership import Membership
-from hetnode.daemon.metrics import PeerMetrics
 from hetnode.daemon.peer_address import is_url, resolve_peer
-from hetnode.daemon.presence import Presence
 from hetnode.daemon.resources import available_memory_gb, measure_tflops
 from hetnode.daemon.swarm import RunContact, find_run, local_config, read_round, start_when_reachable
 from hetnode.daemon.view import SwarmView
 from hetnode.errors import HetnodeError
 from hetnode.model.decoder import count_parameters
-from hetnode.net.budgets import NodeBudgets
 from hetnode.net.identity import load_or_create_identity, peer_id_from_maddr
-from hetnode.net.node import NodeLimits, SwarmNode
+from hetnode.net.node import SwarmNode
 from hetnode.net.probe import LinkMeasurement, combine
 from hetnode.net.records import new_peer_record
 from hetnode.net.streams import PeerRequestError
@@ -54,6 +48,12 @@ from hetnode.planning.roles import (
     pack_chains,
     wanted_role,
 )
+from hetnode.service.datadir import DataDir
+from hetnode.service.http_server import HttpServer, Response
+from hetnode.service.lifecycle import Stopped, print_ready, sleep_or_stop, stop_on_signals, until_stopped
+from hetnode.service.limits import limits_of
+from hetnode.service.metrics import PeerMetrics
+from hetnode.service.presence import Presence
 from hetnode.wire.manifest import PROTOCOL_VERSION
 
 log = logging.getLogger(__name__)
@@ -81,21 +81,6 @@ class JoinOptions:
     token: str | None = None  # a join token, for runs that admit by token
     data_source: str | None = None  # our own copy of the run's data (None: the bundled corpus)
     data_cache: str = "~/.cache/hetnode"  # where tokenised data is cached; never taken from a manifest
-
-
-def limits_of(config: Config) -> NodeLimits:
-    """The node's limits and budgets for a run: sized from its probe size and frame limit, and the state
-    budget from the model, so that one peer's catch-up (all of dense θ, retried once) always fits."""
-    n = config.network
-    probe_bytes, frame_bytes = int(n.probe_mb * 2**20), int(n.max_frame_mb * 2**20)
-    budgets = NodeBudgets.sized(probe_bytes, frame_bytes)
-    theta_bytes = 4 * count_parameters(config.model)
-    budgets = dataclasses.replace(
-        budgets,
-        state_bytes_per_peer=max(budgets.state_bytes_per_peer, 2 * theta_bytes),
-        state_bytes_global=max(budgets.state_bytes_global, 8 * theta_bytes),
-    )
-    return NodeLimits(probe_bytes, n.probe_s, n.requests_per_min, budgets)
 
 
 class PeerDaemon:

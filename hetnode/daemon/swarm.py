@@ -13,11 +13,11 @@ import time
 from dataclasses import dataclass
 
 from hetnode.config import Config, replace
-from hetnode.daemon.lifecycle import Stopped, sleep_or_stop
 from hetnode.errors import ConfigError, HetnodeError
 from hetnode.net.identity import Identity, peer_id_from_maddr
 from hetnode.net.node import DEFAULT_LIMITS, PeersUnreachable, SwarmNode
 from hetnode.net.streams import PeerRequestError
+from hetnode.service.lifecycle import Stopped, sleep_or_stop
 from hetnode.wire.manifest import Manifest, manifest_from_envelope
 
 log = logging.getLogger(__name__)

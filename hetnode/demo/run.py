@@ -21,13 +21,13 @@ from typing import Any
 
 from hetnode.bench.netlab import check_lab_possible
 from hetnode.config import Config, dump_config, load_config, replace
-from hetnode.daemon.round_log import ROUND_LOG
 from hetnode.demo.digests import compare_digests, hold_round
 from hetnode.demo.live import LiveView
 from hetnode.demo.plots import PLOTS
 from hetnode.demo.report import DemoRecord, write_report
 from hetnode.demo.swarm import COORDINATOR, DemoSwarm, Interrupted, SwarmPlan, read_jsonl
 from hetnode.errors import ConfigError, HetnodeError
+from hetnode.service.round_log import ROUND_LOG
 
 log = logging.getLogger(__name__)
 

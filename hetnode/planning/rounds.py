@@ -83,3 +83,8 @@ def replica_tokens(config: Config) -> int:
     """Tokens one replica trains per round by the manifest's schedule (H × batch × sequence): what a
     sealed contribution earns, split over a chain's stages by the shards each delivered (TRUST §1)."""
     return config.outer.inner_steps * config.data.batch_size * config.data.seq_len
+
+
+def shard_order(n_layers: int) -> list[str]:
+    """The model's shards in input-to-output order: "embed", "0".."L-1", "head"."""
+    return ["embed", *(str(i) for i in range(n_layers)), "head"]

@@ -16,7 +16,7 @@ import pytest
 import bootstrap.ledger as ledger_module
 from bootstrap.ledger import MAX_COUNT, SCHEMA_VERSION, Contribution, Ledger, LedgerError
 from bootstrap.status_page import StatusBoard
-from hetnode.daemon.http_server import HttpServer
+from hetnode.service.http_server import HttpServer
 
 HUGE = 2**62
 

@@ -10,7 +10,7 @@ import pytest
 
 from bootstrap.ledger import Contribution, Ledger
 from bootstrap.status_page import StatusBoard, loss_chart, render_page
-from hetnode.daemon.http_server import HttpServer
+from hetnode.service.http_server import HttpServer
 
 EVIL = "<script>alert(1)</script>"
 NOW = 1_700_000_000.0

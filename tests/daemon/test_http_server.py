@@ -12,7 +12,7 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
-from hetnode.daemon.http_server import MAX_CONNECTIONS, HttpServer, Response
+from hetnode.service.http_server import MAX_CONNECTIONS, HttpServer, Response
 
 
 def wait_until(condition: Callable[[], bool], timeout: float = 10.0) -> None:

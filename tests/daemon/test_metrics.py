@@ -10,9 +10,9 @@ import pytest
 from prometheus_client import CONTENT_TYPE_LATEST
 from prometheus_client.parser import text_string_to_metric_families
 
-from hetnode.daemon.http_server import HttpServer, Response
-from hetnode.daemon.metrics import PeerMetrics
-from hetnode.daemon.round_log import RoundRecord
+from hetnode.service.http_server import HttpServer, Response
+from hetnode.service.metrics import PeerMetrics
+from hetnode.service.round_log import RoundRecord
 
 
 def samples(exposition: bytes) -> dict[tuple[str, tuple], float]:

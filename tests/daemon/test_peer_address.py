@@ -6,9 +6,9 @@ import json
 
 import pytest
 
-from hetnode.daemon.http_server import HttpServer, Response
 from hetnode.daemon.peer_address import is_url, maddr_from_status, resolve_peer
 from hetnode.errors import HetnodeError
+from hetnode.service.http_server import HttpServer, Response
 
 PEER_ID = "QmYyQSo1c1Ym7orWxLYvCrM2EmxFTANf8wXmmE7DWjhx5N"
 

@@ -204,7 +204,7 @@ def test_a_nudge_reaches_the_handler_and_a_dead_peer_costs_nothing():
 
 
 def test_sleep_or_wake_returns_on_the_first_of_wake_stop_or_timeout():
-    from hetnode.daemon.lifecycle import sleep_or_wake
+    from hetnode.service.lifecycle import sleep_or_wake
 
     async def scenario():
         stop, wake = asyncio.Event(), asyncio.Event()

@@ -8,7 +8,7 @@ import signal
 
 import pytest
 
-from hetnode.daemon.round_log import read_rounds
+from hetnode.service.round_log import read_rounds
 
 pytestmark = pytest.mark.slow
 

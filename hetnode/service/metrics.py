@@ -19,7 +19,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from hetnode.daemon.round_log import RoundRecord
+from hetnode.service.round_log import RoundRecord
 
 CHANNELS = ("sync", "activations", "state", "probe")
 ROUND_SECONDS_BUCKETS = (0.1, 0.25, 0.5, 1, 2, 5, 10, 20, 30, 60, 120, 300)

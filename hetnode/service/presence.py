@@ -8,8 +8,8 @@ import logging
 import time
 from typing import Any
 
-from hetnode.daemon.lifecycle import sleep_or_stop
 from hetnode.net.node import SwarmNode
+from hetnode.service.lifecycle import sleep_or_stop
 
 log = logging.getLogger(__name__)
 
