@@ -121,7 +121,9 @@ def outer_sgd_step(
     for name, p in params.items():
         if weight_decay:
             p.mul_(1.0 - lr * weight_decay)
-        p.add_(delta[name].to(device=p.device, dtype=p.dtype), alpha=-lr)
+        # α·Δ rounded on its own, then subtracted: `add_(alpha=)` may fuse the two (FMA) on one CPU and
+        # not on another, and replicas on mixed hardware must agree bit for bit
+        p.sub_(delta[name].to(device=p.device, dtype=p.dtype) * lr)
 
 
 FLOAT32_MAX = float(torch.finfo(torch.float32).max)

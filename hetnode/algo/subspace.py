@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import torch
 
+from hetnode.algo.random import portable_normal
+
 
 def _generator(seed: int, salt: int) -> torch.Generator:
     return torch.Generator().manual_seed(seed * 7919 + salt)
@@ -29,7 +31,7 @@ def orthonormal_basis(d: int, k: int, seed: int) -> torch.Tensor:
 
 def frozen_embedding(vocab: int, d: int, seed: int, std: float) -> torch.Tensor:
     """T_fix (V×d): the frozen random token embedding added at the input (same seed everywhere)."""
-    return (torch.randn(vocab, d, generator=_generator(seed, 2)) * std).contiguous()
+    return portable_normal((vocab, d), _generator(seed, 2), std).contiguous()
 
 
 def project_columns(weight: torch.Tensor, basis: torch.Tensor) -> torch.Tensor:

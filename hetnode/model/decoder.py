@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hetnode.algo.random import portable_normal
 from hetnode.config import ModelConfig
 from hetnode.model.layers import Block, RMSNorm, rotary_tables
 
@@ -130,8 +131,7 @@ def init_parameters(module: DecoderStage, cfg: ModelConfig, seed: int) -> None:
                 param.fill_(1.0)
                 continue
             std = residual_std if name.endswith(("attn.wo.weight", "mlp.w_down.weight")) else cfg.init_std
-            values = torch.randn(param.shape, generator=_param_generator(seed, name)) * std
-            param.copy_(values)
+            param.copy_(portable_normal(param.shape, _param_generator(seed, name), std))
 
 
 def count_parameters(cfg: ModelConfig) -> int:
