@@ -205,11 +205,8 @@ class RoundParticipant:
                 verdict = seal_verdict(
                     entry.value, sealer, allowed, self.global_model.params_round, self.global_model.seal_hash
                 )
-                if verdict in (
-                    "apply",
-                    "behind",
-                    "fork",
-                ):  # apply() takes the next link, catches up otherwise
+                # apply() takes the next link and catches up on "behind" or "fork"
+                if verdict in ("apply", "behind", "fork"):
                     return sealer, entry.value
             silent_for = time.monotonic() - waiting_since
             if (

@@ -53,8 +53,6 @@ class SealedRound:
     record: dict[str, Any]  # what went into the DHT
     contributions: list[tuple[str, dict[str, bytes]]]  # (peer, shard -> payload), in sealed order
     excluded: list[str]
-    announcements: dict[str, Announcement]  # of the contributions, by peer (tokens and steps to credit)
-    decoded: list[tuple[str, list[DecodedPayload]]]  # the validated messages, in sealed order
     prepared: PreparedRound  # the checked aggregate: committing it is the coordinator's apply
 
     @property
@@ -230,8 +228,6 @@ class Sealer:
             record,
             [(a.peer_id, p) for a, p, _ in good],
             excluded,
-            {a.peer_id: a for a, _, _ in good},
-            [(a.peer_id, d) for a, _, d in good],
             prepared,
         )
 
