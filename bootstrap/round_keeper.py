@@ -237,7 +237,8 @@ class RoundKeeper:
         await asyncio.to_thread(self.global_model.commit, sealed.prepared)
         self.global_model.seal_hash = sealed.digest
         self.sealed_in_this_life = True
-        credits = self.credits(sealed)
+        names = {peer: record["name"] for peer, record in (await self.view.get()).peers.items()}
+        credits = self.credits(sealed, names)
         try:
             await asyncio.to_thread(self.ledger.record_round, round_, sealed.record["sealed_at"], credits)
         except Exception:  # the ledger is a view of the rounds: its failure must not stop them
@@ -276,10 +277,10 @@ class RoundKeeper:
             eval_loss,
         )
 
-    def credits(self, sealed: SealedRound) -> list[Contribution]:
+    def credits(self, sealed: SealedRound, names: dict[str, str]) -> list[Contribution]:
         """The ledger rows of a sealed round, from the protocol: every contribution was validated, so its
-        shards are the model's; tokens and steps follow from the manifest's schedule and those shards."""
-        names = self._names
+        shards are the model's; tokens and steps follow from the manifest's schedule and those shards.
+        `names` (display names from the peers' records) are advice: they earn nothing."""
         schedule = replica_tokens(self.config)
         order = shard_order(self.config.model.n_layers)
         n = len(order)
@@ -299,12 +300,6 @@ class RoundKeeper:
                 )
             )
         return credits
-
-    @property
-    def _names(self) -> dict[str, str]:
-        """Display names from the last view (names are advice: they earn nothing)."""
-        view = self.view.cached
-        return {peer: record["name"] for peer, record in view.peers.items()} if view is not None else {}
 
     def _append_history(self, entry: dict[str, Any]) -> None:
         with open(self.data_dir.path / HISTORY, "a") as history:

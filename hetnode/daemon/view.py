@@ -158,11 +158,6 @@ class RecentView:
         self._view: SwarmView | None = None
         self._read_at = 0.0
 
-    @property
-    def cached(self) -> SwarmView | None:
-        """The last view read, however old (None before the first read)."""
-        return self._view
-
     async def get(self) -> SwarmView:
         if self._view is None or time.monotonic() - self._read_at > self.max_age_s:
             self._view = await SwarmView.read(self.node, self.config)
