@@ -20,6 +20,7 @@ from hetnode.config import Config
 from hetnode.data import TokenDataset
 from hetnode.errors import CheckpointError
 from hetnode.model.subspace import SubspaceConstraint
+from hetnode.training.precision import autocast_for
 from hetnode.training.schedule import warmup_cosine
 
 
@@ -36,6 +37,9 @@ class InnerTrainer:
 
     Normally a replica owns one slot. Given several, a step averages the gradients of all their
     batches: exactly what synchronous data parallelism over those slots computes (the DDP baseline).
+
+    On CUDA the forward (and so its backward) runs in bf16 autocast (`precision.autocast_for`); the
+    parameters and AdamW state stay fp32, so what the anchor reads back after H steps is fp32 master weights.
     """
 
     def __init__(
@@ -77,7 +81,8 @@ class InnerTrainer:
         total_loss, tokens = 0.0, 0
         for slot in self.slots:
             inputs, targets = self.dataset.train_batch(slot, self.num_slots, self.step)
-            loss = self.model.loss(inputs.to(self.device), targets.to(self.device))
+            with autocast_for(self.device):
+                loss = self.model.loss(inputs.to(self.device), targets.to(self.device))
             if not torch.isfinite(loss):
                 raise FloatingPointError(f"non-finite training loss at step {self.step}: {loss.item()}")
             (loss / len(self.slots)).backward()
@@ -104,7 +109,8 @@ class InnerTrainer:
         self.model.eval()
         total = 0.0
         for inputs, targets in batches:
-            total += self.model.loss(inputs.to(self.device), targets.to(self.device)).item()
+            with autocast_for(self.device):  # the precision training ran in, so the two losses compare
+                total += self.model.loss(inputs.to(self.device), targets.to(self.device)).item()
         return total / len(batches)
 
     def state_dict(self) -> dict[str, Any]:
