@@ -92,8 +92,16 @@ class RoundKeeper:
         self._load_checkpoint()
         node.set_payloads(self.sealer.serve)
         node.set_state(self._serve_state)
+        node.set_inclusion(self.included)
         self._announced = asyncio.Event()  # a replica nudged us: its announcement is in the DHT
         node.set_nudge_handler(self._on_nudge)
+
+    def included(self, round_: int, replica: str) -> bool | None:
+        """Whether `replica` is in our seal of `round_` (None: not a round we sealed, or too old)."""
+        entry = next((h for h in reversed(self.history) if h["round"] == round_), None)
+        if entry is None or entry.get("caught_up_from"):
+            return None
+        return replica in entry["contributors"]
 
     def _on_nudge(self, peer: str, topic: str, round_: int) -> None:
         if topic == "announce":
@@ -353,6 +361,7 @@ class RoundKeeper:
             for name, tensor in params.items():
                 self.global_model.params[name].copy_(tensor)
         self.global_model.params_round = int(state["params_round"])
+        self.global_model.changed()
         seal_hash = state.get("seal_hash")
         if not isinstance(seal_hash, str):  # a checkpoint from before seals were chained: ask the history
             seal_hash = next(

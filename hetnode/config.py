@@ -108,7 +108,9 @@ class PipelineConfig:
     subspace_rank: int = 16
     compression: Literal["none", "selective", "everything"] = "selective"
     chain_optimizer: Literal["adamw", "nadam", "rotated_adamw"] = "rotated_adamw"
-    max_in_flight: int = 4
+    # Unanswered micro-batches on a networked chain's first stage. 0: the 1F1B schedule (P − s on stage s,
+    # weight delay P−1−s); a larger W hides WAN latency and adds W − P updates of staleness on every stage.
+    max_in_flight: int = 0
 
 
 @dataclass(frozen=True)
@@ -331,9 +333,7 @@ def validate(config: Config, source: str) -> None:
         f"must be >= 1, got {o.checkpoint_every_rounds}",
     )
     _require(o.weight_decay >= 0, source, "outer.weight_decay", "must be >= 0")
-    _require(
-        0 < o.max_value <= 1e30, source, "outer.max_value", f"must be in (0, 1e30], got {o.max_value}"
-    )
+    _require(0 < o.max_value <= 1e30, source, "outer.max_value", f"must be in (0, 1e30], got {o.max_value}")
 
     _require(p.stages >= 1, source, "pipeline.stages", f"must be >= 1, got {p.stages}")
     _require(
@@ -348,7 +348,7 @@ def validate(config: Config, source: str) -> None:
         "pipeline.subspace_rank",
         f"must be in [1, model.d_model), got {p.subspace_rank}",
     )
-    _require(p.max_in_flight >= 1, source, "pipeline.max_in_flight", "must be >= 1")
+    _require(p.max_in_flight >= 0, source, "pipeline.max_in_flight", "must be >= 0 (0: the 1F1B schedule)")
 
     for key in (
         "anchor_min_up_mbps",

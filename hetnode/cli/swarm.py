@@ -124,7 +124,7 @@ def register(commands: argparse._SubParsersAction) -> None:
     )
     join.add_argument("--http-host", default="127.0.0.1", help="address /metrics binds (0.0.0.0: all)")
     join.add_argument(
-        "--fault", choices=("nan", "digest"), default=None, help=argparse.SUPPRESS
+        "--fault", choices=("nan", "digest", "drift"), default=None, help=argparse.SUPPRESS
     )  # tests only
     join.set_defaults(handler=run_join)
 

@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 
 import msgpack
+import torch
 
 from hetnode.config import Config
 from hetnode.daemon.participant import RoundParticipant, payload_opener
@@ -51,7 +52,7 @@ class AnchorLoop:
         self.presence = presence
         self.device = device
         self.state_path = state_path
-        self.fault = fault  # tests only: "nan" or "digest" makes this anchor a hostile contributor
+        self.fault = fault  # tests only: "nan" or "digest" make a hostile contributor, "drift" a faulty one
         self.metrics = metrics
         self.global_model = GlobalModel(config, opener=payload_opener(node.run or "", config))
         self.rounds = RoundParticipant(
@@ -115,6 +116,7 @@ class AnchorLoop:
                 return
             if not applied:
                 continue
+            self._maybe_drift()
             await asyncio.to_thread(training.save_local_state, self.state_path, self.global_model)
             await self.presence.update(
                 params_round=self.global_model.params_round,
@@ -122,6 +124,17 @@ class AnchorLoop:
                 tokens=training.tokens,
                 outer_step=self.global_model.params_round,
             )
+
+    def _maybe_drift(self) -> None:
+        """Tests only ("drift"): after round 1, flip the lowest bit of one weight, as a silent fault in
+        memory or a diverging kernel would; the digest check must notice and repair it."""
+        if self.fault != "drift" or self.global_model.params_round != 1:
+            return
+        name = sorted(self.global_model.params)[0]
+        bits = self.global_model.params[name].view(-1).view(torch.int32)
+        bits[0] ^= 1
+        self.global_model.changed()
+        log.warning("fault injection: flipped one bit of %s", name)
 
     def _maybe_corrupt(self, payloads: dict[str, bytes]) -> dict[str, bytes]:
         if self.fault != "nan":

@@ -3,9 +3,10 @@ hivemind P2P streams, then taking part in the sealed round with its own layers (
 
 Each boundary between stages s and s+1 is one duplex stream that stage s opens: activation frames
 (subspace coefficients in bf16 with token ids and targets) go down, activation-gradient frames come back
-up. The first stage reads the chain's data slot and keeps at most `pipeline.max_in_flight` micro-batches
-in flight (backpressure: it starts a new one only when a gradient came back); the others react to what
-arrives. Weight stashing in `StageWorker` makes the schedule asynchronous without changing the math.
+up. The first stage reads the chain's data slot; every stage but the last keeps at most `stage_window`
+micro-batches unanswered (P − s by default: the 1F1B schedule, whose weight delay is τ_s = P−1−s) and
+holds a new one back until a gradient came back. Weight stashing in `StageWorker` makes the schedule
+asynchronous without changing the math; each round's log records the weight delays the stage saw.
 
 A round is H micro-batches: the first stage stops feeding after H, every stage finishes its H backward
 passes (the drain), encodes Δ of its own shards, announces, waits for the seal and applies it. Frames
@@ -24,6 +25,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
+
 from hetnode.config import Config
 from hetnode.daemon.participant import RoundParticipant, payload_opener
 from hetnode.daemon.rounds import GlobalModel, sha256_hex
@@ -31,14 +34,16 @@ from hetnode.daemon.stage_training import StageTraining
 from hetnode.daemon.view import SwarmView
 from hetnode.data.dataset import TokenDataset
 from hetnode.errors import HetnodeError, WireError
+from hetnode.model.shards import ModelPart
 from hetnode.net.node import SwarmNode
 from hetnode.net.streams import OpenStream, PeerRequestError, read_frame, write_frame
 from hetnode.service.lifecycle import sleep_or_stop
 from hetnode.service.metrics import PeerMetrics
 from hetnode.service.presence import Presence
 from hetnode.service.round_log import RoundRecord
+from hetnode.training.schedule import stage_window
 from hetnode.training.stage_worker import Frame
-from hetnode.wire.activation_frame import decode_frame, encode_frame
+from hetnode.wire.activation_frame import FrameKind, decode_frame, encode_frame, frame_size_limit
 
 log = logging.getLogger(__name__)
 
@@ -107,10 +112,17 @@ class ChainLoop:
         self.data_dir = data_dir
         self.device = device
         self.metrics = metrics
+        self.state_path = data_dir / f"stage-state-{node.run}.pt"  # for restarts, as an anchor keeps one
         self.bytes_sent = 0  # activation and gradient frames, since the chain started
         self.bytes_received = 0
         self.peer_id = node.identity.peer_id
-        self.global_model = GlobalModel(config, opener=payload_opener(node.run or "", config))
+        # the stage's slice of θ only: its memory and its sealed download scale with its layers
+        self.global_model = GlobalModel(
+            config,
+            opener=payload_opener(node.run or "", config),
+            part=ModelPart.of_stage(layout.splits, layout.index),
+        )
+        self.drift: tuple[int, torch.Tensor] | None = None  # (round, the first stage's embedding drift)
         self.rounds = RoundParticipant(
             config,
             node,
@@ -149,6 +161,14 @@ class ChainLoop:
         self.training = await asyncio.to_thread(
             StageTraining, self.config, layout.splits, layout.index, layout.chain, dataset, self.device
         )
+        restored = await asyncio.to_thread(self.training.load_local_state, self.state_path, self.global_model)
+        if restored is not None:
+            log.info(
+                "resumed local state (%s): round %d, error-feedback norm %.6f",
+                "θ, error feedback and optimiser" if restored == "all" else "error feedback of held layers",
+                self.global_model.params_round,
+                self.training.feedback_norm(),
+            )
         if not layout.first:
             self.node.set_stage_acceptor(self._accept_upstream)
         tasks: list[asyncio.Task] = []
@@ -267,9 +287,13 @@ class ChainLoop:
             started, tokens_before = time.monotonic(), training.tokens
             sent_before, received_before = self.bytes_sent, self.bytes_received
             async with self.compute:
-                await asyncio.to_thread(training.begin_round, self.global_model)
+                await asyncio.to_thread(training.begin_round, self.global_model, self._drift_of(round_))
             self.backwards = 0
             self.round_done.clear()
+            self.window = asyncio.Semaphore(
+                stage_window(len(self.layout.members), self.layout.index, self.config.pipeline.max_in_flight)
+            )
+            delays_before = len(training.worker.staleness)
             self.round_ = round_
             self.round_open.set()
             if self.layout.first:
@@ -303,10 +327,14 @@ class ChainLoop:
                 activation_bytes_received=self.bytes_received - received_before,
                 steps=announcement["steps"],
                 loss=training.worker.last_loss if self.layout.last else None,
+                **training.weight_delays(since=delays_before),
             )
             self._report_compression(record, payloads)
-            if await self.rounds.take_part(announcement, stop, training.restore_unsent, record) is None:
+            applied = await self.rounds.take_part(announcement, stop, training.restore_unsent, record)
+            if applied is None:
                 return
+            if applied:
+                await asyncio.to_thread(training.save_local_state, self.state_path, self.global_model)
             await self._publish()
 
     def _report_compression(self, record: RoundRecord, payloads: dict[str, bytes]) -> None:
@@ -356,16 +384,22 @@ class ChainLoop:
             waiter.cancel()
             raise ChainBroken(self.failed.result())
 
+    def _drift_of(self, round_: int) -> torch.Tensor | None:
+        """The first stage's embedding drift for `round_`, which a stage without the embedding needs."""
+        if not self.training.needs_drift:
+            return None
+        if self.drift is None or self.drift[0] != round_:
+            raise ChainBroken(f"the previous stage sent no embedding drift for round {round_}")
+        return self.drift[1]
+
     async def _feed(self, round_: int) -> None:
-        """First stage: start H micro-batches, never more than `max_in_flight` unanswered."""
+        """First stage: send the round's embedding drift, then start H micro-batches, never more than the
+        stage's window unanswered."""
         training = self.training
-        self.window = asyncio.Semaphore(max(1, self.config.pipeline.max_in_flight))
+        if training.drift is not None:
+            await self._send(self.downstream, encode_frame("drift", round_, 0, training.drift))
         for _ in range(self.config.outer.inner_steps):
-            acquire = asyncio.create_task(self.window.acquire())
-            await asyncio.wait([acquire, self.failed], return_when=asyncio.FIRST_COMPLETED)
-            if not acquire.done():
-                acquire.cancel()
-                raise ChainBroken(self.failed.result())
+            await self._enter_window()
             async with self.compute:
                 mb, batch = training.next_batch()
                 frame = await asyncio.to_thread(training.forward, mb, batch)
@@ -375,13 +409,19 @@ class ChainLoop:
         """Stages after the first: forward what arrives; the last stage also runs the backward at once."""
         training = self.training
         limits = training.limits
+        kinds: tuple[FrameKind, ...] = ("act", "drift") if limits.d_model else ("act",)
         while True:
-            data = await self._receive(self.upstream, limits.max_bytes)
+            data = await self._receive(self.upstream, frame_size_limit(limits, kinds))
             try:
-                frame = decode_frame(data, limits, expect_kind="act")
+                frame = decode_frame(data, limits, expect_kind=kinds)
             except WireError as exc:
                 raise ChainBroken(f"invalid activation frame from the previous stage: {exc}") from None
+            if frame.kind == "drift":
+                await self._take_drift(frame.round, frame.tensor, data)
+                continue
             await self._wait_for_round(frame.round)
+            if not self.layout.last:  # the last stage answers at once: it never holds a micro-batch
+                await self._enter_window()
             incoming = Frame(frame.mb, frame.tensor, frame.tokens, frame.targets)
             async with self.compute:
                 if training.in_flight(frame.mb):
@@ -396,6 +436,14 @@ class ChainLoop:
                 await self._send(
                     self.downstream, encode_frame("act", frame.round, frame.mb, *_frame_parts(out))
                 )
+
+    async def _take_drift(self, round_: int, drift: torch.Tensor, data: bytes) -> None:
+        """Keep the embedding drift of the round about to start and pass it on down the chain."""
+        if round_ <= self.global_model.params_round or (self.round_open.is_set() and round_ <= self.round_):
+            raise ChainBroken(f"an embedding drift for round {round_}, which is not the next round")
+        self.drift = (round_, drift)
+        if not self.layout.last:
+            await self._send(self.downstream, data)
 
     async def _read_gradients(self) -> None:
         """Stages before the last: back-propagate each gradient that returns, pass it on upstream."""
@@ -416,6 +464,15 @@ class ChainLoop:
             if self.window is not None:
                 self.window.release()
             self._count_backward()
+
+    async def _enter_window(self) -> None:
+        """Wait for room in this stage's in-flight window (a gradient coming back makes room)."""
+        assert self.window is not None
+        acquire = asyncio.create_task(self.window.acquire())
+        await asyncio.wait([acquire, self.failed], return_when=asyncio.FIRST_COMPLETED)
+        if not acquire.done():
+            acquire.cancel()
+            raise ChainBroken(self.failed.result())
 
     def _count_backward(self) -> None:
         self.backwards += 1

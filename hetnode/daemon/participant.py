@@ -104,6 +104,7 @@ class RoundParticipant:
         self.last_apply = (0.0, 0, 0.0)  # (seconds, bytes fetched, seconds fetching) of the last apply
         node.set_payloads(self.serve_payload)
         node.set_state(self.serve_state)
+        self.unchecked: int | None = None  # the round applied last, until compared with the coordinator's
         self._sealed = asyncio.Event()  # the sealer nudged us: a seal is in the DHT
         node.set_nudge_handler(self._on_nudge)
 
@@ -143,6 +144,9 @@ class RoundParticipant:
 
         True: applied. False: it could not be applied here and θ was downloaded instead. None: stopped."""
         round_ = announcement["round"]
+        if await self.verify_agreement(stop) and self.global_model.params_round >= round_:
+            await self.settle_unsent(round_, None, restore_unsent)  # θ came with the seal of our round
+            return False
         sealed = await self.wait_for_seal(round_, announcement, stop)
         if sealed is None:
             return None
@@ -151,6 +155,7 @@ class RoundParticipant:
         except RoundFailed as exc:
             log.warning("round %d: %s; catching up from the sealer", round_, exc)
             await self.catch_up(stop)
+            await self.settle_unsent(round_, sealed[1], restore_unsent)
             return False
         if not included:
             # Left out of the seal: what we sent never reached θ, so it goes back into error feedback.
@@ -168,6 +173,7 @@ class RoundParticipant:
         append_round(self.data_dir, synced)
         if self.metrics is not None:
             self.metrics.add_round(synced)
+        await self.verify_agreement(stop)  # else at the start of the next round
         return True
 
     async def wait_for_seal(
@@ -238,8 +244,12 @@ class RoundParticipant:
             raise RoundFailed(f"the seal of round {round_} does not follow the seal we hold (a fork)")
         max_bytes = int(self.config.network.max_frame_mb * 2**20)
         started = time.monotonic()
+        held_shards = self.global_model.shards  # a chain stage holds, fetches and applies only its layers
         wanted = [
-            (c["peer"], shard, digest) for c in seal["contributions"] for shard, digest in c["shards"].items()
+            (c["peer"], shard, digest)
+            for c in seal["contributions"]
+            for shard, digest in c["shards"].items()
+            if shard in held_shards
         ]
         # our own payloads, or all of a round we sealed, are here; the rest come from the sealer
         held = {
@@ -270,9 +280,58 @@ class RoundParticipant:
             raise RoundFailed(f"a sealed payload cannot be applied: {exc}") from None
         self.global_model.seal_hash = seal_digest(seal)
         self.last_apply = (time.monotonic() - started, fetched, fetch_s)
-        # no digest here: hashing all of θ costs as much as the step; the record publishes the digests
+        self.unchecked = round_
         log.info("round %d applied: %d contributions, %d bytes fetched", round_, len(contributions), fetched)
-        return any(peer == self.peer_id for peer, _ in contributions)
+        return any(c["peer"] == self.peer_id for c in seal["contributions"])
+
+    async def settle_unsent(self, round_: int, seal: dict | None, restore_unsent: Callable[[], None]) -> None:
+        """Our payload of `round_` did not reach θ through an apply of ours (θ was downloaded instead).
+        If the seal of `round_` left it out it goes back into error feedback; if the seal took it, the
+        downloaded θ carries it. When we never saw that seal, the coordinator says which."""
+        if seal is not None and seal.get("round") == round_:
+            included: bool | None = any(c["peer"] == self.peer_id for c in seal["contributions"])
+        else:
+            try:
+                included = await self.node.ask_included(self.coordinator, round_)
+            except PeerRequestError as exc:
+                log.info("round %d: cannot ask the coordinator about our payload: %s", round_, exc)
+                included = None
+        if included is False:
+            restore_unsent()
+            log.info("round %d was sealed without us: our payload is kept in error feedback", round_)
+        elif included:
+            log.info("round %d was sealed with our payload: the downloaded θ carries it", round_)
+        else:  # never applied twice: a payload whose fate is unknown is dropped, not restored
+            log.warning("round %d: whether the seal took our payload is unknown; it is dropped", round_)
+
+    async def verify_agreement(self, stop: asyncio.Event) -> bool:
+        """Compare our layer digests after the round we last applied with the coordinator's for that round
+        (agreement is checked, not only published). A mismatch is counted and logged, and θ is downloaded
+        from the coordinator. True when θ was replaced.
+
+        The coordinator publishes its digests right after sealing; until its record shows our round the
+        check waits for the next call, and a record already past it leaves the check to the next round."""
+        round_ = self.unchecked
+        if round_ is None or round_ != self.global_model.params_round:
+            self.unchecked = None
+            return False
+        record = (await SwarmView.read(self.node, self.config)).peers.get(self.coordinator, {})
+        their_round, theirs = record.get("params_round"), record.get("layer_digests")
+        if not isinstance(their_round, int) or their_round < round_:
+            return False
+        self.unchecked = None
+        if their_round > round_ or not theirs:
+            return False
+        ours = await asyncio.to_thread(self.global_model.digests)
+        differ = sorted(shard for shard, digest in ours.items() if theirs.get(shard) != digest)
+        if not differ:
+            return False
+        log.warning(
+            "round %d: layer digests differ from the coordinator's in %s; downloading θ", round_, differ
+        )
+        if self.metrics is not None:
+            self.metrics.digest_mismatches.inc()
+        return await self.catch_up(stop, force=True)
 
     def acting_stand_in(self, view: SwarmView) -> str | None:
         """The listed stand-in that seals now: the lowest-id live one, while the coordinator is silent."""
@@ -281,9 +340,10 @@ class RoundParticipant:
         live = [peer for peer in self.stand_ins if view.peers.get(peer, {}).get("role") == "anchor"]
         return live[0] if live else None
 
-    async def catch_up(self, stop: asyncio.Event) -> bool:
+    async def catch_up(self, stop: asyncio.Event, force: bool = False) -> bool:
         """If the sealer (the coordinator, or the acting stand-in) has sealed rounds we do not hold, or a
         chain we do not hold, download θ from it, checked against the digests its signed record publishes.
+        `force`: download even when we hold its round (our θ is known to differ).
 
         True when θ was replaced (local training state built on the old θ is then stale)."""
         while not stop.is_set():
@@ -298,7 +358,7 @@ class RoundParticipant:
             held = self.global_model.params_round
             if seal is None or seal["round"] < held:
                 return False  # nothing sealed yet, or we hold newer θ (a coordinator restarting)
-            if seal["round"] == held and seal_digest(seal) == self.global_model.seal_hash:
+            if seal["round"] == held and seal_digest(seal) == self.global_model.seal_hash and not force:
                 return False  # we hold exactly that round
             record = view.peers.get(sealer, {})
             digests = record.get("layer_digests") if record.get("params_round") == seal["round"] else None

@@ -76,7 +76,7 @@ class JoinOptions:
     connect_timeout_s: float = 60.0
     metrics_port: int | None = None  # None: no /metrics; 0: any free port
     http_host: str = "127.0.0.1"
-    fault: str | None = None  # tests only: make this anchor a hostile contributor ("nan" or "digest")
+    fault: str | None = None  # tests only: a hostile ("nan", "digest") or faulty ("drift") anchor
     coordinator: str | None = None  # the coordinator's peer id we mean to follow (pinned)
     token: str | None = None  # a join token, for runs that admit by token
     data_source: str | None = None  # our own copy of the run's data (None: the bundled corpus)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import pickle
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,8 +28,8 @@ from hetnode.algo.subspace import frozen_embedding
 from hetnode.config import Config
 from hetnode.data.dataset import TokenDataset
 from hetnode.errors import CheckpointError, HetnodeError, WireError
-from hetnode.model.decoder import build_model
-from hetnode.model.shards import layer_digests, shard_names
+from hetnode.model.decoder import DecoderStage, build_model
+from hetnode.model.shards import ModelPart, layer_digests, shard_names
 from hetnode.model.subspace import SubspaceConstraint
 from hetnode.planning.layer_split import split_layers
 from hetnode.training.trainer import InnerTrainer
@@ -89,17 +90,25 @@ def data_slot(peer_id: str) -> int:
 
 
 class GlobalModel:
-    """θ after round `params_round` (−1: the seeded initialisation every replica starts from).
+    """θ after round `params_round` (−1: the seeded initialisation every replica starts from), or the
+    slice of it that `part` names: a chain stage holds, syncs and downloads only its own layers.
 
     `opener` checks the author's signature on each payload (the daemons pass one; in-process users of
     bare payload messages, such as the simulator's tests, pass None)."""
 
-    def __init__(self, config: Config, opener: PayloadOpener | None = None) -> None:
+    def __init__(
+        self, config: Config, opener: PayloadOpener | None = None, part: ModelPart | None = None
+    ) -> None:
         self.config = config
         self.opener = opener
-        model = build_model(config.model, seed=config.run.seed)
-        self.params: Params = {n: p.detach().clone() for n, p in model.named_parameters()}
+        self.part = part or ModelPart.whole(config.model.n_layers)
+        p = self.part
+        # seeded per parameter name: a slice built alone holds exactly the whole model's values
+        model = DecoderStage(config.model, p.layers, p.first, p.last, seed=config.run.seed)
+        self.params: Params = {n: t.detach().clone() for n, t in model.named_parameters()}
+        del model
         self.params_round = -1
+        self._digests: dict[str, str] | None = None  # of θ as it is now (None: not computed since a change)
         self.seal_hash: str | None = ""  # of the seal that produced θ ("" before round 0, None: unknown)
         self.shards = shard_names(self.params)
         max_bytes = int(config.network.max_frame_mb * 2**20)
@@ -120,13 +129,18 @@ class GlobalModel:
         """What these shards' pseudo-gradient would weigh as dense fp32 (the scale for compression)."""
         return sum(4 * self.params[n].numel() for shard in shards for n in self.shards[shard])
 
+    @property
+    def whole(self) -> bool:
+        return self.part == ModelPart.whole(self.config.model.n_layers)
+
     def decode_contribution(
         self, replica: str, round_: int, payloads: dict[str, bytes]
     ) -> list[DecodedPayload]:
         """Validate one contributor's payloads; raise WireError naming what is wrong.
 
         Every payload must be signed by `replica` (when an opener is set) and name it, the round and the
-        shard in its header. An anchor contributes every shard, a chain stage only its own layers'."""
+        shard in its header. An anchor contributes every shard, a chain stage only its own layers'; a
+        replica holding a slice is given only the shards it holds."""
         if not payloads or not set(payloads) <= set(self.shards):
             raise WireError(
                 "shards", f"expected a non-empty subset of {sorted(self.shards)}, got {sorted(payloads)}"
@@ -186,9 +200,17 @@ class GlobalModel:
         params = {n: self.params[n] for n in prepared.delta}
         outer_sgd_step(params, prepared.delta, lr=o.lr, weight_decay=o.weight_decay)
         self.params_round = prepared.round
+        self.changed()
+
+    def changed(self) -> None:
+        """θ was written: the cached digests are stale (everything that writes `params` calls this)."""
+        self._digests = None
 
     def digests(self) -> dict[str, str]:
-        return layer_digests(self.params)
+        """Layer digests of the shards held (cached until θ changes: hashing θ costs as much as a step)."""
+        if self._digests is None:
+            self._digests = layer_digests(self.params)
+        return dict(self._digests)
 
     def state_payload(self, shard: str) -> bytes:
         """This shard of θ as a dense fp32 message, for a peer catching up."""
@@ -206,14 +228,17 @@ class GlobalModel:
             raise WireError("shards", f"expected {sorted(self.shards)}, got {sorted(payloads)}")
         decoded = {shard: decode_payload(data, self.dense_specs[shard]) for shard, data in payloads.items()}
         incoming = {name: tensor for message in decoded.values() for name, tensor in message.dense.items()}
-        if expect_digests is not None and layer_digests(incoming) != expect_digests:
-            raise WireError(
-                "digests", f"the state for round {params_round} does not match its published digests"
-            )
+        if expect_digests is not None:
+            expected = {shard: expect_digests.get(shard) for shard in self.shards}  # the shards we hold
+            if layer_digests(incoming) != expected:
+                raise WireError(
+                    "digests", f"the state for round {params_round} does not match its published digests"
+                )
         with torch.no_grad():
             for name, tensor in incoming.items():
                 self.params[name].copy_(tensor)
         self.params_round = params_round
+        self.changed()
 
 
 class AnchorTraining:
@@ -294,12 +319,13 @@ class AnchorTraining:
                 raise CheckpointError(f"{path} was saved for another model")
             self.trainer.load_state_dict(state["trainer"])
             self.feedback.load_state_dict(state["feedback"])
-        except (OSError, KeyError, RuntimeError, ValueError) as exc:
+        except (OSError, KeyError, RuntimeError, ValueError, pickle.UnpicklingError) as exc:
             raise CheckpointError(f"{path} is unreadable ({exc}); move it away to start fresh") from None
         with torch.no_grad():
             for name, tensor in params.items():
                 global_model.params[name].copy_(tensor)
         global_model.params_round = int(state["params_round"])
+        global_model.changed()
         seal_hash = state.get("seal_hash")  # absent in states saved before seals were chained
         global_model.seal_hash = seal_hash if isinstance(seal_hash, str) else None
         return True

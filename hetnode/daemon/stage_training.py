@@ -11,7 +11,9 @@ last).
 from __future__ import annotations
 
 import dataclasses
+import pickle
 from collections.abc import Sequence
+from pathlib import Path
 
 import torch
 
@@ -19,15 +21,17 @@ from hetnode.algo.sparseloco import CompressedTensor, ErrorFeedback, SparseLoCoC
 from hetnode.config import Config
 from hetnode.daemon.rounds import NUM_DATA_SLOTS, GlobalModel, base_fixed_embedding, data_slot
 from hetnode.data.dataset import TokenDataset
+from hetnode.errors import CheckpointError
 from hetnode.model.decoder import layer_of
 from hetnode.training.stage_worker import Frame, build_stage_worker
-from hetnode.training.working_copy import WorkingCopy
+from hetnode.training.working_copy import WorkingCopy, embedding_drift
 from hetnode.wire.activation_frame import FrameLimits
 from hetnode.wire.sync_payload import SyncPayload, encode_payload
 
 
 def frame_limits(config: Config, compressed: bool) -> FrameLimits:
-    """What a stage accepts from its neighbours: the chain's batch shape, width k or d, and dtype."""
+    """What a stage accepts from its neighbours: the chain's batch shape, width k or d, and dtype (and,
+    when compressed, the first stage's V×d embedding drift once per round)."""
     return FrameLimits(
         config.data.batch_size,
         config.data.seq_len,
@@ -35,6 +39,7 @@ def frame_limits(config: Config, compressed: bool) -> FrameLimits:
         "bf16" if compressed else "fp32",
         config.model.vocab_size,
         int(config.network.max_frame_mb * 2**20),
+        d_model=config.model.d_model if compressed else 0,
     )
 
 
@@ -81,6 +86,7 @@ class StageTraining:
         o = config.outer
         self.feedback = ErrorFeedback(SparseLoCoCodec(o.topk, o.tile), o.error_feedback)
         self.reference: dict[str, torch.Tensor] = {}
+        self.drift: torch.Tensor | None = None  # the first stage's T_S − P(T_S) of the round
         self.dataset = dataset
         self.slot = data_slot(chain)
         self.next_mb = 0
@@ -91,9 +97,19 @@ class StageTraining:
     def limits(self) -> FrameLimits:
         return frame_limits(self.config, self.compressed)
 
-    def begin_round(self, global_model: GlobalModel) -> None:
-        """Load θ into the stage (projected where constrained) and the round's T_fix'."""
-        reference, fixed = self.working.prepare(global_model.params)
+    @property
+    def needs_drift(self) -> bool:
+        """This stage builds T_fix' from the first stage's drift frame (it has no embedding of its own)."""
+        return self.worker.constraint is not None and "embed.weight" not in self.names
+
+    def begin_round(self, global_model: GlobalModel, drift: torch.Tensor | None = None) -> None:
+        """Load θ (the stage's slice) into the stage, projected where constrained, and the round's T_fix'
+        (from our embedding, or from the first stage's `drift`). Afterwards `drift` holds what the first
+        stage sends down the chain for this round (None elsewhere, or when nothing is constrained)."""
+        reference, fixed = self.working.prepare(global_model.params, drift)
+        self.drift = None
+        if self.index == 0 and self.worker.constraint is not None:
+            self.drift = embedding_drift(global_model.params["embed.weight"], reference["embed.weight"])
         self.reference = {n: reference[n] for n in self.names}
         stage = self.worker.stage
         with torch.no_grad():
@@ -122,6 +138,13 @@ class StageTraining:
     def backward(self, mb: int, grad: torch.Tensor | None = None) -> torch.Tensor | None:
         return self.worker.backward(mb, grad)
 
+    def weight_delays(self, since: int = 0) -> dict[str, float | int | None]:
+        """The max and mean weight-version delay of the backward passes after the first `since` ones."""
+        delays = [delay for _, delay in self.worker.staleness[since:]]
+        if not delays:
+            return {"max_weight_delay": None, "mean_weight_delay": None}
+        return {"max_weight_delay": max(delays), "mean_weight_delay": round(sum(delays) / len(delays), 3)}
+
     def in_flight(self, mb: int) -> bool:
         return mb in self.worker.in_flight
 
@@ -136,6 +159,67 @@ class StageTraining:
             )
             for shard, names in self.shards.items()
         }
+
+    def save_local_state(self, path: Path, global_model: GlobalModel) -> None:
+        """What a restart needs to go on, as an anchor saves it: our slice of θ and its round, error
+        feedback, the stage's optimiser and schedule position, and the data position."""
+        p = global_model.part
+        state = {
+            "part": [p.layers.start, p.layers.stop, p.first, p.last],
+            "params_round": global_model.params_round,
+            "seal_hash": global_model.seal_hash,
+            "global_params": global_model.params,
+            "feedback": self.feedback.state_dict(),
+            "optimizer": self.worker.optimizer.state_dict(),
+            "version": self.worker.version,
+            "tokens": self.tokens,
+            "next_mb": self.next_mb,
+        }
+        tmp = path.with_suffix(".tmp")
+        torch.save(state, tmp)
+        tmp.replace(path)
+
+    def load_local_state(self, path: Path, global_model: GlobalModel) -> str | None:
+        """Restore a saved state; returns what was restored, None when there is none.
+
+        "all" for the same layers as before. A stage of another chain may hold other layers: then only
+        the error feedback of the tensors it still holds is taken (what they still owe to θ); its θ comes
+        from a catch-up and its optimiser starts afresh."""
+        if not path.exists():
+            return None
+        try:
+            state = torch.load(path, map_location="cpu", weights_only=True)
+            p = global_model.part
+            same = state["part"] == [p.layers.start, p.layers.stop, p.first, p.last]
+            feedback = state["feedback"]
+            held = {n: b for n, b in feedback["buffers"].items() if n in self.names}
+            if any(tuple(b.shape) != tuple(global_model.params[n].shape) for n, b in held.items()):
+                raise CheckpointError(f"{path} was saved for another model")
+            self.feedback.load_state_dict({"beta": feedback["beta"], "buffers": held})
+            if not same:
+                return "feedback"
+            params = state["global_params"]
+            if {n: tuple(t.shape) for n, t in params.items()} != {
+                n: tuple(t.shape) for n, t in global_model.params.items()
+            }:
+                raise CheckpointError(f"{path} was saved for another model")
+            self.worker.optimizer.load_state_dict(state["optimizer"])
+            self.worker.version = int(state["version"])
+            self.tokens, self.next_mb = int(state["tokens"]), int(state["next_mb"])
+        except (OSError, KeyError, RuntimeError, ValueError, TypeError, pickle.UnpicklingError) as exc:
+            raise CheckpointError(f"{path} is unreadable ({exc}); move it away to start fresh") from None
+        with torch.no_grad():
+            for name, tensor in params.items():
+                global_model.params[name].copy_(tensor)
+        global_model.params_round = int(state["params_round"])
+        seal_hash = state.get("seal_hash")
+        global_model.seal_hash = seal_hash if isinstance(seal_hash, str) else None
+        global_model.changed()
+        return "all"
+
+    def feedback_norm(self) -> float:
+        buffers = self.feedback.buffers.values()
+        return float(sum(b.pow(2).sum() for b in buffers) ** 0.5) if buffers else 0.0
 
     def restore_unsent(self) -> None:
         """The last payload was not sealed: add it back to the error-feedback buffers."""

@@ -41,8 +41,18 @@ def compare_digests(
             reason = "holds no round yet"
         elif by_round.get(held) is None:
             reason = f"round {held} is not in the coordinator's history"
-        elif record.get("layer_digests") != by_round[held]:
+        elif not _agrees(record.get("layer_digests"), by_round[held], record.get("role") == "anchor"):
             reason = f"digests differ from the coordinator's at round {held}"
         rows.append({"name": name, "params_round": held, "agree": reason is None, "reason": reason})
     rounds = sorted({r["params_round"] for r in rows if isinstance(r["params_round"], int)})
     return {"agree": bool(rows) and all(r["agree"] for r in rows), "rounds": rounds, "peers": rows}
+
+
+def _agrees(held: Any, coordinator: Mapping[str, str], whole: bool) -> bool:
+    """A replica's digests equal the coordinator's for the layers it holds (a chain stage holds only its
+    own); an anchor must hold every layer."""
+    if not isinstance(held, Mapping) or not held:
+        return False
+    if whole and set(held) != set(coordinator):
+        return False
+    return all(coordinator.get(shard) == digest for shard, digest in held.items())

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 from collections import defaultdict
+from dataclasses import dataclass
 
 import torch
 
@@ -31,3 +32,21 @@ def layer_digests(params: Params, prefix_chars: int = 16) -> dict[str, str]:
             h.update(params[name].detach().cpu().contiguous().numpy().tobytes())
         digests[shard] = h.hexdigest()[:prefix_chars]
     return digests
+
+
+@dataclass(frozen=True)
+class ModelPart:
+    """The contiguous slice of the model a replica holds: all of it (an anchor) or one chain stage's
+    layers, with the embedding on the first stage and the final norm and head on the last."""
+
+    layers: range
+    first: bool
+    last: bool
+
+    @classmethod
+    def whole(cls, n_layers: int) -> ModelPart:
+        return cls(range(n_layers), first=True, last=True)
+
+    @classmethod
+    def of_stage(cls, splits: list[range] | tuple[range, ...], index: int) -> ModelPart:
+        return cls(splits[index], first=index == 0, last=index == len(splits) - 1)

@@ -32,6 +32,7 @@ log = logging.getLogger(__name__)
 
 InfoProvider = Callable[[], dict[str, Any]]  # -> {"run", "protocol", "coordinator", "role", "name"}
 PayloadProvider = Callable[[int, str, str], bytes | None]  # (round, shard, replica) -> message or None
+InclusionProvider = Callable[[int, str], bool | None]  # (round, replica) -> in that seal (None: unknown)
 NudgeHandler = Callable[[str, str, int], None]  # (peer, topic, round): look at the DHT now
 ProbePolicy = Callable[[str], bool]  # peer -> may it probe us (daemons: "it has a live record")
 MemberPolicy = Callable[[str], bool]  # peer -> is it a member of the run (closed runs)
@@ -57,6 +58,7 @@ class ControlServer:
         self.traffic = traffic  # shared with the node's metrics
         self.info = info
         self.payloads: PayloadProvider = lambda round_, shard, replica: None
+        self.inclusion: InclusionProvider = lambda round_, replica: None
         self.state = StateCache(lambda round_, shard: None)
         self.nudged: NudgeHandler = lambda peer, topic, round_: None
         self.probe_policy: ProbePolicy = lambda peer: True
@@ -91,6 +93,10 @@ class ControlServer:
         elif message.type == "nudge":
             self.nudged(peer, message["about"], message["round"])
             await stream.send(encode_reply("ack"))
+        elif message.type == "included":
+            included = self.inclusion(message["round"], peer)  # only ever about the asker's own payload
+            answer = "unknown" if included is None else "yes" if included else "no"
+            await stream.send(encode_reply("inclusion", round=message["round"], answer=answer))
         elif message.type == "payload":
             await self._serve_payloads(message, stream)
         elif message.type == "state":

@@ -32,6 +32,7 @@ from hetnode.net.control_server import (
     MAX_PAYLOADS_PER_STREAM,
     PAYLOAD_TIMEOUT_S,
     ControlServer,
+    InclusionProvider,
     InfoProvider,
     NudgeHandler,
     PayloadProvider,
@@ -86,6 +87,7 @@ class StoredValue:
 
 
 NUDGE_TIMEOUT_S = 3.0
+_ANSWERS = {"yes": True, "no": False, "unknown": None}
 # (peer, reader, writer): runs for the stream's life; the stream closes when it returns
 StageAcceptor = Callable[[str, asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
 
@@ -191,6 +193,18 @@ class SwarmNode:
     def set_payloads(self, provider: PayloadProvider) -> None:
         """Serve sync payloads: `provider(round, shard, replica)` returns the encoded message or None."""
         self._server.payloads = provider
+
+    def set_inclusion(self, provider: InclusionProvider) -> None:
+        """A sealer: `provider(round, replica)` says whether that replica's payload is in the seal of that
+        round (None: not known here). Each peer may ask only about itself."""
+        self._server.inclusion = provider
+
+    async def ask_included(self, peer: str, round_: int) -> bool | None:
+        """Ask the sealer `peer` whether our payload is in its seal of `round_` (None: it does not know)."""
+        reply = await request(self.p2p, peer, CONTROL_HANDLER, encode_request("included", round=round_))
+        if reply.type != "inclusion" or reply["round"] != round_ or reply["answer"] not in _ANSWERS:
+            raise PeerRequestError(peer, f"expected an inclusion answer for round {round_}, got {reply.type}")
+        return _ANSWERS[reply["answer"]]
 
     def set_state(self, provider: StateProvider) -> None:
         """Serve global parameters for catch-up: `provider(round, shard)` -> a dense payload or None.

@@ -60,6 +60,11 @@ class PeerMetrics:
         self.rounds_left_out = Counter(
             "hetnode_sync_rounds_left_out", "Rounds sealed without our payload", registry=training
         )
+        self.digest_mismatches = Counter(
+            "hetnode_digest_mismatch",
+            "Rounds after which our layer digests differed from the coordinator's (θ was downloaded again)",
+            registry=training,
+        )
         self.compression = Gauge(
             "hetnode_compression_ratio",
             "Dense bytes over sent bytes (sparseloco: fp32 pseudo-gradient; subspace: bf16 activations)",

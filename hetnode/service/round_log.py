@@ -27,6 +27,10 @@ class RoundRecord:
     activation_bytes_received: int = 0
     steps: int = 0  # inner steps (a stage: micro-batches) in the round
     loss: float | None = None  # training loss at the end of the round (a stage: only the last one has it)
+    # a stage: weight-version delay of its backward passes (updates between a micro-batch's forward and
+    # backward; the 1F1B schedule gives P−1−s); None for an anchor
+    max_weight_delay: int | None = None
+    mean_weight_delay: float | None = None
     time: float = field(default_factory=time.time)  # when the record was made: just before announcing
 
     @property

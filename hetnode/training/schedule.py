@@ -14,3 +14,15 @@ def warmup_cosine(step: int, base_lr: float, warmup: int, total: int, min_ratio:
     progress = min(1.0, (step - warmup) / max(1, total - warmup))
     floor = base_lr * min_ratio
     return floor + (base_lr - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def stage_window(stages: int, index: int, max_in_flight: int = 0) -> int:
+    """Micro-batches stage `index` of `stages` keeps unanswered (forwarded, not yet back-propagated).
+
+    0 gives the 1F1B schedule of the papers: P − s in flight, so stage s sees weights exactly τ_s = P−1−s
+    updates old once the pipeline is full. A wider `max_in_flight` W hides more link latency at the price
+    of W − P more updates of staleness on every stage (W − s in flight, never less than one)."""
+    if not 0 <= index < stages:
+        raise ValueError(f"stage {index} is not in a chain of {stages}")
+    first = stages if max_in_flight <= 0 else max_in_flight
+    return max(1, first - index)

@@ -22,9 +22,21 @@ class WorkingCopy:
     constraint: SubspaceConstraint | None  # None: train the global parameters as they are
     base_fixed: torch.Tensor | None  # T_fix of the architecture (None when no subspace mode is on)
 
-    def prepare(self, global_params: Params) -> tuple[Params, torch.Tensor | None]:
+    def prepare(
+        self, global_params: Params, drift: torch.Tensor | None = None
+    ) -> tuple[Params, torch.Tensor | None]:
+        """(working copy, T_fix') of `global_params`. A chain stage without the embedding is given the
+        first stage's `drift` T_S − P(T_S) instead (DESIGN §2.3: sent once per round)."""
         if self.constraint is None:
             return {n: t.clone() for n, t in global_params.items()}, self.base_fixed
         reference = {n: self.constraint.project_tensor(n, t) for n, t in global_params.items()}
-        embed = global_params["embed.weight"]
-        return reference, self.base_fixed + (embed - reference["embed.weight"])
+        if "embed.weight" in global_params:
+            drift = embedding_drift(global_params["embed.weight"], reference["embed.weight"])
+        elif drift is None:
+            raise ValueError("a stage without the embedding needs the first stage's embedding drift")
+        return reference, self.base_fixed + drift
+
+
+def embedding_drift(embed: torch.Tensor, projected: torch.Tensor) -> torch.Tensor:
+    """The out-of-subspace part of the embedding, T_S − P(T_S): what joins the frozen table."""
+    return embed - projected

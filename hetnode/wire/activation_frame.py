@@ -1,9 +1,12 @@
 """Activation frames between chain stages: msgpack maps carrying one tensor plus token ids.
 
 Forward frames (`act`) carry activations or their subspace coefficients with the token ids and
-targets; backward frames (`grad`) carry the gradient for the same micro-batch. Decoding checks the size
-before parsing, then the version, kind, dtype, the exact shape (width = subspace rank k when compressed,
-d otherwise), the byte count, token ids < vocab and finite values. Violations raise `WireError(field)`.
+targets; backward frames (`grad`) carry the gradient for the same micro-batch. Once per round, before
+its first `act`, the first stage sends a `drift` frame: the embedding's out-of-subspace part
+T_S − P(T_S) (V×d, fp32, exact), which stages without the embedding add to T_fix (DESIGN §2.3).
+Decoding checks the size before parsing, then the version, kind, dtype, the exact shape (width = subspace
+rank k when compressed, d otherwise; V×d for drift), the byte count, token ids < vocab and finite values.
+Violations raise `WireError(field)`.
 """
 
 from __future__ import annotations
@@ -19,7 +22,8 @@ import torch
 from hetnode.errors import WireError
 
 FRAME_VERSION = 1
-FrameKind = Literal["act", "grad"]
+FrameKind = Literal["act", "grad", "drift"]
+MAX_DRIFT_VALUE = 1e4  # |T_S − P(T_S)| of any sane embedding is far below this
 _DTYPES: dict[str, tuple[torch.dtype, np.dtype]] = {
     "bf16": (torch.bfloat16, np.dtype("<i2")),  # bf16 bits travel as int16
     "fp32": (torch.float32, np.dtype("<f4")),
@@ -37,6 +41,11 @@ class FrameLimits:
     dtype: Literal["bf16", "fp32"]
     vocab_size: int
     max_bytes: int = 64 * 2**20
+    d_model: int = 0  # the width of a drift frame (0: drift frames are refused)
+
+    def drift_bytes(self) -> int:
+        """The largest drift frame: V×d fp32 plus the header."""
+        return self.vocab_size * self.d_model * 4 + 1024
 
 
 @dataclass(frozen=True)
@@ -44,7 +53,7 @@ class DecodedFrame:
     kind: FrameKind
     round: int
     mb: int
-    tensor: torch.Tensor  # (B, T, width) in the frame dtype
+    tensor: torch.Tensor  # (B, T, width) in the frame dtype; (V, d) fp32 for drift
     tokens: torch.Tensor | None
     targets: torch.Tensor | None
 
@@ -92,29 +101,40 @@ def _id_bytes(ids: torch.Tensor) -> bytes:
     return ids.to(torch.int32).cpu().numpy().astype("<u2").tobytes()
 
 
+def frame_size_limit(limits: FrameLimits, kinds: tuple[FrameKind, ...]) -> int:
+    """The largest frame of these kinds a stage reads."""
+    return max(limits.max_bytes, limits.drift_bytes() if "drift" in kinds and limits.d_model else 0)
+
+
 def decode_frame(
-    data: bytes, limits: FrameLimits, expect_kind: FrameKind, expect_round: int | None = None
+    data: bytes,
+    limits: FrameLimits,
+    expect_kind: FrameKind | tuple[FrameKind, ...],
+    expect_round: int | None = None,
 ) -> DecodedFrame:
-    if len(data) > limits.max_bytes:
-        raise WireError("size", f"{len(data)} bytes exceeds the limit of {limits.max_bytes}")
+    kinds = expect_kind if isinstance(expect_kind, tuple) else (expect_kind,)
+    max_bytes = frame_size_limit(limits, kinds)
+    if len(data) > max_bytes:
+        raise WireError("size", f"{len(data)} bytes exceeds the limit of {max_bytes}")
     try:
-        message = msgpack.unpackb(
-            data, raw=False, max_bin_len=limits.max_bytes, max_map_len=16, max_array_len=8
-        )
+        message = msgpack.unpackb(data, raw=False, max_bin_len=max_bytes, max_map_len=16, max_array_len=8)
     except Exception as exc:
         raise WireError("msgpack", f"not a valid msgpack message ({type(exc).__name__})") from None
     if not isinstance(message, dict) or message.get("type") != "frame":
         raise WireError("type", "not an activation frame")
     if message.get("v") != FRAME_VERSION:
         raise WireError("v", f"unknown frame version {message.get('v')!r} (this peer speaks {FRAME_VERSION})")
-    if message.get("kind") != expect_kind:
-        raise WireError("kind", f"expected {expect_kind!r}, got {message.get('kind')!r}")
+    kind = message.get("kind")
+    if kind not in kinds:
+        raise WireError("kind", f"expected {' or '.join(map(repr, kinds))}, got {kind!r}")
     round_, mb = message.get("round"), message.get("mb")
     for field, value in (("round", round_), ("mb", mb)):
         if not isinstance(value, int) or isinstance(value, bool) or value < 0:
             raise WireError(field, "must be a non-negative integer")
     if expect_round is not None and round_ != expect_round:
         raise WireError("round", f"frame of round {round_}, this stage is in round {expect_round}")
+    if kind == "drift":
+        return _drift_frame(message, limits, round_)
     if message.get("dtype") != limits.dtype:
         raise WireError("dtype", f"expected {limits.dtype!r}, got {message.get('dtype')!r}")
     shape = message.get("shape")
@@ -137,9 +157,26 @@ def decode_frame(
     else:
         tokens = _ids(message, "tokens", shape[:2], limits.vocab_size)
         targets = _ids(message, "targets", shape[:2], limits.vocab_size)
-    if expect_kind == "act" and (tokens is None or targets is None):
+    if kind == "act" and (tokens is None or targets is None):
         raise WireError("tokens", "forward frames must carry tokens and targets")
-    return DecodedFrame(expect_kind, round_, mb, tensor, tokens, targets)
+    return DecodedFrame(kind, round_, mb, tensor, tokens, targets)
+
+
+def _drift_frame(message: dict, limits: FrameLimits, round_: int) -> DecodedFrame:
+    if not limits.d_model:
+        raise WireError("kind", "this stage takes no drift frames")
+    if message.get("dtype") != "fp32":
+        raise WireError("dtype", f"a drift frame is fp32, got {message.get('dtype')!r}")
+    shape = [limits.vocab_size, limits.d_model]
+    if message.get("shape") != shape:
+        raise WireError("shape", f"expected {shape}, got {message.get('shape')}")
+    payload = message.get("data")
+    if not isinstance(payload, bytes) or len(payload) != math.prod(shape) * 4:
+        raise WireError("data", f"expected {math.prod(shape) * 4} bytes")
+    tensor = torch.from_numpy(np.frombuffer(payload, dtype="<f4").astype(np.float32)).reshape(shape)
+    if not bool(torch.isfinite(tensor).all()) or float(tensor.abs().max()) > MAX_DRIFT_VALUE:
+        raise WireError("data", f"drift values must be finite and at most {MAX_DRIFT_VALUE:g} in magnitude")
+    return DecodedFrame("drift", round_, 0, tensor, None, None)
 
 
 def _ids(message: dict, field: str, shape: list[int], vocab: int) -> torch.Tensor | None:

@@ -48,6 +48,9 @@ _REQUESTS: dict[str, _Schema] = {
     "probe_down": {"bytes": (int, 1), "seconds": (float, 0.0)},
     "payload": {"round": (int, 0), "shard": (str, None), "replica": (str, None)},
     "state": {"round": (int, 0), "shard": (str, None)},
+    # was the asker's payload in the seal of `round`? (a replica that missed that seal settles its
+    # error feedback: a payload that never reached θ goes back into it)
+    "included": {"round": (int, 0)},
     # "look now": an announcement (to a sealer) or a seal (to replicas) of `round` is in the DHT
     "nudge": {"round": (int, 0), "about": (str, None)},
     # a closed run: an admission for the caller's key, for a join token ("" for an allowlisted key)
@@ -70,6 +73,7 @@ _REPLIES: dict[str, _Schema] = {
     "probe_result": {"bytes": (int, 0), "seconds": (float, 0.0)},
     "payload_ready": {"bytes": (int, 0)},  # then one frame of that many bytes
     "admitted": {"admission": (str, None)},
+    "inclusion": {"round": (int, 0), "answer": (str, None)},  # "yes", "no" or "unknown"
     "ack": {},
     "error": {"code": (str, None), "message": (str, None)},
 }

@@ -121,3 +121,43 @@ def test_stage_contributions_cover_their_own_shards_only(fast_config, dataset):
     assert {s: d for s, d in split.digests().items() if s in back} == {s: untouched[s] for s in back}
     with pytest.raises(WireError, match="subset"):
         GlobalModel(fast_config).decode_contribution("peer-a", 0, {"nonsense": b""})
+
+
+def test_a_stage_holds_applies_and_loads_only_its_slice(fast_config, dataset):
+    """A chain stage's θ is its layers alone: the same values, the same round result, a smaller download."""
+    from hetnode.model.shards import ModelPart
+
+    n = fast_config.model.n_layers
+    splits = (range(0, n // 2), range(n // 2, n))
+    whole = GlobalModel(fast_config)
+    front = GlobalModel(fast_config, part=ModelPart.of_stage(splits, 0))
+    back = GlobalModel(fast_config, part=ModelPart.of_stage(splits, 1))
+    assert set(front.shards) == {"embed", *(str(i) for i in splits[0])}
+    assert set(back.shards) == {*(str(i) for i in splits[1]), "head"}
+    assert sum(t.numel() for t in front.params.values()) + sum(
+        t.numel() for t in back.params.values()
+    ) == sum(t.numel() for t in whole.params.values())  # the slices partition θ: memory scales with them
+    for part in (front, back):  # seeded per name: a slice built alone holds the whole model's values
+        assert part.digests() == {s: d for s, d in whole.digests().items() if s in part.shards}
+
+    payloads = _round_of(fast_config, dataset, ["peer-a", "peer-b"], whole)
+    whole.apply(0, sorted(payloads.items()))
+    for part in (front, back):  # given only its shards of each sealed payload, a stage ends where all do
+        part.apply(
+            0,
+            [
+                (peer, {s: p for s, p in shards.items() if s in part.shards})
+                for peer, shards in sorted(payloads.items())
+            ],
+        )
+        assert part.digests() == {s: d for s, d in whole.digests().items() if s in part.shards}
+
+    # catching up: only the slice's shards are downloaded, checked against the whole model's digests
+    joiner = GlobalModel(fast_config, part=ModelPart.of_stage(splits, 1))
+    state = {shard: whole.state_payload(shard) for shard in joiner.shards}
+    assert sum(map(len, state.values())) < sum(len(whole.state_payload(s)) for s in whole.shards) * 0.75
+    joiner.load_state(0, state, expect_digests=whole.digests())
+    assert joiner.digests() == back.digests()
+    corrupted = GlobalModel(fast_config).digests()  # round −1's digests are not round 0's
+    with pytest.raises(WireError, match="published digests"):
+        GlobalModel(fast_config, part=ModelPart.of_stage(splits, 1)).load_state(0, state, corrupted)

@@ -142,6 +142,15 @@ class Swarm:
         with urllib.request.urlopen(f"{coordinator.ready['http']}/api/contributions", timeout=10) as response:
             return json.loads(response.read())
 
+    def metric(self, daemon: Daemon, name: str) -> float:
+        """One unlabelled sample from a daemon's /metrics (0 when the series is not there)."""
+        with urllib.request.urlopen(daemon.ready["metrics"], timeout=10) as response:
+            text = response.read().decode()
+        for line in text.splitlines():
+            if line.startswith(name + " "):
+                return float(line.split()[1])
+        return 0.0
+
     def wait_for(self, peer: str, check: Callable[[dict], bool], timeout: float, what: str) -> dict:
         deadline = time.monotonic() + timeout
         document: dict = {}
@@ -170,12 +179,15 @@ class Swarm:
 
     def agree_with_coordinator(self, document: dict, names: set[str]) -> dict[str, int]:
         """Every named replica's (params_round, layer_digests) equals the coordinator's record of that
-        round; returns each one's params_round."""
+        round (a chain stage's: for the layers it holds); returns each one's params_round."""
         by_round = {entry["round"]: entry["layer_digests"] for entry in self.history()}
         rounds = {}
         for peer in document["peers"]:
             if peer["name"] in names and peer["params_round"] is not None:
-                assert peer["layer_digests"] == by_round[peer["params_round"]], peer["name"]
+                held, theirs = peer["layer_digests"], by_round[peer["params_round"]]
+                assert held and held == {shard: theirs[shard] for shard in held}, peer["name"]
+                if peer["role"] == "anchor":
+                    assert set(held) == set(theirs), peer["name"]  # an anchor holds every layer
                 rounds[peer["name"]] = peer["params_round"]
         return rounds
 

@@ -16,11 +16,12 @@ FAST_ROUNDS = {"inner_steps": 10}
 TOKENS_PER_REPLICA = 10 * 16 * 128  # H micro-batches x batch x sequence
 
 
-def start_anchor_and_chain(swarm):
-    boot = swarm.bootstrap(swarm.config(outer=FAST_ROUNDS))
+def start_anchor_and_chain(swarm, stages: int = 2, max_in_flight: int = 0):
+    config = swarm.config(outer=FAST_ROUNDS, pipeline={"stages": stages, "max_in_flight": max_in_flight})
+    boot = swarm.bootstrap(config)
     boot.wait_ready()
     anchor = swarm.join("anchor", boot.maddr, "1000")
-    edges = [swarm.join(f"edge-{i}", boot.maddr, "20") for i in (1, 2)]
+    edges = [swarm.join(f"edge-{i}", boot.maddr, "20") for i in range(1, stages + 1)]
     for daemon in [anchor, *edges]:
         daemon.wait_ready()
     return boot, anchor, edges
@@ -60,8 +61,47 @@ def test_an_anchor_and_a_chain_of_two_train_one_model(swarm):
         assert all(r["activation_bytes_sent"] > 0 and r["upload_bytes"] > 0 for r in logged)
         # a stage fetches the others' payloads for its layers from the sealer, within its apply time
         assert all(r["download_bytes"] > 0 and 0 < r["fetch_s"] <= r["apply_s"] for r in logged)
-    [anchor_round, *_] = read_rounds(swarm.tmp_path / "anchor")
+    anchor_rounds = {r["round"]: r for r in read_rounds(swarm.tmp_path / "anchor")}
+    anchor_round = next(iter(anchor_rounds.values()))
     assert anchor_round["role"] == "anchor" and anchor_round["tokens_per_s"] > 0
+    # a stage holds and fetches only its layers: for the same round (the anchor's payload and the other
+    # stage's to apply) it downloads about half of what the anchor fetches (the chain's whole payload)
+    for edge in edges:
+        for r in read_rounds(swarm.tmp_path / edge.name):
+            theirs = anchor_rounds.get(r["round"])
+            if theirs and theirs["download_bytes"] and r["included"] and theirs["included"]:
+                assert r["download_bytes"] < 0.75 * theirs["download_bytes"], (r, theirs)
+    assert anchor_round["max_weight_delay"] is None  # an anchor has no pipeline
+    assert weight_delays(swarm, edges) == [1, 0]  # 1F1B: τ_s = P−1−s
+
+
+def stage_of(swarm, edge) -> int:
+    line = next(line for line in edge.tail(400).splitlines() if "connected (layers" in line)
+    return int(line.split(": stage ")[1].split(" of ")[0])
+
+
+def weight_delays(swarm, edges) -> list[int]:
+    """The max weight delay each stage logged over its rounds, in stage order (checking the means)."""
+    by_stage = {}
+    for edge in edges:
+        logged = read_rounds(swarm.tmp_path / edge.name)
+        assert logged and all(0 <= r["mean_weight_delay"] <= r["max_weight_delay"] for r in logged)
+        by_stage[stage_of(swarm, edge)] = max(r["max_weight_delay"] for r in logged)
+    return [by_stage[s] for s in sorted(by_stage)]
+
+
+def test_a_chain_of_three_runs_the_1f1b_schedule_over_real_streams(swarm):
+    boot, anchor, edges = start_anchor_and_chain(swarm, stages=3)
+    chain = {edge.peer_id for edge in edges}
+    history = swarm.wait_for_history(
+        lambda h: sum(chain <= set(e["contributors"]) for e in h) >= 2, 300, "2 rounds with the chain"
+    )
+    logs = "".join(edge.tail(400) for edge in edges)
+    assert all(f"stage {s} of 3 connected" in logs for s in range(3))
+    assert "in-flight work dropped" not in logs
+    # stage s keeps 3 − s micro-batches unanswered: weights 2, 1 and 0 updates old once the pipeline is full
+    assert weight_delays(swarm, edges) == [2, 1, 0]
+    swarm.replicas_agree_at(boot.maddr, history[-1]["round"], {"anchor", *(e.name for e in edges)})
 
 
 def sealed_with(peers: set[str]):
@@ -96,11 +136,14 @@ def test_the_chain_goes_on_when_the_anchor_dies_and_the_anchor_catches_up(swarm)
 
 
 def test_a_chain_that_loses_a_stage_is_left_out_and_dissolves(swarm):
-    boot, anchor, edges = start_anchor_and_chain(swarm)
+    # (a wider in-flight window than the schedule's, to hide latency: its extra staleness is logged)
+    boot, anchor, edges = start_anchor_and_chain(swarm, max_in_flight=4)
     chain = {edge.peer_id for edge in edges}
     swarm.wait_for_history(
         lambda h: any(sealed_with(chain)(e) for e in h), 240, "a round with the chain in it"
     )
+    first, last = weight_delays(swarm, edges)
+    assert 1 < first <= 3 and last == 0  # up to W − 1 = 3 updates old on the first stage, not P − 1 = 1
     edges[1].proc.send_signal(signal.SIGKILL)
     edges[1].proc.wait(10)
     killed_at = swarm.history()[-1]["round"]

@@ -4,6 +4,7 @@ excluded, a killed anchor left out of the seal and caught up after a restart (re
 from __future__ import annotations
 
 import signal
+import time
 
 import pytest
 
@@ -18,7 +19,11 @@ TOKENS_PER_ROUND = 10 * 16 * 128  # H inner steps x batch x sequence (tiny)
 def test_anchors_train_together_with_identical_digests(swarm):
     boot = swarm.bootstrap(swarm.config(outer=FAST_ROUNDS))
     boot.wait_ready()
-    anchors = [swarm.join(f"anchor-{i}", boot.maddr, "1000") for i in (1, 2)]
+    # anchor-2 flips a bit of its θ after round 1 (a silent memory fault): the digest check must repair it
+    anchors = [
+        swarm.join("anchor-1", boot.maddr, "1000"),
+        swarm.join("anchor-2", boot.maddr, "1000", extra=["--fault", "drift"]),
+    ]
     for anchor in anchors:
         anchor.wait_ready()
     history = swarm.wait_for_round(3, timeout=180)
@@ -39,6 +44,13 @@ def test_anchors_train_together_with_identical_digests(swarm):
     document = swarm.wait_for(boot.maddr, both_applied, timeout=60, what="both anchors applied round 3")
     rounds = swarm.agree_with_coordinator(document, {"anchor-1", "anchor-2"})
     assert set(rounds) == {"anchor-1", "anchor-2"}
+
+    faulty = anchors[1].tail(400)
+    assert "fault injection: flipped one bit" in faulty
+    assert "layer digests differ from the coordinator's" in faulty and "caught up" in faulty
+    assert "layer digests differ" not in anchors[0].tail(400)  # an honest replica never mismatches
+    assert swarm.metric(anchors[1], "hetnode_digest_mismatch_total") >= 1
+    assert swarm.metric(anchors[0], "hetnode_digest_mismatch_total") == 0
 
 
 def test_hostile_payloads_are_excluded_and_honest_replicas_agree(swarm):
@@ -81,6 +93,20 @@ def test_a_killed_anchor_is_left_out_and_catches_up_after_restart(swarm, tmp_pat
     steady.wait_ready()
     flaky.wait_ready()
     swarm.wait_for_round(1, timeout=120)
+
+    # frozen (a laptop asleep) while two rounds are sealed without it: on waking it is two rounds behind,
+    # downloads θ, and asks the coordinator whether the payload it had announced made it into a seal
+    flaky.proc.send_signal(signal.SIGSTOP)
+    frozen_at = swarm.history()[-1]["round"]
+    swarm.wait_for_round(frozen_at + 2, timeout=120)
+    flaky.proc.send_signal(signal.SIGCONT)
+    settled = ("sealed without us: our payload is kept in error feedback", "sealed with our payload")
+    deadline = time.monotonic() + 120
+    while not any(line in flaky.tail(200) for line in settled) and time.monotonic() < deadline:
+        time.sleep(1)
+    assert any(line in flaky.tail(200) for line in settled), flaky.tail(40)
+    assert "is unknown" not in flaky.tail(200) and "cannot ask the coordinator" not in flaky.tail(200)
+
     flaky.proc.send_signal(signal.SIGKILL)
     flaky.proc.wait(10)
     killed_round = swarm.history()[-1]["round"]

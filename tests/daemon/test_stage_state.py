@@ -1,0 +1,75 @@
+"""A chain stage saves and resumes its error feedback, optimiser and round like an anchor; a stage of
+another split keeps only the error feedback of the tensors it still holds."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hetnode.config import replace
+from hetnode.daemon.rounds import GlobalModel
+from hetnode.daemon.stage_training import StageTraining
+from hetnode.data.dataset import TokenDataset
+from hetnode.errors import CheckpointError
+from hetnode.model.shards import ModelPart
+
+
+def _chain(config, splits, dataset):
+    stages = [StageTraining(config, splits, i, "chain-x", dataset if i == 0 else None) for i in range(2)]
+    models = [GlobalModel(config, part=ModelPart.of_stage(splits, i)) for i in range(2)]
+    return stages, models
+
+
+def _train_round(stages, models, micro_batches: int) -> None:
+    first, last = stages
+    first.begin_round(models[0])
+    last.begin_round(models[1], first.drift)
+    for _ in range(micro_batches):
+        mb, batch = first.next_batch()
+        frame = first.forward(mb, batch)
+        last.forward(mb, frame)
+        first.backward(mb, last.backward(mb))
+    for stage in stages:
+        stage.end_round(0, "peer-x")
+
+
+def test_a_stage_resumes_error_feedback_optimiser_and_round(tiny_config, tmp_path):
+    config = replace(tiny_config, "outer", inner_steps=2)
+    n = config.model.n_layers
+    splits = (range(0, n // 2), range(n // 2, n))
+    dataset = TokenDataset.build(config.data, config.model.vocab_size, config.run.seed)
+    stages, models = _chain(config, splits, dataset)
+    _train_round(stages, models, 2)
+    models[1].params_round, models[1].seal_hash = 0, "ab" * 32
+    path = tmp_path / "stage-state.pt"
+    stages[1].save_local_state(path, models[1])
+
+    again, fresh = (
+        StageTraining(config, splits, 1, "chain-y", None),
+        GlobalModel(config, part=ModelPart.of_stage(splits, 1)),
+    )
+    assert again.load_local_state(tmp_path / "absent.pt", fresh) is None
+    assert again.load_local_state(path, fresh) == "all"
+    assert fresh.params_round == 0 and fresh.seal_hash == "ab" * 32 and fresh.digests() == models[1].digests()
+    assert again.feedback_norm() == pytest.approx(stages[1].feedback_norm()) and again.feedback_norm() > 0
+    for name, buffer in stages[1].feedback.buffers.items():
+        assert torch.equal(again.feedback.buffers[name], buffer)
+    assert again.worker.version == stages[1].worker.version == 2
+    saved, loaded = stages[1].worker.optimizer.state_dict(), again.worker.optimizer.state_dict()
+    assert saved["state"].keys() == loaded["state"].keys() and saved["state"]
+    for key, entry in saved["state"].items():
+        for field, value in entry.items():
+            if isinstance(value, torch.Tensor):
+                assert torch.equal(loaded["state"][key][field], value), (key, field)
+
+    # three stages now: stage 1 holds some of the layers it held before, the rest of its debt is gone
+    other = (range(0, 1), range(1, n - 1), range(n - 1, n))
+    moved = StageTraining(config, other, 2, "chain-z", None)
+    moved_model = GlobalModel(config, part=ModelPart.of_stage(other, 2))
+    assert moved.load_local_state(path, moved_model) == "feedback"
+    assert set(moved.feedback.buffers) == set(stages[1].feedback.buffers) & set(moved.names)
+    assert moved_model.params_round == -1  # θ comes from a catch-up
+
+    path.write_bytes(b"not a torch file")
+    with pytest.raises(CheckpointError, match="unreadable"):
+        again.load_local_state(path, fresh)
