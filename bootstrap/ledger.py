@@ -29,7 +29,7 @@ import math
 import re
 import sqlite3
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -41,7 +41,9 @@ from hetnode.errors import HetnodeError
 
 log = logging.getLogger(__name__)
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2: verdicts (scores and rejections of contributions, TRUST §4)
+REASONS = ("stale", "copy", "norm", "score")  # why a contribution got no weight or credit
+MAX_VERDICTS_SHOWN = 200
 BUSY_TIMEOUT_S = 10.0
 MAX_CONNECTIONS = 8  # one writer + 7 readers: a status page needs a few, each query takes milliseconds
 MAX_PEER_CHARS = 128
@@ -67,7 +69,23 @@ CREATE TABLE IF NOT EXISTS contributions (
     PRIMARY KEY (round, peer)
 );
 CREATE INDEX IF NOT EXISTS contributions_by_peer ON contributions (peer, round);
+CREATE TABLE IF NOT EXISTS verdicts (
+    round INTEGER NOT NULL,
+    peer TEXT NOT NULL,
+    reason TEXT,
+    score REAL,
+    average REAL,
+    PRIMARY KEY (round, peer)
+);
+CREATE INDEX IF NOT EXISTS verdicts_by_peer ON verdicts (peer, round);
 """
+# each peer's newest verdict (its score average now) and how many of its contributions were rejected
+_SCORES = """
+SELECT v.peer, v.average, v.reason, r.rejected FROM verdicts AS v
+JOIN (SELECT peer, MAX(round) AS last, total(reason IS NOT NULL) AS rejected FROM verdicts GROUP BY peer) AS r
+  ON v.peer = r.peer AND v.round = r.last
+"""
+_REJECTIONS = "SELECT reason, COUNT(*) FROM verdicts WHERE reason IS NOT NULL GROUP BY reason"
 
 
 def _valid(column: str) -> str:
@@ -118,6 +136,27 @@ class Contribution:
     tokens: int
     inner_steps: int
     bytes_sent: int
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """What the verifier made of one peer's valid contribution to one round (TRUST §4)."""
+
+    peer: str
+    round: int
+    reason: str | None  # None: verified and credited; else one of REASONS
+    score: float | None  # this round's relative score (None: not scored)
+    average: float | None  # the peer's exponential average after this round
+
+    def as_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+@dataclass(frozen=True)
+class PeerScore:
+    average: float | None  # the score average after its newest verdict
+    last_reason: str | None  # that verdict's reason (None: credited)
+    rejected: int  # contributions rejected, all rounds
 
 
 @dataclass(frozen=True)
@@ -333,7 +372,58 @@ class Ledger:
                 raise
         return written
 
+    def record_verdicts(self, verdicts: Sequence[Verdict]) -> int:
+        """Keep each verdict (score, average, reason), in one transaction; a (round, peer) already kept is
+        left as it was. A bad verdict raises `LedgerError` and nothing is written."""
+        rows = []
+        for v in verdicts:
+            peer = _text("peer", v.peer, MAX_PEER_CHARS, str(v.peer)[:MAX_PEER_CHARS])
+            _check_int("round", v.round, MAX_INT, peer)
+            if v.reason is not None and v.reason not in REASONS:
+                raise LedgerError("reason", f"{v.reason!r} is not one of {REASONS}", peer)
+            for field, value in (("score", v.score), ("average", v.average)):
+                if value is not None and (not isinstance(value, float) or not math.isfinite(value)):
+                    raise LedgerError(field, f"must be a finite float or None, got {value!r}", peer)
+            rows.append((v.round, peer, v.reason, v.score, v.average))
+        if not rows:
+            return 0
+        with self._writing() as conn:
+            conn.execute("BEGIN IMMEDIATE")
+            try:
+                cursor = conn.executemany(
+                    "INSERT OR IGNORE INTO verdicts (round, peer, reason, score, average) "
+                    "VALUES (?, ?, ?, ?, ?)",
+                    rows,
+                )
+                written = cursor.rowcount
+                conn.execute("COMMIT")
+            except BaseException:
+                conn.execute("ROLLBACK")
+                raise
+        return written
+
     # -- reading -------------------------------------------------------------------------------------
+
+    def scores(self) -> dict[str, PeerScore]:
+        """Every scored peer's average now, its newest reason and its rejection count."""
+        with self._reading() as conn:
+            rows = conn.execute(_SCORES).fetchall()
+        return {peer: PeerScore(average, reason, int(rejected)) for peer, average, reason, rejected in rows}
+
+    def rejections(self) -> dict[str, int]:
+        """Rejected contributions by reason, all rounds (every reason present, zeros included)."""
+        with self._reading() as conn:
+            counted = dict(conn.execute(_REJECTIONS).fetchall())
+        return {reason: int(counted.get(reason, 0)) for reason in REASONS}
+
+    def recent_verdicts(self, limit: int = MAX_VERDICTS_SHOWN) -> list[Verdict]:
+        """The newest verdicts first (at most `limit`)."""
+        with self._reading() as conn:
+            rows = conn.execute(
+                "SELECT peer, round, reason, score, average FROM verdicts ORDER BY round DESC, peer LIMIT ?",
+                (max(0, min(limit, MAX_VERDICTS_SHOWN)),),
+            ).fetchall()
+        return [Verdict(*row) for row in rows]
 
     def standings(self) -> list[Standing]:
         """Every peer's credit, by tokens (most first), then name, then peer id."""
@@ -406,9 +496,32 @@ class LedgerCollector(Collector):
     def describe(self) -> Iterator[Metric]:
         """The families without samples, so that registering does not touch the database."""
         yield from self._families()
+        yield from self._verdict_families()
 
     def collect(self) -> Iterator[Metric]:
         yield from self._families(self.ledger.standings())
+        yield from self._verdict_families(self.ledger.rejections(), self.ledger.scores())
+
+    @staticmethod
+    def _verdict_families(
+        rejections: Mapping[str, int] | None = None, scores: Mapping[str, PeerScore] | None = None
+    ) -> Iterator[Metric]:
+        rejected = CounterMetricFamily(
+            "hetnode_contribution_rejected",
+            "Valid contributions given no weight or credit, by reason (stale, copy, norm, score)",
+            labels=["reason"],
+        )
+        for reason in REASONS:
+            rejected.add_metric([reason], (rejections or {}).get(reason, 0))
+        score = GaugeMetricFamily(
+            "hetnode_contribution_score",
+            "The peer's verification score average (below 0: no weight, no credit)",
+            labels=["peer"],
+        )
+        for peer, entry in (scores or {}).items():
+            if entry.average is not None:
+                score.add_metric([peer], entry.average)
+        yield from (rejected, score)
 
     _COUNTERS = (  # (family, Standing field, help)
         ("hetnode_contribution_tokens", "tokens", "Tokens credited in sealed rounds"),

@@ -26,8 +26,9 @@ from typing import Any
 
 import torch
 
-from bootstrap.ledger import Contribution, Ledger
+from bootstrap.ledger import Contribution, Ledger, Verdict
 from bootstrap.swarm_metrics import REPLICA_ROLES, SwarmMetrics
+from bootstrap.verifier import Verifier, replica_of
 from hetnode.config import Config
 from hetnode.daemon.participant import fetch_state, payload_opener
 from hetnode.daemon.rounds import GlobalModel, base_fixed_embedding
@@ -88,6 +89,7 @@ class RoundKeeper:
         self.global_model = GlobalModel(config, opener=payload_opener(node.run or "", config))
         self.sealer = Sealer(config, node, self.global_model)
         self.sealed_in_this_life = False  # from then on, no other seal or θ is ever adopted
+        self.verifier: Verifier | None = None  # set up with the evaluator when `outer.verify` is on
         self.view = RecentView(node, config, max_age_s=config.network.heartbeat_s)
         self._load_checkpoint()
         node.set_payloads(self.sealer.serve)
@@ -114,6 +116,9 @@ class RoundKeeper:
 
     async def run(self, stop: asyncio.Event) -> None:
         evaluator = await asyncio.to_thread(self._build_evaluator)
+        if self.config.outer.verify:
+            self.verifier = Verifier(self.config, self._dataset, self._model)
+            self.sealer.screen = self.verifier.screen
         seen: dict[str, Announcement] = {}
         round_ = self.global_model.params_round + 1
         try:
@@ -239,16 +244,21 @@ class RoundKeeper:
         return False
 
     async def _record(self, sealed: SealedRound, started: float, evaluator: Any) -> None:
-        """Apply the sealed round to the coordinator's θ, credit it, evaluate, checkpoint, append to the
-        history. The step was aggregated and checked before the seal was published: it cannot fail here."""
+        """Score the round's contributions (on θ before the step), apply the sealed round to the
+        coordinator's θ, credit the verified contributions, evaluate, checkpoint, append to the history.
+        The step was aggregated and checked before the seal was published: it cannot fail here."""
         round_ = sealed.record["round"]
+        peers = (await self.view.get()).peers
+        verdicts = await self._verify(sealed, peers)
         await asyncio.to_thread(self.global_model.commit, sealed.prepared)
         self.global_model.seal_hash = sealed.digest
         self.sealed_in_this_life = True
-        names = {peer: record["name"] for peer, record in (await self.view.get()).peers.items()}
-        credits = self.credits(sealed, names)
+        names = {peer: record["name"] for peer, record in peers.items()}
+        refused = {v.peer for v in verdicts if v.reason is not None}
+        credits = [c for c in self.credits(sealed, names) if c.peer not in refused]
         try:
             await asyncio.to_thread(self.ledger.record_round, round_, sealed.record["sealed_at"], credits)
+            await asyncio.to_thread(self.ledger.record_verdicts, verdicts)
         except Exception:  # the ledger is a view of the rounds: its failure must not stop them
             log.exception("round %d: the ledger refused the round's credits", round_)
         eval_loss = await asyncio.to_thread(evaluator, self.global_model)
@@ -260,6 +270,9 @@ class RoundKeeper:
             "round": round_,
             "contributors": [peer for peer, _ in sealed.contributions],
             "excluded": sealed.excluded,
+            "rejected": {v.peer: v.reason for v in verdicts if v.reason is not None},
+            "scores": {v.peer: round(v.score, 4) for v in verdicts if v.score is not None},
+            "verify_seconds": round(self.verifier.last_seconds, 3) if self.verifier else 0.0,
             # tokens trained by the schedule: a replica's worth per anchor, a chain's split over its stages
             "tokens": sum(c.tokens for c in credits),
             "eval_loss": eval_loss,
@@ -284,6 +297,28 @@ class RoundKeeper:
             len(sealed.excluded),
             eval_loss,
         )
+
+    async def _verify(self, sealed: SealedRound, peers: dict[str, dict]) -> list[Verdict]:
+        """Score the round's valid contributions (stale and copied ones have their reason already) and
+        judge each: what the ledger keeps and what it credits."""
+        if self.verifier is None:
+            return []
+        round_ = sealed.record["round"]
+        replicas = {peer: replica_of(peer, peers.get(peer)) for peer, _ in sealed.valid}
+        scorable = [(p, d) for p, d in sealed.valid if sealed.rejected.get(p) not in ("stale", "copy")]
+        try:
+            scores = await asyncio.to_thread(
+                self.verifier.score, round_, self.global_model.params, scorable, replicas
+            )
+        except Exception:  # scoring must not stop the round: its contributions stay unscored
+            log.exception("round %d: scoring failed", round_)
+            scores = {}
+        sealed_peers = [peer for peer, _ in sealed.contributions]
+        verdicts = self.verifier.verdicts(round_, sealed_peers, sealed.rejected, scores)
+        for v in verdicts:
+            if v.reason is not None:
+                log.info("round %d: no credit for %s (%s, average %s)", round_, v.peer, v.reason, v.average)
+        return verdicts
 
     def credits(self, sealed: SealedRound, names: dict[str, str]) -> list[Contribution]:
         """The ledger rows of a sealed round, from the protocol: every contribution was validated, so its
@@ -325,6 +360,7 @@ class RoundKeeper:
         dataset = TokenDataset.build(self.config.data, self.config.model.vocab_size, self.config.run.seed)
         model = build_model(self.config.model, seed=self.config.run.seed)
         model.fixed_embedding = base_fixed_embedding(self.config)  # the architecture anchors train
+        self._dataset, self._model = dataset, model  # the verifier scores with them (never at once)
         batches = dataset.eval_batches(self.config.train.eval_batches)
 
         @torch.no_grad()

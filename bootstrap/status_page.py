@@ -30,10 +30,10 @@ import json
 import math
 import threading
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
-from bootstrap.ledger import Ledger, Standing
+from bootstrap.ledger import Ledger, Standing, Verdict
 from hetnode.service.http_server import Response, Route
 
 LEADERBOARD_TOP = 100
@@ -91,11 +91,21 @@ class StatusBoard:
 
     def api_contributions(self) -> Response:
         standings = self._standings()
+        scores = self.ledger.scores()
+
+        def with_score(s: Standing) -> dict[str, Any]:
+            entry = scores.get(s.peer)
+            extra = {"score": entry.average, "rejected": entry.rejected} if entry else {"score": None}
+            return s.as_dict() | extra
+
         return _json(
             {
                 "total_tokens": sum(s.tokens for s in standings),
                 "rounds": self._rounds(),
-                "standings": [s.as_dict() for s in standings],
+                "standings": [with_score(s) for s in standings],
+                # verification (TRUST §4): contributions given no weight or credit, and why
+                "rejections": self.ledger.rejections(),
+                "verdicts": [v.as_dict() for v in self.ledger.recent_verdicts()],
             }
         )
 
@@ -115,7 +125,11 @@ class StatusBoard:
 
     def page(self) -> Response:
         snapshot, _ = self._latest()
-        html_text = render_page(snapshot, self._standings()[:LEADERBOARD_TOP], self._clock())
+        verdicts = [v for v in self.ledger.recent_verdicts() if v.reason is not None][:HISTORY_ROWS]
+        scores = {peer: entry.average for peer, entry in self.ledger.scores().items()}
+        html_text = render_page(
+            snapshot, self._standings()[:LEADERBOARD_TOP], self._clock(), scores, verdicts
+        )
         return Response(html_text.encode("utf-8"), HTML_TYPE)
 
 
@@ -261,8 +275,16 @@ def loss_chart(points: list[tuple[float, float]], width: int = 640, height: int 
     )
 
 
-def render_page(snapshot: Mapping[str, Any], standings: list[Standing], now: float) -> str:
-    """The whole status page; pure, so it is tested without a server."""
+def render_page(
+    snapshot: Mapping[str, Any],
+    standings: list[Standing],
+    now: float,
+    scores: Mapping[str, float | None] | None = None,
+    rejections: Sequence[Verdict] = (),
+) -> str:
+    """The whole status page; pure, so it is tested without a server. `scores`: each peer's verification
+    average; `rejections`: the newest verdicts that refused a contribution."""
+    scores = scores or {}
     peers = _dicts(snapshot.get("peers"))
     names = {p["peer"]: p.get("name") for p in peers if isinstance(p.get("peer"), str)}
     history = sorted(
@@ -283,13 +305,14 @@ def render_page(snapshot: Mapping[str, Any], standings: list[Standing], now: flo
         ident += " · " + " ".join(f"<code>{_e(m)}</code>" for m in maddrs)
 
     leaderboard = _table(
-        ["#", "name", "tokens", "share", "rounds", "role", "last seen"],
+        ["#", "name", "tokens", "share", "rounds", "score", "role", "last seen"],
         [
             [(str(i), True), (f'<span title="{_e(s.peer)}">{_e(s.name or s.peer)}</span>', False)]
             + _cells(
                 (_fmt_int(s.tokens), True),
                 (f"{100 * s.share:.1f} %", True),
                 (_fmt_int(s.rounds), True),
+                (_fmt_float(scores.get(s.peer), 2), True),
                 (s.role, False),
                 (_ago(s.last_seen, now), False),
             )
@@ -375,6 +398,21 @@ def render_page(snapshot: Mapping[str, Any], standings: list[Standing], now: flo
         "No sealed rounds yet.",
     )
 
+    refused = _table(
+        ["round", "peer", "reason", "score", "average"],
+        [
+            _cells(
+                (_fmt_int(v.round), True),
+                (member(v.peer), False),
+                (_text(v.reason), False),
+                (_fmt_float(v.score, 2), True),
+                (_fmt_float(v.average, 2), True),
+            )
+            for v in rejections
+        ],
+        "No contribution refused.",
+    )
+
     return (
         "<!doctype html>\n<html lang=en><head><meta charset=utf-8>"
         f'<meta http-equiv="refresh" content="{REFRESH_S}">'
@@ -386,5 +424,6 @@ def render_page(snapshot: Mapping[str, Any], standings: list[Standing], now: flo
         f"<h2>Live peers</h2>{live}"
         f"<h2>Chains</h2>{chains}"
         f"<h2>Rounds (last {HISTORY_ROWS})</h2>{rounds}"
+        f"<h2>Refused contributions (no weight, no credit)</h2>{refused}"
         "</body></html>\n"
     )

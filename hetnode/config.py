@@ -100,6 +100,15 @@ class OuterConfig:
     # The largest |shift| + max|table| a contribution's 2-bit quantisation may carry (TRUST §2): honest
     # pseudo-gradients sit far below 1; the bound keeps every aggregate and θ − α·Δ finite in float32.
     max_value: float = 1000.0
+    # The coordinator scores every contribution and gives no weight or credit to work that does not help
+    # (TRUST §4: stale, copied, free-riding or harmful updates); off only to measure what it prevents.
+    verify: bool = True
+    # How each coordinate combines the contributions, after every contribution is scaled down to the median
+    # norm (TRUST §3, docs/sync.md): "selectors" averages over the peers that selected it (one identity on
+    # a support nobody else chose moves θ by the median norm), "mean" divides by all N contributors (one
+    # identity moves Δ by at most 1/N of that), "clip" caps each value at the median peer's largest value,
+    # "trimmed" drops the top and bottom 20 % of each coordinate's N values. Every replica must use the same.
+    aggregation: Literal["selectors", "mean", "clip", "trimmed"] = "selectors"
 
 
 @dataclass(frozen=True)
@@ -334,6 +343,8 @@ def validate(config: Config, source: str) -> None:
     )
     _require(o.weight_decay >= 0, source, "outer.weight_decay", "must be >= 0")
     _require(0 < o.max_value <= 1e30, source, "outer.max_value", f"must be in (0, 1e30], got {o.max_value}")
+    rules = typing.get_args(typing.get_type_hints(OuterConfig)["aggregation"])
+    _require(o.aggregation in rules, source, "outer.aggregation", f"must be one of {list(rules)}")
 
     _require(p.stages >= 1, source, "pipeline.stages", f"must be >= 1, got {p.stages}")
     _require(

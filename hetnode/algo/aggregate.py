@@ -1,18 +1,31 @@
 """Aggregation of compressed pseudo-gradients and the outer optimiser steps (DESIGN §2.1–2.2).
 
 Every replica must compute the bit-identical outer update from the same sealed set of contributions, so all
-reductions here run in a fixed order: contributions sorted by contributor id, one contributor at a time, and
-within one contributor every coordinate appears at most once (no order-dependent float accumulation).
+reductions here run in a fixed order: contributions sorted by contributor id, one contributor (or, for the
+trimmed mean, one sorted rank) at a time, and within one contributor every coordinate appears at most once (no
+order-dependent float accumulation). The aggregation rule bounds how far one identity can move θ (TRUST §3).
 """
 
 from __future__ import annotations
 
 import math
+import typing
 from collections.abc import Sequence
+from typing import Literal
 
 import torch
 
 SparseUpdate = tuple[torch.Tensor, torch.Tensor]  # (flat int64 indices, float32 values)
+AggregationRule = Literal["selectors", "mean", "clip", "trimmed"]
+AGGREGATION_RULES: tuple[str, ...] = typing.get_args(AggregationRule)
+TRIM_FRACTION = 0.2  # "trimmed": b = max(1, ⌊0.2·N⌋) values dropped at each end of every coordinate (N ≥ 3)
+
+
+def trim_count(senders: int) -> int:
+    """Values the "trimmed" rule drops at each end of a coordinate with `senders` contributors (0 below 3)."""
+    if senders < 3:
+        return 0
+    return max(1, int(TRIM_FRACTION * senders))
 
 
 def _sorted_by_id(contributions: Sequence[tuple[str, dict]]) -> list[tuple[str, dict]]:
@@ -44,41 +57,154 @@ def aggregate_sparse(
     contributions: Sequence[tuple[str, dict[str, SparseUpdate]]],
     shapes: dict[str, tuple[int, ...]],
     device: torch.device | str = "cpu",
+    rule: AggregationRule = "selectors",
 ) -> dict[str, torch.Tensor]:
-    """Dense float32 Δ per tensor from sparse contributions (DESIGN §2.2).
+    """Dense float32 Δ per tensor from sparse contributions (DESIGN §2.2, TRUST §3).
 
-    Per tensor: each contributor's value vector is scaled down (never up) to the median L2 norm over the
-    contributors that sent that tensor, so one outlier cannot dominate the round. The median is
-    `torch.median` (the lower of the two middle values for an even count: deterministic, and it is an actual
-    contributor's norm). Then each coordinate gets the mean over the contributors that selected it
-    (`scatter_reduce(mean)` semantics); unselected coordinates and tensors nobody sent are 0.
+    Per tensor, first (every rule): each contributor's value vector is scaled down (never up) to the median
+    L2 norm over the N contributors that sent that tensor, so one outlier cannot dominate the round. The
+    median is `torch.median` (the lower of the two middle values for an even count: deterministic, and it is
+    an actual contributor's norm). Then, per coordinate j, with S_j the contributors that selected j:
+
+    - "selectors": the mean over S_j (`scatter_reduce(mean)` semantics). A coordinate only one peer selected
+      gets that peer's full value, so one identity on a support nobody else chose moves θ by the median norm.
+    - "mean": Σ_{i∈S_j} v_ij / N, the mean over all contributors (an unselected coordinate counts as 0; the
+      SparseLoCo paper's (1/R)Σ). One identity moves Δ by at most the median norm / N.
+    - "clip": every value is clamped to ±c, c the median over contributors of their largest |value| (after the
+      norm scaling), then the mean over S_j: no identity's coordinate exceeds what a typical peer sends.
+    - "trimmed": over all N contributors (0 for those that did not select j), the b = `trim_count(N)` largest
+      and b smallest values are dropped and the rest averaged: Σ / (N − 2b).
+
+    Unselected coordinates and tensors nobody sent are 0. Every rule is a function of the *set* of
+    contributions: sums run one contributor (or one sorted rank) at a time with elementwise adds, so the
+    result is bit-identical on every replica whatever the input order or the SIMD path.
     """
     device = torch.device(device)
+    out: dict[str, torch.Tensor] = {}
+    for name, shape, _, senders in _prepared(contributions, shapes, device, rule):
+        numel = math.prod(shape)
+        if not senders:
+            flat = torch.zeros(numel, dtype=torch.float32, device=device)
+        elif rule == "trimmed":
+            flat = torch.zeros(numel, dtype=torch.float32, device=device)
+            support, table, kept = _trim_table(senders, device)
+            ranked = torch.sort(table, dim=0, stable=True).values[kept[0] : kept[1]]
+            acc = ranked[0].clone()
+            for r in range(1, ranked.shape[0]):
+                acc.add_(ranked[r])
+            flat[support] = acc / ranked.shape[0]
+        else:
+            total, count = _total_and_count(senders, numel, device)
+            if rule == "mean":
+                flat = total / len(senders)
+            else:
+                flat = torch.where(count > 0, total / count.clamp(min=1.0), total)
+        out[name] = flat.reshape(shape)
+    return out
+
+
+def contribution_parts(
+    contributions: Sequence[tuple[str, dict[str, SparseUpdate]]],
+    shapes: dict[str, tuple[int, ...]],
+    rule: AggregationRule = "selectors",
+) -> dict[str, dict[str, SparseUpdate]]:
+    """Each contributor's part of `aggregate_sparse`'s Δ, sparse on its own support: the parts add up to Δ
+    (up to float rounding; for the trimmed mean, a kept value of 0 is nobody's part).
+
+    This is what a contributor steers: under "mean" its part is its value vector / N, under "selectors" each
+    value is divided by the number of peers that chose the coordinate, under "trimmed" only its values that
+    survive the trim count, / (N − 2b). For measurement (`hetnode bench influence`), not for rounds.
+    """
+    device = torch.device("cpu")
+    parts: dict[str, dict[str, SparseUpdate]] = {who: {} for who, _ in contributions}
+    for name, shape, who_sent, senders in _prepared(contributions, shapes, device, rule):
+        if not senders:
+            continue
+        if rule == "trimmed":
+            support, table, (lo, hi) = _trim_table(senders, device)
+            order = torch.sort(table, dim=0, stable=True).indices
+            keep = torch.zeros_like(table, dtype=torch.bool)
+            keep.scatter_(0, order[lo:hi], True)
+            for row, (who, (idx, vals)) in enumerate(zip(who_sent, senders, strict=True)):
+                mask = keep[row, torch.searchsorted(support, idx)]
+                parts[who][name] = (idx, torch.where(mask, vals, 0.0) / (hi - lo))
+            continue
+        _, count = _total_and_count(senders, math.prod(shape), device)
+        for who, (idx, vals) in zip(who_sent, senders, strict=True):
+            parts[who][name] = (idx, vals / (len(senders) if rule == "mean" else count[idx]))
+    return parts
+
+
+def _prepared(
+    contributions: Sequence[tuple[str, dict[str, SparseUpdate]]],
+    shapes: dict[str, tuple[int, ...]],
+    device: torch.device,
+    rule: str,
+):
+    """Per tensor: (name, shape, sender ids, checked values scaled to the median norm and, for "clip",
+    clamped), senders in contributor-id order."""
+    if rule not in AGGREGATION_RULES:
+        raise ValueError(f"unknown aggregation rule {rule!r}; choose from {list(AGGREGATION_RULES)}")
     ordered = _sorted_by_id(contributions)
     for who, updates in ordered:
         unknown = sorted(set(updates) - set(shapes))
         if unknown:
             raise ValueError(f"{who}: unknown tensors {unknown}")
-    out: dict[str, torch.Tensor] = {}
     for name, shape in shapes.items():
         numel = math.prod(shape)
+        who_sent = [who for who, updates in ordered if name in updates]
         senders = [
             _check_sparse(who, name, *updates[name], numel, device)
             for who, updates in ordered
             if name in updates
         ]
-        total = torch.zeros(numel, dtype=torch.float32, device=device)
-        count = torch.zeros(numel, dtype=torch.float32, device=device)
         if senders:
-            norms = torch.stack([torch.linalg.vector_norm(v) for _, v in senders])
-            median = torch.median(norms)
-            for (idx, vals), norm in zip(senders, norms, strict=True):
-                if norm > median:
-                    vals = vals * (median / norm)
-                total.index_add_(0, idx, vals)
-                count.index_add_(0, idx, torch.ones_like(vals))
-        out[name] = torch.where(count > 0, total / count.clamp(min=1.0), total).reshape(shape)
-    return out
+            senders = _scale_to_median_norm(senders)
+        if senders and rule == "clip":
+            bound = torch.median(
+                torch.stack([v.abs().max() if v.numel() else v.new_zeros(()) for _, v in senders])
+            )
+            senders = [(idx, vals.clamp(-bound, bound)) for idx, vals in senders]
+        yield name, shape, who_sent, senders
+
+
+def _total_and_count(
+    senders: list[SparseUpdate], numel: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    total = torch.zeros(numel, dtype=torch.float32, device=device)
+    count = torch.zeros(numel, dtype=torch.float32, device=device)
+    for idx, vals in senders:
+        total.index_add_(0, idx, vals)
+        count.index_add_(0, idx, torch.ones_like(vals))
+    return total, count
+
+
+def _scale_to_median_norm(senders: list[SparseUpdate]) -> list[SparseUpdate]:
+    norms = torch.stack([torch.linalg.vector_norm(v) for _, v in senders])
+    median = torch.median(norms)
+    return [
+        (idx, vals * (median / norm) if norm > median else vals)
+        for (idx, vals), norm in zip(senders, norms, strict=True)
+    ]
+
+
+def _trim_table(
+    senders: list[SparseUpdate], device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor, tuple[int, int]]:
+    """The trimmed mean's input: the union of the senders' supports (sorted), a [N, |union|] table of their
+    values (0 where a sender did not select the coordinate) and the kept ranks [b, N − b).
+
+    Sorting a coordinate's N values fixes their order whatever the senders' order (equal values are
+    interchangeable), and the kept ranks are then added one rank at a time: no order-dependent reduction.
+    """
+    n = len(senders)
+    b = trim_count(n)
+    support = torch.unique(torch.cat([idx for idx, _ in senders]))  # sorted
+    table = torch.zeros(n, support.numel(), dtype=torch.float32, device=device)
+    for row, (idx, vals) in enumerate(senders):
+        # + 0.0 turns −0.0 into +0.0: the sort cannot tell the two apart, and a kept −0.0 would change a bit
+        table[row, torch.searchsorted(support, idx)] = vals + 0.0
+    return support, table, (b, n - b)
 
 
 def aggregate_dense(contributions: Sequence[tuple[str, dict[str, torch.Tensor]]]) -> dict[str, torch.Tensor]:

@@ -18,6 +18,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
+from hetnode.algo.aggregate import AGGREGATION_RULES  # noqa: E402
 from hetnode.config import Config, replace  # noqa: E402
 from hetnode.data import TokenDataset  # noqa: E402
 from hetnode.errors import ConfigError
@@ -48,20 +49,46 @@ def default_methods(h: int = 30) -> tuple[SyncMethod, ...]:
     )
 
 
-def plan_for(quick: bool, steps: int | None = None, only: tuple[str, ...] = ()) -> BenchPlan:
+def aggregation_methods(h: int = 30) -> tuple[SyncMethod, ...]:
+    """SparseLoCo k=64 at H under every aggregation rule (TRUST §3), named sparseloco-k64-H<h>-<rule>."""
+    return tuple(
+        SyncMethod(f"sparseloco-k64-H{h}-{rule}", "sparseloco", inner_steps=h, topk=64, aggregation=rule)
+        for rule in AGGREGATION_RULES
+    )
+
+
+def plan_for(
+    quick: bool,
+    steps: int | None = None,
+    only: tuple[str, ...] = (),
+    aggregations: tuple[str, ...] = (),
+    replicas: int | None = None,
+) -> BenchPlan:
     """--quick: tiny, R=2; full: small, R=4. `steps` (a multiple of 150 so every H divides it) overrides;
-    `only` keeps the named methods (a long run of two methods costs what a short run of all seven does)."""
+    `only` keeps the named methods (a long run of two methods costs what a short run of all seven does).
+    The seven default methods aggregate with the config's rule; `aggregations` adds sparseloco-k64-H30-<rule>
+    per named rule, so rules compare side by side in one run (also nameable in `only`)."""
     methods = default_methods()
+    variants = aggregation_methods()
+    unknown = sorted(set(aggregations) - set(AGGREGATION_RULES))
+    if unknown:
+        raise ConfigError(
+            "--aggregations", "aggregations", f"unknown {unknown}; choose from {AGGREGATION_RULES}"
+        )
     if only:
-        unknown = sorted(set(only) - {m.name for m in methods})
+        known = [m.name for m in methods + variants]
+        unknown = sorted(set(only) - set(known))
         if unknown:
-            raise ConfigError(
-                "--methods", "methods", f"unknown {unknown}; choose from {[m.name for m in methods]}"
-            )
-        methods = tuple(m for m in methods if m.name in only)
+            raise ConfigError("--methods", "methods", f"unknown {unknown}; choose from {known}")
+        methods = tuple(m for m in methods + variants if m.name in only)
+    elif aggregations:
+        methods = ()
+    methods += tuple(m for m in variants if m.aggregation in aggregations and m not in methods)
+    if replicas is not None and replicas < 1:
+        raise ConfigError("--replicas", "replicas", f"must be >= 1, got {replicas}")
     if quick:
-        return BenchPlan(replicas=2, steps=steps or 150, batch_size=8, methods=methods)
-    return BenchPlan(replicas=4, steps=steps or 150, batch_size=4, methods=methods)
+        return BenchPlan(replicas=replicas or 2, steps=steps or 150, batch_size=8, methods=methods)
+    return BenchPlan(replicas=replicas or 4, steps=steps or 150, batch_size=4, methods=methods)
 
 
 def run_benchmark(config: Config, plan: BenchPlan, out_dir: Path, progress: bool = True) -> dict:
@@ -87,6 +114,8 @@ def run_benchmark(config: Config, plan: BenchPlan, out_dir: Path, progress: bool
                 bar.set_postfix(method=method.name, loss=f"{rounds[-1].eval_loss:.3f}")
                 bar.update(1)
             results[method.name] = _summarise(method, rounds, time.perf_counter() - start)
+            if method.kind == "sparseloco":
+                results[method.name]["method"]["aggregation"] = sim.aggregation
     report = {
         "config": config.run.name,
         "parameters": count_parameters(config.model),

@@ -6,7 +6,8 @@ import argparse
 import dataclasses
 from pathlib import Path
 
-from hetnode.bench import network, sparseloco, staleness, subspace
+from hetnode.algo.aggregate import AGGREGATION_RULES
+from hetnode.bench import influence, network, sparseloco, staleness, subspace
 from hetnode.config import load_config
 from hetnode.errors import ConfigError
 
@@ -28,8 +29,34 @@ def register(commands: argparse._SubParsersAction) -> None:
         default="",
         help="comma-separated subset, e.g. diloco-H30,sparseloco-k64-H30 (default: all)",
     )
+    sparse.add_argument(
+        "--aggregations",
+        default="",
+        help=f"add sparseloco-k64-H30-<rule> per rule, side by side ({','.join(AGGREGATION_RULES)})",
+    )
+    sparse.add_argument("--replicas", type=int, default=None, help="R (default: 2 with --quick, else 4)")
     sparse.add_argument("--no-progress", action="store_true")
     sparse.set_defaults(handler=run_sparseloco)
+    infl = benches.add_parser(
+        "influence", help="share of the update one identity and k <= R/2 Sybils steer, per aggregation rule"
+    )
+    infl.add_argument("--quick", action="store_true", help="tiny config, R=4, 3 rounds (a few minutes)")
+    infl.add_argument("--config", type=Path, default=None, help="default: tiny if --quick, else small")
+    infl.add_argument("--out", type=Path, default=Path("benchmarks/results"), help="output folder")
+    infl.add_argument("--replicas", type=int, default=None, help="R honest (default: 4 with --quick, else 8)")
+    infl.add_argument("--rounds", type=int, default=None, help="honest rounds measured (default: 3 / 2)")
+    infl.add_argument("--no-progress", action="store_true")
+    infl.set_defaults(handler=run_influence)
+    trust = benches.add_parser(
+        "trust", help="verification against useless or harmful work: loss, exclusion, false exclusions"
+    )
+    trust.add_argument("--quick", action="store_true", help="tiny config, H=10, 12 rounds (several minutes)")
+    trust.add_argument("--config", type=Path, default=None, help="default: tiny if --quick, else small")
+    trust.add_argument("--out", type=Path, default=Path("benchmarks/results"), help="output folder")
+    trust.add_argument("--rounds", type=int, default=None, help="rounds per run (default: 12 / 10)")
+    trust.add_argument("--modes", default="", help="comma-separated fault modes (default: all)")
+    trust.add_argument("--no-progress", action="store_true")
+    trust.set_defaults(handler=run_trust)
     network = benches.add_parser(
         "network", help="the daemons in a tc-shaped netns lab vs hivemind's all-reduce (needs root)"
     )
@@ -90,20 +117,40 @@ def run_network(args: argparse.Namespace) -> int:
     return 0
 
 
+def _names(text: str) -> tuple[str, ...]:
+    return tuple(name.strip() for name in text.split(",") if name.strip())
+
+
 def run_sparseloco(args: argparse.Namespace) -> int:
-    only = tuple(name.strip() for name in args.methods.split(",") if name.strip())
-    plan = sparseloco.plan_for(args.quick, args.steps, only)
+    plan = sparseloco.plan_for(
+        args.quick, args.steps, _names(args.methods), _names(args.aggregations), args.replicas
+    )
     report = sparseloco.run_benchmark(_config(args), plan, args.out, progress=not args.no_progress)
-    header = ("method", "eval loss", "bytes/round", "total bytes", "vs fp32", "codec/inner")
-    print("{:<22} {:>9} {:>12} {:>12} {:>8} {:>11}".format(*header))
+    header = ("method", "rule", "eval loss", "bytes/round", "total bytes", "vs fp32", "codec/inner")
+    print("{:<30} {:<9} {:>9} {:>12} {:>12} {:>8} {:>11}".format(*header))
     for name, r in report["methods"].items():
         ratio = r["codec_over_inner"]
+        rule = r["method"]["aggregation"] or "-"
         print(
-            f"{name:<22} {r['final_eval_loss']:>9.4f} {r['bytes_per_replica_per_round']:>12,.0f} "
+            f"{name:<30} {rule:<9} {r['final_eval_loss']:>9.4f} {r['bytes_per_replica_per_round']:>12,.0f} "
             f"{r['bytes_per_replica_total']:>12,.0f} {r['compression_vs_dense_fp32']:>7.1f}x "
             f"{(ratio or 0) * 100:>10.2f}%"
         )
     print(f"wrote {args.out / 'sparseloco.json'} and {args.out / 'sparseloco.png'}")
+    return 0
+
+
+def run_influence(args: argparse.Namespace) -> int:
+    plan = influence.plan_for(args.quick, args.replicas, args.rounds)
+    report = influence.run_influence(_config(args), plan, args.out, progress=not args.no_progress)
+    ks = list(report["naive_share"])
+    print(f"R = {report['replicas']} honest; share of the update's norm (push, in median norms), worst case")
+    print("{:<10} {:>8} ".format("rule", "honest≤") + " ".join(f"{'k=' + k:>15}" for k in ks))
+    print("{:<10} {:>8} ".format("k/(R+k)", "") + " ".join(f"{report['naive_share'][k]:>15.3f}" for k in ks))
+    for rule, r in report["rules"].items():
+        cells = " ".join(f"{r['sybils'][k]['share']:>7.3f} ({r['sybils'][k]['max_push']:>5.2f})" for k in ks)
+        print(f"{rule:<10} {r['honest_share_max']:>8.3f} {cells}")
+    print(f"wrote {args.out / 'influence.json'} and {args.out / 'influence.png'}")
     return 0
 
 
@@ -142,4 +189,26 @@ def run_staleness(args: argparse.Namespace) -> int:
         loss, share = r["final_eval_loss"], r["optimizer_share"] * 100
         print(f"{name:<20} {loss:>9.4f} {its if its else '-':>12} {share:>9.1f}%")
     print(f"wrote {args.out / 'staleness.json'} and {args.out / 'staleness.png'}")
+    return 0
+
+
+def run_trust(args: argparse.Namespace) -> int:
+    from bootstrap import trust_bench  # the coordinator's verifier, measured in process
+
+    plan = trust_bench.plan_for(args.quick, args.rounds, _names(args.modes))
+    report = trust_bench.run_benchmark(_config(args), plan, args.out, progress=not args.no_progress)
+    print(
+        f"clean: final eval loss {report['final_eval_loss_clean']:.4f}, "
+        f"false exclusions {report['false_exclusions_clean']}, "
+        f"verify share {report['verify_share_clean']:.1%}"
+    )
+    header = ("mode", "out after", "loss verified", "unverified", "vs clean", "false excl.", "verify")
+    print("{:<10} {:>9} {:>13} {:>10} {:>9} {:>11} {:>7}".format(*header))
+    for mode, r in report["modes"].items():
+        out = "never" if r["rounds_to_exclusion"] is None else f"{r['rounds_to_exclusion']} rounds"
+        print(
+            f"{mode:<10} {out:>9} {r['final_eval_loss']:>13.4f} {r['final_eval_loss_unverified']:>10.4f} "
+            f"{r['loss_vs_clean']:>+9.2%} {r['false_exclusions']:>11} {r['verify_share']:>7.1%}"
+        )
+    print(f"wrote {args.out / 'trust.json'} and {args.out / 'trust.png'}")
     return 0

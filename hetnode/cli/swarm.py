@@ -10,6 +10,7 @@ from pathlib import Path
 from hetnode.errors import ConfigError
 from hetnode.net import loop
 from hetnode.service.http_server import DEFAULT_STATUS_PORT
+from hetnode.training.faults import WORK_FAULTS
 
 DEFAULT_HOME = Path("~/.hetnode")
 
@@ -124,7 +125,7 @@ def register(commands: argparse._SubParsersAction) -> None:
     )
     join.add_argument("--http-host", default="127.0.0.1", help="address /metrics binds (0.0.0.0: all)")
     join.add_argument(
-        "--fault", choices=("nan", "digest", "drift"), default=None, help=argparse.SUPPRESS
+        "--fault", choices=("nan", "digest", "drift", *WORK_FAULTS), default=None, help=argparse.SUPPRESS
     )  # tests only
     join.set_defaults(handler=run_join)
 

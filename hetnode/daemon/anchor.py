@@ -21,6 +21,7 @@ import msgpack
 import torch
 
 from hetnode.config import Config
+from hetnode.daemon.faulty import StaleTheta, copied_payloads
 from hetnode.daemon.participant import RoundParticipant, payload_opener
 from hetnode.daemon.rounds import AnchorTraining, GlobalModel, sha256_hex
 from hetnode.data.dataset import TokenDataset
@@ -52,7 +53,9 @@ class AnchorLoop:
         self.presence = presence
         self.device = device
         self.state_path = state_path
-        self.fault = fault  # tests only: "nan" or "digest" make a hostile contributor, "drift" a faulty one
+        # tests only: "nan" or "digest" make a hostile contributor, "drift" a faulty one, and the work
+        # faults of `hetnode.training.faults` one whose valid payloads verification must catch
+        self.fault = fault
         self.metrics = metrics
         self.global_model = GlobalModel(config, opener=payload_opener(node.run or "", config))
         self.rounds = RoundParticipant(
@@ -70,7 +73,8 @@ class AnchorLoop:
         dataset = await asyncio.to_thread(
             TokenDataset.build, self.config.data, self.config.model.vocab_size, self.config.run.seed
         )
-        training = AnchorTraining(self.config, dataset, self.node.identity.peer_id, self.device)
+        training = AnchorTraining(self.config, dataset, self.node.identity.peer_id, self.device, self.fault)
+        stale = StaleTheta() if self.fault == "stale" else None
         if await asyncio.to_thread(training.load_local_state, self.state_path, self.global_model):
             log.info(
                 "resumed local state: round %d, %d inner steps, error-feedback norm %.6f",
@@ -82,7 +86,10 @@ class AnchorLoop:
         while not stop.is_set():
             round_ = self.global_model.params_round + 1
             started, tokens_before = time.monotonic(), training.tokens
-            payloads = await asyncio.to_thread(training.run_round, round_, self.global_model)
+            theta = stale.train_from(self.global_model) if stale is not None else self.global_model
+            payloads = await asyncio.to_thread(training.run_round, round_, theta)
+            if self.fault == "copy":
+                payloads = await copied_payloads(self.node, self.global_model, round_, stop) or payloads
             payloads = self.rounds.keep(round_, self._maybe_corrupt(payloads))
             digests = {shard: sha256_hex(data) for shard, data in payloads.items()}
             if self.fault == "digest":

@@ -32,6 +32,8 @@ from hetnode.model.decoder import DecoderStage, build_model
 from hetnode.model.shards import ModelPart, layer_digests, shard_names
 from hetnode.model.subspace import SubspaceConstraint
 from hetnode.planning.layer_split import split_layers
+from hetnode.planning.rounds import assigned_batches
+from hetnode.training.faults import PSEUDO_GRADIENT_FAULTS, corrupt
 from hetnode.training.trainer import InnerTrainer
 from hetnode.training.working_copy import WorkingCopy
 from hetnode.wire.sync_payload import DecodedPayload, ShardSpec, SyncPayload, decode_payload, encode_payload
@@ -185,7 +187,7 @@ class GlobalModel:
                 if message.shard == shard
             ]
             if updates:
-                delta.update(aggregate_sparse(updates, dict(spec.shapes)))
+                delta.update(aggregate_sparse(updates, dict(spec.shapes), rule=self.config.outer.aggregation))
         o = self.config.outer
         unsafe = unsafe_outer_step({n: self.params[n] for n in delta}, delta, o.lr, o.weight_decay)
         if unsafe is not None:
@@ -244,9 +246,18 @@ class GlobalModel:
 class AnchorTraining:
     """A full replica: from θ, train H steps on its data slot, compress Δ with error feedback."""
 
-    def __init__(self, config: Config, dataset: TokenDataset, peer_id: str, device: str = "cpu") -> None:
+    def __init__(
+        self,
+        config: Config,
+        dataset: TokenDataset,
+        peer_id: str,
+        device: str = "cpu",
+        fault: str | None = None,
+    ) -> None:
+        """`fault`: tests and benchmarks only, a pseudo-gradient fault (`hetnode.training.faults`)."""
         self.config = config
         self.peer_id = peer_id
+        self.fault = fault if fault in PSEUDO_GRADIENT_FAULTS else None
         self.model = build_model(config.model, seed=config.run.seed).to(device)
         constraint = anchor_constraint(config)
         self.working = WorkingCopy(constraint, base_fixed_embedding(config))
@@ -272,14 +283,24 @@ class AnchorTraining:
                 param.copy_(reference[name])
         if fixed is not None:
             self.model.fixed_embedding = fixed.to(self.trainer.device)
-        for _ in range(self.config.outer.inner_steps):
-            self.last_loss = self.trainer.train_step().loss
+        for batch in assigned_batches(self.peer_id, round_, self.config.outer.inner_steps):
+            self.last_loss = self.trainer.train_step(batch_index=batch).loss
         local = {n: p.detach().cpu() for n, p in self.model.named_parameters()}
-        compressed = self.feedback.compress(pseudo_gradient(reference, local))
+        delta = pseudo_gradient(reference, local)
+        if self.fault is None:
+            compressed = self.feedback.compress(delta)
+        else:  # a faulty peer keeps no error feedback: what it sends is exactly its fault, round after round
+            seed = round_ * NUM_DATA_SLOTS + data_slot(self.peer_id)  # each faulty peer its own noise
+            delta = corrupt(self.fault, delta, self.config.outer.max_value, seed=seed)
+            o = self.config.outer
+            compressed = ErrorFeedback(SparseLoCoCodec(o.topk, o.tile), o.error_feedback).compress(delta)
         self._unsent = compressed
+        base = global_model.params_round  # the θ we trained from: round − 1 unless we are stale
         return {
             shard: encode_payload(
-                SyncPayload(self.peer_id, round_, shard, "sparseloco", {n: compressed[n] for n in names})
+                SyncPayload(
+                    self.peer_id, round_, shard, "sparseloco", {n: compressed[n] for n in names}, base=base
+                )
             )
             for shard, names in global_model.shards.items()
         }

@@ -46,6 +46,8 @@ MAX_CONCURRENT_FETCHES = 8  # authors whose payloads are in flight to the sealer
 
 
 Checked = tuple[Announcement, dict[str, bytes], list[DecodedPayload]]  # (claim, payloads, decoded)
+# (round, valid contributions in announcement order) -> {peer: reason} to leave out of the seal (TRUST §4)
+Screen = Callable[[int, list[tuple[str, list[DecodedPayload]]]], dict[str, str]]
 
 
 @dataclass(frozen=True)
@@ -54,6 +56,8 @@ class SealedRound:
     contributions: list[tuple[str, dict[str, bytes]]]  # (peer, shard -> payload), in sealed order
     excluded: list[str]
     prepared: PreparedRound  # the checked aggregate: committing it is the coordinator's apply
+    rejected: dict[str, str]  # valid contributions the screen left out: peer -> reason
+    valid: list[tuple[str, list[DecodedPayload]]]  # every valid contribution, sealed or screened out
 
     @property
     def digest(self) -> str:
@@ -82,6 +86,7 @@ class Sealer:
         self._checks: dict[tuple[int, str], tuple[Announcement, asyncio.Task]] = {}
         self._fetching = asyncio.Semaphore(MAX_CONCURRENT_FETCHES)
         self.missed: set[str] = set()  # expected by an earlier seal, not announced since
+        self.screen: Screen | None = None  # the coordinator's verifier; a stand-in seals unscreened
         n = config.network
         self.deadline = ArrivalDeadline(
             floor_s=max(1.0, n.heartbeat_s), ceiling_s=max(30.0, 10 * n.boundary_s)
@@ -202,6 +207,10 @@ class Sealer:
                 self.banned[peer] = time.monotonic() + BAN_S
                 continue
             good.append((announcement, payloads, decoded))
+        valid = [(a.peer_id, decoded) for a, _, decoded in good]
+        rejected = self._screened(round_, good)
+        excluded += sorted(rejected)
+        good = [g for g in good if g[0].peer_id not in rejected]
         good, prepared = await self._prepare(round_, good, excluded)
         if prepared is None:
             for peer in excluded:
@@ -224,12 +233,22 @@ class Sealer:
         if not await self.node.store_own("seal", record, ttl_s=SEAL_TTL_S):
             log.warning("round %d: no DHT node accepted the seal yet", round_)
         self.node.nudge(sorted(seen), "seal", round_)  # announcers look now instead of at their next poll
-        return SealedRound(
-            record,
-            [(a.peer_id, p) for a, p, _ in good],
-            excluded,
-            prepared,
-        )
+        return SealedRound(record, [(a.peer_id, p) for a, p, _ in good], excluded, prepared, rejected, valid)
+
+    def _screened(self, round_: int, good: list[Checked]) -> dict[str, str]:
+        """The screen's verdicts on the valid contributions (they are left out, not banned: the verifier
+        keeps scoring them, and a peer whose work helps again comes back)."""
+        if self.screen is None or not good:
+            return {}
+        by_arrival = sorted(good, key=lambda g: (g[0].seen_at, g[0].peer_id))
+        try:
+            rejected = self.screen(round_, [(a.peer_id, decoded) for a, _, decoded in by_arrival])
+        except Exception:  # a verifier bug must not stop sealing: seal unscreened and say so
+            log.exception("round %d: screening failed; sealing without it", round_)
+            return {}
+        for peer, reason in sorted(rejected.items()):
+            log.warning("round %d: leaving out %s's contribution: %s", round_, peer, reason)
+        return rejected
 
     async def _prepare(
         self, round_: int, good: list[Checked], excluded: list[str]

@@ -23,6 +23,7 @@ from hetnode.daemon.rounds import NUM_DATA_SLOTS, GlobalModel, base_fixed_embedd
 from hetnode.data.dataset import TokenDataset
 from hetnode.errors import CheckpointError
 from hetnode.model.decoder import layer_of
+from hetnode.planning.rounds import assigned_batches
 from hetnode.training.stage_worker import Frame, build_stage_worker
 from hetnode.training.working_copy import WorkingCopy, embedding_drift
 from hetnode.wire.activation_frame import FrameLimits
@@ -88,6 +89,7 @@ class StageTraining:
         self.reference: dict[str, torch.Tensor] = {}
         self.drift: torch.Tensor | None = None  # the first stage's T_S − P(T_S) of the round
         self.dataset = dataset
+        self.chain = chain
         self.slot = data_slot(chain)
         self.next_mb = 0
         self.tokens = 0
@@ -107,6 +109,9 @@ class StageTraining:
         (from our embedding, or from the first stage's `drift`). Afterwards `drift` holds what the first
         stage sends down the chain for this round (None elsewhere, or when nothing is constrained)."""
         reference, fixed = self.working.prepare(global_model.params, drift)
+        # the first stage feeds the round's assigned batches of the chain's slot (public: verifiable)
+        round_ = global_model.params_round + 1
+        self.next_mb = assigned_batches(self.chain, round_, self.config.outer.inner_steps).start
         self.drift = None
         if self.index == 0 and self.worker.constraint is not None:
             self.drift = embedding_drift(global_model.params["embed.weight"], reference["embed.weight"])

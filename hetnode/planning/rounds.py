@@ -8,11 +8,27 @@ a ceiling so that one slow round neither stalls the swarm nor cuts the next one 
 
 from __future__ import annotations
 
+import hashlib
 from collections import deque
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 from hetnode.config import Config
+
+BATCH_OFFSETS = 2**20  # replicas that share a data slot start this far apart in its stream of batches
+
+
+def assigned_batches(replica: str, round_: int, inner_steps: int) -> range:
+    """The batch indices (within its data slot) `replica` (a peer id, or a chain id) trains in `round_`:
+    public, so a verifier can score a contribution on the very batches it was trained on (TRUST §4).
+
+    Slots are few (256) and peers many: two replicas often share a slot, and would train the very same
+    batches (identical work, which verification rightly takes for a copy). Each replica therefore starts
+    at its own offset in the slot's stream; every epoch of the stream is a fresh permutation, so offsets
+    far apart mean other windows."""
+    digest = hashlib.sha256(b"hetnode-batches:" + replica.encode()).digest()
+    start = int.from_bytes(digest[:4], "big") % BATCH_OFFSETS + round_ * inner_steps
+    return range(start, start + inner_steps)
 
 
 @dataclass(frozen=True)

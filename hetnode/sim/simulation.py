@@ -13,7 +13,7 @@ from typing import Literal
 
 import torch
 
-from hetnode.algo.aggregate import aggregate_dense, aggregate_sparse, outer_sgd_step
+from hetnode.algo.aggregate import AGGREGATION_RULES, aggregate_dense, aggregate_sparse, outer_sgd_step
 from hetnode.algo.sparseloco import DenseCodec, pseudo_gradient
 from hetnode.algo.subspace import frozen_embedding
 from hetnode.config import Config
@@ -46,6 +46,7 @@ class SyncMethod:
     outer_lr: float = 1.0  # SparseLoCo α; DiLoCo uses its own Nesterov lr below
     diloco_lr: float = 0.7
     diloco_momentum: float = 0.9
+    aggregation: str | None = None  # SparseLoCo's aggregation rule; None: the config's outer.aggregation
 
 
 @dataclass(frozen=True)
@@ -86,6 +87,10 @@ class ReplicaSimulation:
         if method.kind == "ddp" and swarm.chains:
             raise ValueError("the DDP baseline has no chains")
         self.config, self.dataset, self.method, self.swarm = config, dataset, method, swarm
+        self.aggregation = method.aggregation or config.outer.aggregation
+        if self.aggregation not in AGGREGATION_RULES:
+            raise ValueError(f"unknown aggregation rule {self.aggregation!r} ({method.name})")
+        self.last_outgoing: dict[str, dict[str, bytes]] = {}  # the last round's payloads, per replica
         self.round = 0
         seed = config.run.seed
         self.eval_model = build_model(config.model, seed=seed)
@@ -183,6 +188,7 @@ class ReplicaSimulation:
             outgoing[replica.id] = self._encode(replica, delta)
             codec_seconds.append(time.perf_counter() - start)
             sent.append(sum(len(b) for b in outgoing[replica.id].values()))
+        self.last_outgoing = outgoing
         for i, replica in enumerate(self.replicas):
             start = time.perf_counter()
             self._apply(replica, outgoing)
@@ -219,7 +225,9 @@ class ReplicaSimulation:
             decoded = [decode_payload(messages[shard], spec) for messages in outgoing.values()]
             params = {n: replica.global_params[n] for n in spec.shapes}
             if self.method.kind == "sparseloco":
-                delta = aggregate_sparse([(d.replica, d.sparse) for d in decoded], dict(spec.shapes))
+                delta = aggregate_sparse(
+                    [(d.replica, d.sparse) for d in decoded], dict(spec.shapes), rule=self.aggregation
+                )
                 outer_sgd_step(
                     params, delta, lr=self.method.outer_lr, weight_decay=self.config.outer.weight_decay
                 )

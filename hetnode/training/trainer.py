@@ -74,13 +74,15 @@ class InnerTrainer:
             step, inner.lr, inner.warmup_steps, self.config.train.max_steps, inner.min_lr_ratio
         )
 
-    def train_step(self) -> StepResult:
-        """One optimiser step on the batches that (slot, step) selects for each of this trainer's slots."""
+    def train_step(self, batch_index: int | None = None) -> StepResult:
+        """One optimiser step on the batches that (slot, `batch_index`) selects for each of this trainer's
+        slots (default: its own step count; a replica in a swarm passes the round's assigned batches)."""
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
         total_loss, tokens = 0.0, 0
         for slot in self.slots:
-            inputs, targets = self.dataset.train_batch(slot, self.num_slots, self.step)
+            index = self.step if batch_index is None else batch_index
+            inputs, targets = self.dataset.train_batch(slot, self.num_slots, index)
             with autocast_for(self.device):
                 loss = self.model.loss(inputs.to(self.device), targets.to(self.device))
             if not torch.isfinite(loss):

@@ -21,7 +21,7 @@ from hetnode.algo.sparseloco import CompressedTensor, DenseCodec, DenseTensor, S
 from hetnode.errors import WireError
 
 PAYLOAD_TYPE = "sync"
-PAYLOAD_VERSION = 1
+PAYLOAD_VERSION = 2  # 2: the header names the θ round the payload was trained from (`base`)
 MAX_ID_CHARS = 256
 ENVELOPE_SLACK_BYTES = 4096  # message header + the signed envelope's key and signature
 TENSOR_SLACK_BYTES = 64  # one tensor entry's map keys and length prefixes
@@ -65,6 +65,11 @@ class SyncPayload:
     shard: str
     codec: CodecName
     tensors: Mapping[str, CompressedTensor | DenseTensor]
+    base: int | None = None  # θ after this round was trained from (None: round − 1, the fresh θ)
+
+    @property
+    def base_round(self) -> int:
+        return self.round - 1 if self.base is None else self.base
 
 
 @dataclass(frozen=True)
@@ -77,6 +82,7 @@ class DecodedPayload:
     codec: CodecName
     sparse: dict[str, SparseValues]
     dense: dict[str, torch.Tensor]
+    base: int = -1  # the θ round its author trained from (verifiers check it is round − 1: fresh work)
 
 
 def encode_payload(payload: SyncPayload) -> bytes:
@@ -93,6 +99,7 @@ def encode_payload(payload: SyncPayload) -> bytes:
         "v": PAYLOAD_VERSION,
         "replica": payload.replica,
         "round": payload.round,
+        "base": payload.base_round,
         "shard": payload.shard,
         "codec": payload.codec,
         "tensors": tensors,
@@ -131,6 +138,9 @@ def decode_payload(data: bytes, spec: ShardSpec) -> DecodedPayload:
     round_ = _expect(message, "round", int)
     if round_ < 0:
         raise WireError("round", f"must be >= 0, got {round_}")
+    base = _expect(message, "base", int)
+    if not -1 <= base < round_:
+        raise WireError("base", f"trained from round {base}, which is not before round {round_}")
     if _expect(message, "shard", str) != spec.shard:
         raise WireError("shard", f"expected {spec.shard!r}, got {message['shard']!r}")
     if _expect(message, "codec", str) != spec.codec:
@@ -162,7 +172,7 @@ def decode_payload(data: bytes, spec: ShardSpec) -> DecodedPayload:
     missing = sorted(set(spec.shapes) - seen)
     if missing:
         raise WireError("tensors", f"missing {len(missing)} tensor(s), e.g. {missing[:3]}")
-    return DecodedPayload(replica, round_, spec.shard, spec.codec, sparse, dense)
+    return DecodedPayload(replica, round_, spec.shard, spec.codec, sparse, dense, base)
 
 
 def _as_float32(value: float | int, field: str) -> float:

@@ -5,7 +5,14 @@ import random
 import pytest
 import torch
 
-from hetnode.algo.aggregate import NesterovOuter, aggregate_dense, aggregate_sparse, outer_sgd_step
+from hetnode.algo.aggregate import (
+    AGGREGATION_RULES,
+    NesterovOuter,
+    aggregate_dense,
+    aggregate_sparse,
+    outer_sgd_step,
+    trim_count,
+)
 from hetnode.algo.sparseloco import SparseLoCoCodec
 
 
@@ -48,26 +55,88 @@ def test_mean_uses_clipped_values() -> None:
     assert torch.allclose(out["w"], torch.tensor([(1.0 + 1.0 - 0.6) / 3, 0.8]))
 
 
-def test_order_independent_bit_identical() -> None:
-    torch.manual_seed(3)
+def _codec_contributions(count: int, shapes: dict[str, tuple[int, ...]]) -> list:
     codec = SparseLoCoCodec()
-    shapes = {"w": (128, 192), "b": (257,)}
     contribs = []
-    for i in range(7):
+    for i in range(count):
         cts = {n: codec.compress(torch.randn(s) * (i + 1)) for n, s in shapes.items()}
         contribs.append((f"peer-{i:02d}", {n: codec.sparse(ct) for n, ct in cts.items()}))
-    ref = aggregate_sparse(contribs, shapes)
+    return contribs
+
+
+@pytest.mark.parametrize("rule", AGGREGATION_RULES)
+def test_order_independent_bit_identical(rule: str) -> None:
+    """Every rule is a function of the set of contributions: any input order, the same bits, every time."""
+    torch.manual_seed(3)
+    shapes = {"w": (128, 192), "b": (257,)}
+    contribs = _codec_contributions(7, shapes)
+    # shared coordinates with equal and opposite values: ties and signed zeros in the trimmed mean's sort
+    contribs.append(("peer-tie", {"w": _sp([0, 1, 2], [1.0, -1.0, 0.0]), "b": _sp([5], [-0.0])}))
+    contribs.append(("peer-tie2", {"w": _sp([0, 1, 2], [1.0, -1.0, -0.0]), "b": _sp([5], [0.0])}))
+    ref = aggregate_sparse(contribs, shapes, rule=rule)
+    assert all(torch.equal(aggregate_sparse(contribs, shapes, rule=rule)[n], ref[n]) for n in shapes)
     rng = random.Random(0)
     for _ in range(5):
         shuffled = contribs[:]
         rng.shuffle(shuffled)
-        out = aggregate_sparse(shuffled, shapes)
-        assert all(torch.equal(out[n], ref[n]) for n in shapes)
+        out = aggregate_sparse(shuffled, shapes, rule=rule)
+        for n in shapes:
+            assert torch.equal(out[n], ref[n])
+            assert out[n].view(torch.int32).equal(ref[n].view(torch.int32))  # bits, signed zeros included
+
+
+def test_dense_order_independent() -> None:
+    torch.manual_seed(3)
+    shapes = {"w": (128, 192), "b": (257,)}
     dense = [(c, {n: torch.randn(s) for n, s in shapes.items()}) for c in ("x", "y", "z", "w")]
     ref_d = aggregate_dense(dense)
     out_d = aggregate_dense(dense[::-1])
     assert all(torch.equal(out_d[n], ref_d[n]) for n in shapes)
     assert torch.allclose(ref_d["w"], torch.stack([d["w"] for _, d in dense]).mean(0), atol=1e-6)
+
+
+def test_rule_definitions() -> None:
+    # selectors vs mean: b (norm 2) is scaled to the median norm 1 first
+    contribs = [("a", {"w": _sp([0], [1.0])}), ("b", {"w": _sp([1], [2.0])}), ("c", {"w": _sp([0], [1.0])})]
+    assert aggregate_sparse(contribs, {"w": (2,)}, rule="selectors")["w"].tolist() == [1.0, 1.0]
+    assert torch.allclose(
+        aggregate_sparse(contribs, {"w": (2,)}, rule="mean")["w"], torch.tensor([2 / 3, 1 / 3])
+    )
+    # clip: every value capped at the median of the contributors' largest |value| (4, 4, 5 → 4)
+    contribs = [
+        ("a", {"w": _sp([0, 1], [3.0, 4.0])}),
+        ("b", {"w": _sp([1, 2], [4.0, -3.0])}),
+        ("c", {"w": _sp([3], [5.0])}),
+    ]
+    assert aggregate_sparse(contribs, {"w": (4,)}, rule="clip")["w"].tolist() == [3.0, 4.0, -3.0, 4.0]
+    # trimmed, N = 5 so b = 1: coordinate 0 sees (1, 1, 1, 0, −1) → mean(0, 1, 1); coordinate 1, selected by
+    # d alone, sees (0, 0, 0, 1, 0) → 0: a lone selector is trimmed away
+    contribs = [(p, {"w": _sp([0], [1.0])}) for p in "abc"]
+    contribs += [("d", {"w": _sp([1], [1.0])}), ("e", {"w": _sp([0], [-1.0])})]
+    out = aggregate_sparse(contribs, {"w": (3,)}, rule="trimmed")["w"]
+    assert torch.allclose(out, torch.tensor([2 / 3, 0.0, 0.0]))
+    # two senders: nothing to trim, the trimmed mean is the mean
+    two = contribs[:1] + contribs[3:4]
+    assert torch.equal(
+        aggregate_sparse(two, {"w": (3,)}, rule="trimmed")["w"],
+        aggregate_sparse(two, {"w": (3,)}, rule="mean")["w"],
+    )
+    assert [trim_count(n) for n in (1, 2, 3, 9, 10, 15)] == [0, 0, 1, 1, 2, 3]
+    with pytest.raises(ValueError, match="unknown aggregation rule"):
+        aggregate_sparse(contribs, {"w": (3,)}, rule="median")
+
+
+def test_one_identity_on_a_support_nobody_chose() -> None:
+    """Under "selectors" a lone identity moves θ by the median norm; under "mean" by 1/N of it; trimmed: 0."""
+    honest = [(f"h{i}", {"w": _sp([0, 1], [0.6, 0.8])}) for i in range(4)]
+    attacker = ("x", {"w": _sp([2, 3], [30.0, -40.0])})  # norm 50, scaled to the median norm 1
+    shapes = {"w": (4,)}
+    moved = {
+        rule: aggregate_sparse([*honest, attacker], shapes, rule=rule)["w"][2:].norm().item()
+        for rule in AGGREGATION_RULES
+    }
+    assert moved["selectors"] == pytest.approx(1.0) and moved["clip"] < 1.0
+    assert moved["mean"] == pytest.approx(1 / 5) and moved["trimmed"] == 0.0
 
 
 def test_aggregate_rejects_bad_contributions() -> None:

@@ -207,3 +207,30 @@ def test_collector_exposition(ledger: Ledger):
     assert 'hetnode_contribution_bytes_total{name="name-D",peer="D"} 7.0' in text
     assert f'hetnode_contribution_share{{name="name-D",peer="D"}} {4000 / 8307!r}' in text
     assert "# TYPE hetnode_contribution_share gauge" in text
+
+
+def test_verdicts_keep_scores_and_reasons(tmp_path):
+    """What the verifier decided is kept per (round, peer): scores, averages, and why work was refused."""
+    from bootstrap.ledger import REASONS, Verdict
+
+    with Ledger(tmp_path / "ledger.sqlite") as ledger:
+        assert ledger.rejections() == dict.fromkeys(REASONS, 0) and ledger.scores() == {}
+        ledger.record_verdicts(
+            [
+                Verdict("p-honest", 0, None, 0.8, 0.8),
+                Verdict("p-noise", 0, None, -1.3, -1.3),
+                Verdict("p-copy", 0, "copy", None, None),
+            ]
+        )
+        ledger.record_verdicts(
+            [Verdict("p-noise", 1, "score", -0.9, -1.1), Verdict("p-honest", 1, None, 0.6, 0.7)]
+        )
+        assert ledger.record_verdicts([Verdict("p-noise", 1, "score", 5.0, 5.0)]) == 0  # kept as it was
+        assert ledger.rejections() == {"stale": 0, "copy": 1, "norm": 0, "score": 1}
+        scores = ledger.scores()
+        assert scores["p-honest"].average == 0.7 and scores["p-honest"].rejected == 0
+        assert scores["p-noise"].average == -1.1 and scores["p-noise"].last_reason == "score"
+        assert [v.round for v in ledger.recent_verdicts()] == [1, 1, 0, 0, 0]
+        for bad in (Verdict("p", 2, "greed", None, None), Verdict("p", 2, None, float("nan"), None)):
+            with pytest.raises(LedgerError):
+                ledger.record_verdicts([bad])

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 import bootstrap.ledger as ledger_module
-from bootstrap.ledger import MAX_COUNT, SCHEMA_VERSION, Contribution, Ledger, LedgerError
+from bootstrap.ledger import MAX_COUNT, Contribution, Ledger, LedgerError
 from bootstrap.status_page import StatusBoard
 from hetnode.service.http_server import HttpServer
 
@@ -83,7 +83,7 @@ def legacy_db(path: Path, rows: list[tuple]) -> None:
     conn = sqlite3.connect(path)
     try:
         conn.executescript(LEGACY_SCHEMA)
-        conn.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
+        conn.execute("PRAGMA user_version = 1")  # schema 1: before verdicts (opening migrates it)
         conn.executemany("INSERT INTO contributions VALUES (?, ?, ?, ?, ?, ?, ?, ?)", rows)
         conn.commit()
     finally:

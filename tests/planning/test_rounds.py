@@ -48,3 +48,14 @@ def test_deadline_floor_follows_the_round_length():
 def test_sealed_order_is_by_peer_id_whatever_the_arrival_order():
     seen = announced("c", "a", "b")
     assert [a.peer_id for a in sealed_order(seen.values())] == ["a", "b", "c"]
+
+
+def test_assigned_batches_are_public_and_differ_between_replicas_of_one_slot():
+    from hetnode.planning.rounds import assigned_batches
+
+    first = assigned_batches("peer-a", 3, 10)
+    assert first == assigned_batches("peer-a", 3, 10) and len(first) == 10  # anyone can recompute them
+    assert assigned_batches("peer-a", 4, 10).start == first.stop  # rounds follow one another
+    # two replicas (often on one of the 256 data slots) start far apart: they never train the same batches
+    starts = {assigned_batches(f"peer-{i}", 0, 10).start for i in range(200)}
+    assert len(starts) == 200

@@ -144,7 +144,8 @@ class Swarm:
 
     def metric(self, daemon: Daemon, name: str) -> float:
         """One unlabelled sample from a daemon's /metrics (0 when the series is not there)."""
-        with urllib.request.urlopen(daemon.ready["metrics"], timeout=10) as response:
+        url = daemon.ready.get("metrics") or f"{daemon.ready['http']}/metrics"  # the coordinator: its http
+        with urllib.request.urlopen(url, timeout=10) as response:
             text = response.read().decode()
         for line in text.splitlines():
             if line.startswith(name + " "):

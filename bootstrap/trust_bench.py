@@ -1,0 +1,231 @@
+"""`hetnode bench trust`: what verification buys against useless or harmful work (TRUST §4), in process.
+
+It lives beside the verifier it measures: it runs the coordinator's code (`bootstrap/verifier.py`) and the
+replicas' (`hetnode/daemon/rounds.py`), which `hetnode/bench/` (the sim layer and below) may not import.
+
+Per fault mode, R honest anchors and one attacker train the same model for the same rounds, with and
+without the coordinator's verifier (`bootstrap/verifier.py`, the code the coordinator runs); a clean run
+(honest anchors only, verified) is the yardstick. Each round goes as in the swarm: every replica trains H
+steps from θ, the verifier screens the contributions in arrival order (the attacker last: a copier needs its
+victim's payload first), the rest are aggregated and stepped all or nothing (`GlobalModel`), and the
+verifier scores the round's contributions on θ before the step. Reported per mode: eval loss per round,
+rounds until the attacker got no weight, false exclusions of honest replicas, and the verifier's time as a
+share of the round (a replica's training time: replicas train in parallel, the verifier while they do).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+import torch  # noqa: E402
+from tqdm import tqdm  # noqa: E402
+
+from bootstrap.verifier import Replica, Verifier  # noqa: E402
+from hetnode.config import Config, replace  # noqa: E402
+from hetnode.daemon.faulty import StaleTheta  # noqa: E402
+from hetnode.daemon.rounds import (  # noqa: E402
+    AnchorTraining,
+    ApplyError,
+    GlobalModel,
+    base_fixed_embedding,
+    data_slot,
+)
+from hetnode.data import TokenDataset  # noqa: E402
+from hetnode.model.decoder import build_model  # noqa: E402
+from hetnode.training.faults import WORK_FAULTS  # noqa: E402
+
+log = logging.getLogger(__name__)
+
+ATTACKER = "peer-xx"  # the same length as the honest ids: a copier re-labels bytes in place
+
+
+@dataclass(frozen=True)
+class TrustPlan:
+    honest: int
+    rounds: int
+    inner_steps: int
+    modes: tuple[str, ...]
+
+
+def plan_for(quick: bool, rounds: int | None = None, modes: tuple[str, ...] = ()) -> TrustPlan:
+    unknown = sorted(set(modes) - set(WORK_FAULTS))
+    if unknown:
+        raise ValueError(f"unknown fault modes {unknown}; choose from {list(WORK_FAULTS)}")
+    if quick:
+        return TrustPlan(4, rounds or 12, 10, modes or WORK_FAULTS)
+    return TrustPlan(4, rounds or 10, 20, modes or WORK_FAULTS)
+
+
+@dataclass
+class RunResult:
+    losses: list[float]
+    rejected: list[dict[str, str]]  # per round: peer -> reason (weight refused)
+    verify_seconds: list[float]
+    train_seconds: list[float]  # per round: the slowest replica's training
+
+
+def run_one(
+    config: Config,
+    dataset: TokenDataset,
+    model: torch.nn.Module,
+    plan: TrustPlan,
+    fault: str | None,
+    verify: bool,
+) -> RunResult:
+    honest = [f"peer-h{i}" for i in range(plan.honest)]
+    peers = honest + ([ATTACKER] if fault else [])
+    theta = GlobalModel(config)
+    trainers = {p: AnchorTraining(config, dataset, p, fault=fault if p == ATTACKER else None) for p in peers}
+    stale = StaleTheta() if fault == "stale" else None
+    verifier = Verifier(config, dataset, model) if verify else None
+    replicas = {p: Replica(p, data_slot(p)) for p in peers}
+    eval_batches = dataset.eval_batches(config.train.eval_batches)
+    result = RunResult([], [], [], [])
+    for round_ in range(plan.rounds):
+        payloads, slowest = {}, 0.0
+        for peer in peers:
+            started = time.perf_counter()
+            source = stale.train_from(theta) if (peer == ATTACKER and stale) else theta
+            payloads[peer] = trainers[peer].run_round(round_, source)
+            slowest = max(slowest, time.perf_counter() - started)
+        if fault == "copy":  # honest peer-h0's payload under the attacker's name
+            payloads[ATTACKER] = {
+                shard: data.replace(honest[0].encode(), ATTACKER.encode())
+                for shard, data in payloads[honest[0]].items()
+            }
+        contributions = [(p, theta.decode_contribution(p, round_, payloads[p])) for p in peers]
+        started = time.perf_counter()
+        rejected = verifier.screen(round_, contributions) if verifier else {}
+        verify_s = time.perf_counter() - started
+        sealed = [(p, d) for p, d in contributions if p not in rejected]
+        try:
+            prepared = theta.prepare(round_, sealed)
+        except ApplyError:  # as the sealer does: whoever alone makes the step non-finite is out
+            culprits = set()
+            for p, d in sealed:
+                try:
+                    theta.prepare(round_, [(p, d)])
+                except ApplyError:
+                    culprits.add(p)
+            rejected |= dict.fromkeys(culprits, "finite")
+            sealed = [(p, d) for p, d in sealed if p not in culprits]
+            prepared = theta.prepare(round_, sealed)
+        if verifier:
+            started = time.perf_counter()
+            scorable = [(p, d) for p, d in contributions if rejected.get(p) not in ("stale", "copy")]
+            verifier.score(round_, theta.params, scorable, replicas)
+            verify_s += time.perf_counter() - started
+            for v in verifier.verdicts(round_, [p for p, _ in sealed], rejected, {}):
+                if v.reason is not None:
+                    rejected.setdefault(v.peer, v.reason)
+        theta.commit(prepared)
+        for peer in peers:
+            if peer not in {p for p, _ in sealed}:
+                trainers[peer].restore_unsent()
+        result.losses.append(_eval_loss(model, theta, eval_batches))
+        result.rejected.append(rejected)
+        result.verify_seconds.append(verify_s if verifier else 0.0)
+        result.train_seconds.append(slowest)
+    return result
+
+
+@torch.no_grad()
+def _eval_loss(model: torch.nn.Module, theta: GlobalModel, batches: list) -> float:
+    for name, param in model.named_parameters():
+        param.copy_(theta.params[name])
+    model.eval()
+    return sum(float(model.loss(x, y)) for x, y in batches) / len(batches)
+
+
+def rounds_to_exclusion(run: RunResult) -> int | None:
+    """Rounds (1-based) until the attacker got no weight in every later round; None if it kept weight."""
+    for start in range(len(run.rejected)):
+        if all(ATTACKER in r for r in run.rejected[start:]):
+            return start + 1
+    return None
+
+
+def false_exclusions(run: RunResult) -> int:
+    return sum(1 for r in run.rejected for peer in r if peer != ATTACKER)
+
+
+def run_benchmark(config: Config, plan: TrustPlan, out_dir: Path, progress: bool = True) -> dict:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    config = replace(config, "outer", inner_steps=plan.inner_steps)
+    dataset = TokenDataset.build(config.data, config.model.vocab_size, seed=config.run.seed)
+    model = build_model(config.model, seed=config.run.seed)
+    model.fixed_embedding = base_fixed_embedding(config)
+    runs = [(None, True)] + [(mode, verify) for mode in plan.modes for verify in (False, True)]
+    results: dict[str, RunResult] = {}
+    with tqdm(total=len(runs), desc="trust bench", unit="run", disable=not progress) as bar:
+        for mode, verify in runs:
+            key = "clean" if mode is None else f"{mode}-{'verified' if verify else 'unverified'}"
+            bar.set_postfix(run=key)
+            results[key] = run_one(config, dataset, model, plan, mode, verify)
+            bar.update(1)
+    clean = results["clean"]
+    report: dict = {
+        "config": config.run.name,
+        "honest": plan.honest,
+        "rounds": plan.rounds,
+        "inner_steps": plan.inner_steps,
+        "final_eval_loss_clean": clean.losses[-1],
+        "false_exclusions_clean": false_exclusions(clean),
+        "verify_share_clean": _share(clean),
+        "modes": {},
+        "curves": {key: run.losses for key, run in results.items()},
+    }
+    for mode in plan.modes:
+        verified, unverified = results[f"{mode}-verified"], results[f"{mode}-unverified"]
+        report["modes"][mode] = {
+            "rounds_to_exclusion": rounds_to_exclusion(verified),
+            "final_eval_loss": verified.losses[-1],
+            "final_eval_loss_unverified": unverified.losses[-1],
+            "final_eval_loss_clean": clean.losses[-1],
+            "loss_vs_clean": verified.losses[-1] / clean.losses[-1] - 1,
+            "loss_vs_clean_unverified": unverified.losses[-1] / clean.losses[-1] - 1,
+            "false_exclusions": false_exclusions(verified),
+            "verify_share": _share(verified),
+            "reasons": sorted({r[ATTACKER] for r in verified.rejected if ATTACKER in r}),
+        }
+    (out_dir / "trust.json").write_text(json.dumps(report, indent=2))
+    plot(report, out_dir / "trust.png")
+    return report
+
+
+def _share(run: RunResult) -> float:
+    return sum(run.verify_seconds) / max(sum(run.train_seconds), 1e-9)
+
+
+def plot(report: dict, path: Path) -> None:
+    modes = list(report["modes"])
+    cols = min(3, len(modes)) or 1
+    rows = (len(modes) + cols - 1) // cols or 1
+    fig, axes = plt.subplots(rows, cols, figsize=(4.5 * cols, 3.2 * rows), squeeze=False)
+    curves = report["curves"]
+    for ax, mode in zip(axes.flat, modes, strict=False):
+        ax.plot(curves["clean"], "k-", label="clean")
+        ax.plot(curves[f"{mode}-unverified"], "r--", label="attacked, unverified")
+        ax.plot(curves[f"{mode}-verified"], "g-", label="attacked, verified")
+        excluded = report["modes"][mode]["rounds_to_exclusion"]
+        ax.set_title(f"{mode} (out after {excluded if excluded else '–'} rounds)", fontsize=9)
+        ax.set_xlabel("round")
+        ax.set_ylabel("eval loss")
+        ax.grid(alpha=0.3)
+    for ax in list(axes.flat)[len(modes) :]:
+        ax.axis("off")
+    axes.flat[0].legend(fontsize=7)
+    fig.suptitle(
+        f"{report['config']}: {report['honest']} honest + 1 attacker, H={report['inner_steps']}", fontsize=10
+    )
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -1,0 +1,214 @@
+"""Verified contributions (TRUST §4): the coordinator weighs and credits only work that helps.
+
+Two passes per round:
+- `screen`, at seal time, over every valid contribution (cheap: no forward pass). A contribution is left
+  out of the seal when its header says it was trained from an older θ (`stale`), when its top-k positions
+  repeat an earlier announcement's (`copy`), when its norm is far outside the round's (`norm`: free riders
+  and scaled-up payloads), or when its author's score average is negative (`score`).
+- `score`, after sealing and before the coordinator steps θ: each replica's update (a chain's stages
+  together) is applied alone at a reduced step, clipped to the round's median norm, and the loss change is
+  measured on the batches that replica was assigned this round and on a held-out batch the replicas cannot
+  know in advance. Improvements become relative scores (`hetnode.algo.scoring`) and an exponential average
+  per peer; a peer whose average is negative is screened out of later seals until it recovers (it is still
+  scored while it is out, so honest work comes back).
+
+The coordinator credits a contribution only when it was sealed and its author's average is not negative.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from bootstrap.ledger import Verdict
+from hetnode.algo.scoring import (
+    batch_loss,
+    dense_update,
+    index_overlap,
+    loss_improvement,
+    relative_scores,
+    update_norm,
+)
+from hetnode.config import Config
+from hetnode.daemon.rounds import NUM_DATA_SLOTS, data_slot
+from hetnode.data.dataset import TokenDataset
+from hetnode.planning.rounds import assigned_batches
+from hetnode.wire.sync_payload import DecodedPayload
+
+log = logging.getLogger(__name__)
+
+COPY_OVERLAP = 0.9  # share of top-k positions in common that marks a copy (honest pairs measure far below)
+NORM_BAND = 8.0  # a contribution more than this far above or below the round's median norm is left out
+MIN_FOR_NORM_BAND = 3  # with fewer contributions the median says nothing about who is odd
+AVERAGE_WEIGHT = 0.5  # of the newest score in a peer's exponential average
+TRIAL_STEP = 0.5  # of the outer learning rate: each update is tried alone at this reduced step
+SCORE_SEQUENCES = 4  # sequences per scoring batch: a few forward passes per contribution, not a round's work
+
+Contribution = tuple[str, list[DecodedPayload]]  # (peer, its decoded payloads)
+
+
+@dataclass(frozen=True)
+class Replica:
+    """Whose update a contribution is part of: an anchor alone, or a chain (its stages together)."""
+
+    key: str  # the anchor's peer id, or the chain id
+    slot: int  # its data slot: the assigned batches the verifier scores it on
+
+
+def replica_of(peer: str, record: Mapping | None) -> Replica:
+    """A stage's replica is its chain (from its record); anyone else is a replica of its own."""
+    chain = (record or {}).get("chain") if (record or {}).get("role") == "stage" else None
+    key = chain if isinstance(chain, str) and chain else peer
+    return Replica(key, data_slot(key))
+
+
+class Verifier:
+    def __init__(self, config: Config, dataset: TokenDataset, model: nn.Module) -> None:
+        """`model`: the whole decoder as anchors train it (T_fix included), used with θ as parameters."""
+        self.config = config
+        self.dataset = dataset
+        self.model = model
+        self.averages: dict[str, float] = {}
+        self._secret = os.urandom(16)  # held-out batches are drawn with it: replicas cannot aim at them
+        self.last_seconds = 0.0  # scoring time of the last round
+
+    # --- at seal time --------------------------------------------------------------------------------
+
+    def screen(self, round_: int, contributions: Sequence[Contribution]) -> dict[str, str]:
+        """{peer: reason} for the contributions to leave out of this round's seal. `contributions` are in
+        announcement order (a copy can only come after its original: it needs the original's bytes)."""
+        reasons: dict[str, str] = {}
+        for peer, decoded in contributions:
+            if any(message.base != round_ - 1 for message in decoded):
+                reasons[peer] = "stale"
+        updates = {peer: _sparse_of(decoded) for peer, decoded in contributions}
+        order = [peer for peer, _ in contributions]
+        for i, peer in enumerate(order):
+            if peer in reasons:
+                continue
+            for earlier in order[:i]:
+                if index_overlap(updates[peer], updates[earlier]) >= COPY_OVERLAP:
+                    reasons[peer] = "copy"
+                    log.warning("round %d: %s repeats %s's top-k positions: a copy", round_, peer, earlier)
+                    break
+        for peer in self._off_norm(updates):
+            reasons.setdefault(peer, "norm")
+        for peer in order:
+            if self.averages.get(peer, 0.0) < 0:
+                reasons.setdefault(peer, "score")
+        return reasons
+
+    def _off_norm(self, updates: Mapping[str, Mapping]) -> set[str]:
+        """Peers whose norm is outside [median / NORM_BAND, median · NORM_BAND] in most shards they sent,
+        the median taken per tensor over whoever sent it (a chain stage sends only its layers)."""
+        by_tensor: dict[str, dict[str, float]] = {}
+        for peer, update in updates.items():
+            for name, values in update.items():
+                by_tensor.setdefault(name, {})[peer] = update_norm({name: values})
+        strikes: dict[str, int] = {}
+        sent: dict[str, int] = {}
+        for norms in by_tensor.values():
+            if len(norms) < MIN_FOR_NORM_BAND:
+                continue
+            ordered = sorted(norms.values())
+            median = ordered[len(ordered) // 2]
+            for peer, norm in norms.items():
+                sent[peer] = sent.get(peer, 0) + 1
+                if norm > median * NORM_BAND or norm < median / NORM_BAND:
+                    strikes[peer] = strikes.get(peer, 0) + 1
+        return {peer for peer, n in strikes.items() if n * 2 > sent[peer]}
+
+    # --- after sealing, before θ steps --------------------------------------------------------------
+
+    def score(
+        self,
+        round_: int,
+        params: Mapping[str, torch.Tensor],
+        contributions: Sequence[Contribution],
+        replicas: Mapping[str, Replica],
+    ) -> dict[str, float]:
+        """Score every contribution's replica on θ (`params`, before this round's step); update the
+        averages of their peers and return {peer: score}. Blocking: run it in a worker thread."""
+        started = time.perf_counter()
+        shapes = {name: tuple(t.shape) for name, t in params.items()}
+        merged: dict[str, dict[str, tuple]] = {}
+        members: dict[str, list[str]] = {}
+        for peer, decoded in contributions:
+            key = replicas[peer].key
+            merged.setdefault(key, {}).update(_sparse_of(decoded))
+            members.setdefault(key, []).append(peer)
+        if not merged:
+            return {}
+        norms = sorted(update_norm(u) for u in merged.values())
+        median = norms[len(norms) // 2]
+        step = self.config.outer.lr * TRIAL_STEP
+        held_out = self._held_out(round_)
+        held_out_before = batch_loss(self.model, params, held_out)
+        improvements = {}
+        for key, update in merged.items():
+            norm = update_norm(update)
+            delta = dense_update(update, shapes)
+            if norm > median > 0:  # as aggregation does: never scaled up, clipped to the median
+                delta = {name: t * (median / norm) for name, t in delta.items()}
+            own = self._assigned(round_, replicas[members[key][0]])
+            improvements[key] = loss_improvement(self.model, params, delta, step, own) + loss_improvement(
+                self.model, params, delta, step, held_out, before=held_out_before
+            )
+        scores = relative_scores(improvements)
+        by_peer = {}
+        for key, peers in members.items():
+            for peer in peers:
+                by_peer[peer] = scores[key]
+                previous = self.averages.get(peer)
+                self.averages[peer] = (
+                    scores[key]
+                    if previous is None
+                    else (1 - AVERAGE_WEIGHT) * previous + AVERAGE_WEIGHT * scores[key]
+                )
+        if len(self.averages) > 100_000:  # forget the oldest identities rather than grow without bound
+            for peer in list(self.averages)[: len(self.averages) // 2]:
+                del self.averages[peer]
+        self.last_seconds = time.perf_counter() - started
+        return by_peer
+
+    def _assigned(self, round_: int, replica: Replica) -> list[tuple]:
+        """The last batch the replica was assigned in `round_` (its data slot and round are public)."""
+        index = assigned_batches(replica.key, round_, self.config.outer.inner_steps)[-1]
+        inputs, targets = self.dataset.train_batch(replica.slot, NUM_DATA_SLOTS, index)
+        return [(inputs[:SCORE_SEQUENCES], targets[:SCORE_SEQUENCES])]
+
+    def _held_out(self, round_: int) -> list[tuple]:
+        """One eval batch, drawn per round with our secret (the eval split is never trained on)."""
+        batches = self.dataset.eval_batches(self.dataset.num_eval_batches)
+        digest = hashlib.sha256(self._secret + round_.to_bytes(8, "big", signed=True)).digest()
+        inputs, targets = batches[int.from_bytes(digest[:4], "big") % len(batches)]
+        return [(inputs[:SCORE_SEQUENCES], targets[:SCORE_SEQUENCES])]
+
+    def verdicts(
+        self,
+        round_: int,
+        sealed: Sequence[str],
+        rejected: Mapping[str, str],
+        scores: Mapping[str, float],
+    ) -> list[Verdict]:
+        """One verdict per peer that sent a valid contribution: credited only when sealed and its average
+        is not negative after this round's score."""
+        out = []
+        for peer in sorted(set(sealed) | set(rejected)):
+            reason = rejected.get(peer)
+            average = self.averages.get(peer)
+            if reason is None and average is not None and average < 0:
+                reason = "score"  # sealed on its earlier record, but this round's work made it negative
+            out.append(Verdict(peer, round_, reason, scores.get(peer), average))
+        return out
+
+
+def _sparse_of(decoded: Sequence[DecodedPayload]) -> dict[str, tuple]:
+    return {name: values for message in decoded for name, values in message.sparse.items()}

@@ -1,0 +1,104 @@
+"""The influence measurement (TRUST §3): attackers are valid payloads; each rule bounds them as claimed."""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from hetnode.algo.aggregate import AGGREGATION_RULES, aggregate_sparse, contribution_parts
+from hetnode.algo.sparseloco import SparseLoCoCodec
+from hetnode.bench import influence
+from hetnode.bench.sparseloco import plan_for as sparseloco_plan
+from hetnode.config import Config
+from hetnode.errors import ConfigError
+
+SHAPES = {"w": (128, 128), "b": (128,)}
+
+
+def _honest(count: int = 4) -> list:
+    """Correlated pseudo-gradients (a shared direction plus each peer's noise), through the real codec."""
+    gen = torch.Generator().manual_seed(7)
+    codec = SparseLoCoCodec()
+    common = {n: torch.randn(s, generator=gen) for n, s in SHAPES.items()}
+    out = []
+    for i in range(count):
+        dense = {n: common[n] + torch.randn(s, generator=gen) for n, s in SHAPES.items()}
+        out.append((f"peer-{i}", {n: codec.sparse(codec.compress(t)) for n, t in dense.items()}))
+    return out
+
+
+def test_parts_add_up_to_the_aggregate():
+    honest = _honest(5)
+    for rule in AGGREGATION_RULES:
+        parts = contribution_parts(honest, SHAPES, rule=rule)
+        delta = aggregate_sparse(honest, SHAPES, rule=rule)
+        for name, shape in SHAPES.items():
+            total = torch.zeros(shape).reshape(-1)
+            for who, _ in honest:
+                total.index_add_(0, *parts[who][name])
+            assert torch.allclose(total.reshape(shape), delta[name], atol=1e-6), (rule, name)
+
+
+def test_each_rule_bounds_the_attackers_as_documented():
+    honest = _honest(4)
+    plan = influence.InfluencePlan(replicas=4, rounds=1, batch_size=1)
+    measured = influence.measure_round(honest, SHAPES, plan)
+    assert measured.keys() == set(AGGREGATION_RULES)
+    mean, selectors, trimmed = measured["mean"], measured["selectors"], measured["trimmed"]
+    # the plain mean: one identity at the (raised) median norm holds about 1/(R+1) of the update's norm,
+    # k aligned Sybils about k/(R+k)
+    for k in (1, 2):
+        worst = max(s[k]["share"] for s in mean["by_strategy"].values() if k in s)
+        assert worst == pytest.approx(k / (4 + k), rel=0.15)
+    # per-selector averaging: one identity on a support nobody chose moves Δ by a whole median norm
+    assert selectors["by_strategy"]["disjoint"][1]["push"] == pytest.approx(1.0, rel=0.2)
+    assert mean["by_strategy"]["disjoint"][1]["push"] < 0.5
+    # the trimmed mean drops a lone selector's values, and Sybils spread one per coordinate
+    assert trimmed["by_strategy"]["disjoint"][1]["share"] == 0.0
+    assert trimmed["by_strategy"]["disjoint-split"][2]["share"] == 0.0
+    for rule in measured.values():
+        assert 0 < rule["honest_share_max"] < 1
+
+
+def test_attackers_are_valid_payloads():
+    codec = SparseLoCoCodec()
+    honest = _honest(4)
+    for strategy in influence.STRATEGIES:
+        sybils = influence._attack(honest, SHAPES, codec, strategy, 2, seed=1)
+        assert [who for who, _ in sybils] == ["~sybil-000", "~sybil-001"]
+        for _, tensors in sybils:
+            for name, (idx, vals) in tensors.items():
+                assert idx.numel() == codec.grid(SHAPES[name]).total_selected
+                assert torch.unique(idx).numel() == idx.numel() and bool(torch.isfinite(vals).all())
+    split = influence._attack(honest, SHAPES, codec, "disjoint-split", 2, seed=1)
+    assert not set(split[0][1]["w"][0].tolist()) & set(split[1][1]["w"][0].tolist())
+    same = influence._attack(honest, SHAPES, codec, "disjoint", 2, seed=1)
+    assert torch.equal(same[0][1]["w"][0], same[1][1]["w"][0])
+
+
+def test_plans():
+    assert influence.plan_for(True).replicas == 4 and influence.plan_for(False).max_sybils == 4
+    with pytest.raises(ConfigError):
+        influence.plan_for(True, replicas=1)
+    plan = sparseloco_plan(True, None, (), ("selectors", "mean"), replicas=4)
+    assert [m.name for m in plan.methods] == ["sparseloco-k64-H30-selectors", "sparseloco-k64-H30-mean"]
+    assert plan.replicas == 4 and [m.aggregation for m in plan.methods] == ["selectors", "mean"]
+    plan = sparseloco_plan(True, None, ("diloco-H30", "sparseloco-k64-H30-trimmed"))
+    assert [m.name for m in plan.methods] == ["diloco-H30", "sparseloco-k64-H30-trimmed"]
+    assert len(sparseloco_plan(True).methods) == 7
+    with pytest.raises(ConfigError, match="unknown"):
+        sparseloco_plan(True, None, (), ("median",))
+
+
+@pytest.mark.slow
+def test_influence_bench_end_to_end(tiny_config: Config, tmp_path: Path):
+    plan = influence.InfluencePlan(replicas=4, rounds=1, batch_size=2, inner_steps=2)
+    report = influence.run_influence(tiny_config, plan, tmp_path, progress=False)
+    saved = json.loads((tmp_path / "influence.json").read_text())
+    assert saved["rules"].keys() == set(AGGREGATION_RULES) and saved["max_sybils"] == 2
+    assert (tmp_path / "influence.png").stat().st_size > 1000
+    assert (
+        report["rules"]["selectors"]["one_identity"]["max_push"]
+        > report["rules"]["mean"]["one_identity"]["max_push"]
+    )

@@ -1,0 +1,95 @@
+"""The verifier in process, on real payloads: honest replicas pass and score positive; stale, copied,
+free-riding, scaled, sign-flipped and noise contributions are left out or score negative."""
+
+from __future__ import annotations
+
+import pytest
+
+from bootstrap.verifier import COPY_OVERLAP, Replica, Verifier, replica_of
+from hetnode.algo.scoring import index_overlap
+from hetnode.config import replace
+from hetnode.daemon.rounds import AnchorTraining, GlobalModel, base_fixed_embedding, data_slot
+from hetnode.data.dataset import TokenDataset
+from hetnode.model.decoder import build_model
+from hetnode.wire.sync_payload import decode_payload
+
+HONEST = ["honest-a", "honest-b", "honest-c"]
+
+
+@pytest.fixture(scope="module")
+def setup(tiny_config):
+    config = replace(tiny_config, "outer", inner_steps=4)
+    dataset = TokenDataset.build(config.data, config.model.vocab_size, config.run.seed)
+    model = build_model(config.model, seed=config.run.seed)
+    model.fixed_embedding = base_fixed_embedding(config)
+    return config, dataset, model
+
+
+def _decoded(global_model, peer, payloads):
+    return global_model.decode_contribution(peer, global_model.params_round + 1, payloads)
+
+
+def _round(config, dataset, global_model, peers, fault=None):
+    return {
+        peer: AnchorTraining(config, dataset, peer, fault=fault).run_round(
+            global_model.params_round + 1, global_model
+        )
+        for peer in peers
+    }
+
+
+def test_honest_work_passes_and_each_fault_is_caught(setup):
+    config, dataset, model = setup
+    theta = GlobalModel(config)
+    honest = _round(config, dataset, theta, HONEST)
+    faults = {f"{kind}-x": kind for kind in ("noise", "signflip", "scaled", "freerider")}
+    hostile = {p: _round(config, dataset, theta, [p], fault=kind)[p] for p, kind in faults.items()}
+    # a copy: honest-a's payload re-labelled with the copier's name (same length: a byte-level swap)
+    copy = {shard: data.replace(b"honest-a", b"copier-x") for shard, data in honest["honest-a"].items()}
+    assert decode_payload(copy["head"], theta.sparse_specs["head"]).replica == "copier-x"
+    contributions = [(p, _decoded(theta, p, honest[p])) for p in HONEST]
+    sparse = {p: {n: v for m in d for n, v in m.sparse.items()} for p, d in contributions}
+    overlaps = [index_overlap(sparse[a], sparse[b]) for a in HONEST for b in HONEST if a < b]
+    assert max(overlaps) < COPY_OVERLAP / 2, overlaps  # honest replicas select different positions
+    contributions.append(("copier-x", _decoded(theta, "copier-x", copy)))
+    contributions += [(p, _decoded(theta, p, hostile[p])) for p in faults]
+    verifier = Verifier(config, dataset, model)
+    reasons = verifier.screen(0, contributions)
+    assert reasons.get("copier-x") == "copy"
+    assert reasons.get("scaled-x") == "norm" and reasons.get("freerider-x") == "norm"
+    assert not set(HONEST) & set(reasons)
+
+    replicas = {p: Replica(p, data_slot(p)) for p, _ in contributions}
+    scorable = [(p, d) for p, d in contributions if reasons.get(p) != "copy"]
+    scores = verifier.score(0, theta.params, scorable, replicas)
+    for peer in HONEST:
+        assert scores[peer] > 0, scores
+    for peer in ("noise-x", "signflip-x", "freerider-x"):
+        assert scores[peer] < 0, (peer, scores)
+    # negative averages are screened out of the next seal; honest ones are not
+    again = verifier.screen(0, contributions)
+    assert again.get("noise-x") == "score" and again.get("signflip-x") == "score"
+    assert not set(HONEST) & set(again)
+    verdicts = {v.peer: v for v in verifier.verdicts(0, HONEST, reasons, scores)}
+    assert all(verdicts[p].reason is None for p in HONEST)
+    assert verdicts["copier-x"].reason == "copy" and verdicts["copier-x"].score is None
+
+
+def test_stale_work_is_named_by_its_header(setup):
+    """Round 6 is sealed; one peer says it trained from θ after round 2 (honest about being late)."""
+    config, dataset, model = setup
+    theta = GlobalModel(config)
+    payloads = _round(config, dataset, theta, ["late", "fresh"])
+    decoded = {p: theta.decode_contribution(p, 0, payloads[p]) for p in payloads}
+
+    def as_round_6(messages, base):
+        return [type(m)(m.replica, 6, m.shard, m.codec, m.sparse, m.dense, base) for m in messages]
+
+    contributions = [("late", as_round_6(decoded["late"], 2)), ("fresh", as_round_6(decoded["fresh"], 5))]
+    assert Verifier(config, dataset, model).screen(6, contributions) == {"late": "stale"}
+
+
+def test_a_chain_is_one_replica():
+    stage = {"role": "stage", "chain": "c5-0"}
+    assert replica_of("p1", stage) == replica_of("p2", stage) == Replica("c5-0", data_slot("c5-0"))
+    assert replica_of("anchor", {"role": "anchor", "chain": None}).key == "anchor"
