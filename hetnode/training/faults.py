@@ -24,6 +24,7 @@ STALE_ROUNDS = 3  # how far behind a stale replica trains
 def corrupt(kind: str, honest: Params, max_value: float, seed: int) -> Params:
     """The pseudo-gradient a `kind` replica sends in place of `honest` (same names and shapes)."""
     import torch
+
     generator = torch.Generator().manual_seed(seed)
     if kind == "signflip":
         return {n: -t for n, t in honest.items()}

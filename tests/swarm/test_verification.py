@@ -24,9 +24,9 @@ def settled(history: list[dict], peer: str) -> bool:
     start = first_seen(history, peer)
     if start is None or history[-1]["round"] < start + WITHIN_ROUNDS + 1:
         return False
-    return all(
-        peer not in e["contributors"] for e in history if e["round"] >= start + WITHIN_ROUNDS
-    ) and any(peer in e.get("rejected", {}) for e in history)
+    return all(peer not in e["contributors"] for e in history if e["round"] >= start + WITHIN_ROUNDS) and any(
+        peer in e.get("rejected", {}) for e in history
+    )
 
 
 def test_useless_or_harmful_work_loses_weight_and_credit_within_three_rounds(swarm):
