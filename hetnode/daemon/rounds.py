@@ -294,7 +294,7 @@ class AnchorTraining:
             delta = corrupt(self.fault, delta, self.config.outer.max_value, seed=seed)
             o = self.config.outer
             compressed = ErrorFeedback(SparseLoCoCodec(o.topk, o.tile), o.error_feedback).compress(delta)
-        self._unsent = compressed
+        self._unsent = compressed if self.fault is None else {}  # a faulty peer has nothing to restore
         base = global_model.params_round  # the θ we trained from: round − 1 unless we are stale
         return {
             shard: encode_payload(
