@@ -53,14 +53,15 @@ class TrustPlan:
     rounds: int
     inner_steps: int
     modes: tuple[str, ...]
+    batch_size: int | None = None  # None: the config's
 
 
 def plan_for(quick: bool, rounds: int | None = None, modes: tuple[str, ...] = ()) -> TrustPlan:
     unknown = sorted(set(modes) - set(WORK_FAULTS))
     if unknown:
         raise ValueError(f"unknown fault modes {unknown}; choose from {list(WORK_FAULTS)}")
-    if quick:
-        return TrustPlan(4, rounds or 12, 10, modes or WORK_FAULTS)
+    if quick:  # 13 runs of 5 replicas: small batches keep it to minutes on two cores
+        return TrustPlan(4, rounds or 6, 5, modes or WORK_FAULTS, batch_size=4)
     return TrustPlan(4, rounds or 10, 20, modes or WORK_FAULTS)
 
 
@@ -160,6 +161,8 @@ def false_exclusions(run: RunResult) -> int:
 def run_benchmark(config: Config, plan: TrustPlan, out_dir: Path, progress: bool = True) -> dict:
     out_dir.mkdir(parents=True, exist_ok=True)
     config = replace(config, "outer", inner_steps=plan.inner_steps)
+    if plan.batch_size is not None:
+        config = replace(config, "data", batch_size=plan.batch_size)
     dataset = TokenDataset.build(config.data, config.model.vocab_size, seed=config.run.seed)
     model = build_model(config.model, seed=config.run.seed)
     model.fixed_embedding = base_fixed_embedding(config)
@@ -170,6 +173,7 @@ def run_benchmark(config: Config, plan: TrustPlan, out_dir: Path, progress: bool
             key = "clean" if mode is None else f"{mode}-{'verified' if verify else 'unverified'}"
             bar.set_postfix(run=key)
             results[key] = run_one(config, dataset, model, plan, mode, verify)
+            log.info("%s: eval loss %s", key, " ".join(f"{x:.3f}" for x in results[key].losses))
             bar.update(1)
     clean = results["clean"]
     report: dict = {

@@ -13,7 +13,7 @@ pytestmark = pytest.mark.slow
 
 
 def test_trust_bench_runs_and_reports_each_mode(tiny_config: Config, tmp_path: Path):
-    plan = trust_bench.TrustPlan(honest=3, rounds=3, inner_steps=2, modes=("signflip", "copy"))
+    plan = trust_bench.TrustPlan(honest=3, rounds=3, inner_steps=2, modes=("signflip", "copy"), batch_size=2)
     report = trust_bench.run_benchmark(tiny_config, plan, tmp_path, progress=False)
     saved = json.loads((tmp_path / "trust.json").read_text())
     assert saved["modes"].keys() == {"signflip", "copy"} and (tmp_path / "trust.png").stat().st_size > 1000
