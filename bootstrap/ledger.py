@@ -356,16 +356,19 @@ class Ledger:
         rows = _validated_rows(round_, sealed_at, contributions)
         if not rows:
             return 0
+        return self._insert(
+            "INSERT OR IGNORE INTO contributions "
+            "(round, peer, name, role, tokens, inner_steps, bytes_sent, sealed_at) "
+            "VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+            rows,
+        )
+
+    def _insert(self, statement: str, rows: Sequence[tuple]) -> int:
+        """Run `statement` over `rows` in one transaction (all or nothing); the rows written."""
         with self._writing() as conn:
             conn.execute("BEGIN IMMEDIATE")  # take the write lock now, so busy_timeout applies to it
             try:
-                cursor = conn.executemany(
-                    "INSERT OR IGNORE INTO contributions "
-                    "(round, peer, name, role, tokens, inner_steps, bytes_sent, sealed_at) "
-                    "VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
-                    rows,
-                )
-                written = cursor.rowcount
+                written = conn.executemany(statement, rows).rowcount
                 conn.execute("COMMIT")
             except BaseException:
                 conn.execute("ROLLBACK")
@@ -387,20 +390,10 @@ class Ledger:
             rows.append((v.round, peer, v.reason, v.score, v.average))
         if not rows:
             return 0
-        with self._writing() as conn:
-            conn.execute("BEGIN IMMEDIATE")
-            try:
-                cursor = conn.executemany(
-                    "INSERT OR IGNORE INTO verdicts (round, peer, reason, score, average) "
-                    "VALUES (?, ?, ?, ?, ?)",
-                    rows,
-                )
-                written = cursor.rowcount
-                conn.execute("COMMIT")
-            except BaseException:
-                conn.execute("ROLLBACK")
-                raise
-        return written
+        return self._insert(
+            "INSERT OR IGNORE INTO verdicts (round, peer, reason, score, average) VALUES (?, ?, ?, ?, ?)",
+            rows,
+        )
 
     # -- reading -------------------------------------------------------------------------------------
 
