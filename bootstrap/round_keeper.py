@@ -90,6 +90,7 @@ class RoundKeeper:
         self.sealer = Sealer(config, node, self.global_model)
         self.sealed_in_this_life = False  # from then on, no other seal or θ is ever adopted
         self.verifier: Verifier | None = None  # set up with the evaluator when `outer.verify` is on
+        self._names: dict[str, str] = {}  # display names from peer records, as last seen
         self.view = RecentView(node, config, max_age_s=config.network.heartbeat_s)
         self._load_checkpoint()
         node.set_payloads(self.sealer.serve)
@@ -253,7 +254,11 @@ class RoundKeeper:
         await asyncio.to_thread(self.global_model.commit, sealed.prepared)
         self.global_model.seal_hash = sealed.digest
         self.sealed_in_this_life = True
-        names = {peer: record["name"] for peer, record in peers.items()}
+        # a peer that left right after announcing (its record is gone) keeps the name it last had
+        if len(self._names) > 100_000:
+            self._names.clear()
+        self._names.update({peer: record["name"] for peer, record in peers.items()})
+        names = self._names
         refused = {v.peer for v in verdicts if v.reason is not None}
         credits = [c for c in self.credits(sealed, names) if c.peer not in refused]
         try:
