@@ -104,11 +104,14 @@ class OuterConfig:
     # (TRUST §4: stale, copied, free-riding or harmful updates); off only to measure what it prevents.
     verify: bool = True
     # How each coordinate combines the contributions, after every contribution is scaled down to the median
-    # norm (TRUST §3, docs/sync.md): "selectors" averages over the peers that selected it (one identity on
-    # a support nobody else chose moves θ by the median norm), "mean" divides by all N contributors (one
-    # identity moves Δ by at most 1/N of that), "clip" caps each value at the median peer's largest value,
-    # "trimmed" drops the top and bottom 20 % of each coordinate's N values. Every replica must use the same.
-    aggregation: Literal["selectors", "mean", "clip", "trimmed"] = "selectors"
+    # norm (TRUST §3, docs/sync.md). "mean" (default, the SparseLoCo paper's (1/N)Σ): each identity holds
+    # 1/N of the update and moves Δ by at most 1/N of the median norm. "selectors": the mean over the peers
+    # that selected a coordinate (hetnode's rule before; one identity on a support nobody else chose moves θ
+    # by the whole median norm). "pooled": the sum over the tensor's mean number of selectors per selected
+    # coordinate (fair like "mean", steps like "selectors"; unstable in BENCHMARKS.md). "clip": each value
+    # capped at the median peer's largest |value|, then "selectors". "trimmed": the top and bottom 20 % of a
+    # coordinate's N values dropped. The manifest carries it, so every replica uses the same rule.
+    aggregation: Literal["selectors", "mean", "pooled", "clip", "trimmed"] = "mean"
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,7 @@ from typing import Literal
 import torch
 
 SparseUpdate = tuple[torch.Tensor, torch.Tensor]  # (flat int64 indices, float32 values)
-AggregationRule = Literal["selectors", "mean", "clip", "trimmed"]
+AggregationRule = Literal["selectors", "mean", "pooled", "clip", "trimmed"]
 AGGREGATION_RULES: tuple[str, ...] = typing.get_args(AggregationRule)
 TRIM_FRACTION = 0.2  # "trimmed": b = max(1, ⌊0.2·N⌋) values dropped at each end of every coordinate (N ≥ 3)
 
@@ -57,7 +57,7 @@ def aggregate_sparse(
     contributions: Sequence[tuple[str, dict[str, SparseUpdate]]],
     shapes: dict[str, tuple[int, ...]],
     device: torch.device | str = "cpu",
-    rule: AggregationRule = "selectors",
+    rule: AggregationRule = "mean",
 ) -> dict[str, torch.Tensor]:
     """Dense float32 Δ per tensor from sparse contributions (DESIGN §2.2, TRUST §3).
 
@@ -70,6 +70,10 @@ def aggregate_sparse(
       gets that peer's full value, so one identity on a support nobody else chose moves θ by the median norm.
     - "mean": Σ_{i∈S_j} v_ij / N, the mean over all contributors (an unselected coordinate counts as 0; the
       SparseLoCo paper's (1/R)Σ). One identity moves Δ by at most the median norm / N.
+    - "pooled": Σ_{i∈S_j} v_ij / n̄, one divisor for the whole tensor: n̄ = (Σ_i |S_i|) / |∪_i S_i|, the mean
+      number of selectors per selected coordinate. Every contributor's part is its vector / n̄, so one
+      identity holds ≈ 1/N of the update's norm, as under "mean", while the step keeps the size it has
+      under "selectors" (n̄ ≥ 1, so Δ is never larger than the plain sum).
     - "clip": every value is clamped to ±c, c the median over contributors of their largest |value| (after the
       norm scaling), then the mean over S_j: no identity's coordinate exceeds what a typical peer sends.
     - "trimmed": over all N contributors (0 for those that did not select j), the b = `trim_count(N)` largest
@@ -97,6 +101,8 @@ def aggregate_sparse(
             total, count = _total_and_count(senders, numel, device)
             if rule == "mean":
                 flat = total / len(senders)
+            elif rule == "pooled":
+                flat = total / _pooled_divisor(senders, count)
             else:
                 flat = torch.where(count > 0, total / count.clamp(min=1.0), total)
         out[name] = flat.reshape(shape)
@@ -106,7 +112,7 @@ def aggregate_sparse(
 def contribution_parts(
     contributions: Sequence[tuple[str, dict[str, SparseUpdate]]],
     shapes: dict[str, tuple[int, ...]],
-    rule: AggregationRule = "selectors",
+    rule: AggregationRule = "mean",
 ) -> dict[str, dict[str, SparseUpdate]]:
     """Each contributor's part of `aggregate_sparse`'s Δ, sparse on its own support: the parts add up to Δ
     (up to float rounding; for the trimmed mean, a kept value of 0 is nobody's part).
@@ -131,7 +137,12 @@ def contribution_parts(
             continue
         _, count = _total_and_count(senders, math.prod(shape), device)
         for who, (idx, vals) in zip(who_sent, senders, strict=True):
-            parts[who][name] = (idx, vals / (len(senders) if rule == "mean" else count[idx]))
+            if rule == "mean":
+                parts[who][name] = (idx, vals / len(senders))
+            elif rule == "pooled":
+                parts[who][name] = (idx, vals / _pooled_divisor(senders, count))
+            else:
+                parts[who][name] = (idx, vals / count[idx])
     return parts
 
 
@@ -177,6 +188,12 @@ def _total_and_count(
         total.index_add_(0, idx, vals)
         count.index_add_(0, idx, torch.ones_like(vals))
     return total, count
+
+
+def _pooled_divisor(senders: list[SparseUpdate], count: torch.Tensor) -> float:
+    """n̄ = selections / selected coordinates, from integers: the same float on every replica."""
+    selected = int((count > 0).sum())
+    return sum(idx.numel() for idx, _ in senders) / selected if selected else 1.0
 
 
 def _scale_to_median_norm(senders: list[SparseUpdate]) -> list[SparseUpdate]:

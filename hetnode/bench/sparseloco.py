@@ -6,6 +6,7 @@ data slots; only the synchronisation differs. Bytes are counted from encoded mes
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import time
@@ -63,11 +64,13 @@ def plan_for(
     only: tuple[str, ...] = (),
     aggregations: tuple[str, ...] = (),
     replicas: int | None = None,
+    outer_lr: float | None = None,
 ) -> BenchPlan:
     """--quick: tiny, R=2; full: small, R=4. `steps` (a multiple of 150 so every H divides it) overrides;
     `only` keeps the named methods (a long run of two methods costs what a short run of all seven does).
     The seven default methods aggregate with the config's rule; `aggregations` adds sparseloco-k64-H30-<rule>
-    per named rule, so rules compare side by side in one run (also nameable in `only`)."""
+    per named rule, so rules compare side by side in one run (also nameable in `only`); `outer_lr` sets
+    SparseLoCo's α for every SparseLoCo method of the run."""
     methods = default_methods()
     variants = aggregation_methods()
     unknown = sorted(set(aggregations) - set(AGGREGATION_RULES))
@@ -86,6 +89,12 @@ def plan_for(
     methods += tuple(m for m in variants if m.aggregation in aggregations and m not in methods)
     if replicas is not None and replicas < 1:
         raise ConfigError("--replicas", "replicas", f"must be >= 1, got {replicas}")
+    if outer_lr is not None:
+        if not outer_lr > 0:
+            raise ConfigError("--outer-lr", "outer_lr", f"must be > 0, got {outer_lr}")
+        methods = tuple(
+            dataclasses.replace(m, outer_lr=outer_lr) if m.kind == "sparseloco" else m for m in methods
+        )
     if quick:
         return BenchPlan(replicas=replicas or 2, steps=steps or 150, batch_size=8, methods=methods)
     return BenchPlan(replicas=replicas or 4, steps=steps or 150, batch_size=4, methods=methods)

@@ -35,6 +35,9 @@ def register(commands: argparse._SubParsersAction) -> None:
         help=f"add sparseloco-k64-H30-<rule> per rule, side by side ({','.join(AGGREGATION_RULES)})",
     )
     sparse.add_argument("--replicas", type=int, default=None, help="R (default: 2 with --quick, else 4)")
+    sparse.add_argument(
+        "--outer-lr", type=float, default=None, help="SparseLoCo's α for this run (default 1)"
+    )
     sparse.add_argument("--no-progress", action="store_true")
     sparse.set_defaults(handler=run_sparseloco)
     infl = benches.add_parser(
@@ -50,10 +53,10 @@ def register(commands: argparse._SubParsersAction) -> None:
     trust = benches.add_parser(
         "trust", help="verification against useless or harmful work: loss, exclusion, false exclusions"
     )
-    trust.add_argument("--quick", action="store_true", help="tiny config, H=10, 12 rounds (several minutes)")
+    trust.add_argument("--quick", action="store_true", help="tiny, batch 4, H=5, 6 rounds (~15 min)")
     trust.add_argument("--config", type=Path, default=None, help="default: tiny if --quick, else small")
     trust.add_argument("--out", type=Path, default=Path("benchmarks/results"), help="output folder")
-    trust.add_argument("--rounds", type=int, default=None, help="rounds per run (default: 12 / 10)")
+    trust.add_argument("--rounds", type=int, default=None, help="rounds per run (default: 6 / 10)")
     trust.add_argument("--modes", default="", help="comma-separated fault modes (default: all)")
     trust.add_argument("--no-progress", action="store_true")
     trust.set_defaults(handler=run_trust)
@@ -123,7 +126,7 @@ def _names(text: str) -> tuple[str, ...]:
 
 def run_sparseloco(args: argparse.Namespace) -> int:
     plan = sparseloco.plan_for(
-        args.quick, args.steps, _names(args.methods), _names(args.aggregations), args.replicas
+        args.quick, args.steps, _names(args.methods), _names(args.aggregations), args.replicas, args.outer_lr
     )
     report = sparseloco.run_benchmark(_config(args), plan, args.out, progress=not args.no_progress)
     header = ("method", "rule", "eval loss", "bytes/round", "total bytes", "vs fp32", "codec/inner")

@@ -26,7 +26,7 @@ def test_single_and_shared_coordinates() -> None:
         ("peer-a", {"w": _sp([0, 1], [3.0, 4.0])}),
         ("peer-b", {"w": _sp([1, 3], [4.0, -3.0])}),
     ]
-    out = aggregate_sparse(contribs, {"w": (2, 2), "unused": (3,)})
+    out = aggregate_sparse(contribs, {"w": (2, 2), "unused": (3,)}, rule="selectors")
     assert out["w"].tolist() == [[3.0, 4.0], [0.0, -3.0]]
     assert out["w"].dtype == torch.float32
     assert torch.equal(out["unused"], torch.zeros(3))
@@ -38,10 +38,10 @@ def test_median_clipping_scales_outlier_only() -> None:
         ("b", {"w": _sp([1], [2.0])}),
         ("c", {"w": _sp([2, 3], [30.0, 40.0])}),  # norm 50, median norm is 2
     ]
-    out = aggregate_sparse(contribs, {"w": (4,)})
+    out = aggregate_sparse(contribs, {"w": (4,)}, rule="selectors")
     assert torch.allclose(out["w"], torch.tensor([1.0, 2.0, 1.2, 1.6]))
     # even count: lower median (1.0) → b is scaled down to norm 1, a untouched, never scaled up
-    out2 = aggregate_sparse(contribs[:2], {"w": (4,)})
+    out2 = aggregate_sparse(contribs[:2], {"w": (4,)}, rule="selectors")
     assert out2["w"].tolist() == [1.0, 1.0, 0.0, 0.0]
 
 
@@ -51,7 +51,7 @@ def test_mean_uses_clipped_values() -> None:
         ("b", {"w": _sp([0], [1.0])}),
         ("c", {"w": _sp([0, 1], [-6.0, 8.0])}),  # norm 10 → scaled to 1: (-0.6, 0.8)
     ]
-    out = aggregate_sparse(contribs, {"w": (2,)})
+    out = aggregate_sparse(contribs, {"w": (2,)}, rule="selectors")
     assert torch.allclose(out["w"], torch.tensor([(1.0 + 1.0 - 0.6) / 3, 0.8]))
 
 
@@ -102,6 +102,10 @@ def test_rule_definitions() -> None:
     assert torch.allclose(
         aggregate_sparse(contribs, {"w": (2,)}, rule="mean")["w"], torch.tensor([2 / 3, 1 / 3])
     )
+    # pooled: 3 selections over 2 selected coordinates, n̄ = 1.5 for every coordinate
+    assert torch.allclose(
+        aggregate_sparse(contribs, {"w": (2,)}, rule="pooled")["w"], torch.tensor([2 / 1.5, 1 / 1.5])
+    )
     # clip: every value capped at the median of the contributors' largest |value| (4, 4, 5 → 4)
     contribs = [
         ("a", {"w": _sp([0, 1], [3.0, 4.0])}),
@@ -127,7 +131,8 @@ def test_rule_definitions() -> None:
 
 
 def test_one_identity_on_a_support_nobody_chose() -> None:
-    """Under "selectors" a lone identity moves θ by the median norm; under "mean" by 1/N of it; trimmed: 0."""
+    """Under "selectors" a lone identity moves θ by the median norm, under "mean" by 1/N of it, under "pooled"
+    by 1/n̄ of it (as much as each honest peer), under "trimmed" not at all."""
     honest = [(f"h{i}", {"w": _sp([0, 1], [0.6, 0.8])}) for i in range(4)]
     attacker = ("x", {"w": _sp([2, 3], [30.0, -40.0])})  # norm 50, scaled to the median norm 1
     shapes = {"w": (4,)}
@@ -137,6 +142,7 @@ def test_one_identity_on_a_support_nobody_chose() -> None:
     }
     assert moved["selectors"] == pytest.approx(1.0) and moved["clip"] < 1.0
     assert moved["mean"] == pytest.approx(1 / 5) and moved["trimmed"] == 0.0
+    assert moved["pooled"] == pytest.approx(1 / 2.5)  # 10 selections over 4 coordinates: n̄ = 2.5
 
 
 def test_aggregate_rejects_bad_contributions() -> None:

@@ -1,5 +1,6 @@
 """Run as a script under a chosen ATEN_CPU_CAPABILITY: print the digests of θ⁰, T_fix, U and of θ after two
-outer steps with α = 0.7, as JSON (what tests/model/test_portable_theta.py compares across processes)."""
+outer steps with α = 0.7 under every aggregation rule, as JSON (what tests/model/test_portable_theta.py
+compares across processes)."""
 
 import hashlib
 import json
@@ -10,7 +11,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from hetnode.algo.aggregate import aggregate_sparse, outer_sgd_step  # noqa: E402
+from hetnode.algo.aggregate import AGGREGATION_RULES, aggregate_sparse, outer_sgd_step  # noqa: E402
 from hetnode.algo.packing import pack_uint2, pack_uint12  # noqa: E402
 from hetnode.algo.sparseloco import CompressedTensor, SparseLoCoCodec  # noqa: E402
 from hetnode.algo.subspace import frozen_embedding, orthonormal_basis  # noqa: E402
@@ -49,14 +50,21 @@ def main() -> None:
     }
     codec = SparseLoCoCodec(config.outer.topk, config.outer.tile)
     shapes = {n: tuple(p.shape) for n, p in params.items()}
+    rounds = []
     for step in range(2):
         contributions = []
-        for replica in ("a", "b", "c"):
+        for replica in ("a", "b", "c", "d", "e"):  # 5 contributors: the trimmed mean drops one at each end
             g = torch.Generator().manual_seed(1000 * step + ord(replica))
             sparse = {n: codec.sparse(payload(codec, shape, g)) for n, shape in shapes.items()}
             contributions.append((replica, sparse))
-        outer_sgd_step(params, aggregate_sparse(contributions, shapes), lr=0.7, weight_decay=0.01)
-    out["after_two_steps"] = layer_digests(params)
+        rounds.append(contributions)
+    out["after_two_steps"] = {}
+    for rule in AGGREGATION_RULES:  # every aggregation rule, from the same θ⁰
+        theta = {n: p.clone() for n, p in params.items()}
+        for contributions in rounds:
+            delta = aggregate_sparse(contributions, shapes, rule=rule)
+            outer_sgd_step(theta, delta, lr=0.7, weight_decay=0.01)
+        out["after_two_steps"][rule] = layer_digests(theta)
     print(json.dumps(out))
 
 
