@@ -20,7 +20,9 @@ def test_trust_bench_runs_and_reports_each_mode(tiny_config: Config, tmp_path: P
     copy = report["modes"]["copy"]
     assert copy["rounds_to_exclusion"] == 1 and copy["reasons"] == ["copy"]  # refused from its first round
     for mode in report["modes"].values():  # (false exclusions are measured by the bench, at its own scale)
-        assert isinstance(mode["false_exclusions"], int) and 0 < mode["verify_share"] < 1
+        # verify_share is scoring time over training time: at 2 steps of 2 sequences scoring costs more than
+        # training (it is measured against the target at the bench's scale, not here)
+        assert isinstance(mode["false_exclusions"], int) and mode["verify_share"] > 0
         for key in ("final_eval_loss", "final_eval_loss_clean", "final_eval_loss_unverified"):
             assert mode[key] > 0
     assert len(report["curves"]["clean"]) == 3

@@ -56,6 +56,7 @@ CONTRACT_METRICS = {
     "hetnode_sync_round_seconds_sum",
     "hetnode_sync_round_seconds_count",
     "hetnode_sync_rounds_left_out_total",
+    "hetnode_digest_mismatch_total",
     "hetnode_compression_ratio",
     "hetnode_link_mbps",
     "hetnode_peer_info",
@@ -72,6 +73,9 @@ CONTRACT_METRICS = {
     "hetnode_contribution_inner_steps_total",
     "hetnode_contribution_bytes_total",
     "hetnode_contribution_share",
+    # verified contributions (issue 16)
+    "hetnode_contribution_rejected_total",
+    "hetnode_contribution_score",
 }
 
 
