@@ -44,6 +44,7 @@ from hetnode.service.datadir import DataDir
 from hetnode.service.lifecycle import sleep_or_stop, sleep_or_wake
 from hetnode.service.presence import Presence
 from hetnode.wire.seals import seal_digest
+from hetnode.wire.sync_payload import DecodedPayload
 
 log = logging.getLogger(__name__)
 
@@ -90,6 +91,7 @@ class RoundKeeper:
         self.sealer = Sealer(config, node, self.global_model)
         self.sealed_in_this_life = False  # from then on, no other seal or θ is ever adopted
         self.verifier: Verifier | None = None  # set up with the evaluator when `outer.verify` is on
+        self._rescued: dict[tuple[int, tuple[str, ...]], set[str]] = {}  # the last `_rescue` verdict
         self._names: dict[str, str] = {}  # display names from peer records, as last seen
         self.view = RecentView(node, config, max_age_s=config.network.heartbeat_s)
         self._load_checkpoint()
@@ -120,6 +122,7 @@ class RoundKeeper:
         if self.config.outer.verify:
             self.verifier = Verifier(self.config, self._dataset, self._model)
             self.sealer.screen = self.verifier.screen
+            self.sealer.rescue = self._rescue
         seen: dict[str, Announcement] = {}
         round_ = self.global_model.params_round + 1
         try:
@@ -302,6 +305,22 @@ class RoundKeeper:
             len(sealed.excluded),
             eval_loss,
         )
+
+    async def _rescue(self, round_: int, contributions: list[tuple[str, list[DecodedPayload]]]) -> set[str]:
+        """The peers among `contributions` whose work helps on its own (once per round and set of peers:
+        the sealer asks again at every poll while the round stays open)."""
+        key = (round_, tuple(sorted(peer for peer, _ in contributions)))
+        if self.verifier is None:
+            return set()
+        if key not in self._rescued:
+            peers = (await self.view.get()).peers
+            replicas = {peer: replica_of(peer, peers.get(peer)) for peer, _ in contributions}
+            self._rescued = {
+                key: await asyncio.to_thread(
+                    self.verifier.helps, round_, self.global_model.params, contributions, replicas
+                )
+            }
+        return self._rescued[key]
 
     async def _verify(self, sealed: SealedRound, peers: dict[str, dict]) -> list[Verdict]:
         """Score the round's valid contributions (stale and copied ones have their reason already) and

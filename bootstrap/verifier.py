@@ -12,6 +12,12 @@ Two passes per round:
   per peer; a peer whose average is negative is screened out of later seals until it recovers (it is still
   scored while it is out, so honest work comes back).
 
+A peer is judged on MIN_SCORES scores or more (one round on a few sequences is noisy, and a newcomer's first
+round, from a fresh optimiser, helps less than its later ones), and its average starts from 0. When every
+valid contribution of a round is screened out for its author's average, `helps` is asked instead: the
+contributions whose update alone lowers the loss are sealed (a chain left alone after its anchor died must
+not stall the swarm), while their credit still waits for the average to recover.
+
 The coordinator credits a contribution only when it was sealed and its author's average is not negative.
 """
 
@@ -47,7 +53,8 @@ log = logging.getLogger(__name__)
 COPY_OVERLAP = 0.9  # share of top-k positions in common that marks a copy (honest pairs measure far below)
 NORM_BAND = 8.0  # a contribution more than this far above or below the round's median norm is left out
 MIN_FOR_NORM_BAND = 3  # with fewer contributions the median says nothing about who is odd
-AVERAGE_WEIGHT = 0.5  # of the newest score in a peer's exponential average
+AVERAGE_WEIGHT = 0.5  # of the newest score in a peer's exponential average (which starts at 0)
+MIN_SCORES = 2  # scores a peer needs before its average can refuse it weight or credit
 TRIAL_STEP = 0.5  # of the outer learning rate: each update is tried alone at this reduced step
 SCORE_SEQUENCES = 4  # sequences per scoring batch: a few forward passes per contribution, not a round's work
 
@@ -76,6 +83,7 @@ class Verifier:
         self.dataset = dataset
         self.model = model
         self.averages: dict[str, float] = {}
+        self.counts: dict[str, int] = {}  # scores behind each average
         self._secret = os.urandom(16)  # held-out batches are drawn with it: replicas cannot aim at them
         self.last_seconds = 0.0  # scoring time of the last round
 
@@ -101,9 +109,13 @@ class Verifier:
         for peer in self._off_norm(updates):
             reasons.setdefault(peer, "norm")
         for peer in order:
-            if self.averages.get(peer, 0.0) < 0:
+            if self.judged_negative(peer):
                 reasons.setdefault(peer, "score")
         return reasons
+
+    def judged_negative(self, peer: str) -> bool:
+        """Whether `peer`'s average, over enough scores to judge it, is negative."""
+        return self.counts.get(peer, 0) >= MIN_SCORES and self.averages.get(peer, 0.0) < 0
 
     def _off_norm(self, updates: Mapping[str, Mapping]) -> set[str]:
         """Peers whose norm is outside [median / NORM_BAND, median · NORM_BAND] in most shards they sent,
@@ -137,6 +149,44 @@ class Verifier:
         """Score every contribution's replica on θ (`params`, before this round's step); update the
         averages of their peers and return {peer: score}. Blocking: run it in a worker thread."""
         started = time.perf_counter()
+        improvements, members = self._improvements(round_, params, contributions, replicas)
+        scores = relative_scores(improvements)
+        by_peer = {}
+        for key, peers in members.items():
+            for peer in peers:
+                by_peer[peer] = scores[key]
+                previous = self.averages.get(peer, 0.0)
+                self.averages[peer] = (1 - AVERAGE_WEIGHT) * previous + AVERAGE_WEIGHT * scores[key]
+                self.counts[peer] = self.counts.get(peer, 0) + 1
+        if len(self.averages) > 100_000:  # forget the oldest identities rather than grow without bound
+            for peer in list(self.averages)[: len(self.averages) // 2]:
+                del self.averages[peer]
+                self.counts.pop(peer, None)
+        self.last_seconds = time.perf_counter() - started
+        return by_peer
+
+    def helps(
+        self,
+        round_: int,
+        params: Mapping[str, torch.Tensor],
+        contributions: Sequence[Contribution],
+        replicas: Mapping[str, Replica],
+    ) -> set[str]:
+        """The peers whose replica's update, applied alone, lowers the loss on its assigned batch and a
+        held-out one together (no yardstick of other work: for a round in which nobody else is left).
+        Averages are not touched: the round's score comes after sealing, as for any round. Blocking."""
+        improvements, members = self._improvements(round_, params, contributions, replicas)
+        return {peer for key, peers in members.items() if improvements[key] > 0 for peer in peers}
+
+    def _improvements(
+        self,
+        round_: int,
+        params: Mapping[str, torch.Tensor],
+        contributions: Sequence[Contribution],
+        replicas: Mapping[str, Replica],
+    ) -> tuple[dict[str, float], dict[str, list[str]]]:
+        """({replica key: loss improvement}, {replica key: its peers}): each replica's update (a chain's
+        stages merged) applied alone at the trial step, clipped to the median norm."""
         shapes = {name: tuple(t.shape) for name, t in params.items()}
         merged: dict[str, dict[str, tuple]] = {}
         members: dict[str, list[str]] = {}
@@ -145,7 +195,7 @@ class Verifier:
             merged.setdefault(key, {}).update(_sparse_of(decoded))
             members.setdefault(key, []).append(peer)
         if not merged:
-            return {}
+            return {}, {}
         norms = sorted(update_norm(u) for u in merged.values())
         median = norms[len(norms) // 2]
         step = self.config.outer.lr * TRIAL_STEP
@@ -161,22 +211,7 @@ class Verifier:
             improvements[key] = loss_improvement(self.model, params, delta, step, own) + loss_improvement(
                 self.model, params, delta, step, held_out, before=held_out_before
             )
-        scores = relative_scores(improvements)
-        by_peer = {}
-        for key, peers in members.items():
-            for peer in peers:
-                by_peer[peer] = scores[key]
-                previous = self.averages.get(peer)
-                self.averages[peer] = (
-                    scores[key]
-                    if previous is None
-                    else (1 - AVERAGE_WEIGHT) * previous + AVERAGE_WEIGHT * scores[key]
-                )
-        if len(self.averages) > 100_000:  # forget the oldest identities rather than grow without bound
-            for peer in list(self.averages)[: len(self.averages) // 2]:
-                del self.averages[peer]
-        self.last_seconds = time.perf_counter() - started
-        return by_peer
+        return improvements, members
 
     def _assigned(self, round_: int, replica: Replica) -> list[tuple]:
         """The last batch the replica was assigned in `round_` (its data slot and round are public)."""
@@ -198,14 +233,14 @@ class Verifier:
         rejected: Mapping[str, str],
         scores: Mapping[str, float],
     ) -> list[Verdict]:
-        """One verdict per peer that sent a valid contribution: credited only when sealed and its average
-        is not negative after this round's score."""
+        """One verdict per peer that sent a valid contribution: credited only when sealed and not judged
+        negative after this round's score."""
         out = []
         for peer in sorted(set(sealed) | set(rejected)):
             reason = rejected.get(peer)
             average = self.averages.get(peer)
-            if reason is None and average is not None and average < 0:
-                reason = "score"  # sealed on its earlier record, but this round's work made it negative
+            if reason is None and self.judged_negative(peer):
+                reason = "score"  # sealed on its earlier record (or alone), but its average is negative
             out.append(Verdict(peer, round_, reason, scores.get(peer), average))
         return out
 

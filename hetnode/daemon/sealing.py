@@ -23,7 +23,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -48,6 +48,8 @@ MAX_CONCURRENT_FETCHES = 8  # authors whose payloads are in flight to the sealer
 Checked = tuple[Announcement, dict[str, bytes], list[DecodedPayload]]  # (claim, payloads, decoded)
 # (round, valid contributions in announcement order) -> {peer: reason} to leave out of the seal (TRUST §4)
 Screen = Callable[[int, list[tuple[str, list[DecodedPayload]]]], dict[str, str]]
+# (round, contributions left out only for their author's score) -> the peers whose work helps on its own
+Rescue = Callable[[int, list[tuple[str, list[DecodedPayload]]]], Awaitable[set[str]]]
 
 
 @dataclass(frozen=True)
@@ -87,6 +89,7 @@ class Sealer:
         self._fetching = asyncio.Semaphore(MAX_CONCURRENT_FETCHES)
         self.missed: set[str] = set()  # expected by an earlier seal, not announced since
         self.screen: Screen | None = None  # the coordinator's verifier; a stand-in seals unscreened
+        self.rescue: Rescue | None = None  # asked when the screen leaves nothing to seal
         n = config.network
         self.deadline = ArrivalDeadline(
             floor_s=max(1.0, n.heartbeat_s), ceiling_s=max(30.0, 10 * n.boundary_s)
@@ -209,6 +212,8 @@ class Sealer:
             good.append((announcement, payloads, decoded))
         valid = [(a.peer_id, decoded) for a, _, decoded in good]
         rejected = self._screened(round_, good)
+        if good and len(rejected) == len(good):
+            rejected = await self._rescued(round_, good, rejected)
         excluded += sorted(rejected)
         good = [g for g in good if g[0].peer_id not in rejected]
         good, prepared = await self._prepare(round_, good, excluded)
@@ -249,6 +254,26 @@ class Sealer:
         for peer, reason in sorted(rejected.items()):
             log.warning("round %d: leaving out %s's contribution: %s", round_, peer, reason)
         return rejected
+
+    async def _rescued(self, round_: int, good: list[Checked], rejected: dict[str, str]) -> dict[str, str]:
+        """The screen left nothing: contributions left out only for their author's score average are
+        sealed after all if their update alone lowers the loss, so that a replica left alone (a chain whose
+        anchor died) keeps the swarm going. Their credit still waits for the average (TRUST §4)."""
+        candidates = [(a.peer_id, decoded) for a, _, decoded in good if rejected[a.peer_id] == "score"]
+        if self.rescue is None or not candidates:
+            return rejected
+        try:
+            helping = await self.rescue(round_, candidates)
+        except Exception:  # a verifier bug must not seal what the screen refused
+            log.exception("round %d: judging the screened-out contributions failed", round_)
+            return rejected
+        if helping:
+            log.info(
+                "round %d: every contribution was screened out; sealing %s: their update lowers the loss",
+                round_,
+                ", ".join(sorted(helping)),
+            )
+        return {peer: reason for peer, reason in rejected.items() if peer not in helping}
 
     async def _prepare(
         self, round_: int, good: list[Checked], excluded: list[str]

@@ -66,10 +66,17 @@ def test_honest_work_passes_and_each_fault_is_caught(setup):
         assert scores[peer] > 0, scores
     for peer in ("noise-x", "signflip-x", "freerider-x"):
         assert scores[peer] < 0, (peer, scores)
-    # negative averages are screened out of the next seal; honest ones are not
+    # one round's score judges nobody (a newcomer's first round is noisy and weak) ...
+    assert not {"noise-x", "signflip-x"} & set(verifier.screen(0, contributions))
+    # ... a second one does: negative averages are screened out of the next seal; honest ones are not
+    verifier.score(0, theta.params, scorable, replicas)
     again = verifier.screen(0, contributions)
     assert again.get("noise-x") == "score" and again.get("signflip-x") == "score"
     assert not set(HONEST) & set(again)
+    assert all(verifier.averages[p] > 0 for p in HONEST)
+    # with nobody else left, work is sealed only if it lowers the loss on its own
+    alone = [(p, d) for p, d in scorable if p in ("honest-b", "noise-x", "signflip-x")]
+    assert verifier.helps(0, theta.params, alone, replicas) == {"honest-b"}
     verdicts = {v.peer: v for v in verifier.verdicts(0, HONEST, reasons, scores)}
     assert all(verdicts[p].reason is None for p in HONEST)
     assert verdicts["copier-x"].reason == "copy" and verdicts["copier-x"].score is None

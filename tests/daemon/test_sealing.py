@@ -7,10 +7,12 @@ from collections.abc import AsyncIterator
 
 import pytest
 
+from bootstrap.verifier import MIN_SCORES, Replica, Verifier
 from hetnode.config import replace
-from hetnode.daemon.rounds import AnchorTraining, GlobalModel, sha256_hex
+from hetnode.daemon.rounds import AnchorTraining, GlobalModel, base_fixed_embedding, data_slot, sha256_hex
 from hetnode.daemon.sealing import BAN_S, RETRY_S, Sealer
 from hetnode.data.dataset import TokenDataset
+from hetnode.model.decoder import build_model
 from hetnode.net import loop
 from hetnode.net.identity import ephemeral_identity
 from hetnode.net.node import NodeLimits, SwarmNode
@@ -49,12 +51,18 @@ async def running_nodes(count: int, run: str) -> AsyncIterator[list[SwarmNode]]:
 
 
 async def announce(
-    node: SwarmNode, config, dataset, model: GlobalModel, lie: bool = False, warmup: int = 0
+    node: SwarmNode,
+    config,
+    dataset,
+    model: GlobalModel,
+    lie: bool = False,
+    warmup: int = 0,
+    fault: str | None = None,
 ) -> Announcement:
     """Train round 0 as `node`'s replica (after `warmup` earlier rounds, for a different payload), serve
     the payload and announce its digests (or wrong ones)."""
     peer = node.identity.peer_id
-    training = AnchorTraining(config, dataset, peer)
+    training = AnchorTraining(config, dataset, peer, fault=fault)
     for _ in range(warmup):
         training.run_round(0, model)
     payloads = training.run_round(0, model)
@@ -159,5 +167,45 @@ def test_payloads_are_checked_as_announced_and_a_re_announcement_replaces_the_ch
                 early.identity.peer_id: early_announcement.shards,
                 restarted.identity.peer_id: second.shards,
             }
+
+    loop.run(scenario())
+
+
+def test_when_every_author_is_screened_out_only_work_that_helps_on_its_own_is_sealed(config, dataset):
+    """Both authors' score averages are negative (say the honest one's first rounds were weak): rather than
+    stall, the seal takes the contribution that lowers the loss alone and still leaves out the harmful one."""
+
+    async def scenario():
+        async with running_nodes(3, config.run.name) as nodes:
+            sealer_node, honest, flipper = nodes
+            model = GlobalModel(config)
+            await announce(honest, config, dataset, model)
+            await announce(flipper, config, dataset, model, fault="signflip")
+            decoder = build_model(config.model, seed=config.run.seed)
+            decoder.fixed_embedding = base_fixed_embedding(config)
+            verifier = Verifier(config, dataset, decoder)
+            for node in (honest, flipper):
+                verifier.averages[node.identity.peer_id] = -0.5
+                verifier.counts[node.identity.peer_id] = MIN_SCORES
+            asked = []
+
+            async def rescue(round_, contributions):
+                asked.append(sorted(peer for peer, _ in contributions))
+                replicas = {peer: Replica(peer, data_slot(peer)) for peer, _ in contributions}
+                return await asyncio.to_thread(verifier.helps, round_, model.params, contributions, replicas)
+
+            sealer = Sealer(config, sealer_node, model)
+            sealer.screen, sealer.rescue = verifier.screen, rescue
+            sealed = await sealer.seal(0, await collect_all(sealer, 2))
+            assert asked == [sorted([honest.identity.peer_id, flipper.identity.peer_id])]
+            assert sealed is not None
+            assert [peer for peer, _ in sealed.contributions] == [honest.identity.peer_id]
+            assert sealed.rejected == {flipper.identity.peer_id: "score"}
+
+            # the harmful one alone: nothing is sealed, the round stays open
+            sealer = Sealer(config, sealer_node, model)
+            sealer.screen, sealer.rescue = verifier.screen, rescue
+            alone = {flipper.identity.peer_id: (await collect_all(sealer, 2))[flipper.identity.peer_id]}
+            assert await sealer.seal(0, alone) is None
 
     loop.run(scenario())

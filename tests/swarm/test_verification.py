@@ -42,7 +42,9 @@ def test_useless_or_harmful_work_loses_weight_and_credit_within_three_rounds(swa
         what="every faulty anchor rejected from 3 rounds after it first contributed",
     )
     reasons = {kind: {e["rejected"].get(d.peer_id) for e in history} - {None} for kind, d in faulty.items()}
-    assert reasons["stale"] == {"stale"} and reasons["copy"] == {"copy"}, reasons
+    # a copy of a payload that was itself a round behind is refused as stale before its overlap is looked at
+    assert reasons["stale"] == {"stale"} and "copy" in reasons["copy"], reasons
+    assert reasons["copy"] <= {"copy", "stale"}, reasons
     assert reasons["scaled"] == {"norm"} and reasons["freerider"] == {"norm"}, reasons
     assert reasons["noise"] == {"score"} and reasons["signflip"] == {"score"}, reasons
     honest_ids = {d.peer_id for d in honest}
