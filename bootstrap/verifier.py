@@ -15,8 +15,13 @@ Two passes per round:
 A peer is judged on MIN_SCORES scores or more (one round on a few sequences is noisy, and a newcomer's first
 round, from a fresh optimiser, helps less than its later ones), and its average starts from 0. When every
 valid contribution of a round is screened out for its author's average, `helps` is asked instead: the
-contributions whose update alone lowers the loss are sealed (a chain left alone after its anchor died must
+contributions whose update alone would score non-negative against the last scored round's yardstick are
+sealed (a chain left alone after its anchor died must
 not stall the swarm), while their credit still waits for the average to recover.
+
+Small swarms are scored whole; beyond `outer.verify_sample` replicas a rotating sample is, the least
+recently scored first, so verification stays a bounded share of a round and every replica is looked at
+every ceil(R / verify_sample) rounds (an unsampled round leaves its average as it was).
 
 The coordinator credits a contribution only when it was sealed and its author's average is not negative.
 """
@@ -37,6 +42,7 @@ from bootstrap.ledger import Verdict
 from hetnode.algo.scoring import (
     batch_loss,
     dense_update,
+    improvement_scale,
     index_overlap,
     loss_improvement,
     relative_scores,
@@ -84,6 +90,8 @@ class Verifier:
         self.model = model
         self.averages: dict[str, float] = {}
         self.counts: dict[str, int] = {}  # scores behind each average
+        self.last_scored: dict[str, int] = {}  # replica key -> the last round it was scored in
+        self.recent_scale: float | None = None  # the last scored round's yardstick (`improvement_scale`)
         self._secret = os.urandom(16)  # held-out batches are drawn with it: replicas cannot aim at them
         self.last_seconds = 0.0  # scoring time of the last round
 
@@ -149,8 +157,10 @@ class Verifier:
         """Score every contribution's replica on θ (`params`, before this round's step); update the
         averages of their peers and return {peer: score}. Blocking: run it in a worker thread."""
         started = time.perf_counter()
-        improvements, members = self._improvements(round_, params, contributions, replicas)
+        improvements, members = self._improvements(round_, params, contributions, replicas, sample=True)
         scores = relative_scores(improvements)
+        if improvements:
+            self.recent_scale = improvement_scale(improvements)
         by_peer = {}
         for key, peers in members.items():
             for peer in peers:
@@ -162,6 +172,7 @@ class Verifier:
             for peer in list(self.averages)[: len(self.averages) // 2]:
                 del self.averages[peer]
                 self.counts.pop(peer, None)
+            self.last_scored = {key: r for key, r in self.last_scored.items() if r >= round_ - 1000}
         self.last_seconds = time.perf_counter() - started
         return by_peer
 
@@ -172,11 +183,18 @@ class Verifier:
         contributions: Sequence[Contribution],
         replicas: Mapping[str, Replica],
     ) -> set[str]:
-        """The peers whose replica's update, applied alone, lowers the loss on its assigned batch and a
-        held-out one together (no yardstick of other work: for a round in which nobody else is left).
-        Averages are not touched: the round's score comes after sealing, as for any round. Blocking."""
+        """The peers whose replica's update, applied alone, would score non-negative against the last
+        scored round's yardstick (no other work to measure it against: for a round nobody else is left in;
+        before any round was scored, any improvement counts). Averages are not touched: the round's score
+        comes after sealing, as for any round. Blocking: run it in a worker thread."""
         improvements, members = self._improvements(round_, params, contributions, replicas)
-        return {peer for key, peers in members.items() if improvements[key] > 0 for peer in peers}
+        scale = self.recent_scale
+        passed = (
+            {key for key, value in improvements.items() if value > 0}
+            if scale is None
+            else {key for key, score in relative_scores(improvements, scale=scale).items() if score >= 0}
+        )
+        return {peer for key in passed for peer in members[key]}
 
     def _improvements(
         self,
@@ -184,9 +202,11 @@ class Verifier:
         params: Mapping[str, torch.Tensor],
         contributions: Sequence[Contribution],
         replicas: Mapping[str, Replica],
+        sample: bool = False,
     ) -> tuple[dict[str, float], dict[str, list[str]]]:
         """({replica key: loss improvement}, {replica key: its peers}): each replica's update (a chain's
-        stages merged) applied alone at the trial step, clipped to the median norm."""
+        stages merged) applied alone at the trial step, clipped to the median norm of all of them. With
+        `sample`, only the replicas `_sample` picks for this round are tried."""
         shapes = {name: tuple(t.shape) for name, t in params.items()}
         merged: dict[str, dict[str, tuple]] = {}
         members: dict[str, list[str]] = {}
@@ -198,6 +218,10 @@ class Verifier:
             return {}, {}
         norms = sorted(update_norm(u) for u in merged.values())
         median = norms[len(norms) // 2]
+        if sample:
+            picked = self._sample(round_, sorted(merged))
+            merged = {key: merged[key] for key in picked}
+            members = {key: members[key] for key in picked}
         step = self.config.outer.lr * TRIAL_STEP
         held_out = self._held_out(round_)
         held_out_before = batch_loss(self.model, params, held_out)
@@ -212,6 +236,22 @@ class Verifier:
                 self.model, params, delta, step, held_out, before=held_out_before
             )
         return improvements, members
+
+    def _sample(self, round_: int, keys: Sequence[str]) -> list[str]:
+        """All replicas while they are at most `outer.verify_sample`; beyond, the least recently scored
+        first (never scored counts as oldest), ties in an order our secret draws anew each round, so that
+        nobody can tell when it will be looked at next."""
+        limit = self.config.outer.verify_sample
+        if len(keys) > limit:
+
+            def turn(key: str) -> tuple[int, bytes]:
+                tie = hashlib.sha256(self._secret + round_.to_bytes(8, "big", signed=True) + key.encode())
+                return self.last_scored.get(key, -(2**62)), tie.digest()
+
+            keys = sorted(keys, key=turn)[:limit]
+        for key in keys:
+            self.last_scored[key] = round_
+        return list(keys)
 
     def _assigned(self, round_: int, replica: Replica) -> list[tuple]:
         """The last batch the replica was assigned in `round_` (its data slot and round are public)."""

@@ -103,6 +103,10 @@ class OuterConfig:
     # The coordinator scores every contribution and gives no weight or credit to work that does not help
     # (TRUST §4: stale, copied, free-riding or harmful updates); off only to measure what it prevents.
     verify: bool = True
+    # The most replicas the coordinator scores in one round (a chain counts once). Small swarms are scored
+    # whole; in larger ones a rotating sample, least recently scored first, so that every replica is scored
+    # at least every ceil(R / verify_sample) rounds and verification stays a bounded share of a round.
+    verify_sample: int = 16
     # How each coordinate combines the contributions, after every contribution is scaled down to the median
     # norm (TRUST §3, docs/sync.md). "mean" (default, the SparseLoCo paper's (1/N)Σ): each identity holds
     # 1/N of the update and moves Δ by at most 1/N of the median norm. "selectors": the mean over the peers
@@ -345,6 +349,7 @@ def validate(config: Config, source: str) -> None:
         f"must be >= 1, got {o.checkpoint_every_rounds}",
     )
     _require(o.weight_decay >= 0, source, "outer.weight_decay", "must be >= 0")
+    _require(o.verify_sample >= 1, source, "outer.verify_sample", f"must be >= 1, got {o.verify_sample}")
     _require(0 < o.max_value <= 1e30, source, "outer.max_value", f"must be in (0, 1e30], got {o.max_value}")
     rules = typing.get_args(typing.get_type_hints(OuterConfig)["aggregation"])
     _require(o.aggregation in rules, source, "outer.aggregation", f"must be one of {list(rules)}")

@@ -57,6 +57,7 @@ def _write(tmp_path: Path, body: str) -> Path:
         ("[outer]\ntopk = 0\n", "outer.topk", "must be in"),
         ("[outer]\nerror_feedback = 1.0\n", "outer.error_feedback", "[0, 1)"),
         ("[outer]\ncheckpoint_every_rounds = 0\n", "outer.checkpoint_every_rounds", ">= 1"),
+        ("[outer]\nverify_sample = 0\n", "outer.verify_sample", ">= 1"),
         ("[outer]\naggregation = 'median'\n", "outer.aggregation", "must be one of"),
         ("[pipeline]\nstages = 9\n", "pipeline.stages", "every stage needs a layer"),
         ("[pipeline]\ncompression = 'some'\n", "pipeline.compression", "must be one of"),

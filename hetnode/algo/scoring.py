@@ -74,15 +74,21 @@ def loss_improvement(
     return before - batch_loss(model, after, batches)
 
 
-def relative_scores(improvements: Mapping[str, float], margin: float = SCORE_MARGIN) -> dict[str, float]:
-    """Each improvement over the median magnitude of the round's improvements, minus `margin`.
+def improvement_scale(improvements: Mapping[str, float]) -> float:
+    """The round's yardstick: the upper median of the improvements' magnitudes. With two contributions the
+    larger sets the scale (a free rider beside one honest replica must not be the yardstick); it is always
+    an actual contribution's."""
+    magnitudes = sorted(abs(v) for v in improvements.values())
+    return max(magnitudes[len(magnitudes) // 2], 1e-12) if magnitudes else 1e-12
+
+
+def relative_scores(
+    improvements: Mapping[str, float], margin: float = SCORE_MARGIN, scale: float | None = None
+) -> dict[str, float]:
+    """Each improvement over `scale` (by default the round's `improvement_scale`), minus `margin`.
 
     Honest work scores about 1 − margin; a free rider about −margin; noise and sign flips below that."""
     if not improvements:
         return {}
-    magnitudes = sorted(abs(v) for v in improvements.values())
-    # the upper middle: with two contributions, the larger sets the scale (a free rider beside one honest
-    # replica must not be the yardstick); it is always an actual contribution's
-    median = magnitudes[len(magnitudes) // 2]
-    scale = max(median, 1e-12)
+    scale = improvement_scale(improvements) if scale is None else max(scale, 1e-12)
     return {key: value / scale - margin for key, value in improvements.items()}

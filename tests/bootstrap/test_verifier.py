@@ -74,7 +74,7 @@ def test_honest_work_passes_and_each_fault_is_caught(setup):
     assert again.get("noise-x") == "score" and again.get("signflip-x") == "score"
     assert not set(HONEST) & set(again)
     assert all(verifier.averages[p] > 0 for p in HONEST)
-    # with nobody else left, work is sealed only if it lowers the loss on its own
+    # with nobody else left, work is sealed only if it would score non-negative against the last yardstick
     alone = [(p, d) for p, d in scorable if p in ("honest-b", "noise-x", "signflip-x")]
     assert verifier.helps(0, theta.params, alone, replicas) == {"honest-b"}
     verdicts = {v.peer: v for v in verifier.verdicts(0, HONEST, reasons, scores)}
@@ -100,3 +100,22 @@ def test_a_chain_is_one_replica():
     stage = {"role": "stage", "chain": "c5-0"}
     assert replica_of("p1", stage) == replica_of("p2", stage) == Replica("c5-0", data_slot("c5-0"))
     assert replica_of("anchor", {"role": "anchor", "chain": None}).key == "anchor"
+
+
+def test_large_swarms_are_scored_in_a_rotating_sample(setup):
+    config, dataset, model = setup
+    config = replace(config, "outer", verify_sample=2)
+    theta = GlobalModel(config)
+    peers = [f"replica-{i}" for i in range(5)]
+    payloads = _round(config, dataset, theta, peers)
+    contributions = [(p, _decoded(theta, p, payloads[p])) for p in peers]
+    replicas = {p: Replica(p, data_slot(p)) for p in peers}
+    verifier = Verifier(config, dataset, model)
+    scored_in = []
+    for round_ in range(3):
+        scores = verifier.score(round_, theta.params, contributions, replicas)
+        assert len(scores) == 2  # the sample, not the swarm
+        scored_in.append(set(scores))
+    assert scored_in[0] | scored_in[1] | scored_in[2] == set(peers)  # everyone within ceil(5 / 2) rounds
+    assert not scored_in[0] & scored_in[1]  # the least recently scored go first
+    assert all(verifier.counts[p] == sum(p in s for s in scored_in) for p in peers)
