@@ -7,7 +7,7 @@ import dataclasses
 from pathlib import Path
 
 from hetnode.algo.aggregate import AGGREGATION_RULES
-from hetnode.bench import influence, network, sparseloco, staleness, subspace
+from hetnode.bench import influence, network, scale, sparseloco, staleness, subspace
 from hetnode.config import load_config
 from hetnode.errors import ConfigError
 
@@ -69,6 +69,19 @@ def register(commands: argparse._SubParsersAction) -> None:
     network.add_argument("--slow-mbit", type=float, default=20.0, help="the chain's link rate")
     network.add_argument("--no-progress", action="store_true")
     network.set_defaults(handler=run_network)
+    sync = benches.add_parser(
+        "scale", help="the sync plane at 8..256 replicas, simulated: today's hub vs any-holder (no network)"
+    )
+    sync.add_argument("--quick", action="store_true", help="small and 178m, R in {8, 16, 64} (seconds)")
+    sync.add_argument("--out", type=Path, default=Path("benchmarks/results"), help="output folder")
+    sync.add_argument(
+        "--anchor-share",
+        type=float,
+        default=0.5,
+        help="share of the R replicas that are anchors (rest: chains)",
+    )
+    sync.add_argument("--no-progress", action="store_true")
+    sync.set_defaults(handler=run_scale)
     for name, text, handler in (
         ("subspace", "full replicas vs anchors + compressed chains, over compression ratios", run_subspace),
         ("staleness", "async pipelines P in {1,2,4,8}: adamw vs nadam vs rotated_adamw", run_staleness),
@@ -117,6 +130,42 @@ def run_network(args: argparse.Namespace) -> int:
     print(f"  the same with the chain alone on the CPUs: {show(t['compressed_chain_speedup_alone'])}")
     print(f"anchor tokens/s / hetnode train alone:      {show(t['anchor_over_local_tokens_per_s'])}")
     print(f"wrote {args.out / 'network.json'} and {args.out / 'network.png'}")
+    return 0
+
+
+def run_scale(args: argparse.Namespace) -> int:
+    plan = scale.plan_for(args.quick, args.anchor_share)
+    configs = {name: load_config(CONFIG_DIR / f"{name}.toml") for name in plan.configs}
+    lab = load_config(CONFIG_DIR / "tiny.toml")  # the network lab's config, for the control-plane check
+    report = scale.run_benchmark(configs, plan, args.out, progress=not args.no_progress, lab=lab)
+    header = (
+        "config",
+        "R",
+        "mode",
+        "coord. egress",
+        "stage down",
+        "anchor down",
+        "round s",
+        "limit s",
+        "control/peer",
+    )
+    print("{:<6} {:>4} {:<10} {:>14} {:>12} {:>12} {:>9} {:>9} {:>13}".format(*header))
+    for r in report["rows"]:
+        mb = [
+            r[k] / 1e6 for k in ("coordinator_egress_bytes", "stage_download_bytes", "anchor_download_bytes")
+        ]
+        print(
+            f"{r['config']:<6} {r['replicas']:>4} {r['mode']:<10} {mb[0]:>11,.1f} MB {mb[1]:>9,.1f} MB "
+            f"{mb[2]:>9,.1f} MB {r['round_s']:>9,.1f} {r['round_limit_s']:>9,.1f} "
+            f"{r['control_bytes_per_peer'] / 1e3:>10,.1f} KB"
+        )
+    for name, c in report["configs"].items():
+        print(
+            f"{name}: crossover R* = {c['crossover_R']['anchor']} (simulated: {c['crossover_R_simulated']})"
+        )
+        for target, t in report["targets"][name].items():
+            print(f"  {target}: {t['value']:.3f} (limit {t['limit']:.3f}) {'met' if t['met'] else 'NOT met'}")
+    print(f"wrote {args.out / 'scale.json'} and {args.out / 'scale.png'}")
     return 0
 
 

@@ -1,0 +1,159 @@
+"""Control-plane bytes per peer per round, today and in the target scheme (docs/scale.md, TRUST §6).
+
+Control here means DHT records and their upkeep: peer records and heartbeats, announcements, polls of the
+seal record beyond the one copy a replica needs, lookups and routing upkeep. Payloads and one copy of
+the seal per replica are the sync plane (`hetnode/bench/scale.py`), never counted here.
+
+Today (read from hetnode/service/presence.py, hetnode/daemon/view.py, hetnode/net/node.py,
+hetnode/daemon/participant.py, bootstrap/round_keeper.py):
+- every peer stores its whole record under the run's one `peers` key each heartbeat, and reads that key
+  once per heartbeat (`RecentView`); a read of a dictionary key with `latest=True` walks a beam of k nodes
+  and gets the whole dictionary, all N records, from each of the key's replicas it meets;
+- every author stores an announcement; while it waits for the seal it reads the `seal` key every second
+  (each read moves the whole previous seal until the new one is there); the coordinator reads the whole
+  `announce` key every half second, all round long.
+Target: per-peer keys; heartbeats every `stable_heartbeat_s` once a swarm is stable; a record holds what
+changes on events only (per-round fields ride in the announcement, sent straight to the coordinator);
+a change is pushed to the peers that depend on it (its chain) and read by nobody else; single-writer keys
+are found by a plain Kademlia lookup (α parallel queries, O(log N) hops) that stops at the first copy.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import msgpack
+
+# A DHT entry's owner subkey "[owner:<OpenSSH RSA-2048 key>]" (391 bytes in msgpack), its
+# "[signature:<base64>]" (356) and its expiry (a float64)
+RECORD_OVERHEAD_BYTES = 391 + 356 + 9
+PEER_ID = "Q" * 46
+
+
+@dataclass(frozen=True)
+class ControlModel:
+    round_period_s: float = 60.0  # control bytes are counted per round of this length
+    heartbeat_s: float = 10.0  # configs' network.heartbeat_s
+    stable_heartbeat_s: float = 120.0  # target, once the swarm is stable
+    seal_poll_s: float = 1.0  # hetnode/daemon/participant.py POLL_S
+    announce_poll_s: float = 0.5  # bootstrap/round_keeper.py POLL_S
+    bucket_size: int = 20  # hivemind's k, also the beam of its lookups
+    dht_replicas: int = 5  # hivemind's num_replicas
+    alpha: int = 3  # target lookups: Kademlia's parallel queries
+    rpc_bytes: int = 1200  # one DHT RPC without a value: request, k contacts back, framing
+    event_rate: float = 0.02  # target: record changes per peer per round (joins, roles, chains)
+    refresh_s: float = 3600.0  # target: each routing-table bucket refreshed by one lookup this often
+
+
+@dataclass(frozen=True)
+class RecordSizes:
+    """Bytes of one stored entry (value and overhead), averaged over the swarm's anchors and stages."""
+
+    peer_today: float  # the full record, per-round fields included
+    peer_event: float  # the target's record: only what changes on events
+    announce: float
+    seal: float
+
+
+def record_sizes(
+    shards: list[str], stage_shards: list[tuple[str, ...]], anchors: int, chains: int, seal: int
+) -> RecordSizes:
+    """Real msgpack sizes of records shaped as `hetnode/net/records.py` defines them."""
+
+    def peer(held: tuple[str, ...] | list[str], stage: int | None, per_round: bool) -> int:
+        record = {
+            "name": "volunteer-0042",
+            "link_class": "low" if stage is not None else "high",
+            "up_mbps": 20.5,
+            "down_mbps": 20.5,
+            "rtt_ms": 48.5,
+            "mem_gb": 24.0,
+            "device": "cuda",
+            "tflops": 80.5,
+            "wants": "stage" if stage is not None else "anchor",
+            "role": "stage" if stage is not None else "anchor",
+            "chain": "b000123-c0042" if stage is not None else None,
+            "stage": stage,
+            "layers": [0, 2] if stage is not None else None,
+            "chain_layout": [f"{PEER_ID}:0-2"] * len(stage_shards) if stage is not None else None,
+            "admission": None,
+            "version": 1,
+        }
+        if per_round:
+            record |= {
+                "outer_step": 1000,
+                "last_seen": 1.7e9,
+                "params_round": 1000,
+                "layer_digests": {s: "0" * 16 for s in held},
+                "tokens": 2**20,
+            }
+        return len(msgpack.packb(record, use_bin_type=True)) + RECORD_OVERHEAD_BYTES
+
+    def announce(held: tuple[str, ...] | list[str]) -> int:
+        body = {"round": 1000, "shards": {s: "0" * 64 for s in held}, "tokens": 2**20, "steps": 50}
+        return len(msgpack.packb(body, use_bin_type=True)) + RECORD_OVERHEAD_BYTES
+
+    members = [(shards, None)] * anchors + [
+        (held, i) for _ in range(chains) for i, held in enumerate(stage_shards)
+    ]
+
+    def mean(size) -> float:
+        return sum(size(held, stage) for held, stage in members) / len(members)
+
+    return RecordSizes(
+        peer_today=mean(lambda held, stage: peer(held, stage, True)),
+        peer_event=mean(lambda held, stage: peer(held, stage, False)),
+        announce=mean(lambda held, stage: announce(held)),
+        seal=float(seal),
+    )
+
+
+def lookup_rpcs_today(peers: int, m: ControlModel) -> int:
+    """hivemind's beam search: the beam (k nodes) plus the hops that converge on it, all peers if fewer."""
+    return min(peers - 1, m.bucket_size + math.ceil(math.log2(peers)))
+
+
+def lookup_rpcs_target(peers: int, m: ControlModel) -> int:
+    """A Kademlia lookup of a single-writer key: α queries per hop, log2 N hops, first copy wins."""
+    return min(peers - 1, m.alpha * math.ceil(math.log2(peers)))
+
+
+@dataclass(frozen=True)
+class ControlBytes:
+    per_peer: float  # sent + received by a peer, averaged over the swarm: 2 × total / peers
+    hot_peer: float  # sent + received by the busiest peer (a replica of a hot key, or the coordinator)
+    total: float  # bytes moved once over the swarm's links
+
+
+def today(peers: int, authors: int, sizes: RecordSizes, seal_wait_s: float, m: ControlModel) -> ControlBytes:
+    """Today's scheme, per round. `authors`: peers that announce (all but the coordinator)."""
+    lookup = lookup_rpcs_today(peers, m) * m.rpc_bytes
+    copies = min(peers, m.dht_replicas)  # every replica in the beam answers a `latest` read
+    beats = m.round_period_s / m.heartbeat_s
+    store = beats * (lookup + copies * sizes.peer_today)
+    read = beats * (lookup + copies * peers * sizes.peer_today)
+    # reads at 0, 1, 2 … s return the previous seal until the nudged read gets the new one
+    seal_reads = math.floor(seal_wait_s / m.seal_poll_s) + 2
+    per_author = lookup + copies * sizes.announce + seal_reads * (lookup + copies * sizes.seal) - sizes.seal
+    announce_polls = m.round_period_s / m.announce_poll_s * (lookup + copies * authors * sizes.announce)
+    coordinator = announce_polls + lookup + copies * sizes.seal  # and it stores the seal
+    total = peers * (store + read) + authors * per_author + coordinator
+    # a replica of `peers` takes every store and sends its whole copy to every read
+    replica = peers * beats * (sizes.peer_today + peers * sizes.peer_today)
+    announce_replica = m.round_period_s / m.announce_poll_s * authors * sizes.announce
+    return ControlBytes(2 * total / peers, max(replica, announce_replica, 2 * coordinator), total)
+
+
+def target(peers: int, authors: int, stages: int, sizes: RecordSizes, m: ControlModel) -> ControlBytes:
+    """The target scheme, per round, in a stable swarm."""
+    lookup = lookup_rpcs_target(peers, m) * m.rpc_bytes
+    store = lookup + m.dht_replicas * sizes.peer_event
+    beats = m.round_period_s / m.stable_heartbeat_s
+    events = m.event_rate * (store + (stages - 1) * (m.rpc_bytes + sizes.peer_event))
+    upkeep = m.round_period_s / m.refresh_s * math.ceil(math.log2(peers)) * lookup
+    announce = m.rpc_bytes + sizes.announce  # straight to the coordinator
+    # the coordinator follows every change (who is live, who joined a chain)
+    coordinator = peers * m.event_rate * (lookup + sizes.peer_event) + authors * announce
+    total = peers * (beats * store + events + upkeep) + coordinator
+    return ControlBytes(2 * total / peers, max(2 * coordinator, 2 * total / peers), total)

@@ -1,0 +1,140 @@
+"""`hetnode bench scale`: the sync-plane simulation (docs/scale.md). Pure model, no network, seconds."""
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from hetnode.algo.sparseloco import SparseLoCoCodec
+from hetnode.bench import scale, scale_control
+from hetnode.bench.fluid import NodeGroup, Transfer, link_seconds, simulate
+from hetnode.bench.scale_sizes import ROUND, payload_sizes, seal_bytes, shard_shapes, signed_payload_bytes
+from hetnode.config import load_config
+from hetnode.model import build_model
+from hetnode.model.shards import shard_names
+from hetnode.net.identity import ephemeral_identity
+from hetnode.net.signing import sign_payload
+from hetnode.wire.sync_payload import SyncPayload, encode_payload
+
+CONFIGS = Path(__file__).resolve().parents[2] / "configs"
+
+
+@pytest.fixture(scope="module")
+def small():
+    return payload_sizes(load_config(CONFIGS / "small.toml"))
+
+
+def _row(sizes, replicas: int, mode: str, stages: int = 3) -> dict:
+    plan = scale.plan_for(quick=True)
+    return scale.simulate_round(mode, sizes, scale.swarm_at(replicas, stages, plan.anchor_share), plan)
+
+
+def test_payload_sizes_are_what_the_codec_and_the_signer_produce():
+    config = load_config(CONFIGS / "tiny.toml")
+    model = build_model(config.model)
+    params = dict(model.named_parameters())
+    groups = shard_names(params)
+    shapes = shard_shapes(config.model)
+    assert {s: {n: tuple(params[n].shape) for n in names} for s, names in groups.items()} == shapes
+    codec, identity = SparseLoCoCodec(config.outer.topk, config.outer.tile), ephemeral_identity()
+    gen = torch.Generator().manual_seed(0)
+    for shard, names in groups.items():
+        tensors = {n: codec.compress(torch.randn(params[n].shape, generator=gen)) for n in names}
+        body = encode_payload(SyncPayload(identity.peer_id, ROUND, shard, "sparseloco", tensors))
+        signed = sign_payload(identity, config.run.name, body)
+        assert len(signed) == signed_payload_bytes(shard, shapes[shard], config.outer.topk, config.outer.tile)
+
+
+def test_a_stage_holds_its_slice_and_the_slices_cover_the_payload(small):
+    assert small.stage_shards[0][0] == "embed" and small.stage_shards[-1][-1] == "head"
+    assert sorted(s for held in small.stage_shards for s in held) == sorted(small.shard_bytes)
+    assert sum(small.stage_bytes(i) for i in range(3)) == small.payload_bytes
+    # SparseLoCo's 146× against fp32, with framing and signatures: about 0.027 bytes per parameter
+    assert 0.026 < small.payload_bytes / small.parameters < 0.03
+
+
+def test_hub_coordinator_uploads_every_payload_to_every_other_replica(small):
+    row = _row(small, 8, "hub")  # 4 anchors, 4 chains of 3 stages
+    p, r = small.payload_bytes, 8
+    assert row["anchors"] == 4 and row["chains"] == 4
+    # by hand: each of R replicas fetches the R − 1 others' payloads (a stage its slice), and each of the
+    # 4 + 4 × 3 peers holding θ reads the seal
+    assert row["coordinator_egress_bytes"] == pytest.approx(r * (r - 1) * p + 16 * seal_bytes(small, 4, 4))
+    assert row["coordinator_ingress_bytes"] == pytest.approx(r * p)
+    assert row["anchor_download_bytes"] == pytest.approx((r - 1) * p + seal_bytes(small, 4, 4))
+    for s, down in enumerate(row["stage_download_bytes_by_stage"]):
+        assert down == pytest.approx((r - 1) * small.stage_bytes(s) + seal_bytes(small, 4, 4))
+
+
+def test_any_holder_coordinator_egress_is_far_below_the_hub_at_64(small):
+    hub, holder = _row(small, 64, "hub"), _row(small, 64, "any-holder")
+    p = small.payload_bytes
+    assert holder["coordinator_egress_bytes"] < hub["coordinator_egress_bytes"] / 100
+    assert holder["coordinator_egress_bytes"] <= 2 * 64 * p
+    assert holder["coordinator_ingress_bytes"] == pytest.approx(64 * p)  # it still validates every payload
+    # the same bytes reach every replica, from other holders
+    assert holder["anchor_download_bytes"] == pytest.approx(hub["anchor_download_bytes"])
+    assert holder["stage_download_bytes"] == pytest.approx(hub["stage_download_bytes"])
+    assert holder["stage_download_over_slice"] <= 1.2
+    assert holder["round_s"] < hub["round_s"]
+
+
+@pytest.mark.parametrize("mode", scale.MODES)
+@pytest.mark.parametrize("replicas", [8, 16, 64, 256])
+def test_no_round_beats_its_busiest_link(small, mode, replicas):
+    row = _row(small, replicas, mode)
+    assert row["round_s"] >= row["round_limit_s"] > 0
+
+
+def test_fluid_model_shares_links_fairly():
+    groups = {"a": NodeGroup("a", 2, 10.0, 10.0), "c": NodeGroup("c", 1, 10.0, 10.0)}
+    # two uploads into one downlink of 10 B/s: 5 B/s each, then the longer one alone at 10 B/s
+    transfers = [Transfer("short", "a", "c", 10, 1), Transfer("long", "a", "c", 30, 1, delay_s=0.0)]
+    timeline = simulate(groups, transfers)
+    assert timeline.finish_s["short"] == pytest.approx(2.0)
+    assert timeline.finish_s["long"] == pytest.approx(4.0)
+    assert max(link_seconds(groups, transfers).values()) == pytest.approx(4.0)
+    # a milestone waits for both, a later transfer starts a delay after it
+    transfers += [
+        Transfer("m", "c", "c", 0, 1, ("short", "long"), 0.5),
+        Transfer("back", "c", "a", 20, 2, ("m",), 1.0),
+    ]
+    assert simulate(groups, transfers).finish_s["back"] == pytest.approx(4.0 + 0.5 + 1.0 + 2.0)
+
+
+def test_control_today_grows_with_the_swarm_and_the_target_logarithmically(small):
+    rows = {(r, m): _row(small, r, m) for r in (8, 256) for m in ("hub", "any-holder")}
+    low, high = rows[(8, "hub")], rows[(256, "hub")]
+    assert high["control_bytes_per_peer"] / low["control_bytes_per_peer"] > 10  # every record each heartbeat
+    low, high = rows[(8, "any-holder")], rows[(256, "any-holder")]
+    growth = high["control_bytes_per_peer"] / low["control_bytes_per_peer"]
+    assert growth <= math.log(high["peers"]) / math.log(low["peers"])
+    assert scale_control.lookup_rpcs_target(high["peers"], scale_control.ControlModel()) < high["peers"] / 10
+
+
+def test_crossover_is_near_two_bytes_over_the_payload_per_parameter(small):
+    r_star = scale.crossover(small)
+    assert r_star["anchor"] == 1 + math.ceil(2 * small.parameters / small.payload_bytes)
+    assert 60 < r_star["anchor"] < 80  # TRUST §6: about 2 / 0.027 ≈ 70 at k = 64
+
+
+def test_cli_quick_writes_json_and_plot(tmp_path: Path):
+    from hetnode.cli.main import main
+
+    assert main(["bench", "scale", "--quick", "--out", str(tmp_path), "--no-progress"]) == 0
+    report = json.loads((tmp_path / "scale.json").read_text())
+    assert (tmp_path / "scale.png").stat().st_size > 10_000
+    keys = {
+        "coordinator_egress_bytes",
+        "stage_download_bytes",
+        "anchor_download_bytes",
+        "round_s",
+        "round_limit_s",
+    }
+    assert {(r["config"], r["replicas"], r["mode"]) for r in report["rows"]} == {
+        (c, r, m) for c in ("small", "178m") for r in (8, 16, 64) for m in scale.MODES
+    }
+    assert all(keys | {"control_bytes_per_peer"} <= set(r) for r in report["rows"])
+    assert set(report["configs"]["178m"]["crossover_R"]) >= {"anchor", "stages"}
