@@ -61,16 +61,18 @@ class ScalePlan:
     configs: tuple[str, ...]
     modes: tuple[str, ...] = MODES
     anchor_share: float = 0.5  # of the R replicas; the rest are chains of `pipeline.stages` stages
+    prefetch: bool = False  # any-holder: replicas fetch announced payloads before the seal (docs/scale.md)
     links: Links = field(default_factory=Links)
     control: scale_control.ControlModel = field(default_factory=scale_control.ControlModel)
 
 
-def plan_for(quick: bool, anchor_share: float = 0.5) -> ScalePlan:
+def plan_for(quick: bool, anchor_share: float = 0.5, prefetch: bool = False) -> ScalePlan:
     if not 0 < anchor_share <= 1:
         raise ConfigError("--anchor-share", "bench scale", f"must be in (0, 1], got {anchor_share}")
     if quick:
-        return ScalePlan((8, 16, 64), ("small", "178m"), anchor_share=anchor_share)
-    return ScalePlan((8, 16, 32, 64, 128, 256), ("small", "178m", "1b"), anchor_share=anchor_share)
+        return ScalePlan((8, 16, 64), ("small", "178m"), anchor_share=anchor_share, prefetch=prefetch)
+    grid = (8, 16, 32, 64, 128, 256)
+    return ScalePlan(grid, ("small", "178m", "1b"), anchor_share=anchor_share, prefetch=prefetch)
 
 
 # --- the swarm and one round's transfers ----------------------------------------------------------------
@@ -100,13 +102,14 @@ def swarm_at(replicas: int, stages: int, anchor_share: float) -> Swarm:
 
 
 def schedule(
-    mode: str, sizes: PayloadSizes, swarm: Swarm, links: Links
+    mode: str, sizes: PayloadSizes, swarm: Swarm, links: Links, prefetch: bool = False
 ) -> tuple[dict[str, NodeGroup], list[Transfer]]:
     """One round's groups of peers and transfers in `mode`, every replica having announced at t = 0.
 
     Every fetch starts one RTT after what it waits for (the request); the seal reaches peers half an RTT
     after the coordinator has validated the last payload (a nudge). CPU time (decode, check, aggregate) is
-    left out: this is the network's share of a round."""
+    left out: this is the network's share of a round. With `prefetch`, any-holder replicas fetch what was
+    announced without waiting for the seal (which still gates applying the round)."""
     a, c, rtt = swarm.anchors, swarm.chains, links.rtt_s
     groups = {
         "coordinator": NodeGroup(
@@ -121,7 +124,7 @@ def schedule(
     if mode == "hub":
         out += _hub(sizes, swarm, rtt)
     elif mode == "any-holder":
-        out += _any_holder(sizes, swarm, rtt)
+        out += _any_holder(sizes, swarm, rtt, prefetch)
     elif mode == "tiles":
         out += _tiles(sizes, swarm, rtt)
     else:
@@ -154,7 +157,7 @@ def _hub(sizes: PayloadSizes, swarm: Swarm, rtt: float) -> list[Transfer]:
     return out
 
 
-def _any_holder(sizes: PayloadSizes, swarm: Swarm, rtt: float) -> list[Transfer]:
+def _any_holder(sizes: PayloadSizes, swarm: Swarm, rtt: float, prefetch: bool) -> list[Transfer]:
     a, c, p = swarm.anchors, swarm.chains, sizes.payload_bytes
     seal = seal_bytes(sizes, a, c)
     stages = range(swarm.stages) if c else range(0)
@@ -164,24 +167,24 @@ def _any_holder(sizes: PayloadSizes, swarm: Swarm, rtt: float) -> list[Transfer]
         # a stage uploads its payload once, to a seed anchor (spread evenly), as soon as it announces; the
         # coordinator validates it from there: a stage's slow uplink never carries a payload twice
         out.append(Transfer(f"seed:stage{s}", f"stage{s}", "anchors", c * ps, c, delay_s=rtt))
-        out.append(
-            Transfer(f"validate:stage{s}", "anchors", "coordinator", c * ps, c, (f"seed:stage{s}",), rtt)
-        )
+        seeded = (f"seed:stage{s}",)
+        out.append(Transfer(f"validate:stage{s}", "anchors", "coordinator", c * ps, c, seeded, rtt))
     out.append(_seal(out, rtt))
     # the coordinator pushes the seal to the anchors with its nudge; stages get it with their first payload
     out.append(Transfer("seal:anchors", "coordinator", "anchors", a * seal, a, ("seal",)))
+    sealed = ("seal:anchors",)
+    seeds = tuple(f"seed:stage{s}" for s in stages)
     if a > 1:  # anchors fetch the other anchors' payloads from their authors, the stages' from the seeds
-        after = ("seal:anchors",)
-        out.append(
-            Transfer("anchors:authors", "anchors", "anchors", a * (a - 1) * p, a * (a - 1), after, rtt)
-        )
+        after = () if prefetch else sealed
+        flows = a * (a - 1)
+        out.append(Transfer("anchors:authors", "anchors", "anchors", flows * p, flows, after, rtt))
         if c:  # each anchor already holds the 1/a of the stage-authored bytes it seeded
-            out.append(
-                Transfer("anchors:seeds", "anchors", "anchors", c * p * (a - 1), a * (a - 1), after, rtt)
-            )
+            after = seeds if prefetch else sealed
+            out.append(Transfer("anchors:seeds", "anchors", "anchors", c * p * (a - 1), flows, after, rtt))
     for s in stages:  # a stage fetches its slice of every other replica's payload from the anchors, evenly
         nbytes = c * ((swarm.replicas - 1) * sizes.stage_bytes(s) + seal)
-        out.append(Transfer(f"fetch:stage{s}", "anchors", f"stage{s}", nbytes, c * a, ("seal:anchors",), rtt))
+        after = (f"seed:stage{s}",) if prefetch else sealed
+        out.append(Transfer(f"fetch:stage{s}", "anchors", f"stage{s}", nbytes, c * a, after, rtt))
     return out
 
 
@@ -220,7 +223,7 @@ def _tiles(sizes: PayloadSizes, swarm: Swarm, rtt: float) -> list[Transfer]:
 
 def simulate_round(mode: str, sizes: PayloadSizes, swarm: Swarm, plan: ScalePlan) -> dict:
     """One (config, R, mode) row: bytes per role, the round's sync time and its physical limit, control."""
-    groups, transfers = schedule(mode, sizes, swarm, plan.links)
+    groups, transfers = schedule(mode, sizes, swarm, plan.links, plan.prefetch)
     timeline = simulate(groups, transfers)
     limits = link_seconds(groups, transfers)
     busiest = max(limits, key=limits.__getitem__)
@@ -270,7 +273,7 @@ def simulate_round(mode: str, sizes: PayloadSizes, swarm: Swarm, plan: ScalePlan
     }
 
 
-def lab_check(config: Config, plan: ScalePlan) -> dict:
+def lab_check(config: Config) -> dict:
     """Today's control model in the network lab's setting (tiny; coordinator, 2 anchors, a chain of 2;
     2 s heartbeat; 10.4 s rounds), next to what the lab measured on an anchor's interface: 1.20 MB a round,
     control, payloads (about 70 KB) and TCP/IP together (BENCHMARKS.md, the network lab)."""
@@ -309,7 +312,7 @@ def targets(rows: list[dict], plan: ScalePlan, sizes: Mapping[str, PayloadSizes]
             (
                 r["stage_download_over_slice"]
                 for r in rows
-                if r["config"] == name and r["mode"] == "any-holder"
+                if r["config"] == name and r["mode"] == "any-holder" and r["chains"]
             ),
             default=None,
         )
@@ -357,7 +360,7 @@ def run_benchmark(
         },
         "rows": rows,
         "targets": targets(rows, plan, sizes),
-        "lab_check": lab_check(lab, plan) if lab is not None else None,
+        "lab_check": lab_check(lab) if lab is not None else None,
     }
     (out_dir / "scale.json").write_text(json.dumps(report, indent=2))
     plot(report, out_dir / "scale.png")

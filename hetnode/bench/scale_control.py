@@ -109,14 +109,14 @@ def record_sizes(
     )
 
 
-def lookup_rpcs_today(peers: int, m: ControlModel) -> int:
+def lookup_rpcs_today(peers: int, m: ControlModel) -> float:
     """hivemind's beam search: the beam (k nodes) plus the hops that converge on it, all peers if fewer."""
-    return min(peers - 1, m.bucket_size + math.ceil(math.log2(peers)))
+    return min(peers - 1, m.bucket_size + math.log2(peers))
 
 
-def lookup_rpcs_target(peers: int, m: ControlModel) -> int:
+def lookup_rpcs_target(peers: int, m: ControlModel) -> float:
     """A Kademlia lookup of a single-writer key: α queries per hop, log2 N hops, first copy wins."""
-    return min(peers - 1, m.alpha * math.ceil(math.log2(peers)))
+    return min(peers - 1, m.alpha * math.log2(peers))
 
 
 @dataclass(frozen=True)
@@ -151,7 +151,7 @@ def target(peers: int, authors: int, stages: int, sizes: RecordSizes, m: Control
     store = lookup + m.dht_replicas * sizes.peer_event
     beats = m.round_period_s / m.stable_heartbeat_s
     events = m.event_rate * (store + (stages - 1) * (m.rpc_bytes + sizes.peer_event))
-    upkeep = m.round_period_s / m.refresh_s * math.ceil(math.log2(peers)) * lookup
+    upkeep = m.round_period_s / m.refresh_s * math.log2(peers) * lookup
     announce = m.rpc_bytes + sizes.announce  # straight to the coordinator
     # the coordinator follows every change (who is live, who joined a chain)
     coordinator = peers * m.event_rate * (lookup + sizes.peer_event) + authors * announce

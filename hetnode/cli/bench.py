@@ -80,6 +80,9 @@ def register(commands: argparse._SubParsersAction) -> None:
         default=0.5,
         help="share of the R replicas that are anchors (rest: chains)",
     )
+    sync.add_argument(
+        "--prefetch", action="store_true", help="any-holder: fetch announced payloads before the seal"
+    )
     sync.add_argument("--no-progress", action="store_true")
     sync.set_defaults(handler=run_scale)
     for name, text, handler in (
@@ -134,7 +137,7 @@ def run_network(args: argparse.Namespace) -> int:
 
 
 def run_scale(args: argparse.Namespace) -> int:
-    plan = scale.plan_for(args.quick, args.anchor_share)
+    plan = scale.plan_for(args.quick, args.anchor_share, args.prefetch)
     configs = {name: load_config(CONFIG_DIR / f"{name}.toml") for name in plan.configs}
     lab = load_config(CONFIG_DIR / "tiny.toml")  # the network lab's config, for the control-plane check
     report = scale.run_benchmark(configs, plan, args.out, progress=not args.no_progress, lab=lab)
