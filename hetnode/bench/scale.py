@@ -390,6 +390,8 @@ def plot(report: dict, path: Path) -> None:
         for name in configs:
             for mode in modes:
                 pts = [(r["replicas"], r[key]) for r in rows if r["config"] == name and r["mode"] == mode]
+                if not any(y > 0 for _, y in pts):  # a swarm without chains has no stage download
+                    continue
                 xs, ys = zip(*pts, strict=True)
                 ax.plot(xs, ys, styles[mode], color=colors[name], marker="o", label=f"{name} {mode}")
                 if key == "round_s":
