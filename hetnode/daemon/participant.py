@@ -1,7 +1,9 @@
 """A replica's part in sealed rounds, shared by anchors and chain stages (DESIGN §3.5–3.6).
 
-`RoundParticipant` signs and announces a payload, waits for the seal, fetches exactly the sealed payloads,
-checks their sha256 against the seal and their authors' signatures, and applies all of them or none.
+`RoundParticipant` signs and announces a payload, waits for the seal, fetches exactly the sealed payloads
+from any holder (their authors, replicas that applied the round, the sealer last: `payload_fetch`), checks
+their sha256 against the seal and their authors' signatures, and applies all of them or none. It then
+serves what it applied for KEEP_ROUNDS rounds, so a round's payloads spread without a hub.
 
 Who may seal (TRUST §1): the coordinator, or, while its record has expired, the lowest-id live stand-in
 the signed manifest lists (none unless the operator named some). A seal counts only as the next link of
@@ -21,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from hetnode.config import Config
+from hetnode.daemon.payload_fetch import PayloadsUnavailable, fetch_sealed
 from hetnode.daemon.rounds import ApplyError, GlobalModel, PayloadOpener, sha256_hex
 from hetnode.daemon.sealing import Sealer
 from hetnode.daemon.view import RecentView, SwarmView
@@ -28,6 +31,7 @@ from hetnode.errors import HetnodeError, WireError
 from hetnode.net.node import SwarmNode
 from hetnode.net.signing import open_payload, sign_payload
 from hetnode.net.streams import PeerRequestError
+from hetnode.planning.fetch import Holder, fetch_order, holders_of
 from hetnode.planning.rounds import Announcement, seal_now
 from hetnode.service.lifecycle import sleep_or_stop, sleep_or_wake
 from hetnode.service.metrics import PeerMetrics
@@ -38,6 +42,7 @@ log = logging.getLogger(__name__)
 
 ANNOUNCE_TTL_S = 300.0
 POLL_S = 1.0  # seals are nudged to us: polling is the fallback (a lost nudge, a stand-in sealer)
+KEEP_ROUNDS = 2  # rounds of applied payloads a replica keeps serving (peers a round behind still fetch)
 
 
 class RoundFailed(HetnodeError):
@@ -93,6 +98,9 @@ class RoundParticipant:
         self.coordinator = coordinator
         self.global_model = global_model
         self.outbox: dict[int, dict[str, bytes]] = {}  # round -> shard -> our signed payload
+        # round -> (author, shard) -> the sealed payloads we applied, served to peers that fetch them
+        self.held: dict[int, dict[tuple[str, str], bytes]] = {}
+        self.last_sources: dict[str, int] = {}  # peer -> bytes it served us in the last apply
         self.stand_ins = tuple(sorted(set(stand_ins) - {coordinator}))
         self.may_stand_in = may_stand_in and node.identity.peer_id in self.stand_ins
         self.data_dir = data_dir  # gets the round log
@@ -133,9 +141,10 @@ class RoundParticipant:
     def serve_payload(self, round_: int, shard: str, replica: str) -> bytes | None:
         if replica == self.peer_id:
             return self.own_payload(round_, shard)
-        return self.sealer.serve(
-            round_, shard, replica
-        )  # rounds this anchor sealed in the coordinator's place
+        applied = self.held.get(round_, {}).get((replica, shard))
+        if applied is not None and round_ <= self.global_model.params_round:
+            return applied  # sealed, checked and applied here: we are one of its holders
+        return self.sealer.serve(round_, shard, replica)  # a round this anchor sealed as the stand-in
 
     async def take_part(
         self, announcement: dict, stop: asyncio.Event, restore_unsent: Callable[[], None], record: RoundRecord
@@ -251,22 +260,34 @@ class RoundParticipant:
             for shard, digest in c["shards"].items()
             if shard in held_shards
         ]
-        # our own payloads, or all of a round we sealed, are here; the rest come from the sealer
+        # our own payloads, or all of a round we sealed, are here; the rest come from any holder
         held = {
             (peer, shard): data
             for peer, shard, _ in wanted
             if (peer == self.peer_id or sealer == self.peer_id)
             and (data := self.serve_payload(round_, shard, peer)) is not None
         }
-        remote = [(shard, peer) for peer, shard, _ in wanted if (peer, shard) not in held]
+        remote = [(peer, shard) for peer, shard, _ in wanted if (peer, shard) not in held]
         fetched, fetch_s = 0, 0.0
         if remote:
+            peers = (await self.view.get()).peers
+            holders = holders_of(
+                round_,
+                (
+                    Holder(peer, r.get("params_round"), frozenset(r.get("layer_digests") or ()))
+                    for peer, r in peers.items()
+                ),
+                KEEP_ROUNDS,
+            )
+            order = fetch_order(self.peer_id, remote, holders, sealer)
+            digests = {(peer, shard): digest for peer, shard, digest in wanted}
             try:
-                payloads = await self.node.fetch_payloads(sealer, round_, remote, max_bytes)
-            except PeerRequestError as exc:
-                raise RoundFailed(f"cannot fetch round {round_}'s payloads from the sealer: {exc}") from None
-            fetched, fetch_s = sum(len(data) for data in payloads), time.monotonic() - started
-            held.update({(peer, shard): data for (shard, peer), data in zip(remote, payloads, strict=True)})
+                result = await fetch_sealed(self.node, round_, order, digests, max_bytes)
+            except PayloadsUnavailable as exc:
+                raise RoundFailed(str(exc)) from None
+            fetched, fetch_s = sum(result.bytes_from.values()), time.monotonic() - started
+            self.last_sources = dict(result.bytes_from)
+            held.update(result.payloads)
         by_peer: dict[str, dict[str, bytes]] = {}
         for peer, shard, digest in wanted:
             data = held[(peer, shard)]
@@ -274,6 +295,9 @@ class RoundParticipant:
                 raise RoundFailed(f"{peer[-8:]}'s shard {shard} does not match the sealed digest")
             by_peer.setdefault(peer, {})[shard] = data
         contributions = list(by_peer.items())
+        # what we applied we serve to others fetching the round (our own are in the outbox already)
+        self.held = {r: p for r, p in self.held.items() if r > round_ - KEEP_ROUNDS}
+        self.held[round_] = {key: data for key, data in held.items() if key[0] != self.peer_id}
         try:
             await asyncio.to_thread(self.global_model.apply, round_, contributions)
         except (WireError, ApplyError) as exc:  # θ is untouched: apply is all or nothing

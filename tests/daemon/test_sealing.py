@@ -1,9 +1,7 @@
 """The sealer on real p2pd nodes over loopback: who enters a seal, who is left out, and for how long."""
 
 import asyncio
-import contextlib
 import time
-from collections.abc import AsyncIterator
 
 import pytest
 
@@ -14,14 +12,10 @@ from hetnode.daemon.sealing import BAN_S, RETRY_S, Sealer
 from hetnode.data.dataset import TokenDataset
 from hetnode.model.decoder import build_model
 from hetnode.net import loop
-from hetnode.net.identity import ephemeral_identity
-from hetnode.net.node import NodeLimits, SwarmNode
+from hetnode.net.node import SwarmNode
 from hetnode.planning.rounds import Announcement
 
 pytestmark = pytest.mark.slow
-
-LOOPBACK = ["/ip4/127.0.0.1/tcp/0"]
-LIMITS = NodeLimits(probe_bytes=2**20, probe_s=3.0, requests_per_min=600)
 
 
 @pytest.fixture(scope="module")
@@ -32,22 +26,6 @@ def config(tiny_config):
 @pytest.fixture(scope="module")
 def dataset(config):
     return TokenDataset.build(config.data, config.model.vocab_size, config.run.seed)
-
-
-@contextlib.asynccontextmanager
-async def running_nodes(count: int, run: str) -> AsyncIterator[list[SwarmNode]]:
-    """`count` nodes on one DHT, all shut down on exit (a node a test stopped already is stopped again)."""
-    nodes = [await SwarmNode.start(ephemeral_identity(), LIMITS, LOOPBACK)]
-    try:
-        await nodes[0].join_dht(run, [])
-        maddrs = await nodes[0].visible_maddrs()
-        for _ in range(count - 1):
-            nodes.append(await SwarmNode.start(ephemeral_identity(), LIMITS, LOOPBACK, initial_peers=maddrs))
-            await nodes[-1].join_dht(run, maddrs)
-        yield nodes
-    finally:
-        for node in reversed(nodes):
-            await node.shutdown()
 
 
 async def announce(
@@ -83,9 +61,11 @@ async def collect_all(sealer: Sealer, want: int) -> dict:
     return seen
 
 
-def test_a_seal_holds_the_valid_reachable_authors_and_bans_only_the_invalid(config, dataset):
+def test_a_seal_holds_the_valid_reachable_authors_and_bans_only_the_invalid(
+    config, dataset, nodes_on_loopback
+):
     async def scenario():
-        async with running_nodes(4, config.run.name) as nodes:
+        async with nodes_on_loopback(4, config.run.name) as nodes:
             sealer_node, honest, gone, liar = nodes
             model = GlobalModel(config)
             for node in (honest, gone, liar):
@@ -106,9 +86,9 @@ def test_a_seal_holds_the_valid_reachable_authors_and_bans_only_the_invalid(conf
     loop.run(scenario())
 
 
-def test_a_round_with_nothing_valid_is_not_sealed_and_stays_open(config, dataset):
+def test_a_round_with_nothing_valid_is_not_sealed_and_stays_open(config, dataset, nodes_on_loopback):
     async def scenario():
-        async with running_nodes(3, config.run.name) as nodes:
+        async with nodes_on_loopback(3, config.run.name) as nodes:
             sealer_node, gone, liar = nodes
             model = GlobalModel(config)
             for node in (gone, liar):
@@ -123,9 +103,11 @@ def test_a_round_with_nothing_valid_is_not_sealed_and_stays_open(config, dataset
     loop.run(scenario())
 
 
-def test_a_peer_that_re_announced_while_being_fetched_is_retried_not_banned(config, dataset):
+def test_a_peer_that_re_announced_while_being_fetched_is_retried_not_banned(
+    config, dataset, nodes_on_loopback
+):
     async def scenario():
-        async with running_nodes(2, config.run.name) as nodes:
+        async with nodes_on_loopback(2, config.run.name) as nodes:
             sealer_node, restarted = nodes
             model = GlobalModel(config)
             before = await announce(restarted, config, dataset, model)
@@ -141,9 +123,11 @@ def test_a_peer_that_re_announced_while_being_fetched_is_retried_not_banned(conf
     loop.run(scenario())
 
 
-def test_payloads_are_checked_as_announced_and_a_re_announcement_replaces_the_check(config, dataset):
+def test_payloads_are_checked_as_announced_and_a_re_announcement_replaces_the_check(
+    config, dataset, nodes_on_loopback
+):
     async def scenario():
-        async with running_nodes(3, config.run.name) as nodes:
+        async with nodes_on_loopback(3, config.run.name) as nodes:
             sealer_node, early, restarted = nodes
             model = GlobalModel(config)
             early_announcement = await announce(early, config, dataset, model)
@@ -171,12 +155,14 @@ def test_payloads_are_checked_as_announced_and_a_re_announcement_replaces_the_ch
     loop.run(scenario())
 
 
-def test_when_every_author_is_screened_out_only_work_that_helps_on_its_own_is_sealed(config, dataset):
+def test_when_every_author_is_screened_out_only_work_that_helps_on_its_own_is_sealed(
+    config, dataset, nodes_on_loopback
+):
     """Both authors' score averages are negative (say the honest one's first rounds were weak): rather than
     stall, the seal takes the contribution that lowers the loss alone and still leaves out the harmful one."""
 
     async def scenario():
-        async with running_nodes(3, config.run.name) as nodes:
+        async with nodes_on_loopback(3, config.run.name) as nodes:
             sealer_node, honest, flipper = nodes
             model = GlobalModel(config)
             await announce(honest, config, dataset, model)

@@ -52,6 +52,12 @@ def test_anchors_train_together_with_identical_digests(swarm):
     assert swarm.metric(anchors[1], "hetnode_digest_mismatch_total") >= 1
     assert swarm.metric(anchors[0], "hetnode_digest_mismatch_total") == 0
 
+    # no hub: the anchors fetch each other's payloads from their authors; the coordinator downloads each
+    # once to validate it and serves only as the fallback (with a hub it would send what it receives)
+    validated = swarm.metric(boot, 'hetnode_bytes_received_total{channel="sync"}')
+    served = swarm.metric(boot, 'hetnode_bytes_sent_total{channel="sync"}')
+    assert validated > 0 and served < 0.25 * validated, (served, validated)
+
 
 def test_hostile_payloads_are_excluded_and_honest_replicas_agree(swarm):
     boot = swarm.bootstrap(swarm.config(outer=FAST_ROUNDS))
