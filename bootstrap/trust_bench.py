@@ -51,18 +51,22 @@ ATTACKER = "peer-xx"  # the same length as the honest ids: a copier re-labels by
 class TrustPlan:
     honest: int
     rounds: int
-    inner_steps: int
+    inner_steps: int | None  # None: the config's H
     modes: tuple[str, ...]
     batch_size: int | None = None  # None: the config's
 
 
-def plan_for(quick: bool, rounds: int | None = None, modes: tuple[str, ...] = ()) -> TrustPlan:
+def plan_for(
+    quick: bool, rounds: int | None = None, modes: tuple[str, ...] = (), inner_steps: int | None = None
+) -> TrustPlan:
     unknown = sorted(set(modes) - set(WORK_FAULTS))
     if unknown:
         raise ValueError(f"unknown fault modes {unknown}; choose from {list(WORK_FAULTS)}")
+    if inner_steps is not None and inner_steps < 1:
+        raise ValueError(f"--inner-steps must be >= 1, got {inner_steps}")
     if quick:  # 13 runs of 5 replicas: small batches keep it to minutes on two cores
-        return TrustPlan(4, rounds or 6, 5, modes or WORK_FAULTS, batch_size=4)
-    return TrustPlan(4, rounds or 10, 20, modes or WORK_FAULTS)
+        return TrustPlan(4, rounds or 6, inner_steps or 5, modes or WORK_FAULTS, batch_size=4)
+    return TrustPlan(4, rounds or 10, inner_steps, modes or WORK_FAULTS)
 
 
 @dataclass
@@ -160,7 +164,8 @@ def false_exclusions(run: RunResult) -> int:
 
 def run_benchmark(config: Config, plan: TrustPlan, out_dir: Path, progress: bool = True) -> dict:
     out_dir.mkdir(parents=True, exist_ok=True)
-    config = replace(config, "outer", inner_steps=plan.inner_steps)
+    if plan.inner_steps is not None:
+        config = replace(config, "outer", inner_steps=plan.inner_steps)
     if plan.batch_size is not None:
         config = replace(config, "data", batch_size=plan.batch_size)
     dataset = TokenDataset.build(config.data, config.model.vocab_size, seed=config.run.seed)
@@ -180,7 +185,7 @@ def run_benchmark(config: Config, plan: TrustPlan, out_dir: Path, progress: bool
         "config": config.run.name,
         "honest": plan.honest,
         "rounds": plan.rounds,
-        "inner_steps": plan.inner_steps,
+        "inner_steps": config.outer.inner_steps,
         "final_eval_loss_clean": clean.losses[-1],
         "false_exclusions_clean": false_exclusions(clean),
         "verify_share_clean": _share(clean),

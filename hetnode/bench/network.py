@@ -323,6 +323,18 @@ def critical_sync_s(logs: dict[str, list[dict]]) -> list[float]:
     ]
 
 
+def stage_times(rounds: list[dict[str, Any]], rate_bytes_per_s: float) -> dict[str, float | None]:
+    """A stage's median seconds per micro-batch: in its forward/backward passes, writing frames to its
+    neighbours, and what its frames need at the link rate alone (bytes sent / rate): link-bound when the
+    link time exceeds the compute time."""
+    timed = [r for r in rounds if r.get("compute_s") is not None and r.get("steps")]
+    return {
+        "compute_s": _median([r["compute_s"] / r["steps"] for r in timed]),
+        "send_s": _median([r["send_s"] / r["steps"] for r in timed]),
+        "link_s": _median([r["activation_bytes_sent"] / rate_bytes_per_s / r["steps"] for r in timed]),
+    }
+
+
 def summarise_swarm(run: dict[str, Any], plan: NetworkPlan) -> dict[str, Any]:
     """Per swarm run: the chain's tokens/s, and what a sync round cost an anchor and a slow stage."""
     logs, history = run["round_logs"], run["history"]
@@ -354,6 +366,7 @@ def summarise_swarm(run: dict[str, Any], plan: NetworkPlan) -> dict[str, Any]:
         "round_wall_s": _median([b - a for a, b in zip(seal_times, seal_times[1:], strict=False)]),
         "chain_tokens_per_s": _median(chain_tokens_per_s),
         "activation_bytes_per_round": _median([r["activation_bytes_sent"] for r in logs[STAGES[0]]]),
+        "per_micro_batch": {s: stage_times(logs[s], rate_bytes_per_s) for s in STAGES},
         "stage_sync": {
             "upload_bytes": _median([r["upload_bytes"] for r in stage_sync]),
             "download_bytes": _median([r["download_bytes"] for r in stage_sync]),

@@ -57,6 +57,9 @@ def register(commands: argparse._SubParsersAction) -> None:
     trust.add_argument("--config", type=Path, default=None, help="default: tiny if --quick, else small")
     trust.add_argument("--out", type=Path, default=Path("benchmarks/results"), help="output folder")
     trust.add_argument("--rounds", type=int, default=None, help="rounds per run (default: 6 / 10)")
+    trust.add_argument(
+        "--inner-steps", type=int, default=None, help="H per round (default: 5 / the config's)"
+    )
     trust.add_argument("--modes", default="", help="comma-separated fault modes (default: all)")
     trust.add_argument("--no-progress", action="store_true")
     trust.set_defaults(handler=run_trust)
@@ -131,6 +134,10 @@ def run_network(args: argparse.Namespace) -> int:
     print(f"all-reduce fp16 time / SparseLoCo sync time: {show(t['allreduce_seconds_over_sparseloco'])}")
     print(f"chain tokens/s, compressed / uncompressed: {show(t['compressed_chain_speedup'])}")
     print(f"  the same with the chain alone on the CPUs: {show(t['compressed_chain_speedup_alone'])}")
+    for mode, swarm in report["swarms"].items():
+        for stage, times in (swarm.get("per_micro_batch") or {}).items():
+            shown = ", ".join(f"{k} {v * 1000:.0f} ms" for k, v in times.items() if v is not None)
+            print(f"  {mode:<10} {stage}: per micro-batch {shown}")
     print(f"anchor tokens/s / hetnode train alone:      {show(t['anchor_over_local_tokens_per_s'])}")
     print(f"wrote {args.out / 'network.json'} and {args.out / 'network.png'}")
     return 0
@@ -250,7 +257,7 @@ def run_staleness(args: argparse.Namespace) -> int:
 def run_trust(args: argparse.Namespace) -> int:
     from bootstrap import trust_bench  # the coordinator's verifier, measured in process
 
-    plan = trust_bench.plan_for(args.quick, args.rounds, _names(args.modes))
+    plan = trust_bench.plan_for(args.quick, args.rounds, _names(args.modes), args.inner_steps)
     report = trust_bench.run_benchmark(_config(args), plan, args.out, progress=not args.no_progress)
     print(
         f"clean: final eval loss {report['final_eval_loss_clean']:.4f}, "

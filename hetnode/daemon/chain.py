@@ -22,8 +22,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -115,6 +117,8 @@ class ChainLoop:
         self.state_path = data_dir / f"stage-state-{node.run}.pt"  # for restarts, as an anchor keeps one
         self.bytes_sent = 0  # activation and gradient frames, since the chain started
         self.bytes_received = 0
+        self.compute_s = 0.0  # in forward and backward passes, since the chain started
+        self.send_s = 0.0  # writing frames to neighbours, since the chain started
         self.peer_id = node.identity.peer_id
         # the stage's slice of θ only: its memory and its sealed download scale with its layers
         self.global_model = GlobalModel(
@@ -286,6 +290,7 @@ class ChainLoop:
             round_ = await self._next_round(stop)
             started, tokens_before = time.monotonic(), training.tokens
             sent_before, received_before = self.bytes_sent, self.bytes_received
+            compute_before, send_before = self.compute_s, self.send_s
             async with self.compute:
                 await asyncio.to_thread(training.begin_round, self.global_model, self._drift_of(round_))
             self.backwards = 0
@@ -328,6 +333,8 @@ class ChainLoop:
                 steps=announcement["steps"],
                 loss=training.worker.last_loss if self.layout.last else None,
                 **training.weight_delays(since=delays_before),
+                compute_s=round(self.compute_s - compute_before, 3),
+                send_s=round(self.send_s - send_before, 3),
             )
             self._report_compression(record, payloads)
             applied = await self.rounds.take_part(announcement, stop, training.restore_unsent, record)
@@ -402,7 +409,7 @@ class ChainLoop:
             await self._enter_window()
             async with self.compute:
                 mb, batch = training.next_batch()
-                frame = await asyncio.to_thread(training.forward, mb, batch)
+                frame = await self._computed(training.forward, mb, batch)
             await self._send(self.downstream, encode_frame("act", round_, mb, *_frame_parts(frame)))
 
     async def _read_activations(self) -> None:
@@ -426,9 +433,9 @@ class ChainLoop:
             async with self.compute:
                 if training.in_flight(frame.mb):
                     raise ChainBroken(f"micro-batch {frame.mb} arrived twice")
-                out = await asyncio.to_thread(training.forward, frame.mb, incoming)
+                out = await self._computed(training.forward, frame.mb, incoming)
                 if self.layout.last:
-                    grad = await asyncio.to_thread(training.backward, frame.mb)
+                    grad = await self._computed(training.backward, frame.mb)
             if self.layout.last:
                 await self._send(self.upstream, encode_frame("grad", frame.round, frame.mb, grad))
                 self._count_backward()
@@ -458,7 +465,7 @@ class ChainLoop:
             async with self.compute:
                 if not training.in_flight(frame.mb):
                     raise ChainBroken(f"a gradient for micro-batch {frame.mb}, which is not in flight")
-                grad = await asyncio.to_thread(training.backward, frame.mb, frame.tensor)
+                grad = await self._computed(training.backward, frame.mb, frame.tensor)
             if grad is not None:
                 await self._send(self.upstream, encode_frame("grad", frame.round, frame.mb, grad))
             if self.window is not None:
@@ -494,11 +501,21 @@ class ChainLoop:
         if self.round_ != round_:
             raise ChainBroken(f"a frame of round {round_} arrived while training round {self.round_}")
 
+    async def _computed(self, step: Callable[..., Any], *args: Any) -> Any:
+        """`step(*args)` in a worker thread, its time counted in `compute_s`."""
+        started = time.perf_counter()
+        try:
+            return await asyncio.to_thread(step, *args)
+        finally:
+            self.compute_s += time.perf_counter() - started
+
     async def _send(self, stream: OpenStream | None, data: bytes) -> None:
         assert stream is not None
+        started = time.perf_counter()
         try:
             await write_frame(stream.writer, data, IO_TIMEOUT_S)
             self.bytes_sent += len(data)
+            self.send_s += time.perf_counter() - started
         except (TimeoutError, ConnectionError, OSError) as exc:
             raise ChainBroken(f"stream to {stream.peer[-8:]} broke ({type(exc).__name__})") from None
 

@@ -31,6 +31,10 @@ class RoundRecord:
     # backward; the 1F1B schedule gives P−1−s); None for an anchor
     max_weight_delay: int | None = None
     mean_weight_delay: float | None = None
+    # a stage: seconds in its forward/backward passes, and in writing frames to its neighbours (a link
+    # slower than the stage's compute shows as send_s: tc shaping blocks the writer once buffers fill)
+    compute_s: float | None = None
+    send_s: float | None = None
     time: float = field(default_factory=time.time)  # when the record was made: just before announcing
 
     @property

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from hetnode.bench.netlab import NetLab, parse_net_dev
-from hetnode.bench.network import NetworkPlan, critical_sync_s, summarise_swarm
+from hetnode.bench.network import NetworkPlan, critical_sync_s, stage_times, summarise_swarm
 
 NEEDS_ROOT = pytest.mark.skipif(
     os.geteuid() != 0 or not shutil.which("ip") or not shutil.which("tc"),
@@ -158,3 +158,14 @@ def test_baseline_rounds_with_a_wrong_result_are_not_timed(tmp_path: Path):
     result.write_text("{not json")
     assert ok_allreduce_rounds(result) == []
     assert ok_allreduce_rounds(tmp_path / "missing.json") == []
+
+
+def test_a_stage_is_link_bound_when_its_frames_need_longer_at_the_link_rate_than_its_passes():
+    rounds = [
+        {"steps": 10, "compute_s": 1.0, "send_s": 4.0, "activation_bytes_sent": 5_000_000},
+        {"steps": 10, "compute_s": 1.2, "send_s": 4.4, "activation_bytes_sent": 5_000_000},
+        {"steps": 10, "compute_s": None, "send_s": None, "activation_bytes_sent": 1},  # an older log line
+    ]
+    times = stage_times(rounds, rate_bytes_per_s=1e6)  # 8 Mbit/s
+    assert times["compute_s"] == 0.11 and round(times["send_s"], 6) == 0.42
+    assert times["link_s"] == 0.5 > times["compute_s"]  # 500 KB per micro-batch at 1 MB/s
