@@ -2,17 +2,18 @@
 
 No networking. Payload sizes come from the real codec (`hetnode/bench/scale_sizes.py`); the swarm is a
 documented mix of anchors and chains (`swarm_at`); one round's transfers are played through a fluid model
-of every peer's links (`hetnode/bench/fluid.py`) in three modes:
-- `hub`: today's code. The coordinator fetches every payload from its author to validate it, seals, and
-  every replica fetches the sealed payloads of the shards it holds from the coordinator (a chain stage only
-  its slice's). The coordinator uploads R·(R−1)·p.
-- `any-holder`: payloads are content-addressed and author-signed, so anyone holding one may serve it. A
-  stage uploads its payload once, to a seed anchor, from which the coordinator validates it; after the
-  seal every anchor fetches what it lacks from the author anchors and the seeds, and every stage fetches
-  its slice from the anchors, spread evenly. The coordinator downloads R·p and pushes the seal.
-- `tiles`: the planned step past the crossover R*. Authors push each tile range of their payload to the
-  anchor that aggregates it (reduce-scatter); after the seal each replica fetches the dense bf16 aggregate
-  of its shards from the aggregators (all-gather).
+of every peer's links (`hetnode/bench/fluid.py`) in four modes (`hetnode/bench/scale_schedules.py`):
+- `hub`: the code before b80d0c7: every replica fetched every sealed payload from the coordinator, which
+  uploaded R·(R−1)·p.
+- `any-holder`: the code since b80d0c7. The coordinator validates each payload from its author and seals;
+  every replica then fetches each sealed payload from its author (the only holder at seal time), so a
+  stage's uplink carries its slice once to the coordinator and R−1 times to fetchers. The coordinator
+  serves seals only, and is the fallback. Its rows also carry `daemon`: the same fetch as
+  `hetnode/daemon/payload_fetch.py` paces it (8 holders at a time in the seal's order, per-holder
+  timeouts, the sealer for what timed out), from `hetnode/bench/scale_fetch.py`.
+- `seeded`: planned. A stage uploads its payload once, to a seed anchor, from which the coordinator
+  validates it and stages fetch.
+- `tiles`: planned past the crossover R*: reduce-scatter to anchors, all-gather of a dense aggregate.
 Control-plane bytes (DHT records, heartbeats, polls) are modelled in `hetnode/bench/scale_control.py`.
 The model, its assumptions and its results: docs/scale.md. Results: `scale.json` and `scale.png`.
 """
@@ -32,9 +33,17 @@ import matplotlib.pyplot as plt  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
 from hetnode.bench import scale_control  # noqa: E402
-from hetnode.bench.fluid import NodeGroup, Transfer, link_seconds, simulate  # noqa: E402
+from hetnode.bench.fluid import link_seconds, simulate  # noqa: E402
+from hetnode.bench.scale_fetch import daemon_fetch  # noqa: E402
+from hetnode.bench.scale_schedules import (  # noqa: E402
+    MODES,
+    SEALED_DOWNLOADS,
+    Links,
+    Swarm,
+    schedule,
+    swarm_at,
+)
 from hetnode.bench.scale_sizes import (  # noqa: E402
-    DENSE_AGGREGATE_BYTES_PER_PARAM,
     PayloadSizes,
     crossover,
     payload_sizes,
@@ -43,16 +52,9 @@ from hetnode.bench.scale_sizes import (  # noqa: E402
 from hetnode.config import Config  # noqa: E402
 from hetnode.errors import ConfigError  # noqa: E402
 
-MODES = ("hub", "any-holder", "tiles")
-MBIT = 1e6 / 8  # bytes/s
-
-
-@dataclass(frozen=True)
-class Links:
-    anchor_mbit: float = 1000.0  # up and down
-    stage_mbit: float = 20.0
-    coordinator_mbit: float = 1000.0
-    rtt_s: float = 0.05
+__all__ = ["MODES", "Links", "ScalePlan", "Swarm", "crossover", "plan_for", "run_benchmark", "swarm_at"]
+TODAY_CONTROL = ("hub", "any-holder")  # the modes the code runs: today's control plane
+DAEMON = "any-holder (daemon)"  # the any-holder rows' `daemon` fields, as a mode of their own in targets
 
 
 @dataclass(frozen=True)
@@ -61,7 +63,7 @@ class ScalePlan:
     configs: tuple[str, ...]
     modes: tuple[str, ...] = MODES
     anchor_share: float = 0.5  # of the R replicas; the rest are chains of `pipeline.stages` stages
-    prefetch: bool = False  # any-holder: replicas fetch announced payloads before the seal (docs/scale.md)
+    prefetch: bool = False  # any-holder and seeded: fetch announced payloads before the seal (docs/scale.md)
     links: Links = field(default_factory=Links)
     control: scale_control.ControlModel = field(default_factory=scale_control.ControlModel)
 
@@ -75,149 +77,6 @@ def plan_for(quick: bool, anchor_share: float = 0.5, prefetch: bool = False) -> 
     return ScalePlan(grid, ("small", "178m", "1b"), anchor_share=anchor_share, prefetch=prefetch)
 
 
-# --- the swarm and one round's transfers ----------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Swarm:
-    anchors: int
-    chains: int
-    stages: int  # per chain
-
-    @property
-    def replicas(self) -> int:
-        return self.anchors + self.chains
-
-    @property
-    def peers(self) -> int:
-        """Everyone in the DHT: anchors, every chain's stages, the coordinator."""
-        return self.anchors + self.chains * self.stages + 1
-
-
-def swarm_at(replicas: int, stages: int, anchor_share: float) -> Swarm:
-    """R replicas: round(share·R) anchors (at least one: they carry the any-holder backbone), the rest
-    chains of `stages` stages."""
-    anchors = min(replicas, max(1, round(anchor_share * replicas)))
-    return Swarm(anchors, replicas - anchors, stages)
-
-
-def schedule(
-    mode: str, sizes: PayloadSizes, swarm: Swarm, links: Links, prefetch: bool = False
-) -> tuple[dict[str, NodeGroup], list[Transfer]]:
-    """One round's groups of peers and transfers in `mode`, every replica having announced at t = 0.
-
-    Every fetch starts one RTT after what it waits for (the request); the seal reaches peers half an RTT
-    after the coordinator has validated the last payload (a nudge). CPU time (decode, check, aggregate) is
-    left out: this is the network's share of a round. With `prefetch`, any-holder replicas fetch what was
-    announced without waiting for the seal (which still gates applying the round)."""
-    a, c, rtt = swarm.anchors, swarm.chains, links.rtt_s
-    groups = {
-        "coordinator": NodeGroup(
-            "coordinator", 1, links.coordinator_mbit * MBIT, links.coordinator_mbit * MBIT
-        ),
-        "anchors": NodeGroup("anchors", a, links.anchor_mbit * MBIT, links.anchor_mbit * MBIT),
-    }
-    for s in range(swarm.stages) if c else ():
-        groups[f"stage{s}"] = NodeGroup(f"stage{s}", c, links.stage_mbit * MBIT, links.stage_mbit * MBIT)
-    # every mode: the coordinator fetches each payload once and checks it, then seals
-    out = [Transfer("validate:anchors", "anchors", "coordinator", a * sizes.payload_bytes, a, delay_s=rtt)]
-    if mode == "hub":
-        out += _hub(sizes, swarm, rtt)
-    elif mode == "any-holder":
-        out += _any_holder(sizes, swarm, rtt, prefetch)
-    elif mode == "tiles":
-        out += _tiles(sizes, swarm, rtt)
-    else:
-        raise ValueError(f"unknown mode {mode!r}; expected one of {MODES}")
-    return groups, out
-
-
-def _seal(before: list[Transfer], rtt: float) -> Transfer:
-    """The seal: once the coordinator has checked the anchors' payloads and the stages' in `before`."""
-    validated = ("validate:anchors", *(t.name for t in before if t.name.startswith("validate:")))
-    return Transfer("seal", "coordinator", "coordinator", 0, 1, validated, rtt / 2)
-
-
-def _hub(sizes: PayloadSizes, swarm: Swarm, rtt: float) -> list[Transfer]:
-    a, c, r, p = swarm.anchors, swarm.chains, swarm.replicas, sizes.payload_bytes
-    seal = seal_bytes(sizes, a, c)
-    stages = range(swarm.stages) if c else range(0)
-    out = [
-        Transfer(f"validate:stage{s}", f"stage{s}", "coordinator", c * sizes.stage_bytes(s), c, delay_s=rtt)
-        for s in stages
-    ]
-    out.append(_seal(out, rtt))
-    # every replica fetches the sealed payloads of the shards it holds, but its own, from the coordinator
-    out.append(
-        Transfer("fetch:anchors", "coordinator", "anchors", a * ((r - 1) * p + seal), a, ("seal",), rtt)
-    )
-    for s in stages:
-        nbytes = c * ((r - 1) * sizes.stage_bytes(s) + seal)
-        out.append(Transfer(f"fetch:stage{s}", "coordinator", f"stage{s}", nbytes, c, ("seal",), rtt))
-    return out
-
-
-def _any_holder(sizes: PayloadSizes, swarm: Swarm, rtt: float, prefetch: bool) -> list[Transfer]:
-    a, c, p = swarm.anchors, swarm.chains, sizes.payload_bytes
-    seal = seal_bytes(sizes, a, c)
-    stages = range(swarm.stages) if c else range(0)
-    out = []
-    for s in stages:
-        ps = sizes.stage_bytes(s)
-        # a stage uploads its payload once, to a seed anchor (spread evenly), as soon as it announces; the
-        # coordinator validates it from there: a stage's slow uplink never carries a payload twice
-        out.append(Transfer(f"seed:stage{s}", f"stage{s}", "anchors", c * ps, c, delay_s=rtt))
-        seeded = (f"seed:stage{s}",)
-        out.append(Transfer(f"validate:stage{s}", "anchors", "coordinator", c * ps, c, seeded, rtt))
-    out.append(_seal(out, rtt))
-    # the coordinator pushes the seal to the anchors with its nudge; stages get it with their first payload
-    out.append(Transfer("seal:anchors", "coordinator", "anchors", a * seal, a, ("seal",)))
-    sealed = ("seal:anchors",)
-    seeds = tuple(f"seed:stage{s}" for s in stages)
-    if a > 1:  # anchors fetch the other anchors' payloads from their authors, the stages' from the seeds
-        after = () if prefetch else sealed
-        flows = a * (a - 1)
-        out.append(Transfer("anchors:authors", "anchors", "anchors", flows * p, flows, after, rtt))
-        if c:  # each anchor already holds the 1/a of the stage-authored bytes it seeded
-            after = seeds if prefetch else sealed
-            out.append(Transfer("anchors:seeds", "anchors", "anchors", c * p * (a - 1), flows, after, rtt))
-    for s in stages:  # a stage fetches its slice of every other replica's payload from the anchors, evenly
-        nbytes = c * ((swarm.replicas - 1) * sizes.stage_bytes(s) + seal)
-        after = (f"seed:stage{s}",) if prefetch else sealed
-        out.append(Transfer(f"fetch:stage{s}", "anchors", f"stage{s}", nbytes, c * a, after, rtt))
-    return out
-
-
-def _tiles(sizes: PayloadSizes, swarm: Swarm, rtt: float) -> list[Transfer]:
-    a, c, p = swarm.anchors, swarm.chains, sizes.payload_bytes
-    seal = seal_bytes(sizes, a, c)
-    stages = range(swarm.stages) if c else range(0)
-    dense = DENSE_AGGREGATE_BYTES_PER_PARAM
-    # reduce-scatter: as soon as it announces, each author pushes tile range j of its payload to anchor j
-    out = []
-    for s in stages:
-        ps = sizes.stage_bytes(s)
-        out.append(Transfer(f"reduce:stage{s}", f"stage{s}", "anchors", c * ps, c * a, delay_s=rtt))
-        # the coordinator collects a stage's ranges from the aggregators to validate the whole payload
-        out.append(
-            Transfer(
-                f"validate:stage{s}", "anchors", "coordinator", c * ps, c * a, (f"reduce:stage{s}",), rtt
-            )
-        )
-    if a > 1:  # an anchor keeps its own range of its own payload
-        out.append(Transfer("reduce:anchors", "anchors", "anchors", p * (a - 1), a * (a - 1), delay_s=rtt))
-    out.append(_seal(out, rtt))
-    out.append(Transfer("seal:anchors", "coordinator", "anchors", a * seal, a, ("seal",)))
-    after = ("seal:anchors", *(t.name for t in out if t.name.startswith("reduce:")))
-    if a > 1:  # all-gather: each anchor fetches the other ranges of the dense aggregate
-        gathered = dense * sizes.parameters * (a - 1)
-        out.append(Transfer("gather:anchors", "anchors", "anchors", gathered, a * (a - 1), after, rtt))
-    for s in stages:
-        nbytes = c * (dense * sizes.stage_params(s) + seal)
-        out.append(Transfer(f"gather:stage{s}", "anchors", f"stage{s}", nbytes, c * a, after, rtt))
-    return out
-
-
 # --- one round, the whole grid, the report --------------------------------------------------------------
 
 
@@ -227,12 +86,24 @@ def simulate_round(mode: str, sizes: PayloadSizes, swarm: Swarm, plan: ScalePlan
     timeline = simulate(groups, transfers)
     limits = link_seconds(groups, transfers)
     busiest = max(limits, key=limits.__getitem__)
+    seal_s = timeline.finish_s["seal"]
 
     def per_peer(group: str, direction: str) -> float:
         side = "src" if direction == "up" else "dst"
         return sum(t.nbytes for t in transfers if getattr(t, side) == group) / groups[group].count
 
-    stage_download = [per_peer(f"stage{s}", "down") for s in range(swarm.stages)] if swarm.chains else []
+    def fetched_by(group: str) -> float:
+        """From the seal to the group's last sealed byte in."""
+        ends = [
+            timeline.finish_s[t.name]
+            for t in transfers
+            if t.dst == group and t.name.startswith(SEALED_DOWNLOADS)
+        ]
+        return max(ends, default=seal_s) - seal_s
+
+    stages = [f"stage{s}" for s in range(swarm.stages)] if swarm.chains else []
+    stage_download = [per_peer(stage, "down") for stage in stages]
+    slices = [(swarm.replicas - 1) * sizes.stage_bytes(s) for s in range(len(stages))]
     records = scale_control.record_sizes(
         list(sizes.shard_bytes),
         list(sizes.stage_shards),
@@ -241,14 +112,13 @@ def simulate_round(mode: str, sizes: PayloadSizes, swarm: Swarm, plan: ScalePlan
         seal_bytes(sizes, swarm.anchors, swarm.chains),
     )
     authors = swarm.peers - 1
-    if mode == "hub":  # today's code, today's control plane
-        control = scale_control.today(swarm.peers, authors, records, timeline.finish_s["seal"], plan.control)
+    if mode in TODAY_CONTROL:  # the code's control plane
+        control = scale_control.today(swarm.peers, authors, records, seal_s, plan.control)
     else:
         control = scale_control.target(swarm.peers, authors, swarm.stages, records, plan.control)
-    r = swarm.replicas
-    return {
+    row = {
         "config": sizes.config,
-        "replicas": r,
+        "replicas": swarm.replicas,
         "mode": mode,
         "anchors": swarm.anchors,
         "chains": swarm.chains,
@@ -259,17 +129,51 @@ def simulate_round(mode: str, sizes: PayloadSizes, swarm: Swarm, plan: ScalePlan
         "stage_download_bytes_by_stage": stage_download,
         # what the target allows a stage: 1.2 × (R − 1) × its slice's share of p
         "stage_download_over_slice": max(
-            (d / ((r - 1) * sizes.stage_bytes(s)) for s, d in enumerate(stage_download)), default=None
+            (d / n for d, n in zip(stage_download, slices, strict=True)), default=None
         ),
+        "stage_upload_bytes": max((per_peer(stage, "up") for stage in stages), default=0.0),
         "anchor_download_bytes": per_peer("anchors", "down"),
         "anchor_upload_bytes": per_peer("anchors", "up"),
-        "seal_s": timeline.finish_s["seal"],
+        "seal_s": seal_s,
+        "fetch_s": {group: fetched_by(group) for group in ("anchors", *stages)},
         "round_s": timeline.makespan_s,
         "round_limit_s": limits[busiest],
         "busiest_link": f"{busiest[0]} {busiest[1]}",
-        "control_scheme": "today" if mode == "hub" else "target",
+        "control_scheme": "today" if mode in TODAY_CONTROL else "target",
         "control_bytes_per_peer": control.per_peer,
         "control_bytes_hot_peer": control.hot_peer,
+    }
+    if mode == "any-holder":
+        row["daemon"] = _daemon(row, sizes, swarm, plan, timeline.finish_s, stage_download, slices)
+    return row
+
+
+def _daemon(
+    row: dict,
+    sizes: PayloadSizes,
+    swarm: Swarm,
+    plan: ScalePlan,
+    finish_s: Mapping[str, float],
+    stage_download: list[float],
+    slices: list[float],
+) -> dict:
+    """The any-holder fetch as the daemon paces it (`scale_fetch.py`), once every fetcher has the seal."""
+    fetch = daemon_fetch(sizes, swarm, plan.links)
+    sealed_read = max(t for name, t in finish_s.items() if name.startswith("seal:"))
+    wasted = [fetch.wasted_bytes.get(f"stage{s}", 0.0) / max(1, swarm.chains) for s in range(len(slices))]
+    return {
+        "round_s": sealed_read + fetch.makespan_s,
+        "fetch_s": {cls: sealed_read - row["seal_s"] + t for cls, t in fetch.fetch_s.items()},
+        "coordinator_egress_bytes": row["coordinator_egress_bytes"] + fetch.fallback_bytes,
+        "fallback_bytes": fetch.fallback_bytes,
+        "requests": fetch.requests,
+        "timed_out": fetch.timed_out,
+        "wasted_bytes": sum(fetch.wasted_bytes.values()),
+        # a stage receives the part of a timed-out payload that came before the timeout, then all of it
+        "stage_download_over_slice": max(
+            ((d + w) / n for d, w, n in zip(stage_download, wasted, slices, strict=True)), default=None
+        ),
+        "failed": fetch.failed,
     }
 
 
@@ -291,44 +195,52 @@ def lab_check(config: Config) -> dict:
 
 
 def targets(rows: list[dict], plan: ScalePlan, sizes: Mapping[str, PayloadSizes]) -> dict:
-    """The issue's targets, each as (value, limit, met) per config, from the any-holder rows."""
-    by = {(r["config"], r["replicas"], r["mode"]): r for r in rows}
+    """The issue's targets, each as (value, limit, met), per config and mode; `any-holder (daemon)` is the
+    any-holder rows with the daemon's pacing (their `daemon` fields)."""
+    daemon = [
+        {
+            **r,
+            **{
+                k: r["daemon"][k]
+                for k in ("coordinator_egress_bytes", "round_s", "stage_download_over_slice")
+            },
+        }
+        | {"mode": DAEMON}
+        for r in rows
+        if r.get("daemon")
+    ]
     out: dict[str, dict] = {}
-    top = max(plan.replicas)
     for name, s in sizes.items():
-        at64 = by.get((name, 64, "any-holder"))
-        low, high = by.get((name, min(plan.replicas), "any-holder")), by.get((name, top, "any-holder"))
-        checks = {}
-        if at64:
-            egress = at64["coordinator_egress_bytes"] / (2 * 64 * s.payload_bytes)
-            checks["coordinator_egress_over_2Rp_at_64"] = {
-                "value": egress,
-                "limit": 1.0,
-                "met": egress <= 1.0,
-            }
-            ratio = at64["round_s"] / at64["round_limit_s"]
-            checks["round_over_limit_at_64"] = {"value": ratio, "limit": 1.5, "met": ratio <= 1.5}
-        worst = max(
-            (
-                r["stage_download_over_slice"]
-                for r in rows
-                if r["config"] == name and r["mode"] == "any-holder" and r["chains"]
-            ),
-            default=None,
-        )
-        if worst is not None:
-            checks["stage_download_over_slice"] = {"value": worst, "limit": 1.2, "met": worst <= 1.2}
-        if low and high:
-            growth = high["control_bytes_per_peer"] / low["control_bytes_per_peer"]
-            allowed = math.log(high["peers"]) / math.log(low["peers"])
-            checks["control_growth"] = {
-                "value": growth,
-                "limit": allowed,
-                "met": growth <= allowed,
-                "peers": [low["peers"], high["peers"]],
-            }
-        out[name] = checks
+        out[name] = {}
+        for mode in (*plan.modes, DAEMON):
+            mine = [r for r in rows + daemon if r["config"] == name and r["mode"] == mode]
+            if mine:
+                out[name][mode] = _checks(mine, plan, s)
     return out
+
+
+def _checks(rows: list[dict], plan: ScalePlan, s: PayloadSizes) -> dict:
+    by_r = {r["replicas"]: r for r in rows}
+    at64, low, high = by_r.get(64), by_r.get(min(plan.replicas)), by_r.get(max(plan.replicas))
+    checks: dict[str, dict] = {}
+    if at64:
+        egress = at64["coordinator_egress_bytes"] / (2 * 64 * s.payload_bytes)
+        checks["coordinator_egress_over_2Rp_at_64"] = {"value": egress, "limit": 1.0, "met": egress <= 1.0}
+        ratio = at64["round_s"] / at64["round_limit_s"]
+        checks["round_over_limit_at_64"] = {"value": ratio, "limit": 1.5, "met": ratio <= 1.5}
+    worst = max((r["stage_download_over_slice"] for r in rows if r["chains"]), default=None)
+    if worst is not None:
+        checks["stage_download_over_slice"] = {"value": worst, "limit": 1.2, "met": worst <= 1.2}
+    if low and high and low is not high:
+        growth = high["control_bytes_per_peer"] / low["control_bytes_per_peer"]
+        allowed = math.log(high["peers"]) / math.log(low["peers"])
+        checks["control_growth"] = {
+            "value": growth,
+            "limit": allowed,
+            "met": growth <= allowed,
+            "peers": [low["peers"], high["peers"]],
+        }
+    return checks
 
 
 def run_benchmark(
@@ -354,7 +266,8 @@ def run_benchmark(
                 "stage_shards": s.stage_shards,
                 "stage_payload_bytes": [s.stage_bytes(i) for i in range(len(s.stage_shards))],
                 "crossover_R": crossover(s),
-                "crossover_R_simulated": _simulated_crossover(rows, name),
+                "crossover_R_simulated": _simulated_crossover(rows, name, "any-holder"),
+                "crossover_R_simulated_seeded": _simulated_crossover(rows, name, "seeded"),
             }
             for name, s in sizes.items()
         },
@@ -367,46 +280,67 @@ def run_benchmark(
     return report
 
 
-def _simulated_crossover(rows: list[dict], name: str) -> int | None:
-    """The first simulated R at which the tile-range aggregation's round is shorter than any-holder's."""
+def _simulated_crossover(rows: list[dict], name: str, sparse: str) -> int | None:
+    """The first simulated R at which the tile-range aggregation's round is shorter than `sparse`'s."""
     times = {(r["replicas"], r["mode"]): r["round_s"] for r in rows if r["config"] == name}
-    wins = [r for (r, mode), t in times.items() if mode == "tiles" and t < times.get((r, "any-holder"), -1.0)]
+    wins = [r for (r, mode), t in times.items() if mode == "tiles" and t < times.get((r, sparse), -1.0)]
     return min(wins, default=None)
+
+
+def _series(rows: list[dict], name: str, mode: str, key: str) -> list[tuple[int, float]]:
+    """(R, value) of one config and mode; `any-holder (daemon)` reads the any-holder rows' daemon fields."""
+    if mode == DAEMON:
+        return [
+            (r["replicas"], r["daemon"].get(key, r[key]))
+            for r in rows
+            if r["config"] == name and r.get("daemon")
+        ]
+    return [(r["replicas"], r[key]) for r in rows if r["config"] == name and r["mode"] == mode]
 
 
 def plot(report: dict, path: Path) -> None:
     rows = report["rows"]
     configs = list(report["configs"])
     modes = sorted({r["mode"] for r in rows}, key=MODES.index)
+    modes += [DAEMON] if "any-holder" in modes else []
     colors = dict(zip(configs, ("tab:blue", "tab:orange", "tab:green", "tab:red"), strict=False))
-    styles = dict(zip(MODES, ("-", "--", ":"), strict=True))
-    fig, axes = plt.subplots(2, 2, figsize=(13, 10))
+    styles = dict(zip((*MODES, DAEMON), ("-", "--", "-.", ":", "--"), strict=True))
+    markers = {DAEMON: "x"}
+    fig, axes = plt.subplots(2, 2, figsize=(14, 11))
     panels = (
         (axes[0][0], "coordinator_egress_bytes", "coordinator egress per round (bytes)"),
         (axes[0][1], "round_s", "sync time per round (s); thin: the busiest link's limit"),
-        (axes[1][0], "stage_download_bytes", "largest stage's download per round (bytes; hub = any-holder)"),
+        (
+            axes[1][0],
+            "stage_download_bytes",
+            "largest stage's download per round (bytes; hub = any-holder = seeded)",
+        ),
     )
     for ax, key, title in panels:
         for name in configs:
             for mode in modes:
-                pts = [(r["replicas"], r[key]) for r in rows if r["config"] == name and r["mode"] == mode]
+                pts = _series(rows, name, mode, key)
                 if not any(y > 0 for _, y in pts):  # a swarm without chains has no stage download
                     continue
+                if key == "stage_download_bytes" and mode == DAEMON:
+                    continue  # the same bytes, but for partial payloads that timed out
                 xs, ys = zip(*pts, strict=True)
-                ax.plot(xs, ys, styles[mode], color=colors[name], marker="o", label=f"{name} {mode}")
-                if key == "round_s":
-                    limit = [r["round_limit_s"] for r in rows if r["config"] == name and r["mode"] == mode]
+                style = dict(color=colors[name], marker=markers.get(mode, "o"), markersize=4)
+                ax.plot(xs, ys, styles[mode], label=f"{name} {mode}", **style)
+                if key == "round_s" and mode != DAEMON:
+                    limit = [y for _, y in _series(rows, name, mode, "round_limit_s")]
                     ax.plot(xs, limit, styles[mode], color=colors[name], linewidth=0.6)
         ax.set(xscale="log", yscale="log", xlabel="replicas R", title=title)
         ax.grid(True, which="both", alpha=0.3)
-    for name in configs:  # the issue's bound on any-holder's coordinator egress
+    for name in configs:  # the issue's bound on the coordinator's egress
         p = report["configs"][name]["payload_bytes"]
         xs = sorted({r["replicas"] for r in rows})
         axes[0][0].plot(xs, [2 * x * p for x in xs], color=colors[name], linewidth=0.6, alpha=0.6)
-    axes[0][0].legend(fontsize=7, ncol=2, title="thin: 2·R·p", title_fontsize=7)
+    axes[0][0].legend(fontsize=6, ncol=3, title="thin: 2·R·p", title_fontsize=7)
+    axes[0][1].legend(fontsize=6, ncol=3)
     ax = axes[1][1]
     for name in configs:
-        for mode, scheme in (("hub", "today"), ("any-holder", "target")):
+        for mode, scheme in (("hub", "today (hub, any-holder)"), ("seeded", "target (seeded, tiles)")):
             pts = [
                 (r["peers"], r["control_bytes_per_peer"])
                 for r in rows

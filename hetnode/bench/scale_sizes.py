@@ -4,7 +4,7 @@ the seal a replica reads, for any config without building its model (docs/scale.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import msgpack
@@ -85,18 +85,24 @@ def payload_sizes(config: Config) -> PayloadSizes:
     o = config.outer
     nbytes = {s: signed_payload_bytes(s, named, o.topk, o.tile) for s, named in shapes.items()}
     params = {s: sum(math.prod(shape) for shape in named.values()) for s, named in shapes.items()}
-    # equal members: layers split evenly (the planner splits by compute); the embedding rides on the first
-    # stage, the final norm and head on the last, as `ModelPart.of_stage` holds them
+    # equal members: layers split evenly (the planner splits by compute)
     splits = split_layers(config.model.n_layers, [1.0] * config.pipeline.stages)
+    stages = stage_shards(splits, config.model.tie_embeddings)
+    return PayloadSizes(config.run.name, nbytes, params, stages)
+
+
+def stage_shards(splits: Sequence[Sequence[int]], tie_embeddings: bool) -> tuple[tuple[str, ...], ...]:
+    """The shards each stage of a chain holds, given its layers: the embedding rides on the first stage,
+    the final norm and head on the last, as `ModelPart.of_stage` holds them."""
     stages = []
     for i, layers in enumerate(splits):
         held = [str(layer) for layer in layers]
-        if i == 0 or (i == len(splits) - 1 and config.model.tie_embeddings):
+        if i == 0 or (i == len(splits) - 1 and tie_embeddings):
             held.insert(0, "embed")
         if i == len(splits) - 1:
             held.append("head")
         stages.append(tuple(held))
-    return PayloadSizes(config.run.name, nbytes, params, tuple(stages))
+    return tuple(stages)
 
 
 def seal_bytes(sizes: PayloadSizes, anchors: int, chains: int) -> int:

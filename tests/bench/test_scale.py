@@ -10,8 +10,10 @@ import torch
 from hetnode.algo.sparseloco import SparseLoCoCodec
 from hetnode.bench import scale, scale_control
 from hetnode.bench.fluid import NodeGroup, Transfer, link_seconds, simulate
+from hetnode.bench.scale_fetch import daemon_fetch
 from hetnode.bench.scale_sizes import ROUND, payload_sizes, seal_bytes, shard_shapes, signed_payload_bytes
 from hetnode.config import load_config
+from hetnode.daemon.payload_fetch import HOLDER_TIMEOUT_S, PER_PAYLOAD_S
 from hetnode.model import build_model
 from hetnode.model.shards import shard_names
 from hetnode.net.identity import ephemeral_identity
@@ -68,17 +70,71 @@ def test_hub_coordinator_uploads_every_payload_to_every_other_replica(small):
         assert down == pytest.approx((r - 1) * small.stage_bytes(s) + seal_bytes(small, 4, 4))
 
 
-def test_any_holder_coordinator_egress_is_far_below_the_hub_at_64(small):
-    hub, holder = _row(small, 64, "hub"), _row(small, 64, "any-holder")
+def test_any_holder_authors_serve_their_payloads_and_the_coordinator_only_seals(small):
+    row = _row(small, 8, "any-holder")  # 4 anchors, 4 chains of 3 stages
+    p, r, seal = small.payload_bytes, 8, seal_bytes(small, 4, 4)
+    # by hand: every peer holding θ reads the seal from the coordinator, which validates every payload
+    assert row["coordinator_egress_bytes"] == pytest.approx(16 * seal)
+    assert row["coordinator_ingress_bytes"] == pytest.approx(r * p)
+    # a stage's uplink carries its slice once to the coordinator and to the R − 1 replicas holding it
+    assert row["stage_upload_bytes"] == pytest.approx(max(r * small.stage_bytes(s) for s in range(3)))
+    assert row["anchor_upload_bytes"] == pytest.approx(p + (r - 1) * p)
+    assert row["anchor_download_bytes"] == pytest.approx((r - 1) * p + seal)
+    for s, down in enumerate(row["stage_download_bytes_by_stage"]):
+        assert down == pytest.approx((r - 1) * small.stage_bytes(s) + seal)
+    assert row["control_scheme"] == "today"  # b80d0c7 changed the sync plane, not the DHT's use
+
+
+def test_seeded_stage_uploads_once_and_the_coordinator_egress_is_far_below_the_hub_at_64(small):
+    hub, seeded, holder = _row(small, 64, "hub"), _row(small, 64, "seeded"), _row(small, 64, "any-holder")
     p = small.payload_bytes
-    assert holder["coordinator_egress_bytes"] < hub["coordinator_egress_bytes"] / 100
-    assert holder["coordinator_egress_bytes"] <= 2 * 64 * p
-    assert holder["coordinator_ingress_bytes"] == pytest.approx(64 * p)  # it still validates every payload
-    # the same bytes reach every replica, from other holders
-    assert holder["anchor_download_bytes"] == pytest.approx(hub["anchor_download_bytes"])
-    assert holder["stage_download_bytes"] == pytest.approx(hub["stage_download_bytes"])
-    assert holder["stage_download_over_slice"] <= 1.2
-    assert holder["round_s"] < hub["round_s"]
+    assert seeded["stage_upload_bytes"] == pytest.approx(max(small.stage_bytes(s) for s in range(3)))
+    for row in (seeded, holder):
+        assert row["coordinator_egress_bytes"] < hub["coordinator_egress_bytes"] / 100
+        assert row["coordinator_egress_bytes"] <= 2 * 64 * p
+        assert row["coordinator_ingress_bytes"] == pytest.approx(64 * p)  # it still validates every payload
+        # the same bytes reach every replica, from other holders
+        assert row["anchor_download_bytes"] == pytest.approx(hub["anchor_download_bytes"], rel=1e-3)
+        assert row["stage_download_bytes"] == pytest.approx(hub["stage_download_bytes"])
+        assert row["stage_download_over_slice"] <= 1.2
+        assert row["round_s"] < hub["round_s"]
+    assert holder["busiest_link"].endswith(" up") and seeded["busiest_link"].endswith(" down")
+
+
+def test_the_daemon_check_is_the_fluid_schedule_where_the_window_does_not_bind(small):
+    row = _row(small, 8, "any-holder")
+    daemon = row["daemon"]
+    assert daemon["timed_out"] == 0 and daemon["fallback_bytes"] == 0 and not daemon["failed"]
+    assert daemon["coordinator_egress_bytes"] == pytest.approx(row["coordinator_egress_bytes"])
+    assert row["round_s"] <= daemon["round_s"] < 2 * row["round_s"]
+
+
+def test_daemon_fetch_by_hand():
+    sizes = payload_sizes(load_config(CONFIGS / "tiny.toml"))
+    p = sizes.payload_bytes
+    links = scale.Links(anchor_mbit=8.0, stage_mbit=8.0, coordinator_mbit=8.0, rtt_s=0.1)
+    # two anchors fetch each other's payload: one flow per author at the 1 MB/s link, after one RTT
+    fetch = daemon_fetch(sizes, scale.Swarm(2, 0, 2), links)
+    assert fetch.requests == 2 and fetch.timed_out == 0
+    assert fetch.fetch_s["anchors"] == pytest.approx(0.1 + p / 1e6)
+    # stage links so slow that no batch from or to a stage ends within HOLDER_TIMEOUT_S + PER_PAYLOAD_S per
+    # shard: the anchor passes over the 4 stage authors, then the sealer serves it their slices; the stages
+    # pass over everyone, the sealer included: their round cannot be applied
+    slow = scale.Links(anchor_mbit=8.0, stage_mbit=0.001, coordinator_mbit=8.0, rtt_s=0.1)
+    fetch = daemon_fetch(sizes, scale.Swarm(1, 2, 2), slow)
+    assert fetch.requests == fetch.timed_out == 4 + 2 * 3  # the anchor: 4 authors; a stage: the anchor and 2
+    assert fetch.failed
+    timeout = HOLDER_TIMEOUT_S + PER_PAYLOAD_S * len(sizes.stage_shards[0])
+    assert len(sizes.stage_shards[0]) == len(sizes.stage_shards[1])
+    assert fetch.fetch_s["anchors"] == pytest.approx(timeout + 0.1 + 2 * p / 1e6, rel=1e-3)
+
+
+def test_the_daemon_falls_back_to_the_coordinator_at_64_on_178m():
+    row = _row(payload_sizes(load_config(CONFIGS / "178m.toml")), 64, "any-holder", stages=4)
+    daemon = row["daemon"]
+    # stage authors serving R − 1 fetchers each outlast the per-holder timeout: the sealer serves them
+    assert daemon["timed_out"] > 0 and daemon["fallback_bytes"] > 2 * 64 * 4.8e6
+    assert daemon["round_s"] > 3 * row["round_s"]
 
 
 @pytest.mark.parametrize("mode", scale.MODES)
@@ -105,10 +161,10 @@ def test_fluid_model_shares_links_fairly():
 
 
 def test_control_today_grows_with_the_swarm_and_the_target_logarithmically(small):
-    rows = {(r, m): _row(small, r, m) for r in (8, 256) for m in ("hub", "any-holder")}
+    rows = {(r, m): _row(small, r, m) for r in (8, 256) for m in ("hub", "seeded")}
     low, high = rows[(8, "hub")], rows[(256, "hub")]
     assert high["control_bytes_per_peer"] / low["control_bytes_per_peer"] > 10  # every record each heartbeat
-    low, high = rows[(8, "any-holder")], rows[(256, "any-holder")]
+    low, high = rows[(8, "seeded")], rows[(256, "seeded")]
     growth = high["control_bytes_per_peer"] / low["control_bytes_per_peer"]
     assert growth <= math.log(high["peers"]) / math.log(low["peers"])
     assert scale_control.lookup_rpcs_target(high["peers"], scale_control.ControlModel()) < high["peers"] / 10
@@ -138,3 +194,5 @@ def test_cli_quick_writes_json_and_plot(tmp_path: Path):
     }
     assert all(keys | {"control_bytes_per_peer"} <= set(r) for r in report["rows"])
     assert set(report["configs"]["178m"]["crossover_R"]) >= {"anchor", "stages"}
+    assert set(report["targets"]["178m"]) == {*scale.MODES, "any-holder (daemon)"}
+    assert all(r.get("daemon") for r in report["rows"] if r["mode"] == "any-holder")
