@@ -7,7 +7,7 @@ import dataclasses
 from pathlib import Path
 
 from hetnode.algo.aggregate import AGGREGATION_RULES
-from hetnode.bench import influence, network, scale, sparseloco, staleness, subspace
+from hetnode.bench import influence, network, scale, scale_calibrate, sparseloco, staleness, subspace
 from hetnode.config import load_config
 from hetnode.errors import ConfigError
 
@@ -74,7 +74,7 @@ def register(commands: argparse._SubParsersAction) -> None:
     network.set_defaults(handler=run_network)
     sync = benches.add_parser(
         "scale",
-        help="the sync plane at 8..256 replicas, simulated (hub, any-holder, seeded, tiles)",
+        help="the sync plane at 8..256 replicas, simulated (hub, any-holder, seeded, tiles); --calibrate",
     )
     sync.add_argument("--quick", action="store_true", help="small and 178m, R in {8, 16, 64} (seconds)")
     sync.add_argument("--out", type=Path, default=Path("benchmarks/results"), help="output folder")
@@ -87,6 +87,12 @@ def register(commands: argparse._SubParsersAction) -> None:
     sync.add_argument(
         "--prefetch", action="store_true", help="any-holder, seeded: fetch announced payloads before the seal"
     )
+    sync.add_argument(
+        "--calibrate",
+        action="store_true",
+        help="instead: real daemons in the netns lab against the model (root; minutes) -> calibration.json",
+    )
+    sync.add_argument("--config", type=Path, default=None, help="--calibrate: run config (default small)")
     sync.add_argument("--no-progress", action="store_true")
     sync.set_defaults(handler=run_scale)
     for name, text, handler in (
@@ -145,6 +151,8 @@ def run_network(args: argparse.Namespace) -> int:
 
 
 def run_scale(args: argparse.Namespace) -> int:
+    if args.calibrate:
+        return run_scale_calibration(args)
     plan = scale.plan_for(args.quick, args.anchor_share, args.prefetch)
     configs = {name: load_config(CONFIG_DIR / f"{name}.toml") for name in plan.configs}
     lab = load_config(CONFIG_DIR / "tiny.toml")  # the network lab's config, for the control-plane check
@@ -190,6 +198,19 @@ def run_scale(args: argparse.Namespace) -> int:
                 verdict = "met" if t["met"] else "NOT met"
                 print(f"  {mode:<20} {target}: {t['value']:.3f} (limit {t['limit']:.3f}) {verdict}")
     print(f"wrote {args.out / 'scale.json'} and {args.out / 'scale.png'}")
+    return 0
+
+
+def run_scale_calibration(args: argparse.Namespace) -> int:
+    config = load_config(args.config or CONFIG_DIR / "small.toml")
+    report = scale_calibrate.run_calibration(config, args.out, progress=not args.no_progress)
+    print(f"{'quantity':<46} {'model':>14} {'lab':>14} {'model/lab':>10}")
+    for c in report["comparison"]:
+        lab = "n/a" if c["lab"] is None else f"{c['lab']:,.3f}"
+        ratio = "-" if c["model_over_lab"] is None else f"{c['model_over_lab']:.2f}"
+        mark = "" if c["within_25pct"] else "  (outside 25 %)"
+        print(f"{c['quantity']:<46} {c['model']:>14,.3f} {lab:>14} {ratio:>10}{mark}")
+    print(f"wrote {args.out / 'calibration.json'}")
     return 0
 
 

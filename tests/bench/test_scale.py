@@ -10,7 +10,9 @@ import torch
 from hetnode.algo.sparseloco import SparseLoCoCodec
 from hetnode.bench import scale, scale_control
 from hetnode.bench.fluid import NodeGroup, Transfer, link_seconds, simulate
+from hetnode.bench.scale_calibrate import calibration_report, lab_config
 from hetnode.bench.scale_fetch import daemon_fetch
+from hetnode.bench.scale_lab import CalibrationPlan
 from hetnode.bench.scale_sizes import ROUND, payload_sizes, seal_bytes, shard_shapes, signed_payload_bytes
 from hetnode.config import load_config
 from hetnode.daemon.payload_fetch import HOLDER_TIMEOUT_S, PER_PAYLOAD_S
@@ -196,3 +198,73 @@ def test_cli_quick_writes_json_and_plot(tmp_path: Path):
     assert set(report["configs"]["178m"]["crossover_R"]) >= {"anchor", "stages"}
     assert set(report["targets"]["178m"]) == {*scale.MODES, "any-holder (daemon)"}
     assert all(r.get("daemon") for r in report["rows"] if r["mode"] == "any-holder")
+
+
+def _lab_fixture(sizes, plan) -> dict:
+    """What a lab run of `plan` would write if every payload byte were as the model has it, by hand: an
+    anchor fetches 6 anchors' payloads and both stages' slices, a stage the 7 anchors' slices of its layers;
+    every author serves its payload to the coordinator and the 7 others; the wire adds made-up DHT bytes."""
+    p, (s0, s1) = sizes.payload_bytes, (sizes.stage_bytes(0), sizes.stage_bytes(1))
+    anchors, stages = plan.names()
+    logs = {a: {"upload_bytes": p, "download_bytes": 6 * p + s0 + s1, "fetch_s": 0.05} for a in anchors}
+    logs |= {
+        n: {"upload_bytes": s, "download_bytes": 7 * s, "fetch_s": 0.4}
+        for n, s in zip(stages, (s0, s1), strict=True)
+    }
+    hosts = {a: {"sync_sent": 8 * p, "sync_received": 7 * p, "rx": 3e6, "tx": 3e6} for a in anchors}
+    hosts |= {
+        n: {"sync_sent": 8 * s, "sync_received": 7 * s, "rx": 1e6, "tx": 1e6}
+        for n, s in zip(stages, (s0, s1), strict=True)
+    }
+    hosts["coordinator"] = {"sync_sent": 0.0, "sync_received": 7 * p + s0 + s1, "rx": 5e6, "tx": 9e6}
+    return {
+        "rtt_s": 0.0002,
+        "round_wall_s": 12.0,
+        "hosts": hosts,
+        "logs": logs,
+        "critical_fetch_s": 0.5,
+        "critical_sync_s": 2.0,
+        "stage_layers": {stages[0]: [0, 0, 1], stages[1]: [1, 2, 3]},  # tiny's 4 layers, evenly
+    }
+
+
+def test_calibration_table_puts_the_model_next_to_the_lab():
+    plan = CalibrationPlan()  # 7 anchors and a chain of 2: R = 8
+    config = lab_config(load_config(CONFIGS / "tiny.toml"), plan)
+    assert config.pipeline.stages == 2 and config.outer.inner_steps == plan.inner_steps
+    sizes = payload_sizes(config)
+    report = calibration_report(config, plan, _lab_fixture(sizes, plan))
+    table = {c["quantity"]: c for c in report["comparison"]}
+    for exact in (
+        "payload p (an anchor's upload)",
+        "stage 1 slice",
+        "coordinator sync ingress (validation)",
+        "anchor sealed download (payloads)",
+        "anchor sync upload (served)",
+        "stage 0 sealed download (payloads)",
+        "stage 1 sync upload (served)",
+    ):
+        assert table[exact]["model_over_lab"] == pytest.approx(1.0), exact
+        assert table[exact]["within_25pct"]
+    # nothing served by the coordinator in either: the model says what the lab shows
+    assert table["coordinator sync egress (fallback)"]["within_25pct"]
+    # 0.4 s measured against the 20 Mbit/s link's 7 × slice: the ratio is the model's over the lab's
+    fetch = table["stage 1 fetch time"]
+    assert fetch["model_over_lab"] == pytest.approx(fetch["model"] / 0.4)
+    assert not table["sync time (last announcement → all applied)"]["within_25pct"]  # CPU, not links
+    assert set(report["within_25pct"]) | set(report["outside_25pct"]) == set(table)
+    # the planner's split, as the lab logged it, is the model's: 3 layers and the embedding on stage 0
+    uneven = _lab_fixture(sizes, plan) | {"stage_layers": {"a": [0, 0, 2], "b": [1, 3, 3]}}
+    model = calibration_report(config, plan, uneven)["model"]
+    assert model["stage_shards"] == (("embed", "0", "1", "2"), ("3", "head"))
+    assert sum(model["stage_payload_bytes"]) == sizes.payload_bytes
+    json.dumps(report)  # the report is JSON as written
+
+
+def test_calibrate_needs_root(monkeypatch, tmp_path: Path, capsys):
+    from hetnode.cli.main import main
+
+    monkeypatch.setattr("os.geteuid", lambda: 1000)
+    assert main(["bench", "scale", "--calibrate", "--out", str(tmp_path)]) != 0
+    assert "root" in capsys.readouterr().err
+    assert not (tmp_path / "calibration.json").exists()

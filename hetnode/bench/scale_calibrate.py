@@ -1,0 +1,251 @@
+"""`hetnode bench scale --calibrate`: the scale model next to real daemons in the netns lab (docs/scale.md).
+
+The lab (`scale_lab.py`) runs a coordinator, anchors and chains on tc-shaped links and measures what a
+sealed round costs. The model (`scale.simulate_round`, mode `any-holder`, the code's schedule) is then run
+for the same swarm: the same mix of anchors and chains, the lab's link rates and measured RTT, the
+config's real payload sizes, today's control plane at the lab's heartbeat and round length. Both go side
+by side into `calibration.json`; `comparison` says, per quantity, whether the model is within 25 %.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from hetnode.bench import scale_control
+from hetnode.bench.netlab import check_lab_possible
+from hetnode.bench.scale import ScalePlan, simulate_round
+from hetnode.bench.scale_lab import CalibrationPlan, run_lab
+from hetnode.bench.scale_schedules import Links, Swarm
+from hetnode.bench.scale_sizes import payload_sizes, seal_bytes, stage_shards
+from hetnode.config import Config, replace
+
+TOLERANCE = 0.25
+# One machine: the DHT answers in milliseconds (as in `hetnode bench network`); heartbeats stay seconds
+# apart so that control traffic stays well below the 20 Mbit/s links
+LAB_TIMINGS = {"heartbeat_s": 2.0, "record_ttl_s": 8.0, "boundary_s": 4.0, "confirm_s": 2.0}
+COMMAND = "sudo .venv/bin/hetnode bench scale --calibrate --out benchmarks/results/scale"
+
+
+def lab_config(config: Config, plan: CalibrationPlan) -> Config:
+    """`config` as the lab runs it: short rounds of small batches (ten processes share the CPUs), chains
+    of `plan.stages`, anchors admitted at the lab's anchor rate. The payloads keep the config's sizes."""
+    # no verification: on batches of 2 its scores are noise that leaves honest replicas out of the seal,
+    # which changes what is fetched; and it takes the coordinator's CPU from sealing
+    config = replace(config, "outer", inner_steps=plan.inner_steps, verify=False)
+    config = replace(config, "pipeline", stages=plan.stages)
+    config = replace(config, "data", batch_size=plan.batch_size, seq_len=plan.seq_len)
+    floor = min(plan.anchor_mbit, plan.coordinator_mbit) / 2
+    return replace(config, "network", anchor_min_up_mbps=floor, anchor_min_down_mbps=floor, **LAB_TIMINGS)
+
+
+def model_side(
+    config: Config,
+    plan: CalibrationPlan,
+    rtt_s: float,
+    round_wall_s: float,
+    stage_layers: Mapping[str, Sequence[int]] | None = None,
+) -> dict[str, Any]:
+    """The scale model's any-holder row for the lab's swarm, links and round; with `stage_layers`
+    ({daemon: [stage, first layer, last layer]}, from the lab) the chain's layers as the planner split them
+    (by measured compute: not always evenly)."""
+    sizes = payload_sizes(config)
+    splits = {s: range(first, last + 1) for s, first, last in (stage_layers or {}).values()}
+    if sorted(splits) == list(range(plan.stages)):
+        held = stage_shards([splits[s] for s in range(plan.stages)], config.model.tie_embeddings)
+        sizes = dataclasses.replace(sizes, stage_shards=held)
+    swarm = Swarm(plan.anchors, plan.chains, plan.stages)
+    links = Links(plan.anchor_mbit, plan.stage_mbit, plan.coordinator_mbit, rtt_s)
+    control = scale_control.ControlModel(round_period_s=round_wall_s, heartbeat_s=config.network.heartbeat_s)
+    scale_plan = ScalePlan((swarm.replicas,), (config.run.name,), links=links, control=control)
+    row = simulate_round("any-holder", sizes, swarm, scale_plan)
+    seal = seal_bytes(sizes, swarm.anchors, swarm.chains)
+    return {
+        "row": row,
+        "payload_bytes": sizes.payload_bytes,
+        "stage_payload_bytes": [sizes.stage_bytes(s) for s in range(plan.stages)],
+        "stage_shards": sizes.stage_shards,
+        "seal_bytes": seal,
+        "links": asdict(links),
+    }
+
+
+def compare(measured: dict[str, Any], model: dict[str, Any], plan: CalibrationPlan) -> list[dict[str, Any]]:
+    """Model against lab, per quantity and round. `lab` is what the lab measured (medians over the
+    measured rounds; counters: change over the window ÷ rounds); `within` when |model/lab − 1| ≤ 25 %."""
+    row, hosts, logs = model["row"], measured["hosts"], measured["logs"]
+    anchors, stages = plan.names()
+    seal = model["seal_bytes"]
+
+    def median_of(names: list[str], get: Any) -> float | None:
+        values = sorted(v for v in (get(n) for n in names) if v is not None)
+        return values[len(values) // 2] if values else None
+
+    out: list[dict[str, Any]] = []
+
+    def add(quantity: str, unit: str, modelled: float, lab: float | None, note: str = "") -> None:
+        ratio = modelled / lab if lab else None
+        within = ratio is not None and abs(ratio - 1) <= TOLERANCE
+        if not lab and not modelled:  # both nothing: the model says what the lab shows
+            within, ratio = True, None
+        out.append(
+            {"quantity": quantity, "unit": unit, "model": modelled, "lab": lab, "model_over_lab": ratio}
+            | {"within_25pct": within, "note": note}
+        )
+
+    add(
+        "payload p (an anchor's upload)",
+        "bytes",
+        model["payload_bytes"],
+        median_of(anchors, lambda n: logs[n]["upload_bytes"]),
+    )
+    for s in range(plan.stages):
+        names = stages[s :: plan.stages]
+        add(
+            f"stage {s} slice",
+            "bytes",
+            model["stage_payload_bytes"][s],
+            median_of(names, lambda n: logs[n]["upload_bytes"]),
+        )
+    add(
+        "coordinator sync ingress (validation)",
+        "bytes/round",
+        row["coordinator_ingress_bytes"],
+        hosts["coordinator"]["sync_received"],
+    )
+    add(
+        "coordinator sync egress (fallback)",
+        "bytes/round",
+        row["daemon"]["fallback_bytes"],
+        hosts["coordinator"]["sync_sent"],
+        "no fallback in a fault-free round; seals go through the DHT, not the sync channel",
+    )
+    add(
+        "coordinator wire egress",
+        "bytes/round",
+        row["coordinator_egress_bytes"],
+        hosts["coordinator"]["tx"],
+        "the model counts seals only; the wire carries the DHT (the coordinator is the bootstrap node)",
+    )
+    add(
+        "coordinator wire ingress",
+        "bytes/round",
+        row["coordinator_ingress_bytes"],
+        hosts["coordinator"]["rx"],
+        "payloads + DHT",
+    )
+    add(
+        "anchor sealed download (payloads)",
+        "bytes/round",
+        row["anchor_download_bytes"] - seal,
+        median_of(anchors, lambda n: logs[n]["download_bytes"]),
+    )
+    add(
+        "anchor sync upload (served)",
+        "bytes/round",
+        row["anchor_upload_bytes"],
+        median_of(anchors, lambda n: hosts[n]["sync_sent"]),
+    )
+    for s in range(plan.stages):
+        names = stages[s :: plan.stages]
+        add(
+            f"stage {s} sealed download (payloads)",
+            "bytes/round",
+            row["stage_download_bytes_by_stage"][s] - seal,
+            median_of(names, lambda n: logs[n]["download_bytes"]),
+        )
+        add(
+            f"stage {s} sync upload (served)",
+            "bytes/round",
+            plan.replicas * model["stage_payload_bytes"][s],
+            median_of(names, lambda n: hosts[n]["sync_sent"]),
+        )
+    add(
+        "anchor fetch time",
+        "s",
+        row["fetch_s"]["anchors"],
+        median_of(anchors, lambda n: logs[n]["fetch_s"]),
+        "seal → fetched",
+    )
+    for s in range(plan.stages):
+        names = stages[s :: plan.stages]
+        add(
+            f"stage {s} fetch time",
+            "s",
+            row["fetch_s"][f"stage{s}"],
+            median_of(names, lambda n: logs[n]["fetch_s"]),
+            "seal → fetched",
+        )
+    add(
+        "sync time (last announcement → all fetched)",
+        "s",
+        row["round_s"],
+        measured.get("critical_fetch_s"),
+        "validation, seal, reading the seal, fetching: the model's round",
+    )
+    add(
+        "sync time (last announcement → all applied)",
+        "s",
+        row["round_s"],
+        measured["critical_sync_s"],
+        "the lab adds validation, signing checks, decoding and applying on shared CPUs",
+    )
+    sync = row["anchor_download_bytes"] + row["anchor_upload_bytes"]
+    wire = median_of(anchors, lambda n: hosts[n]["rx"] + hosts[n]["tx"])
+    add(
+        "anchor wire bytes (in + out)",
+        "bytes/round",
+        sync + row["control_bytes_per_peer"],
+        wire,
+        "sync + today's control model, a peer's average (at the lab's heartbeat and round)",
+    )
+    add(
+        "anchor wire bytes, model's hot peer",
+        "bytes/round",
+        sync + row["control_bytes_hot_peer"],
+        wire,
+        "sync + the control of a replica node of the `peers` key (an anchor may be one)",
+    )
+    return out
+
+
+def run_calibration(
+    config: Config, out_dir: Path, plan: CalibrationPlan | None = None, progress: bool = True
+) -> dict:
+    """Lab, then model, then `out_dir/calibration.json`."""
+    check_lab_possible()
+    plan = plan or CalibrationPlan()
+    config = lab_config(config, plan)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    measured = run_lab(config, plan, out_dir / "calibration-lab", progress)
+    report = calibration_report(config, plan, measured)
+    (out_dir / "calibration.json").write_text(json.dumps(report, indent=2))
+    return report
+
+
+def calibration_report(config: Config, plan: CalibrationPlan, measured: dict[str, Any]) -> dict[str, Any]:
+    """The report from what the lab measured: the model run for it and the comparison."""
+    model = model_side(
+        config, plan, measured["rtt_s"], measured["round_wall_s"], measured.get("stage_layers")
+    )
+    comparison = compare(measured, model, plan)
+    return {
+        "command": COMMAND,
+        "config": config.run.name,
+        "plan": asdict(plan),
+        "lab_config": {k: getattr(config.network, k) for k in LAB_TIMINGS}
+        | {
+            "inner_steps": config.outer.inner_steps,
+            "batch_size": config.data.batch_size,
+            "seq_len": config.data.seq_len,
+        },
+        "measured": measured,
+        "model": model,
+        "comparison": comparison,
+        "within_25pct": [c["quantity"] for c in comparison if c["within_25pct"]],
+        "outside_25pct": [c["quantity"] for c in comparison if not c["within_25pct"]],
+    }
