@@ -4,7 +4,7 @@ Two passes per round:
 - `screen`, at seal time, over every valid contribution (cheap: no forward pass). A contribution is left
   out of the seal when its header says it was trained from an older θ (`stale`), when its top-k positions
   repeat an earlier announcement's (`copy`), when its norm is far outside the round's (`norm`: free riders
-  and scaled-up payloads), or when its author's score average is negative (`score`).
+  and payloads scaled to the bounds), or when its author's score average is negative (`score`).
 - `score`, after sealing and before the coordinator steps θ: each replica's update (a chain's stages
   together) is applied alone at a reduced step, clipped to the round's median norm, and the loss change is
   measured on the batches that replica was assigned this round and on a held-out batch the replicas cannot
@@ -57,7 +57,12 @@ from hetnode.wire.sync_payload import DecodedPayload
 log = logging.getLogger(__name__)
 
 COPY_OVERLAP = 0.9  # share of top-k positions in common that marks a copy (honest pairs measure far below)
-NORM_BAND = 8.0  # a contribution more than this far above or below the round's median norm is left out
+# A contribution whose norm is this far above, or below, the round's median is left out. Above: scaled
+# payloads sit hundreds of times over (clipping to the median already disarms less), and an honest replica
+# left out for some rounds sends its accumulated error feedback, up to 1/(1-β) = 20 rounds' worth: it must
+# not be locked out by it (seen in the lab). Below: a free rider sends a thousandth.
+NORM_ABOVE = 64.0
+NORM_BELOW = 8.0
 MIN_FOR_NORM_BAND = 3  # with fewer contributions the median says nothing about who is odd
 AVERAGE_WEIGHT = 0.5  # of the newest score in a peer's exponential average (which starts at 0)
 MIN_SCORES = 2  # scores a peer needs before its average can refuse it weight or credit
@@ -126,7 +131,7 @@ class Verifier:
         return self.counts.get(peer, 0) >= MIN_SCORES and self.averages.get(peer, 0.0) < 0
 
     def _off_norm(self, updates: Mapping[str, Mapping]) -> set[str]:
-        """Peers whose norm is outside [median / NORM_BAND, median · NORM_BAND] in most shards they sent,
+        """Peers whose norm is outside [median / NORM_BELOW, median · NORM_ABOVE] in most shards they sent,
         the median taken per tensor over whoever sent it (a chain stage sends only its layers)."""
         by_tensor: dict[str, dict[str, float]] = {}
         for peer, update in updates.items():
@@ -141,7 +146,7 @@ class Verifier:
             median = ordered[len(ordered) // 2]
             for peer, norm in norms.items():
                 sent[peer] = sent.get(peer, 0) + 1
-                if norm > median * NORM_BAND or norm < median / NORM_BAND:
+                if norm > median * NORM_ABOVE or norm < median / NORM_BELOW:
                     strikes[peer] = strikes.get(peer, 0) + 1
         return {peer for peer, n in strikes.items() if n * 2 > sent[peer]}
 

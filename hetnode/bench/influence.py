@@ -57,7 +57,7 @@ log = logging.getLogger(__name__)
 
 STRATEGIES = ("disjoint", "disjoint-split", "opposite", "boost")
 # Attackers send twice the largest honest norm: above every honest norm (so Sybils raise the median the
-# aggregator scales everyone to), within the verifier's 8x-of-the-median norm screen (docs/security.md).
+# aggregator scales everyone to), within the verifier's norm screen (64x above the median) (docs/security.md).
 ATTACK_SCALE = 2.0
 Contribution = tuple[str, dict[str, SparseUpdate]]
 

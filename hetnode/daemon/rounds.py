@@ -283,6 +283,8 @@ class AnchorTraining:
                 param.copy_(reference[name])
         if fixed is not None:
             self.model.fixed_embedding = fixed.to(self.trainer.device)
+        # a late joiner trains at the swarm's point of the schedule, not in a warmup of its own
+        self.trainer.schedule_offset = max(0, round_ * self.config.outer.inner_steps - self.trainer.step)
         for batch in assigned_batches(self.peer_id, round_, self.config.outer.inner_steps):
             self.last_loss = self.trainer.train_step(batch_index=batch).loss
         local = {n: p.detach().cpu() for n, p in self.model.named_parameters()}

@@ -112,6 +112,9 @@ class StageTraining:
         # the first stage feeds the round's assigned batches of the chain's slot (public: verifiable)
         round_ = global_model.params_round + 1
         self.next_mb = assigned_batches(self.chain, round_, self.config.outer.inner_steps).start
+        # a chain formed at round r trains at the swarm's point of the schedule, not in a warmup of its own
+        H = self.config.outer.inner_steps
+        self.worker.schedule_offset = max(0, round_ * H - self.worker.version)
         self.drift = None
         if self.index == 0 and self.worker.constraint is not None:
             self.drift = embedding_drift(global_model.params["embed.weight"], reference["embed.weight"])

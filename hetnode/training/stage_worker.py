@@ -70,6 +70,7 @@ class StageWorker:
         self.constraint = constraint
         self.compress = compress
         self.wire_dtype = wire_dtype
+        self.schedule_offset = 0  # the swarm's schedule position minus ours (see InnerTrainer)
         self.version = 0  # optimiser updates applied so far
         self.in_flight: dict[int, _InFlight] = {}
         self.staleness: list[tuple[int, int]] = []  # (micro-batch, updates between its forward and backward)
@@ -137,7 +138,7 @@ class StageWorker:
         projected = time.perf_counter()
         if self.grad_clip > 0:
             nn.utils.clip_grad_norm_(self.stage.parameters(), self.grad_clip)
-        lr = self.lr_at(self.version)
+        lr = self.lr_at(self.version + self.schedule_offset)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         self.optimizer.step()

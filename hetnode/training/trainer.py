@@ -66,6 +66,9 @@ class InnerTrainer:
         if constraint is not None:
             constraint.attach(self.model)
         self.step = 0
+        # the learning-rate schedule's position is step + schedule_offset: a replica that joins a swarm at
+        # round r follows the swarm's schedule (r·H), not a warmup of its own
+        self.schedule_offset = 0
         self.tokens = 0
 
     def lr_at(self, step: int) -> float:
@@ -94,7 +97,7 @@ class InnerTrainer:
             self.constraint.project_gradients(self.model)
         if self.config.inner.grad_clip > 0:
             nn.utils.clip_grad_norm_(self.model.parameters(), self.config.inner.grad_clip)
-        lr = self.lr_at(self.step)
+        lr = self.lr_at(self.step + self.schedule_offset)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         self.optimizer.step()
