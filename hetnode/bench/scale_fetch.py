@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from hetnode.bench.fluid import NodeGroup, Transfer, fair_rates
 from hetnode.bench.scale_schedules import MBIT, Links, Swarm
 from hetnode.bench.scale_sizes import PayloadSizes
-from hetnode.daemon.payload_fetch import HOLDER_TIMEOUT_S, MAX_PARALLEL_HOLDERS, PER_PAYLOAD_S
+from hetnode.planning.fetch import HOLDER_TIMEOUT_S, MAX_PARALLEL_HOLDERS, PER_PAYLOAD_S
 
 SEAL_ORDER_SEED = 0
 

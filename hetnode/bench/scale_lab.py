@@ -30,7 +30,8 @@ from hetnode.bench.lab_process import HETNODE, LabProcess
 from hetnode.bench.netlab import NetLab
 from hetnode.config import Config, dump_config
 from hetnode.errors import HetnodeError
-from hetnode.service.round_log import read_rounds
+
+ROUND_LOG = "rounds-local.jsonl"  # what every daemon writes per round (hetnode/service/round_log.py)
 
 # one torch thread per daemon: ten processes with a thread per core each would spin against each other
 ONE_THREAD = ["env", "OMP_NUM_THREADS=1"]
@@ -304,3 +305,11 @@ def critical_sync_s(
                 max(r["time"] + r["seal_wait_s"] + d for r, d in zip(records, done, strict=True)) - announced
             )
     return out
+
+
+def read_rounds(data_dir: Path) -> list[dict]:
+    """A daemon's round log (bench sits below service/, so it reads the file itself)."""
+    path = data_dir / ROUND_LOG
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]

@@ -19,13 +19,15 @@ from hetnode.daemon.rounds import sha256_hex
 from hetnode.errors import HetnodeError, WireError
 from hetnode.net.node import SwarmNode
 from hetnode.net.streams import PeerRequestError
-from hetnode.planning.fetch import PayloadKey, next_requests
+from hetnode.planning.fetch import (
+    HOLDER_TIMEOUT_S,
+    MAX_PARALLEL_HOLDERS,
+    PER_PAYLOAD_S,
+    PayloadKey,
+    next_requests,
+)
 
 log = logging.getLogger(__name__)
-
-MAX_PARALLEL_HOLDERS = 8  # holders we fetch from at once
-HOLDER_TIMEOUT_S = 10.0  # a holder's batch may take this long, plus PER_PAYLOAD_S per payload in it
-PER_PAYLOAD_S = 2.0  # a few MB over a slow home uplink: a holder slower than that is passed over
 
 
 class PayloadsUnavailable(HetnodeError):

@@ -16,6 +16,10 @@ from dataclasses import dataclass
 
 PayloadKey = tuple[str, str]  # (author, shard)
 
+MAX_PARALLEL_HOLDERS = 8  # holders a replica fetches from at once
+HOLDER_TIMEOUT_S = 10.0  # a holder's batch may take this long, plus PER_PAYLOAD_S per payload in it
+PER_PAYLOAD_S = 2.0  # a few MB over a slow home uplink: a holder slower than that is passed over
+
 
 @dataclass(frozen=True)
 class Holder:
