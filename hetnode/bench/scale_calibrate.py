@@ -80,6 +80,12 @@ def compare(measured: dict[str, Any], model: dict[str, Any], plan: CalibrationPl
     row, hosts, logs = model["row"], measured["hosts"], measured["logs"]
     anchors, stages = plan.names()
     seal = model["seal_bytes"]
+    # which daemon is which stage: the planner numbers them, not their names (the names' order otherwise)
+    layers = measured.get("stage_layers") or {}
+    at_stage = {
+        s: [n for n in stages if layers.get(n, [None])[0] == s] or stages[s :: plan.stages]
+        for s in range(plan.stages)
+    }
 
     def median_of(names: list[str], get: Any) -> float | None:
         values = sorted(v for v in (get(n) for n in names) if v is not None)
@@ -104,7 +110,7 @@ def compare(measured: dict[str, Any], model: dict[str, Any], plan: CalibrationPl
         median_of(anchors, lambda n: logs[n]["upload_bytes"]),
     )
     for s in range(plan.stages):
-        names = stages[s :: plan.stages]
+        names = at_stage[s]
         add(
             f"stage {s} slice",
             "bytes",
@@ -151,7 +157,7 @@ def compare(measured: dict[str, Any], model: dict[str, Any], plan: CalibrationPl
         median_of(anchors, lambda n: hosts[n]["sync_sent"]),
     )
     for s in range(plan.stages):
-        names = stages[s :: plan.stages]
+        names = at_stage[s]
         add(
             f"stage {s} sealed download (payloads)",
             "bytes/round",
@@ -172,7 +178,7 @@ def compare(measured: dict[str, Any], model: dict[str, Any], plan: CalibrationPl
         "seal → fetched",
     )
     for s in range(plan.stages):
-        names = stages[s :: plan.stages]
+        names = at_stage[s]
         add(
             f"stage {s} fetch time",
             "s",
@@ -221,7 +227,8 @@ def run_calibration(
     plan = plan or CalibrationPlan()
     config = lab_config(config, plan)
     out_dir.mkdir(parents=True, exist_ok=True)
-    measured = run_lab(config, plan, out_dir / "calibration-lab", progress)
+    # scratch (identities, checkpoints, logs: gigabytes) where git ignores it, as `bench network` does
+    measured = run_lab(config, plan, out_dir / "network-lab" / "calibration", progress)
     report = calibration_report(config, plan, measured)
     (out_dir / "calibration.json").write_text(json.dumps(report, indent=2))
     return report

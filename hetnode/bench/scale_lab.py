@@ -13,7 +13,9 @@ its history line is written, so single-round differences mix neighbouring rounds
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import re
 import shutil
 import signal
@@ -50,9 +52,11 @@ class CalibrationPlan:
     anchor_mbit: float = 100.0
     stage_mbit: float = 20.0
     inner_steps: int = 15  # H: short rounds; the sync is what is measured
-    # anchors run at this niceness: on two shared cores a chain's round otherwise ends ~15 s after the
-    # anchors', the seal leaves it out, and no round has every replica in it
-    anchor_nice: int = 5
+    # cores (taskset): on two shared cores a chain's round, a micro-batch at a time through its stages,
+    # ends long after the anchors' and the seal leaves it out; the chain and the coordinator get a core
+    # of their own, the anchors share the other
+    chain_cores: str = "0"
+    anchor_cores: str = "1"
     batch_size: int = 2  # sequences per inner step: ten trainers share two cores
     seq_len: int = 64
     warmup_rounds: int = 2
@@ -118,9 +122,8 @@ def _run_swarm(
         argv = [*HETNODE, "bootstrap", "--config", str(config_path), "--data-dir", str(work / "coordinator")]
         argv += ["--listen", f"/ip4/{host.address}/tcp/0", "--http-port", "off", "--metrics-port", "0"]
         # detached: a terminal's Ctrl+C reaches only us, and we stop the daemons in order
-        boot = LabProcess(
-            "coordinator", argv, work / "coordinator.log", host.prefix + ONE_THREAD, detach=True
-        )
+        prefix = host.prefix + ONE_THREAD + ["taskset", "-c", plan.chain_cores]
+        boot = LabProcess("coordinator", argv, work / "coordinator.log", prefix, detach=True)
         processes.append(boot)
         boot.wait_ready()
         _say(progress, f"coordinator up; starting {len(anchors)} anchors and {len(stages)} stages")
@@ -130,9 +133,8 @@ def _run_swarm(
             argv = [*HETNODE, "join", "--peer", boot.maddr, "--name", name, "--role", role]
             argv += ["--bandwidth", f"{rate:g}", "--listen", f"/ip4/{host.address}/tcp/0"]
             argv += ["--data-dir", str(work / name), "--metrics-port", "0"]
-            prefix = host.prefix + ONE_THREAD
-            if name in anchors and plan.anchor_nice:
-                prefix += ["nice", "-n", str(plan.anchor_nice)]
+            cores = plan.anchor_cores if name in anchors else plan.chain_cores
+            prefix = host.prefix + ONE_THREAD + ["taskset", "-c", cores]
             processes.append(LabProcess(name, argv, work / f"{name}.log", prefix, detach=True))
         ready = {p.name: p.wait_ready(240.0) for p in processes}
         ids = {name: r["peer_id"] for name, r in ready.items() if name != "coordinator"}
@@ -144,15 +146,34 @@ def _run_swarm(
         )
         samples = _follow(lab, urls, work / "coordinator", set(ids.values()), plan, progress)
     finally:
-        # replicas first, all at once (each takes seconds to announce its exit), then the coordinator
-        with ThreadPoolExecutor(max_workers=max(1, len(processes))) as pool:
-            list(pool.map(LabProcess.stop, processes[1:]))
-        for process in processes[:1]:
-            process.stop()
+        # a second Ctrl+C or SIGTERM (`timeout` sends one to the child and one to its group) must not cut
+        # the cleanup short: daemons left running hang once their namespace's links are gone
+        held = {sig: signal.signal(sig, signal.SIG_IGN) for sig in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            # replicas first, all at once (each takes seconds to announce its exit), then the coordinator
+            with ThreadPoolExecutor(max_workers=max(1, len(processes))) as pool:
+                list(pool.map(LabProcess.stop, processes[1:]))
+            for process in processes[:1]:
+                process.stop()
+            kill_leftovers(lab)
+        finally:
+            for sig, handler in held.items():
+                signal.signal(sig, handler)
     return samples, ids, rtt_s
 
 
+def kill_leftovers(lab: NetLab) -> None:
+    """SIGKILL whatever still runs in the lab's namespaces (a daemon that ignored SIGTERM, or the p2pd of
+    one that was killed): they are ours, as the namespaces are."""
+    for host in lab.hosts.values():
+        listed = subprocess.run(["ip", "netns", "pids", host.namespace], capture_output=True, text=True)
+        for pid in listed.stdout.split():
+            with contextlib.suppress(ProcessLookupError, ValueError):
+                os.kill(int(pid), signal.SIGKILL)
+
+
 def _interrupted(signum: int, frame: object) -> None:
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # once is enough: a second must not cut the cleanup short
     raise KeyboardInterrupt
 
 

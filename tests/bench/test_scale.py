@@ -253,6 +253,13 @@ def test_calibration_table_puts_the_model_next_to_the_lab():
     assert fetch["model_over_lab"] == pytest.approx(fetch["model"] / 0.4)
     assert not table["sync time (last announcement → all applied)"]["within_25pct"]  # CPU, not links
     assert set(report["within_25pct"]) | set(report["outside_25pct"]) == set(table)
+    # the planner numbers the stages, not their names: stage 0 is the daemon that logged stage 0
+    swapped = _lab_fixture(sizes, plan)
+    anchors, stages = plan.names()
+    swapped["stage_layers"] = {stages[0]: [1, 2, 3], stages[1]: [0, 0, 1]}
+    swapped["logs"][stages[1]]["download_bytes"] = 123
+    table = {c["quantity"]: c for c in calibration_report(config, plan, swapped)["comparison"]}
+    assert table["stage 0 sealed download (payloads)"]["lab"] == 123
     # the planner's split, as the lab logged it, is the model's: 3 layers and the embedding on stage 0
     uneven = _lab_fixture(sizes, plan) | {"stage_layers": {"a": [0, 0, 2], "b": [1, 3, 3]}}
     model = calibration_report(config, plan, uneven)["model"]
