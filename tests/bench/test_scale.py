@@ -15,11 +15,11 @@ from hetnode.bench.scale_fetch import daemon_fetch
 from hetnode.bench.scale_lab import CalibrationPlan
 from hetnode.bench.scale_sizes import ROUND, payload_sizes, seal_bytes, shard_shapes, signed_payload_bytes
 from hetnode.config import load_config
-from hetnode.daemon.payload_fetch import HOLDER_TIMEOUT_S, PER_PAYLOAD_S
 from hetnode.model import build_model
 from hetnode.model.shards import shard_names
 from hetnode.net.identity import ephemeral_identity
 from hetnode.net.signing import sign_payload
+from hetnode.planning.fetch import HOLDER_TIMEOUT_S, PER_PAYLOAD_S
 from hetnode.wire.sync_payload import SyncPayload, encode_payload
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
