@@ -278,6 +278,7 @@ class RoundParticipant:
                     for peer, r in peers.items()
                 ),
                 KEEP_ROUNDS,
+                sealed_authors={c["peer"] for c in seal["contributions"]},
             )
             order = fetch_order(self.peer_id, remote, holders, sealer)
             digests = {(peer, shard): digest for peer, shard, digest in wanted}

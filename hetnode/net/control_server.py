@@ -9,10 +9,11 @@ charged to their byte budgets before they are sent; a refusal raises `Refused` b
 from __future__ import annotations
 
 import asyncio
+import inspect
 import logging
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from hetnode.errors import WireError
@@ -31,7 +32,9 @@ from hetnode.wire.control import (
 log = logging.getLogger(__name__)
 
 InfoProvider = Callable[[], dict[str, Any]]  # -> {"run", "protocol", "coordinator", "role", "name"}
-PayloadProvider = Callable[[int, str, str], bytes | None]  # (round, shard, replica) -> message or None
+# (round, shard, replica) -> message or None; awaitable where serving waits on something (a test's holder
+# that stalls, as a hostile one would)
+PayloadProvider = Callable[[int, str, str], bytes | None | Awaitable[bytes | None]]
 InclusionProvider = Callable[[int, str], bool | None]  # (round, replica) -> in that seal (None: unknown)
 NudgeHandler = Callable[[str, str, int], None]  # (peer, topic, round): look at the DHT now
 ProbePolicy = Callable[[str], bool]  # peer -> may it probe us (daemons: "it has a live record")
@@ -129,6 +132,8 @@ class ControlServer:
         """Serve `message` and every further payload request on the stream, until the peer closes it."""
         for served in range(1, MAX_PAYLOADS_PER_STREAM + 1):
             data = self.payloads(message["round"], message["shard"], message["replica"])
+            if inspect.isawaitable(data):
+                data = await data
             if data is None:
                 what = f"payload for round {message['round']} shard {message['shard']!r}"
                 raise WireError("round", f"no {what} of {message['replica'][-8:]} here")

@@ -297,17 +297,23 @@ class SwarmNode:
             writer.close()
 
     async def fetch_payloads(
-        self, peer: str, round_: int, wanted: Sequence[tuple[str, str]], max_bytes: int
+        self,
+        peer: str,
+        round_: int,
+        wanted: Sequence[tuple[str, str]],
+        max_bytes: int,
+        stall_s: float | None = None,
     ) -> list[bytes]:
         """The sync payloads `wanted` ((shard, replica) pairs) of `round_` held by `peer`, in that order.
 
         One stream for all of them (up to MAX_PAYLOADS_PER_STREAM), requests pipelined: a stream set-up per
         payload would cost more than a small payload's transfer, and count against the peer's rate limit.
-        Any payload the peer lacks fails the whole fetch."""
+        Any payload the peer lacks fails the whole fetch, and so does (TimeoutError) a wait of more than
+        `stall_s` for the stream or for any one payload: a holder that stalls is not waited for."""
         payloads: list[bytes] = []
         for start in range(0, len(wanted), MAX_PAYLOADS_PER_STREAM):
             batch = wanted[start : start + MAX_PAYLOADS_PER_STREAM]
-            stream = await open_stream(self.p2p, peer, CONTROL_HANDLER)
+            stream = await asyncio.wait_for(open_stream(self.p2p, peer, CONTROL_HANDLER), stall_s)
 
             async def send_requests(stream: OpenStream = stream, batch: Sequence = batch) -> None:
                 for shard, replica in batch:
@@ -317,7 +323,8 @@ class SwarmNode:
             # buffers while the peer blocks writing a payload nobody reads yet
             sender = asyncio.create_task(send_requests())
             try:
-                payloads += [await self._receive_payload(stream, max_bytes) for _ in batch]
+                for _ in batch:
+                    payloads.append(await asyncio.wait_for(self._receive_payload(stream, max_bytes), stall_s))
                 await sender
             finally:
                 sender.cancel()

@@ -4,21 +4,27 @@ A sealed payload is content-addressed (its sha256 is in the seal) and signed by 
 holds it can serve it and the fetcher checks what it got: a holder can withhold, never forge. Candidates for
 a payload are its author and the replicas that already applied its round and hold its shard, ranked per
 fetcher by a rendezvous hash (every fetcher ranks them in its own order, so requests spread over holders
-instead of all landing on the author); the sealer comes last, as the fallback that always has it. Pure
-planning: the daemon fetches, checks and retries down each payload's list.
+instead of all landing on the author); the sealer comes last, as the fallback that always has it. Only the
+round's sealed authors count as holders: a record's claim to hold a round costs nothing to make, a sealed
+contribution does (it was validated and scored), so a thousand fresh identities cannot fill the lists.
+Each fetcher also walks the holders in its own rendezvous order (`launch_rank`): were every fetcher to ask
+the same holders first, the first few authors' uplinks would carry the whole swarm while the rest idle.
+Pure planning: the daemon fetches, checks and retries down each payload's list.
 """
 
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 PayloadKey = tuple[str, str]  # (author, shard)
 
 MAX_PARALLEL_HOLDERS = 8  # holders a replica fetches from at once
-HOLDER_TIMEOUT_S = 10.0  # a holder's batch may take this long, plus PER_PAYLOAD_S per payload in it
-PER_PAYLOAD_S = 2.0  # a few MB over a slow home uplink: a holder slower than that is passed over
+# A holder is passed over when no payload of its batch arrives for this long. Progress, not a deadline
+# per batch: a 20 Mbit/s stage serving its slice to many fetchers at once is slow but moving, and a fixed
+# deadline turned such authors over to the sealer, which then served the whole swarm.
+STALL_TIMEOUT_S = 15.0
 
 
 @dataclass(frozen=True)
@@ -30,13 +36,15 @@ class Holder:
     shards: frozenset[str]
 
 
-def holders_of(round_: int, peers: Iterable[Holder], keep_rounds: int) -> dict[str, list[str]]:
-    """{shard: peers that hold `round_`'s payloads of it}: those that applied `round_` and not more than
-    `keep_rounds` − 1 rounds after it (a replica keeps the payloads of its last `keep_rounds` rounds)."""
+def holders_of(
+    round_: int, peers: Iterable[Holder], keep_rounds: int, sealed_authors: Collection[str]
+) -> dict[str, list[str]]:
+    """{shard: peers that hold `round_`'s payloads of it}: the round's sealed authors that applied `round_`
+    and not more than `keep_rounds` − 1 rounds after it (a replica keeps its last `keep_rounds` rounds)."""
     out: dict[str, list[str]] = {}
     for holder in peers:
         r = holder.params_round
-        if r is None or not round_ <= r < round_ + keep_rounds:
+        if holder.peer not in sealed_authors or r is None or not round_ <= r < round_ + keep_rounds:
             continue
         for shard in holder.shards:
             out.setdefault(shard, []).append(holder.peer)
@@ -64,6 +72,11 @@ def fetch_order(
         ranked = sorted(pool, key=lambda candidate: _rank(fetcher, key, candidate))[:max_candidates]
         order[key] = [*ranked, sealer] if sealer != fetcher else ranked
     return order
+
+
+def launch_rank(fetcher: str, round_: int, holder: str) -> bytes:
+    """The order in which `fetcher` asks holders in `round_` (lowest first): its own, not the seal's."""
+    return hashlib.sha256(f"launch|{fetcher}|{round_}|{holder}".encode()).digest()
 
 
 def next_requests(

@@ -2,7 +2,7 @@
 
 from collections import Counter
 
-from hetnode.planning.fetch import Holder, fetch_order, holders_of, next_requests
+from hetnode.planning.fetch import Holder, fetch_order, holders_of, launch_rank, next_requests
 
 
 def test_holders_are_the_replicas_that_applied_the_round_and_hold_the_shard():
@@ -14,10 +14,29 @@ def test_holders_are_the_replicas_that_applied_the_round_and_hold_the_shard():
         Holder("far", 7, frozenset({"embed"})),  # round 5's payloads are gone there
         Holder("new", None, frozenset({"embed"})),
     ]
-    holders = holders_of(5, peers, keep_rounds=2)
+    everyone = {holder.peer for holder in peers}
+    holders = holders_of(5, peers, keep_rounds=2, sealed_authors=everyone)
     assert sorted(holders["embed"]) == ["ahead", "anchor", "stage0"]
     assert sorted(holders["1"]) == ["anchor"]
     assert "head" in holders and "behind" not in holders["head"]
+
+
+def test_only_the_rounds_sealed_authors_count_as_holders_whatever_a_record_claims():
+    # a thousand fresh identities claim to hold every shard of round 5: none contributed to it
+    sybils = [Holder(f"sybil-{i}", 5, frozenset({"embed", "0", "head"})) for i in range(1000)]
+    honest = Holder("anchor", 5, frozenset({"embed", "0", "head"}))
+    holders = holders_of(5, [*sybils, honest], keep_rounds=2, sealed_authors={"anchor", "stage0"})
+    assert holders == {"embed": ["anchor"], "0": ["anchor"], "head": ["anchor"]}
+
+
+def test_each_fetcher_asks_the_holders_in_an_order_of_its_own():
+    holders = [f"author-{i}" for i in range(64)]
+    firsts = Counter(min(holders, key=lambda h: launch_rank(f"fetcher-{i}", 3, h)) for i in range(640))
+    assert len(firsts) > 48  # no convoy: the first asked is spread over nearly all 64 authors
+    assert max(firsts.values()) < 640 / 64 * 3
+    assert min(holders, key=lambda h: launch_rank("f", 3, h)) != min(
+        holders, key=lambda h: launch_rank("f", 4, h)
+    )
 
 
 def test_each_payload_lists_its_author_and_holders_then_the_sealer_never_the_fetcher():
