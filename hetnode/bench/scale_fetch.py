@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from hetnode.bench.fluid import NodeGroup, Transfer, fair_rates
 from hetnode.bench.scale_schedules import MBIT, Links, Swarm
 from hetnode.bench.scale_sizes import PayloadSizes
-from hetnode.planning.fetch import HOLDER_TIMEOUT_S, MAX_PARALLEL_HOLDERS, PER_PAYLOAD_S
+from hetnode.planning.fetch import MAX_PARALLEL_HOLDERS, STALL_TIMEOUT_S
 
 SEAL_ORDER_SEED = 0
 
@@ -44,7 +44,7 @@ class _Request:
 
     @property
     def deadline_s(self) -> float:
-        return self.slot_s + HOLDER_TIMEOUT_S + PER_PAYLOAD_S * self.payloads
+        return self.slot_s + STALL_TIMEOUT_S * self.payloads  # each shard within the stall timeout (lockstep)
 
 
 @dataclass

@@ -19,7 +19,7 @@ from hetnode.model import build_model
 from hetnode.model.shards import shard_names
 from hetnode.net.identity import ephemeral_identity
 from hetnode.net.signing import sign_payload
-from hetnode.planning.fetch import HOLDER_TIMEOUT_S, PER_PAYLOAD_S
+from hetnode.planning.fetch import STALL_TIMEOUT_S
 from hetnode.wire.sync_payload import SyncPayload, encode_payload
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
@@ -126,7 +126,7 @@ def test_daemon_fetch_by_hand():
     fetch = daemon_fetch(sizes, scale.Swarm(1, 2, 2), slow)
     assert fetch.requests == fetch.timed_out == 4 + 2 * 3  # the anchor: 4 authors; a stage: the anchor and 2
     assert fetch.failed
-    timeout = HOLDER_TIMEOUT_S + PER_PAYLOAD_S * len(sizes.stage_shards[0])
+    timeout = STALL_TIMEOUT_S * len(sizes.stage_shards[0])
     assert len(sizes.stage_shards[0]) == len(sizes.stage_shards[1])
     assert fetch.fetch_s["anchors"] == pytest.approx(timeout + 0.1 + 2 * p / 1e6, rel=1e-3)
 
