@@ -23,7 +23,7 @@ from bootstrap.status_page import StatusBoard
 from bootstrap.swarm_metrics import SwarmMetrics
 from hetnode.config import Config, load_config
 from hetnode.daemon.membership import Membership
-from hetnode.daemon.view import SwarmView
+from hetnode.daemon.view import PeerDirectory, SwarmView
 from hetnode.net.identity import Identity, load_or_create_identity
 from hetnode.net.node import PeersUnreachable, SwarmNode
 from hetnode.net.records import new_peer_record
@@ -159,6 +159,17 @@ class Coordinator:
             node.set_admit_handler(admissions.grant)
             log.info("closed run: admission by %s", o.admission)
         membership = Membership(node, self.config, manifest, node.identity.peer_id)
+        membership.apply_policies()
+        # the coordinator follows every change: its reads keep the base heartbeat
+        directory = PeerDirectory(
+            node,
+            self.config,
+            self.config.network.heartbeat_s,
+            self.config.network.heartbeat_s,
+            on_read=membership.absorb,
+            is_member=membership.is_member,
+        )
+        membership.on_stranger = directory.wake
         if not await node.store_own("manifest", manifest.envelope(), MANIFEST_TTL_S):
             log.warning("the DHT did not accept the manifest yet; retrying")
         n = self.config.network
@@ -168,7 +179,14 @@ class Coordinator:
             peer_metrics = PeerMetrics(lambda: presence.record, lambda: node.traffic, trains=False)
             swarm_metrics = SwarmMetrics(peer_metrics, ledger)
             keeper = RoundKeeper(
-                self.config, node, presence, data_dir, ledger, swarm_metrics, self.options.stand_ins
+                self.config,
+                node,
+                presence,
+                data_dir,
+                ledger,
+                swarm_metrics,
+                self.options.stand_ins,
+                directory,
             )
             board = StatusBoard(ledger, stale_after_s=max(60.0, 6 * n.heartbeat_s))
             servers = self._http_servers(board, peer_metrics)
@@ -193,7 +211,7 @@ class Coordinator:
                     asyncio.create_task(self._refresh_manifest(node, manifest, stop), name="manifest"),
                     asyncio.create_task(self._remember_neighbours(node, data_dir, stop), name="neighbours"),
                     asyncio.create_task(keeper.run(stop), name="rounds"),
-                    asyncio.create_task(membership.follow(stop), name="membership"),
+                    asyncio.create_task(directory.follow(stop), name="peer records"),
                     asyncio.create_task(
                         self._keep_status(keeper, board, swarm_metrics, state, maddrs, stop), name="status"
                     ),

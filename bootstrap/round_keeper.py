@@ -33,7 +33,7 @@ from hetnode.config import Config
 from hetnode.daemon.participant import fetch_state, payload_opener
 from hetnode.daemon.rounds import GlobalModel, base_fixed_embedding
 from hetnode.daemon.sealing import SealedRound, Sealer
-from hetnode.daemon.view import RecentView, SwarmView
+from hetnode.daemon.view import PeerDirectory, SwarmView
 from hetnode.data.dataset import TokenDataset
 from hetnode.errors import WireError
 from hetnode.model.decoder import build_model
@@ -78,7 +78,9 @@ class RoundKeeper:
         ledger: Ledger,
         metrics: SwarmMetrics | None = None,
         stand_ins: tuple[str, ...] = (),
+        directory: PeerDirectory | None = None,
     ) -> None:
+        """`directory`: the coordinator's reads of the peer records (one of our own if not given)."""
         self.config = config
         self.node = node
         self.presence = presence
@@ -93,7 +95,8 @@ class RoundKeeper:
         self.verifier: Verifier | None = None  # set up with the evaluator when `outer.verify` is on
         self._rescued: dict[tuple[int, tuple[str, ...]], set[str]] = {}  # the last `_rescue` verdict
         self._names: dict[str, str] = {}  # display names from peer records, as last seen
-        self.view = RecentView(node, config, max_age_s=config.network.heartbeat_s)
+        n = config.network
+        self.view = directory or PeerDirectory(node, config, n.heartbeat_s, n.heartbeat_s)
         self._load_checkpoint()
         node.set_payloads(self.sealer.serve)
         node.set_state(self._serve_state)

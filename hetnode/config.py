@@ -137,6 +137,10 @@ class NetworkConfig:
     max_frame_mb: float = 64.0
     heartbeat_s: float = 10.0
     record_ttl_s: float = 30.0
+    # Once a peer's role and the swarm's membership stop changing, its record heartbeats and its reads of
+    # the others' records stretch from `heartbeat_s` up to this (records then live
+    # record_ttl_s × stable_heartbeat_s / heartbeat_s); any change brings them back to `heartbeat_s`.
+    stable_heartbeat_s: float = 60.0
     # Roles and chains change only at boundaries; while the swarm is not training the coordinator
     # opens one every `boundary_s` seconds. Chain members must all confirm within `confirm_s`.
     boundary_s: float = 30.0
@@ -376,6 +380,7 @@ def validate(config: Config, source: str) -> None:
         "max_frame_mb",
         "heartbeat_s",
         "record_ttl_s",
+        "stable_heartbeat_s",
         "boundary_s",
         "confirm_s",
         "probe_mb",
@@ -395,6 +400,12 @@ def validate(config: Config, source: str) -> None:
         source,
         "network.record_ttl_s",
         "must be > network.heartbeat_s, or records expire between heartbeats",
+    )
+    _require(
+        n.stable_heartbeat_s >= n.heartbeat_s,
+        source,
+        "network.stable_heartbeat_s",
+        "must be >= network.heartbeat_s (the stable swarm's heartbeat is the slower one)",
     )
     _require(
         n.confirm_s < n.boundary_s,

@@ -62,6 +62,7 @@ def _write(tmp_path: Path, body: str) -> Path:
         ("[pipeline]\nstages = 9\n", "pipeline.stages", "every stage needs a layer"),
         ("[pipeline]\ncompression = 'some'\n", "pipeline.compression", "must be one of"),
         ("[network]\nrecord_ttl_s = 1.0\n", "network.record_ttl_s", "heartbeat"),
+        ("[network]\nstable_heartbeat_s = 0.5\n", "network.stable_heartbeat_s", "slower one"),
         ("[data]\nsource = 'http://example'\n", "data.source", "wiki"),
         ("model = 3\n", "model", "expected a table"),
         ("[model\n", "<file>", "not valid TOML"),

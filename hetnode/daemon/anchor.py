@@ -24,6 +24,7 @@ from hetnode.config import Config
 from hetnode.daemon.faulty import StaleTheta, copied_payloads
 from hetnode.daemon.participant import RoundParticipant, payload_opener
 from hetnode.daemon.rounds import AnchorTraining, GlobalModel, sha256_hex
+from hetnode.daemon.view import PeerDirectory
 from hetnode.data.dataset import TokenDataset
 from hetnode.net.node import SwarmNode
 from hetnode.service.metrics import PeerMetrics
@@ -45,9 +46,10 @@ class AnchorLoop:
         fault: str | None = None,
         metrics: PeerMetrics | None = None,
         stand_ins: tuple[str, ...] = (),
+        directory: PeerDirectory | None = None,
     ) -> None:
         """`state_path`: local state for restarts; its folder (the data dir) also gets the round log;
-        `stand_ins`: the manifest's stand-in sealers."""
+        `stand_ins`: the manifest's stand-in sealers; `directory`: the daemon's reads of peer records."""
         self.config = config
         self.node = node
         self.presence = presence
@@ -67,6 +69,7 @@ class AnchorLoop:
             data_dir=state_path.parent,
             metrics=metrics,
             stand_ins=stand_ins,
+            directory=directory,
         )
 
     async def run(self, stop: asyncio.Event) -> None:

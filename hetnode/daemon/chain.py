@@ -33,7 +33,7 @@ from hetnode.config import Config
 from hetnode.daemon.participant import RoundParticipant, payload_opener
 from hetnode.daemon.rounds import GlobalModel, sha256_hex
 from hetnode.daemon.stage_training import StageTraining
-from hetnode.daemon.view import SwarmView
+from hetnode.daemon.view import PeerDirectory, SwarmView
 from hetnode.data.dataset import TokenDataset
 from hetnode.errors import HetnodeError, WireError
 from hetnode.model.shards import ModelPart
@@ -105,8 +105,9 @@ class ChainLoop:
         data_dir: Path,
         device: str = "cpu",
         metrics: PeerMetrics | None = None,
+        directory: PeerDirectory | None = None,
     ) -> None:
-        """`data_dir` gets the round log."""
+        """`data_dir` gets the round log; `directory`: the daemon's shared reads of the peer records."""
         self.config = config
         self.node = node
         self.presence = presence
@@ -135,6 +136,7 @@ class ChainLoop:
             may_stand_in=False,
             data_dir=data_dir,
             metrics=metrics,
+            directory=directory,
         )
         self.training: StageTraining | None = None
         self.compute = asyncio.Lock()  # one forward or backward at a time on this stage
@@ -277,7 +279,7 @@ class ChainLoop:
     async def _watch_members(self, stop: asyncio.Event) -> None:
         """Break the chain when the records say it is not live any more (a member vanished)."""
         while not await sleep_or_stop(stop, self.config.network.heartbeat_s):
-            view = await SwarmView.read(self.node, self.config)
+            view = await self.rounds.view.get()
             if not view.chain_is_live(self.layout.chain):
                 raise ChainBroken("a member's record is gone: the chain is not live any more")
 

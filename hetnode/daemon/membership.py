@@ -1,4 +1,5 @@
-"""Who belongs to the run, as this daemon sees it (TRUST §1, §5), refreshed every heartbeat.
+"""Who belongs to the run, as this daemon sees it (TRUST §1, §5), from each read of the peer records
+(`PeerDirectory`; a request from a peer we do not know yet brings the next read forward).
 
 - **Live peers**: peers with a live, valid record. Only they get bandwidth probes: a probe reply is
   megabytes for a request of a few dozen bytes, and served to anyone it amplifies traffic ×80,000. A
@@ -11,17 +12,16 @@
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from hetnode.config import Config
 from hetnode.errors import HetnodeError, WireError
-from hetnode.net.node import SwarmNode
+from hetnode.net.node import StoredValue, SwarmNode
 from hetnode.net.records import check_peer_record
 from hetnode.net.signing import signer_key, verify_text
-from hetnode.service.lifecycle import sleep_or_stop
 from hetnode.wire.admission import parse_admission_body
 from hetnode.wire.manifest import Manifest
 
@@ -47,12 +47,20 @@ class Membership:
         self.live: frozenset[str] = frozenset()
         self.members: frozenset[str] = frozenset({coordinator})
         self._verified: dict[str, tuple[str, float]] = {}  # admission text -> (peer, expiry), checked once
+        # called when a peer we do not know asks something: our last read may predate its record
+        self.on_stranger: Callable[[], None] = lambda: None
 
     def allows_probe(self, peer: str) -> bool:
-        return peer in self.live
+        if peer in self.live:
+            return True
+        self.on_stranger()
+        return False
 
     def is_member(self, peer: str) -> bool:
-        return not self.closed or peer == self.coordinator or peer in self.members
+        if not self.closed or peer == self.coordinator or peer in self.members:
+            return True
+        self.on_stranger()
+        return False
 
     def admitted(self, peer: str, record: dict[str, Any]) -> bool:
         """In a closed run: the record carries a valid, unexpired admission of this run for this peer."""
@@ -76,7 +84,10 @@ class Membership:
         return known[0] == peer and known[1] > time.time()
 
     async def refresh(self) -> None:
-        entries = await self.node.read_field("peers", members_only=False)
+        self.absorb(await self.node.read_field("peers", members_only=False))
+
+    def absorb(self, entries: Mapping[str, StoredValue]) -> None:
+        """The live peers and the members, from one read of every peer record (members or not)."""
         live, members = set(), {self.coordinator}
         for peer, entry in entries.items():
             try:
@@ -89,15 +100,8 @@ class Membership:
                     live.add(peer)
         self.live, self.members = frozenset(live), frozenset(members)
 
-    async def follow(self, stop: asyncio.Event) -> None:
-        """Apply the policies to the node, then keep them current until `stop`."""
+    def apply_policies(self) -> None:
+        """Make the node serve probes to live peers only and, in a closed run, listen to members only."""
         self.node.set_probe_policy(self.allows_probe)
         if self.closed:
             self.node.set_member_policy(self.is_member)
-        while True:
-            try:
-                await self.refresh()
-            except Exception as exc:  # a failed read keeps the last sets: the next heartbeat tries again
-                log.debug("reading the run's members failed: %r", exc)
-            if await sleep_or_stop(stop, self.config.network.heartbeat_s):
-                return

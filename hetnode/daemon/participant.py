@@ -26,7 +26,7 @@ from hetnode.config import Config
 from hetnode.daemon.payload_fetch import PayloadsUnavailable, fetch_sealed
 from hetnode.daemon.rounds import ApplyError, GlobalModel, PayloadOpener, sha256_hex
 from hetnode.daemon.sealing import Sealer
-from hetnode.daemon.view import RecentView, SwarmView
+from hetnode.daemon.view import PeerDirectory, SwarmView
 from hetnode.errors import HetnodeError, WireError
 from hetnode.net.node import SwarmNode
 from hetnode.net.signing import open_payload, sign_payload
@@ -90,9 +90,11 @@ class RoundParticipant:
         data_dir: Path,
         metrics: PeerMetrics | None = None,
         stand_ins: tuple[str, ...] = (),
+        directory: PeerDirectory | None = None,
     ) -> None:
         """`stand_ins`: the manifest's list of peers that may seal while the coordinator is silent;
-        `may_stand_in`: this replica's role allows it (anchors only: a stage never seals)."""
+        `may_stand_in`: this replica's role allows it (anchors only: a stage never seals);
+        `directory`: the daemon's shared reads of the peer records (one of our own if not given)."""
         self.config = config
         self.node = node
         self.coordinator = coordinator
@@ -107,7 +109,8 @@ class RoundParticipant:
         self.metrics = metrics
         self.peer_id = node.identity.peer_id
         self.sealer = Sealer(config, node, global_model, self.own_payload)
-        self.view = RecentView(node, config, max_age_s=config.network.heartbeat_s)
+        n = config.network
+        self.view = directory or PeerDirectory(node, config, n.heartbeat_s, n.heartbeat_s)
         self.last_seal_wait_s = 0.0  # of the last wait_for_seal
         self.last_apply = (0.0, 0, 0.0)  # (seconds, bytes fetched, seconds fetching) of the last apply
         node.set_payloads(self.serve_payload)
@@ -340,7 +343,7 @@ class RoundParticipant:
         if round_ is None or round_ != self.global_model.params_round:
             self.unchecked = None
             return False
-        record = (await SwarmView.read(self.node, self.config)).peers.get(self.coordinator, {})
+        record = (await self.view.get(max_age_s=0)).peers.get(self.coordinator, {})
         their_round, theirs = record.get("params_round"), record.get("layer_digests")
         if not isinstance(their_round, int) or their_round < round_:
             return False
@@ -372,7 +375,7 @@ class RoundParticipant:
 
         True when θ was replaced (local training state built on the old θ is then stale)."""
         while not stop.is_set():
-            view = await SwarmView.read(self.node, self.config)
+            view = await self.view.get(max_age_s=0)
             sealer = self.coordinator
             seal = await read_seal(self.node, sealer)
             stand_in = self.acting_stand_in(view)

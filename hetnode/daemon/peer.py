@@ -26,7 +26,7 @@ from hetnode.daemon.membership import Membership
 from hetnode.daemon.peer_address import is_url, resolve_peer
 from hetnode.daemon.resources import available_memory_gb, measure_tflops
 from hetnode.daemon.swarm import RunContact, find_run, local_config, read_round, start_when_reachable
-from hetnode.daemon.view import SwarmView
+from hetnode.daemon.view import PeerDirectory, SwarmView
 from hetnode.errors import HetnodeError
 from hetnode.model.decoder import count_parameters
 from hetnode.net.identity import load_or_create_identity, peer_id_from_maddr
@@ -101,6 +101,7 @@ class PeerDaemon:
         self._config: Config | None = None
         self._data_dir: DataDir | None = None
         self.membership: Membership | None = None
+        self.directory: PeerDirectory | None = None
         self.admission: str | None = None  # our admission to a closed run
         self.pinned: str | None = options.coordinator
 
@@ -190,6 +191,17 @@ class PeerDaemon:
         self.node.limits = limits_of(self.config)
         manifest = self.contact.manifest
         self.membership = Membership(self.node, self.config, manifest, self.contact.coordinator)
+        self.membership.apply_policies()
+        n = self.config.network
+        self.directory = PeerDirectory(
+            self.node,
+            self.config,
+            n.heartbeat_s,
+            n.stable_heartbeat_s,
+            on_read=self.membership.absorb,
+            is_member=self.membership.is_member,
+        )
+        self.membership.on_stranger = self.directory.wake
         self.admission = await self._get_admitted() if manifest.admission != "open" else None
         log.info("joined run %s (coordinator %s)", self.contact.manifest.run, self.contact.coordinator)
         await self._start_presence()
@@ -212,7 +224,7 @@ class PeerDaemon:
         tasks = [
             asyncio.create_task(self.presence.heartbeat(stop), name="heartbeat"),
             asyncio.create_task(self._follow_boundaries(stop), name="boundaries"),
-            asyncio.create_task(self.membership.follow(stop), name="membership"),
+            asyncio.create_task(self.directory.follow(stop), name="peer records"),
         ]
         self._run_role(stop)
         try:
@@ -256,6 +268,7 @@ class PeerDaemon:
                 self.options.fault,
                 self.metrics,
                 self.contact.manifest.stand_ins,
+                self.directory,
             )
         else:
             layout = ChainLayout.from_view(view, wanted, self.node.identity.peer_id) if view else None
@@ -270,6 +283,7 @@ class PeerDaemon:
                 self.options.data_dir,
                 self.options.device,
                 self.metrics,
+                self.directory,
             )
         self._role_task = asyncio.create_task(loop.run(stop), name=f"role-{wanted}")
         self._role_key = wanted
@@ -299,7 +313,7 @@ class PeerDaemon:
             admission=self.admission,
         )
         n = self.config.network
-        self.presence = Presence(self.node, record, n.heartbeat_s, n.record_ttl_s)
+        self.presence = Presence(self.node, record, n.heartbeat_s, n.record_ttl_s, n.stable_heartbeat_s)
         await self.presence.publish()
         link = await self._measure_link(patient=True)
         self.link_class = self._classify(link, mem_gb)
@@ -367,8 +381,10 @@ class PeerDaemon:
 
     # --- boundaries ----------------------------------------------------------------------------------
 
-    async def _view(self) -> SwarmView:
-        return await SwarmView.read(self.node, self.config)
+    async def _view(self, max_age_s: float | None = None) -> SwarmView:
+        """The peer records through the daemon's shared reads; `max_age_s=0` reads them now."""
+        assert self.directory is not None, "the peer records are read once the run was joined"
+        return await self.directory.get(max_age_s)
 
     async def _follow_boundaries(self, stop: asyncio.Event) -> None:
         poll_s = min(1.0, self.config.network.boundary_s / 4)
@@ -411,7 +427,7 @@ class PeerDaemon:
         # let members of chains that dissolved at this boundary publish "idle" before we read the pool
         if await sleep_or_stop(stop, min(0.5, n.confirm_s / 3)):
             return
-        view = await self._view()
+        view = await self._view(max_age_s=0)
         plans = pack_chains(
             view.idle_candidates(boundary), self.config.pipeline.stages, self.config.model.n_layers, boundary
         )
@@ -435,7 +451,7 @@ class PeerDaemon:
         )
         deadline = opened + n.confirm_s
         while time.monotonic() < deadline:
-            view = await self._view()
+            view = await self._view(max_age_s=0)
             if view.chain_is_live(mine.chain):
                 self.chain_live = True
                 log.info("chain %s live: stage %d, layers %d..%d", mine.chain, mine.stage, *mine.layers)

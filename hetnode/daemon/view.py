@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import math
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -12,6 +14,8 @@ from hetnode.config import Config
 from hetnode.net.node import StoredValue, SwarmNode
 from hetnode.net.records import check_peer_record
 from hetnode.planning.roles import Candidate, ChainStatus, Claim, chain_prefix, chain_status, parse_layout
+from hetnode.service.lifecycle import sleep_or_wake
+from hetnode.service.presence import Cadence
 
 log = logging.getLogger(__name__)
 
@@ -96,6 +100,14 @@ class SwarmView:
             or (r["role"] == "stage" and r["chain"] in live and r["params_round"] == round_ - 1)
         }
 
+    def signature(self) -> frozenset:
+        """Who is in the swarm in which role: what a change of makes the swarm unstable (not the
+        per-round fields, which change every round)."""
+        return frozenset(
+            (peer, r["role"], r["wants"], r["chain"], r["stage"], tuple(r["layers"] or ()))
+            for peer, r in self.peers.items()
+        )
+
     def status_document(self, run: str, round_: int) -> dict[str, Any]:
         """The stable `hetnode status --json` document (later versions add fields, never rename)."""
         peers = [
@@ -147,19 +159,63 @@ def _model_problem(record: dict[str, Any], shards: set[str], n_layers: int) -> s
     return ""
 
 
-class RecentView:
-    """The swarm view, read again only when older than `max_age_s`: loops that poll the DHT for seals
-    several times a second need the peer records far less often (each read fetches every record)."""
+class PeerDirectory:
+    """The peer records as one daemon reads them: one read shared by everything in the daemon that needs
+    them (each read moves every record of the swarm), repeated every `base_s` while the swarm's roles and
+    membership change and less often, up to `stable_s`, while they do not. `wake()` (an event: a boundary,
+    a stranger's request) brings the next read forward, never more often than every `base_s`.
 
-    def __init__(self, node: SwarmNode, config: Config, max_age_s: float) -> None:
+    `on_read` gets every read's raw entries, members or not (the membership policy is built from them)."""
+
+    def __init__(
+        self,
+        node: SwarmNode,
+        config: Config,
+        base_s: float,
+        stable_s: float,
+        on_read: Callable[[Mapping[str, StoredValue]], None] | None = None,
+        is_member: Callable[[str], bool] = lambda peer: True,
+    ) -> None:
         self.node = node
         self.config = config
-        self.max_age_s = max_age_s
+        self.cadence = Cadence(base_s, stable_s)
+        self.on_read = on_read
+        self.is_member = is_member
         self._view: SwarmView | None = None
-        self._read_at = 0.0
+        self._read_at = -math.inf
+        self._signature: frozenset = frozenset()
+        self._lock = asyncio.Lock()
+        self._woken = asyncio.Event()
 
-    async def get(self) -> SwarmView:
-        if self._view is None or time.monotonic() - self._read_at > self.max_age_s:
-            self._view = await SwarmView.read(self.node, self.config)
-            self._read_at = time.monotonic()
+    async def get(self, max_age_s: float | None = None) -> SwarmView:
+        """The view, read again when older than `max_age_s` (default: the current period)."""
+        limit = self.cadence.period_s if max_age_s is None else max_age_s
+        async with self._lock:  # callers at the same moment share one read
+            if self._view is None or time.monotonic() - self._read_at > limit:
+                await self._read()
+        assert self._view is not None
         return self._view
+
+    async def _read(self) -> None:
+        entries = await self.node.read_field("peers", members_only=False)
+        if self.on_read is not None:
+            self.on_read(entries)
+        members = {peer: entry for peer, entry in entries.items() if self.is_member(peer)}
+        view = SwarmView.from_entries(members, self.config.pipeline.stages, self.config.model.n_layers)
+        signature = view.signature()
+        self.cadence.observe(changed=signature != self._signature)
+        self._view, self._signature, self._read_at = view, signature, time.monotonic()
+
+    def wake(self) -> None:
+        self.cadence.observe(changed=True)
+        self._woken.set()
+
+    async def follow(self, stop: asyncio.Event) -> None:
+        """Keep the view (and what `on_read` derives from it) current until `stop`."""
+        while True:
+            try:
+                await self.get(max_age_s=self.cadence.base_s)
+            except Exception as exc:  # a failed read keeps the last view: the next period tries again
+                log.debug("reading the peer records failed: %r", exc)
+            if await sleep_or_wake(stop, self._woken, self.cadence.period_s):
+                return

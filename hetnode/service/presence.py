@@ -1,5 +1,10 @@
 """A daemon's own record in the DHT: published on every change and refreshed by a heartbeat, so that it
-expires about `ttl_s` after the daemon vanishes."""
+expires a few heartbeats after the daemon vanishes.
+
+While the record's role fields stay the same the heartbeat stretches (`Cadence`), up to the stable swarm's
+heartbeat, and the record lives correspondingly longer: a stable swarm of N peers then stores N records a
+minute instead of N every ten seconds, and the key's replicas, which take every store, carry that much less.
+A role change is published at once and brings the heartbeat back to its base."""
 
 from __future__ import annotations
 
@@ -9,20 +14,55 @@ import time
 from typing import Any
 
 from hetnode.net.node import SwarmNode
-from hetnode.service.lifecycle import sleep_or_stop
+from hetnode.service.lifecycle import sleep_or_wake
 
 log = logging.getLogger(__name__)
 
 RECORD_VERSION = 1
+# the fields whose change is an event for the swarm (roles, chains, links); the per-round ones are not
+EVENT_FIELDS = ("role", "wants", "chain", "stage", "layers", "chain_layout", "link_class", "admission")
+STABLE_STEPS = 3  # unchanged periods at one cadence before it doubles
+
+
+class Cadence:
+    """A period that doubles after every STABLE_STEPS unchanged observations, from `base_s` up to
+    `stable_s`, and is back at `base_s` on any change."""
+
+    def __init__(self, base_s: float, stable_s: float) -> None:
+        self.base_s = base_s
+        self.stable_s = max(base_s, stable_s)
+        self.unchanged = 0
+
+    @property
+    def period_s(self) -> float:
+        return min(self.stable_s, self.base_s * 2 ** (self.unchanged // STABLE_STEPS))
+
+    def observe(self, changed: bool) -> None:
+        self.unchanged = 0 if changed else self.unchanged + 1
 
 
 class Presence:
-    def __init__(self, node: SwarmNode, record: dict[str, Any], heartbeat_s: float, ttl_s: float) -> None:
+    def __init__(
+        self,
+        node: SwarmNode,
+        record: dict[str, Any],
+        heartbeat_s: float,
+        ttl_s: float,
+        stable_heartbeat_s: float | None = None,
+    ) -> None:
         self.node = node
         self.record = dict(record, version=RECORD_VERSION)
-        self.heartbeat_s = heartbeat_s
+        self.cadence = Cadence(heartbeat_s, stable_heartbeat_s or heartbeat_s)
         self.ttl_s = ttl_s
         self._lock = asyncio.Lock()
+        self._changed = asyncio.Event()
+        self._expires = 0.0  # of our last accepted store
+        self._published_events: tuple = ()
+        self._events = 0  # publishes that changed a role field
+
+    @property
+    def heartbeat_s(self) -> float:
+        return self.cadence.period_s
 
     async def update(self, **changes: Any) -> bool:
         self.record.update(changes)
@@ -30,8 +70,20 @@ class Presence:
 
     async def publish(self) -> bool:
         async with self._lock:
-            self.record["last_seen"] = time.time()
-            stored = await self.node.store_own("peers", dict(self.record), self.ttl_s)
+            events = tuple(self.record.get(field) for field in EVENT_FIELDS)
+            if events != self._published_events:
+                self.cadence.observe(changed=True)
+                self._events += 1
+                self._changed.set()  # the heartbeat loop starts over at its base
+            self._published_events = events
+            now = time.time()
+            self.record["last_seen"] = now
+            # lives as many heartbeats as at the base cadence; never shorter than what is stored already,
+            # which a DHT node would refuse as older than its copy
+            ttl = max(self.ttl_s * self.cadence.period_s / self.cadence.base_s, self._expires - now + 1e-3)
+            stored = await self.node.store_own("peers", dict(self.record), ttl)
+            if stored:
+                self._expires = now + ttl
         if not stored:
             log.warning(
                 "no DHT node accepted our record (role %s); retrying at the next heartbeat",
@@ -40,9 +92,15 @@ class Presence:
         return stored
 
     async def heartbeat(self, stop: asyncio.Event) -> None:
-        while not stop.is_set():
+        await self.publish()
+        while True:
+            events = self._events
+            if await sleep_or_wake(stop, self._changed, self.cadence.period_s):
+                return
+            if self._events != events:  # `update` just published a change: sleep again, at the base
+                continue
+            self.cadence.observe(changed=False)  # before publishing: the record lives for the next period
             await self.publish()
-            await sleep_or_stop(stop, self.heartbeat_s)
 
     async def announce_offline(self) -> None:
         try:

@@ -1,0 +1,118 @@
+"""A control plane that stays small: heartbeats and record reads stretch while nothing changes and come
+back at once when something does, over real p2pd nodes on loopback."""
+
+import asyncio
+import time
+
+import pytest
+
+from hetnode.daemon.view import PeerDirectory
+from hetnode.net import loop
+from hetnode.net.records import new_peer_record
+from hetnode.service.presence import STABLE_STEPS, Cadence, Presence
+
+LINK = {"link_class": "low", "up_mbps": 20.0, "down_mbps": 20.0, "mem_gb": 1.0, "tflops": 0.5}
+
+
+def record(name: str, role: str = "idle") -> dict:
+    return new_peer_record(name, role=role, wants="stage", **LINK)
+
+
+def test_a_cadence_doubles_while_nothing_changes_up_to_its_stable_period_and_resets_on_a_change():
+    cadence = Cadence(1.0, 6.0)
+    periods = []
+    for _ in range(4 * STABLE_STEPS):
+        periods.append(cadence.period_s)
+        cadence.observe(changed=False)
+    assert periods == [p for p in (1.0, 2.0, 4.0, 6.0) for _ in range(STABLE_STEPS)]
+    cadence.observe(changed=True)
+    assert cadence.period_s == 1.0
+
+
+def gaps_of(times: list[float]) -> list[float]:
+    return [b - a for a, b in zip(times, times[1:], strict=False)]
+
+
+class Counting:
+    """Counts a real node's DHT stores and reads (the calls go through unchanged)."""
+
+    def __init__(self, node, *methods: str) -> None:
+        self.times: dict[str, list[float]] = {m: [] for m in methods}
+        for method in methods:
+            original = getattr(node, method)
+
+            async def counted(*args, _original=original, _method=method, **kwargs):
+                self.times[_method].append(time.monotonic())
+                return await _original(*args, **kwargs)
+
+            setattr(node, method, counted)
+
+
+@pytest.mark.slow
+def test_a_stable_record_heartbeats_less_often_lives_longer_and_a_role_change_still_lands(nodes_on_loopback):
+    async def scenario():
+        async with nodes_on_loopback(2, "presence-test") as (reader, peer):
+            stores = Counting(peer, "store_own")
+            presence = Presence(peer, record("p"), heartbeat_s=0.2, ttl_s=0.6, stable_heartbeat_s=0.8)
+            stop = asyncio.Event()
+            beating = asyncio.create_task(presence.heartbeat(stop))
+            await asyncio.sleep(4.0)
+            gaps = gaps_of(stores.times["store_own"])
+            assert gaps[0] < 0.4 and min(gaps[-2:]) > 0.7  # from the base heartbeat to the stable one
+            assert presence.heartbeat_s == 0.8
+            entry = (await reader.read_field("peers"))[peer.identity.peer_id]
+            assert entry.expiration - time.time() > 1.0  # lives 3 stable heartbeats, not 0.6 s
+
+            # a role change stores a record that expires sooner than the stored one: it must still land
+            assert await presence.update(role="anchor", wants="anchor")
+            assert (await reader.read_field("peers"))[peer.identity.peer_id].value["role"] == "anchor"
+            assert presence.heartbeat_s == 0.2  # and the heartbeat is back at its base
+            before = len(stores.times["store_own"])
+            await asyncio.sleep(0.5)
+            assert len(stores.times["store_own"]) - before >= 2
+            stop.set()
+            await beating
+
+    loop.run(scenario())
+
+
+@pytest.mark.slow
+def test_one_read_serves_every_caller_and_reads_stretch_until_the_swarm_changes(
+    nodes_on_loopback, tiny_config
+):
+    async def scenario():
+        async with nodes_on_loopback(3, "directory-test") as (me, other, newcomer):
+            await other.store_own("peers", record("other", "anchor"), ttl_s=60)
+            reads = Counting(me, "read_field")
+            directory = PeerDirectory(me, tiny_config, base_s=0.2, stable_s=0.8)
+            views = await asyncio.gather(*(directory.get() for _ in range(10)))
+            assert len(reads.times["read_field"]) == 1 and all(v is views[0] for v in views)
+
+            stop = asyncio.Event()
+            following = asyncio.create_task(directory.follow(stop))
+            await asyncio.sleep(3.0)
+            stable_gaps = gaps_of(reads.times["read_field"])
+            assert stable_gaps[0] < 0.4 and stable_gaps[-1] > 0.7
+            assert directory.cadence.period_s == 0.8
+
+            # a newcomer's record is a change: the reads are back at their base
+            await newcomer.store_own("peers", record("newcomer"), ttl_s=60)
+            await asyncio.sleep(1.2)
+            assert newcomer.identity.peer_id in (await directory.get()).peers
+            assert directory.cadence.period_s < 0.8
+
+            # a stranger's request wakes the reads at once (never faster than the base)
+            for _ in range(3 * 4):
+                directory.cadence.observe(changed=False)
+            count = len(reads.times["read_field"])
+            while len(reads.times["read_field"]) == count:  # the loop's next read: then it sleeps 0.8 s
+                await asyncio.sleep(0.01)
+            await asyncio.sleep(0.3)  # past the base: a woken read is not refused as too soon
+            count = len(reads.times["read_field"])
+            directory.wake()
+            await asyncio.sleep(0.15)
+            assert len(reads.times["read_field"]) == count + 1
+            stop.set()
+            await following
+
+    loop.run(scenario())
