@@ -12,6 +12,9 @@ hetnode/daemon/participant.py, bootstrap/round_keeper.py):
 - every author stores an announcement; while it waits for the seal it reads the `seal` key every second
   (each read moves the whole previous seal until the new one is there); the coordinator reads the whole
   `announce` key every half second, all round long.
+Since then (`stretched`): the same scheme, but in a stable swarm each peer stores and reads once per
+`network.stable_heartbeat_s` (one read per daemon, shared by all its loops); the coordinator reads every
+heartbeat. Still O(N) per peer: a read moves every record.
 Target: per-peer keys; heartbeats every `stable_heartbeat_s` once a swarm is stable; a record holds what
 changes on events only (per-round fields ride in the announcement, sent straight to the coordinator);
 a change is pushed to the peers that depend on it (its chain) and read by nobody else; single-writer keys
@@ -21,7 +24,7 @@ are found by a plain Kademlia lookup (α parallel queries, O(log N) hops) that s
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import msgpack
 
@@ -36,6 +39,7 @@ class ControlModel:
     round_period_s: float = 60.0  # control bytes are counted per round of this length
     heartbeat_s: float = 10.0  # configs' network.heartbeat_s
     stable_heartbeat_s: float = 120.0  # target, once the swarm is stable
+    stretched_heartbeat_s: float = 60.0  # the code's, once the swarm is stable: network.stable_heartbeat_s
     seal_poll_s: float = 1.0  # hetnode/daemon/participant.py POLL_S
     announce_poll_s: float = 0.5  # bootstrap/round_keeper.py POLL_S
     bucket_size: int = 20  # hivemind's k, also the beam of its lookups
@@ -126,7 +130,29 @@ class ControlBytes:
     total: float  # bytes moved once over the swarm's links
 
 
-def today(peers: int, authors: int, sizes: RecordSizes, seal_wait_s: float, m: ControlModel) -> ControlBytes:
+def seal_reads(seal_wait_s: float, m: ControlModel, backoff_to_s: float | None = None) -> int:
+    """Reads of the `seal` key by a replica that waits `seal_wait_s`: one every `seal_poll_s` and, with
+    `backoff_to_s` (the code since the heartbeats stretch: the heartbeat), doubling every 2 polls up to it;
+    plus the first read and the nudged one."""
+    if backoff_to_s is None:
+        return math.floor(seal_wait_s / m.seal_poll_s) + 2
+    reads, waited = 2, 0.0
+    while True:
+        period = min(max(m.seal_poll_s, backoff_to_s), m.seal_poll_s * 2 ** ((reads - 2) // 2))
+        if waited + period > seal_wait_s:
+            return reads
+        waited += period
+        reads += 1
+
+
+def today(
+    peers: int,
+    authors: int,
+    sizes: RecordSizes,
+    seal_wait_s: float,
+    m: ControlModel,
+    seal_backoff_to_s: float | None = None,
+) -> ControlBytes:
     """Today's scheme, per round. `authors`: peers that announce (all but the coordinator)."""
     lookup = lookup_rpcs_today(peers, m) * m.rpc_bytes
     copies = min(peers, m.dht_replicas)  # every replica in the beam answers a `latest` read
@@ -134,8 +160,8 @@ def today(peers: int, authors: int, sizes: RecordSizes, seal_wait_s: float, m: C
     store = beats * (lookup + copies * sizes.peer_today)
     read = beats * (lookup + copies * peers * sizes.peer_today)
     # reads at 0, 1, 2 … s return the previous seal until the nudged read gets the new one
-    seal_reads = math.floor(seal_wait_s / m.seal_poll_s) + 2
-    per_author = lookup + copies * sizes.announce + seal_reads * (lookup + copies * sizes.seal) - sizes.seal
+    polls = seal_reads(seal_wait_s, m, seal_backoff_to_s)
+    per_author = lookup + copies * sizes.announce + polls * (lookup + copies * sizes.seal) - sizes.seal
     announce_polls = m.round_period_s / m.announce_poll_s * (lookup + copies * authors * sizes.announce)
     coordinator = announce_polls + lookup + copies * sizes.seal  # and it stores the seal
     total = peers * (store + read) + authors * per_author + coordinator
@@ -143,6 +169,30 @@ def today(peers: int, authors: int, sizes: RecordSizes, seal_wait_s: float, m: C
     replica = peers * beats * (sizes.peer_today + peers * sizes.peer_today)
     announce_replica = m.round_period_s / m.announce_poll_s * authors * sizes.announce
     return ControlBytes(2 * total / peers, max(replica, announce_replica, 2 * coordinator), total)
+
+
+def stretched(
+    peers: int, authors: int, sizes: RecordSizes, seal_wait_s: float, m: ControlModel
+) -> ControlBytes:
+    """The code since the heartbeats stretch (`hetnode/service/presence.py`, `PeerDirectory` in
+    `hetnode/daemon/view.py`), per round, in a stable swarm: as `today`, but every peer stores its record
+    and reads the others' once per `stretched_heartbeat_s`, and polls for the seal less often the longer
+    it waits (`seal_reads`); the coordinator still reads every `heartbeat_s`. A read still moves all N
+    records: per-peer bytes fall by the ratio of the heartbeats and still grow with N."""
+    slow = today(
+        peers,
+        authors,
+        sizes,
+        seal_wait_s,
+        replace(m, heartbeat_s=m.stretched_heartbeat_s),
+        seal_backoff_to_s=m.heartbeat_s,
+    )
+    lookup = lookup_rpcs_today(peers, m) * m.rpc_bytes
+    copies = min(peers, m.dht_replicas)
+    extra_beats = m.round_period_s / m.heartbeat_s - m.round_period_s / m.stretched_heartbeat_s
+    coordinator_reads = extra_beats * (lookup + copies * peers * sizes.peer_today)
+    total = slow.total + coordinator_reads
+    return ControlBytes(2 * total / peers, max(slow.hot_peer, 2 * coordinator_reads), total)
 
 
 def target(peers: int, authors: int, stages: int, sizes: RecordSizes, m: ControlModel) -> ControlBytes:

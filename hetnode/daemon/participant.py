@@ -207,6 +207,7 @@ class RoundParticipant:
     ) -> tuple[str, dict] | None:
         seen: dict[str, Announcement] = {}
         announced_at = 0.0
+        polls = 0
         while not stop.is_set():
             if time.monotonic() - announced_at > ANNOUNCE_TTL_S / 3:  # (re)announce until sealed
                 await self.node.store_own("announce", announcement, ANNOUNCE_TTL_S)
@@ -240,7 +241,13 @@ class RoundParticipant:
                     if sealed is not None:
                         self.sealer.observe_arrivals(expected, seen)
                         return self.peer_id, sealed.record
-            if await sleep_or_wake(stop, self._sealed, POLL_S):
+            # the sealer nudges us; the poll is the fallback, and a long wait (slow peers) need not
+            # re-read the previous round's seal every second: it backs off to a heartbeat
+            poll_s = min(max(POLL_S, self.config.network.heartbeat_s), POLL_S * 2 ** (polls // 2))
+            if stand_in == self.peer_id:  # sealing in the coordinator's place: its deadline's resolution
+                poll_s = POLL_S
+            polls += 1
+            if await sleep_or_wake(stop, self._sealed, poll_s):
                 return None
         return None
 
