@@ -9,8 +9,9 @@ of every peer's links (`hetnode/bench/fluid.py`) in four modes (`hetnode/bench/s
   every replica then fetches each sealed payload from its author (the only holder at seal time), so a
   stage's uplink carries its slice once to the coordinator and R−1 times to fetchers. The coordinator
   serves seals only, and is the fallback. Its rows also carry `daemon`: the same fetch as
-  `hetnode/daemon/payload_fetch.py` paces it (8 holders at a time in the seal's order, per-holder
-  timeouts, the sealer for what timed out), from `hetnode/bench/scale_fetch.py`.
+  `hetnode/daemon/payload_fetch.py` paces it (8 batches in flight per fetcher, each fetcher in its own
+  order, a holder passed over when it stalls, the sealer for what stalled), played out per peer by
+  `hetnode/bench/scale_fetch.py`.
 - `seeded`: planned. A stage uploads its payload once, to a seed anchor, from which the coordinator
   validates it and stages fetch.
 - `tiles`: planned past the crossover R*: reduce-scatter to anchors, all-gather of a dense aggregate.
@@ -34,7 +35,7 @@ from tqdm import tqdm  # noqa: E402
 
 from hetnode.bench import scale_control  # noqa: E402
 from hetnode.bench.fluid import link_seconds, simulate  # noqa: E402
-from hetnode.bench.scale_fetch import daemon_fetch  # noqa: E402
+from hetnode.bench.scale_fetch import QUANTUM_OF_LIMIT, daemon_fetch  # noqa: E402
 from hetnode.bench.scale_schedules import (  # noqa: E402
     MODES,
     SEALED_DOWNLOADS,
@@ -143,7 +144,7 @@ def simulate_round(mode: str, sizes: PayloadSizes, swarm: Swarm, plan: ScalePlan
         "control_bytes_per_peer": control.per_peer,
         "control_bytes_hot_peer": control.hot_peer,
     }
-    if mode == "any-holder":
+    if mode == "any-holder" and not plan.prefetch:  # the daemon fetches once it has the seal, never before
         row["daemon"] = _daemon(row, sizes, swarm, plan, timeline.finish_s, stage_download, slices)
     return row
 
@@ -157,10 +158,13 @@ def _daemon(
     stage_download: list[float],
     slices: list[float],
 ) -> dict:
-    """The any-holder fetch as the daemon paces it (`scale_fetch.py`), once every fetcher has the seal."""
-    fetch = daemon_fetch(sizes, swarm, plan.links)
+    """The any-holder fetch as the daemon paces it (`scale_fetch.py`), once every fetcher has the seal.
+    Rates are recomputed at most every QUANTUM_OF_LIMIT of the balanced round's limit (docs/scale.md)."""
+    quantum_s = row["round_limit_s"] * QUANTUM_OF_LIMIT
+    fetch = daemon_fetch(sizes, swarm, plan.links, quantum_s=quantum_s)
     sealed_read = max(t for name, t in finish_s.items() if name.startswith("seal:"))
-    wasted = [fetch.wasted_bytes.get(f"stage{s}", 0.0) / max(1, swarm.chains) for s in range(len(slices))]
+    # the stage that downloaded most: its sealed payloads, what it fetched again after a stall, the seal
+    fetched = [fetch.most_downloaded.get(f"stage{s}", 0.0) for s in range(len(slices))]
     return {
         "round_s": sealed_read + fetch.makespan_s,
         "fetch_s": {cls: sealed_read - row["seal_s"] + t for cls, t in fetch.fetch_s.items()},
@@ -169,11 +173,13 @@ def _daemon(
         "requests": fetch.requests,
         "timed_out": fetch.timed_out,
         "wasted_bytes": sum(fetch.wasted_bytes.values()),
-        # a stage receives the part of a timed-out payload that came before the timeout, then all of it
+        # a stalled batch is dropped whole, what came in included, and fetched again from the sealer
         "stage_download_over_slice": max(
-            ((d + w) / n for d, w, n in zip(stage_download, wasted, slices, strict=True)), default=None
+            ((d - n + got) / n for d, got, n in zip(stage_download, fetched, slices, strict=True)),
+            default=None,
         ),
         "failed": fetch.failed,
+        "quantum_s": quantum_s,
     }
 
 

@@ -4,6 +4,7 @@ import json
 import math
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -11,7 +12,7 @@ from hetnode.algo.sparseloco import SparseLoCoCodec
 from hetnode.bench import scale, scale_control
 from hetnode.bench.fluid import NodeGroup, Transfer, link_seconds, simulate
 from hetnode.bench.scale_calibrate import calibration_report, lab_config
-from hetnode.bench.scale_fetch import daemon_fetch
+from hetnode.bench.scale_fetch import QUANTUM_OF_LIMIT, daemon_fetch, fair_rates
 from hetnode.bench.scale_lab import CalibrationPlan
 from hetnode.bench.scale_sizes import ROUND, payload_sizes, seal_bytes, shard_shapes, signed_payload_bytes
 from hetnode.config import load_config
@@ -103,7 +104,7 @@ def test_seeded_stage_uploads_once_and_the_coordinator_egress_is_far_below_the_h
     assert holder["busiest_link"].endswith(" up") and seeded["busiest_link"].endswith(" down")
 
 
-def test_the_daemon_check_is_the_fluid_schedule_where_the_window_does_not_bind(small):
+def test_the_daemon_at_8_replicas_is_near_the_fluid_schedule(small):
     row = _row(small, 8, "any-holder")
     daemon = row["daemon"]
     assert daemon["timed_out"] == 0 and daemon["fallback_bytes"] == 0 and not daemon["failed"]
@@ -111,32 +112,95 @@ def test_the_daemon_check_is_the_fluid_schedule_where_the_window_does_not_bind(s
     assert row["round_s"] <= daemon["round_s"] < 2 * row["round_s"]
 
 
+def test_fair_rates_by_hand():
+    # peers 0 (up 10), 1 (up 4), 2 (down 12), 3 (down 100); connections 0→2, 1→2, 0→3. Peer 1's uplink
+    # fills first (4), then peer 0's, shared by its two connections (5 each); peer 2 takes 9 of its 12
+    up, down = np.array([10.0, 4.0, 0.0, 0.0]), np.array([0.0, 0.0, 12.0, 100.0])
+    rates = fair_rates(np.array([0, 1, 0]), np.array([2, 2, 3]), up, down)
+    assert rates.tolist() == pytest.approx([5.0, 4.0, 5.0])
+
+
 def test_daemon_fetch_by_hand():
     sizes = payload_sizes(load_config(CONFIGS / "tiny.toml"))
-    p = sizes.payload_bytes
+    p, p0, p1 = sizes.payload_bytes, sizes.stage_bytes(0), sizes.stage_bytes(1)
     links = scale.Links(anchor_mbit=8.0, stage_mbit=8.0, coordinator_mbit=8.0, rtt_s=0.1)
     # two anchors fetch each other's payload: one flow per author at the 1 MB/s link, after one RTT
     fetch = daemon_fetch(sizes, scale.Swarm(2, 0, 2), links)
     assert fetch.requests == 2 and fetch.timed_out == 0
     assert fetch.fetch_s["anchors"] == pytest.approx(0.1 + p / 1e6)
-    # stage links so slow that no batch from or to a stage ends within HOLDER_TIMEOUT_S + PER_PAYLOAD_S per
-    # shard: the anchor passes over the 4 stage authors, then the sealer serves it their slices; the stages
-    # pass over everyone, the sealer included: their round cannot be applied
+    # and a chain of 2 with stage links so fast that the anchors' 1 MB/s links bind: each anchor's
+    # uplink and downlink carry 3 connections (the other anchor, both stages), 1/3 MB/s each; the slices
+    # (p0 < p1) end first and the others speed up, so the anchors' links are never idle: 2p in, 2p out
+    fast = scale.Links(anchor_mbit=8.0, stage_mbit=8000.0, coordinator_mbit=8.0, rtt_s=0.1)
+    fetch = daemon_fetch(sizes, scale.Swarm(2, 1, 2), fast)
+    assert p0 < p1 and fetch.requests == 2 * 3 + 2 * 2 and fetch.timed_out == 0
+    assert fetch.fetch_s["anchors"] == pytest.approx(0.1 + 2 * p / 1e6)
+    assert fetch.fetch_s["stage0"] == pytest.approx(0.1 + 3 * p0 / 1e6)
+    assert fetch.fetch_s["stage1"] == pytest.approx(0.1 + 3 * p0 / 1e6 + 2 * (p1 - p0) / 1e6)
+    assert fetch.holder_upload_bytes == pytest.approx(
+        {"anchors": 2 * p + 2 * (p0 + p1), "stage0": 2 * p0, "stage1": 2 * p1}
+    )
+
+
+def test_a_stalled_holder_is_passed_over_for_the_sealer():
+    sizes = payload_sizes(load_config(CONFIGS / "tiny.toml"))
+    p0, p1 = sizes.stage_bytes(0), sizes.stage_bytes(1)
+    # slow stage links (125 B/s): nothing from or to a stage arrives within STALL_TIMEOUT_S. The anchors
+    # pass the stage authors over and the sealer serves them their slices; the stages pass the anchors
+    # over, then stall on the sealer too (its payloads reach them at 125 B/s): their round fails
     slow = scale.Links(anchor_mbit=8.0, stage_mbit=0.001, coordinator_mbit=8.0, rtt_s=0.1)
-    fetch = daemon_fetch(sizes, scale.Swarm(1, 2, 2), slow)
-    assert fetch.requests == fetch.timed_out == 4 + 2 * 3  # the anchor: 4 authors; a stage: the anchor and 2
-    assert fetch.failed
-    timeout = STALL_TIMEOUT_S * len(sizes.stage_shards[0])
-    assert len(sizes.stage_shards[0]) == len(sizes.stage_shards[1])
-    assert fetch.fetch_s["anchors"] == pytest.approx(timeout + 0.1 + 2 * p / 1e6, rel=1e-3)
+    fetch = daemon_fetch(sizes, scale.Swarm(2, 1, 2), slow)
+    assert fetch.requests == 2 * (3 + 1) + 2 * (2 + 1)  # an anchor: 3 holders and the sealer; a stage: 2
+    assert fetch.timed_out == 2 * 2 + 2 * 2 + 2 and fetch.failed
+    # at STALL_TIMEOUT_S both anchors ask the sealer for p0 + p1; the stages' batches to it are held to
+    # 125 B/s by their downlinks, the anchors share the rest of its 1 MB/s uplink
+    share = (1e6 - 2 * 125) / 2
+    assert fetch.fetch_s["anchors"] == pytest.approx(STALL_TIMEOUT_S + 0.1 + (p0 + p1) / share)
+    assert fetch.fallback_bytes > 2 * (p0 + p1)
+    # a stage uplink's 125 B/s shared by the two anchors' batches, until the stall
+    assert fetch.wasted_bytes["anchors"] == pytest.approx(4 * 62.5 * (STALL_TIMEOUT_S - 0.1))
 
 
-def test_the_daemon_falls_back_to_the_coordinator_at_64_on_178m():
-    row = _row(payload_sizes(load_config(CONFIGS / "178m.toml")), 64, "any-holder", stages=4)
+def test_the_stall_clock_restarts_with_each_payload():
+    sizes = payload_sizes(load_config(CONFIGS / "tiny.toml"))
+    embed, layer = sizes.shard_bytes["embed"], sizes.shard_bytes["0"]
+    assert sizes.stage_shards[0][:2] == ("embed", "0") and sizes.stage_shards[1][0] == "2"
+    # one anchor, one chain, stage links at 300 B/s: stage 0's embedding arrives within the stall timeout
+    # and its next layer (7 KB, 24 s) does not, so the anchor passes stage 0 over STALL_TIMEOUT_S after
+    # the embedding came in, and gets the whole slice, embedding included, from the sealer
+    links = scale.Links(anchor_mbit=8.0, stage_mbit=300 * 8 / 1e6, coordinator_mbit=8.0, rtt_s=0.1)
+    assert embed / 300 < STALL_TIMEOUT_S < layer / 300
+    fetch = daemon_fetch(sizes, scale.Swarm(1, 1, 2), links)
+    passed_over = 0.1 + embed / 300 + STALL_TIMEOUT_S
+    # the anchor got stage 1's slice from the sealer long before (stage 1 stalled on its first layer); now
+    # the sealer serves it stage 0's slice, and each stage 300 B/s (their downlinks)
+    assert fetch.fetch_s["anchors"] == pytest.approx(passed_over + 0.1 + sizes.stage_bytes(0) / (1e6 - 600))
+    assert fetch.wasted_bytes["anchors"] == pytest.approx(
+        300 * (passed_over - 0.1) + 300 * (STALL_TIMEOUT_S - 0.1)
+    )
+
+
+def test_the_quantum_costs_little_against_the_exact_model(small):
+    swarm, links = scale.swarm_at(16, 3, 0.5), scale.Links()
+    exact = daemon_fetch(small, swarm, links)
+    row = _row(small, 16, "any-holder")
+    quick = daemon_fetch(small, swarm, links, quantum_s=row["round_limit_s"] * QUANTUM_OF_LIMIT)
+    assert quick.rate_updates <= exact.rate_updates
+    assert quick.makespan_s == pytest.approx(exact.makespan_s, rel=0.03)
+    assert quick.requests == exact.requests and quick.timed_out == exact.timed_out == 0
+
+
+def test_each_fetcher_walks_the_holders_in_an_order_of_its_own_at_64_on_178m():
+    sizes = payload_sizes(load_config(CONFIGS / "178m.toml"))
+    row = _row(sizes, 64, "any-holder", stages=4)
     daemon = row["daemon"]
-    # stage authors serving R − 1 fetchers each outlast the per-holder timeout: the sealer serves them
-    assert daemon["timed_out"] > 0 and daemon["fallback_bytes"] > 2 * 64 * 4.8e6
-    assert daemon["round_s"] > 3 * row["round_s"]
+    # no convoy on the seal's first authors, no stage author passed over: nobody falls back to the sealer,
+    # every stage author serves its slice to the R − 1 replicas that hold it, and the round stays within
+    # 1.5× the busiest link's limit
+    assert daemon["timed_out"] == 0 and daemon["fallback_bytes"] == 0 and not daemon["failed"]
+    assert daemon["coordinator_egress_bytes"] == pytest.approx(row["coordinator_egress_bytes"])
+    assert daemon["stage_download_over_slice"] == pytest.approx(row["stage_download_over_slice"])
+    assert row["round_s"] < daemon["round_s"] <= 1.5 * row["round_limit_s"]
 
 
 @pytest.mark.parametrize("mode", scale.MODES)
