@@ -179,7 +179,7 @@ def run_scale(args: argparse.Namespace) -> int:
             f"{mb[2]:>9,.1f} MB {r['round_s']:>9,.1f} {r['round_limit_s']:>9,.1f} "
             f"{r['control_bytes_per_peer'] / 1e3:>10,.1f} KB"
         )
-    print("any-holder as the daemon paces it (8 holders at a time in seal order, per-holder timeouts):")
+    print("any-holder as the daemon paces it (8 holders at a time, each in its own order, stall timeouts):")
     for r in daemon:
         d = r["daemon"]
         egress = d["coordinator_egress_bytes"] / 1e6
