@@ -54,7 +54,9 @@ from hetnode.config import Config  # noqa: E402
 from hetnode.errors import ConfigError  # noqa: E402
 
 __all__ = ["MODES", "Links", "ScalePlan", "Swarm", "crossover", "plan_for", "run_benchmark", "swarm_at"]
-TODAY_CONTROL = ("hub", "any-holder")  # the modes the code runs: today's control plane
+# the control plane each mode runs with: the hub is the code before any-holder fetch and before the
+# heartbeats stretched; any-holder is the code now; seeded and tiles are planned, with the target's
+CONTROL_SCHEME = {"hub": "today", "any-holder": "stretched", "seeded": "target", "tiles": "target"}
 DAEMON = "any-holder (daemon)"  # the any-holder rows' `daemon` fields, as a mode of their own in targets
 
 
@@ -113,8 +115,11 @@ def simulate_round(mode: str, sizes: PayloadSizes, swarm: Swarm, plan: ScalePlan
         seal_bytes(sizes, swarm.anchors, swarm.chains),
     )
     authors = swarm.peers - 1
-    if mode in TODAY_CONTROL:  # the code's control plane
+    scheme = CONTROL_SCHEME[mode]
+    if scheme == "today":
         control = scale_control.today(swarm.peers, authors, records, seal_s, plan.control)
+    elif scheme == "stretched":
+        control = scale_control.stretched(swarm.peers, authors, records, seal_s, plan.control)
     else:
         control = scale_control.target(swarm.peers, authors, swarm.stages, records, plan.control)
     row = {
@@ -140,7 +145,7 @@ def simulate_round(mode: str, sizes: PayloadSizes, swarm: Swarm, plan: ScalePlan
         "round_s": timeline.makespan_s,
         "round_limit_s": limits[busiest],
         "busiest_link": f"{busiest[0]} {busiest[1]}",
-        "control_scheme": "today" if mode in TODAY_CONTROL else "target",
+        "control_scheme": scheme,
         "control_bytes_per_peer": control.per_peer,
         "control_bytes_hot_peer": control.hot_peer,
     }

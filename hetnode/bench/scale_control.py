@@ -152,8 +152,10 @@ def today(
     seal_wait_s: float,
     m: ControlModel,
     seal_backoff_to_s: float | None = None,
+    first_copy_polls: bool = False,
 ) -> ControlBytes:
-    """Today's scheme, per round. `authors`: peers that announce (all but the coordinator)."""
+    """Today's scheme, per round. `authors`: peers that announce (all but the coordinator).
+    `seal_backoff_to_s`, `first_copy_polls`: the seal polls of `stretched`."""
     lookup = lookup_rpcs_today(peers, m) * m.rpc_bytes
     copies = min(peers, m.dht_replicas)  # every replica in the beam answers a `latest` read
     beats = m.round_period_s / m.heartbeat_s
@@ -161,7 +163,11 @@ def today(
     read = beats * (lookup + copies * peers * sizes.peer_today)
     # reads at 0, 1, 2 … s return the previous seal until the nudged read gets the new one
     polls = seal_reads(seal_wait_s, m, seal_backoff_to_s)
-    per_author = lookup + copies * sizes.announce + polls * (lookup + copies * sizes.seal) - sizes.seal
+    # the first read and the nudged one ask every replica; with `first_copy_polls`, a timed poll takes the
+    # first copy it meets, except every 4th
+    everywhere = 2 + (polls - 2) // 4 if first_copy_polls else polls
+    seal_polls = everywhere * (lookup + copies * sizes.seal) + (polls - everywhere) * (lookup + sizes.seal)
+    per_author = lookup + copies * sizes.announce + seal_polls - sizes.seal
     announce_polls = m.round_period_s / m.announce_poll_s * (lookup + copies * authors * sizes.announce)
     coordinator = announce_polls + lookup + copies * sizes.seal  # and it stores the seal
     total = peers * (store + read) + authors * per_author + coordinator
@@ -177,8 +183,9 @@ def stretched(
     """The code since the heartbeats stretch (`hetnode/service/presence.py`, `PeerDirectory` in
     `hetnode/daemon/view.py`), per round, in a stable swarm: as `today`, but every peer stores its record
     and reads the others' once per `stretched_heartbeat_s`, and polls for the seal less often the longer
-    it waits (`seal_reads`); the coordinator still reads every `heartbeat_s`. A read still moves all N
-    records: per-peer bytes fall by the ratio of the heartbeats and still grow with N."""
+    it waits (`seal_reads`), from the first copy it meets; the coordinator still reads every
+    `heartbeat_s`. A read still moves all N records: per-peer bytes fall by the ratio of the heartbeats
+    and still grow with N."""
     slow = today(
         peers,
         authors,
@@ -186,6 +193,7 @@ def stretched(
         seal_wait_s,
         replace(m, heartbeat_s=m.stretched_heartbeat_s),
         seal_backoff_to_s=m.heartbeat_s,
+        first_copy_polls=True,
     )
     lookup = lookup_rpcs_today(peers, m) * m.rpc_bytes
     copies = min(peers, m.dht_replicas)

@@ -117,10 +117,12 @@ class RoundParticipant:
         node.set_state(self.serve_state)
         self.unchecked: int | None = None  # the round applied last, until compared with the coordinator's
         self._sealed = asyncio.Event()  # the sealer nudged us: a seal is in the DHT
+        self.nudges = 0
         node.set_nudge_handler(self._on_nudge)
 
     def _on_nudge(self, peer: str, topic: str, round_: int) -> None:
         if topic == "seal":
+            self.nudges += 1
             self._sealed.set()
 
     def keep(self, round_: int, messages: dict[str, bytes]) -> dict[str, bytes]:
@@ -208,6 +210,7 @@ class RoundParticipant:
         seen: dict[str, Announcement] = {}
         announced_at = 0.0
         polls = 0
+        nudged = True  # the first read looks everywhere, as does every read a nudge brings
         while not stop.is_set():
             if time.monotonic() - announced_at > ANNOUNCE_TTL_S / 3:  # (re)announce until sealed
                 await self.node.store_own("announce", announcement, ANNOUNCE_TTL_S)
@@ -215,7 +218,8 @@ class RoundParticipant:
                 self.node.nudge([self.coordinator], "announce", round_)
             view = await self.view.get()
             stand_in = self.acting_stand_in(view)
-            seals = await self.node.read_field("seal")
+            # a timed poll (a lost nudge) takes the first copy it finds, not every replica's whole seal
+            seals = await self.node.read_field("seal", latest=nudged)
             allowed = [self.coordinator] + ([stand_in] if stand_in else [])
             for sealer in allowed:
                 entry = seals.get(sealer)
@@ -247,8 +251,12 @@ class RoundParticipant:
             if stand_in == self.peer_id:  # sealing in the coordinator's place: its deadline's resolution
                 poll_s = POLL_S
             polls += 1
+            nudges = self.nudges
             if await sleep_or_wake(stop, self._sealed, poll_s):
                 return None
+            # every 4th timed poll looks everywhere too: a replica of the key that missed the seal's store
+            # must not hide it from us
+            nudged = self.nudges != nudges or stand_in is not None or polls % 4 == 0
         return None
 
     async def apply(self, sealer: str, seal: dict) -> bool:

@@ -85,7 +85,9 @@ def test_any_holder_authors_serve_their_payloads_and_the_coordinator_only_seals(
     assert row["anchor_download_bytes"] == pytest.approx((r - 1) * p + seal)
     for s, down in enumerate(row["stage_download_bytes_by_stage"]):
         assert down == pytest.approx((r - 1) * small.stage_bytes(s) + seal)
-    assert row["control_scheme"] == "today"  # b80d0c7 changed the sync plane, not the DHT's use
+    assert row["control_scheme"] == "stretched"  # the code now: heartbeats and reads stretch when stable
+    hub = _row(small, 8, "hub")
+    assert hub["control_scheme"] == "today" and row["control_bytes_per_peer"] < hub["control_bytes_per_peer"]
 
 
 def test_seeded_stage_uploads_once_and_the_coordinator_egress_is_far_below_the_hub_at_64(small):
