@@ -31,7 +31,7 @@ from hetnode.errors import HetnodeError, WireError
 from hetnode.net.node import SwarmNode
 from hetnode.net.signing import open_payload, sign_payload
 from hetnode.net.streams import PeerRequestError
-from hetnode.planning.fetch import Holder, fetch_order, holders_of
+from hetnode.planning.fetch import DEMOTED_ROUNDS, Holder, fetch_order, holders_of
 from hetnode.planning.rounds import Announcement, seal_now
 from hetnode.service.lifecycle import sleep_or_stop, sleep_or_wake
 from hetnode.service.metrics import PeerMetrics
@@ -103,6 +103,7 @@ class RoundParticipant:
         # round -> (author, shard) -> the sealed payloads we applied, served to peers that fetch them
         self.held: dict[int, dict[tuple[str, str], bytes]] = {}
         self.last_sources: dict[str, int] = {}  # peer -> bytes it served us in the last apply
+        self.failed_us: dict[str, int] = {}  # holder -> the last round it failed to serve us
         self.stand_ins = tuple(sorted(set(stand_ins) - {coordinator}))
         self.may_stand_in = may_stand_in and node.identity.peer_id in self.stand_ins
         self.data_dir = data_dir  # gets the round log
@@ -298,12 +299,14 @@ class RoundParticipant:
                 KEEP_ROUNDS,
                 sealed_authors={c["peer"] for c in seal["contributions"]},
             )
-            order = fetch_order(self.peer_id, remote, holders, sealer)
+            self.failed_us = {p: r for p, r in self.failed_us.items() if r > round_ - DEMOTED_ROUNDS}
+            order = fetch_order(self.peer_id, remote, holders, sealer, demoted=set(self.failed_us))
             digests = {(peer, shard): digest for peer, shard, digest in wanted}
             try:
                 result = await fetch_sealed(self.node, round_, order, digests, max_bytes)
             except PayloadsUnavailable as exc:
                 raise RoundFailed(str(exc)) from None
+            self.failed_us.update(dict.fromkeys(result.passed_over, round_))
             fetched, fetch_s = sum(result.bytes_from.values()), time.monotonic() - started
             self.last_sources = dict(result.bytes_from)
             held.update(result.payloads)

@@ -21,6 +21,9 @@ from dataclasses import dataclass
 PayloadKey = tuple[str, str]  # (author, shard)
 
 MAX_PARALLEL_HOLDERS = 8  # holders a replica fetches from at once
+# a holder that failed us is asked only after the sealer for this many rounds: an author that withholds
+# from everyone but the sealer (credit without serving) then costs each fetcher one stall, not one a round
+DEMOTED_ROUNDS = 8
 # A holder is passed over when no payload of its batch arrives for this long. Progress, not a deadline
 # per batch: a 20 Mbit/s stage serving its slice to many fetchers at once is slow but moving, and a fixed
 # deadline turned such authors over to the sealer, which then served the whole swarm.
@@ -61,16 +64,20 @@ def fetch_order(
     holders: Mapping[str, Sequence[str]],
     sealer: str,
     max_candidates: int = 4,
+    demoted: Collection[str] = (),
 ) -> dict[PayloadKey, list[str]]:
     """For each wanted payload, the peers to ask, in order: up to `max_candidates` of its author and
-    its shard's holders (ranked by a hash of fetcher, payload and candidate), then the sealer. Neither the
-    fetcher nor a duplicate is ever listed."""
+    its shard's holders (ranked by a hash of fetcher, payload and candidate), then the sealer; candidates
+    in `demoted` (they failed us lately) come after the sealer. Neither the fetcher nor a duplicate is
+    ever listed."""
     order: dict[PayloadKey, list[str]] = {}
     for key in wanted:
         author, shard = key
         pool = {author, *holders.get(shard, ())} - {fetcher, sealer}
         ranked = sorted(pool, key=lambda candidate: _rank(fetcher, key, candidate))[:max_candidates]
-        order[key] = [*ranked, sealer] if sealer != fetcher else ranked
+        trusted = [c for c in ranked if c not in demoted]
+        last = [c for c in ranked if c in demoted]
+        order[key] = [*trusted, sealer, *last] if sealer != fetcher else [*trusted, *last]
     return order
 
 

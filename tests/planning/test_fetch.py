@@ -67,3 +67,10 @@ def test_a_failed_holder_is_passed_over_for_every_payload_and_the_sealer_is_last
     assert again == {"a": [("a", "0")], "b": [("b", "0")]}  # ("c", "1") has nobody left
     tried[("b", "0")] += 1  # b did not serve its own payload: skip "bad" too, ask the sealer
     assert next_requests({("b", "0"): order[("b", "0")]}, tried, {"bad", "b"}) == {"sealer": [("b", "0")]}
+
+
+def test_holders_that_failed_us_lately_are_asked_after_the_sealer():
+    holders = {"0": ["h1", "h2"]}
+    order = fetch_order("me", [("author", "0")], holders, "sealer", demoted={"author", "h2"})
+    candidates = order[("author", "0")]
+    assert candidates[:2] == ["h1", "sealer"] and set(candidates[2:]) == {"author", "h2"}
