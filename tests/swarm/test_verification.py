@@ -1,8 +1,14 @@
 """Verified contributions over real processes (TRUST §4): anchors that send well-formed but useless or
 harmful work — noise, sign flips, payloads scaled to the bounds, stale work, copies, near-zero updates —
-lose their weight in the seal and their credit within 3 rounds; honest anchors are never excluded."""
+lose their weight in the seal and their credit within 3 rounds; honest anchors are never excluded, neither
+beside the faulty ones nor once they are gone, over twenty rounds.
+
+One swarm serves both checks (CI time): the honest anchors' twenty rounds start with the faulty ones present
+and go on without them."""
 
 from __future__ import annotations
+
+import signal
 
 import pytest
 
@@ -11,6 +17,7 @@ pytestmark = pytest.mark.slow
 FAST_ROUNDS = {"inner_steps": 10}
 FAULTS = ("noise", "signflip", "scaled", "stale", "copy", "freerider")
 WITHIN_ROUNDS = 3
+HONEST_ROUNDS = 20
 
 
 def first_seen(history: list[dict], peer: str) -> int | None:
@@ -29,7 +36,7 @@ def settled(history: list[dict], peer: str) -> bool:
     )
 
 
-def test_useless_or_harmful_work_loses_weight_and_credit_within_three_rounds(swarm):
+def test_useless_or_harmful_work_loses_weight_and_credit_and_honest_work_never_does(swarm):
     boot = swarm.bootstrap(swarm.config(outer=FAST_ROUNDS))
     boot.wait_ready()
     honest = [swarm.join(f"honest-{i}", boot.maddr, "1000") for i in (1, 2, 3)]
@@ -66,23 +73,30 @@ def test_useless_or_harmful_work_loses_weight_and_credit_within_three_rounds(swa
     assert scores[faulty["signflip"].peer_id]["average"] < 0
     assert swarm.metric(boot, 'hetnode_contribution_rejected_total{reason="norm"}') >= 2
 
-
-def test_honest_anchors_are_never_excluded_in_twenty_rounds(swarm):
-    boot = swarm.bootstrap(swarm.config(outer=FAST_ROUNDS))
-    boot.wait_ready()
-    anchors = [swarm.join(f"anchor-{i}", boot.maddr, "1000") for i in (1, 2, 3)]
-    for daemon in anchors:
-        daemon.wait_ready()
-    ids = {d.peer_id for d in anchors}
+    # the faulty anchors leave; the honest ones go on alone to twenty rounds, and none is ever refused
+    for daemon in faulty.values():
+        daemon.proc.send_signal(signal.SIGTERM)
+    for daemon in faulty.values():
+        daemon.stop(sig=None)
+    stopped_at = swarm.history()[-1]["round"]
     history = swarm.wait_for_history(
-        lambda h: sum(ids <= set(e["contributors"]) for e in h) >= 20, 600, "20 rounds with all three"
+        lambda h: (
+            sum(honest_ids <= set(e["contributors"]) for e in h) >= HONEST_ROUNDS
+            and h[-1]["round"] >= stopped_at + 4
+        ),
+        timeout=600,
+        what=f"{HONEST_ROUNDS} rounds with all three honest anchors, 3 of them alone",
     )
-    assert not [e for e in history if e.get("rejected")], [e["rejected"] for e in history if e["rejected"]]
-    with_all = [e for e in history if ids <= set(e["contributors"])]
-    assert all(set(e["scores"]) == ids for e in with_all)  # every contribution was scored
+    with_all = [e for e in history if honest_ids <= set(e["contributors"])]
+    assert not [e for e in history if honest_ids & set(e.get("rejected", {}))]
+    assert all(honest_ids <= set(e["scores"]) for e in with_all)  # every honest contribution was scored
+    alone = [e for e in history if e["round"] > stopped_at + 1]
+    assert all(set(e["contributors"]) == honest_ids and not e["rejected"] for e in alone), alone
     ledger = swarm.contributions(boot)
-    assert sum(ledger["rejections"].values()) == 0
-    assert all(s["score"] is not None and s["score"] > 0 for s in ledger["standings"]), ledger["standings"]
-    # verification is a small share of the round (the coordinator scores while the replicas train)
-    seconds = [e["verify_seconds"] for e in with_all]
-    assert sum(seconds) / len(seconds) < 1.0, seconds
+    standings = {s["peer"]: s for s in ledger["standings"]}
+    assert all(standings[p]["score"] is not None and standings[p]["score"] > 0 for p in honest_ids), standings
+    # the coordinator scores while the replicas train: verifying takes a small share of a round's interval
+    # (a share, not seconds: CI machines differ; the trust bench measures the cost itself)
+    intervals = [b["time"] - a["time"] for a, b in zip(with_all, with_all[1:], strict=False)]
+    verify = [e["verify_seconds"] for e in with_all]
+    assert sum(verify) / len(verify) < 0.5 * sum(intervals) / len(intervals), (verify, intervals)
