@@ -116,16 +116,21 @@ class Coordinator:
 
     async def _start_node(self, identity: Identity, listen: str, remembered: list[str]) -> SwarmNode:
         limits, announce = limits_of(self.config), self.options.announce
+        relay = self.config.network.relay_service  # volunteers behind NAT hold a relay slot here
         self._bootstrapped_from = remembered
         if remembered:
             try:
-                return await SwarmNode.start(identity, limits, [listen], remembered, announce_maddrs=announce)
+                return await SwarmNode.start(
+                    identity, limits, [listen], remembered, announce_maddrs=announce, relay_service=relay
+                )
             except PeersUnreachable:
                 log.info(
                     "none of the %d remembered neighbours answered: starting a fresh swarm", len(remembered)
                 )
         self._bootstrapped_from = []
-        return await SwarmNode.start(identity, limits, [listen], announce_maddrs=announce)
+        return await SwarmNode.start(
+            identity, limits, [listen], announce_maddrs=announce, relay_service=relay
+        )
 
     async def _serve(self, node: SwarmNode, data_dir: DataDir, state: dict, stop: asyncio.Event) -> None:
         run = state["run"]

@@ -148,6 +148,10 @@ class NetworkConfig:
     probe_mb: float = 4.0  # bytes each way per probe target
     probe_s: float = 5.0  # time bound per probe direction
     requests_per_min: int = 1200  # per remote peer, per handler (a round fetches one stream per shard)
+    # The coordinator serves circuit relay: a volunteer that no new connection reaches (NAT, firewall)
+    # holds a slot on it and is reached through it. Read by the coordinator only (a joining peer's
+    # p2pd starts before it reads the manifest; anchors opt in with `hetnode join --relay-service`).
+    relay_service: bool = True
 
 
 @dataclass(frozen=True)

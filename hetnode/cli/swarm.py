@@ -116,6 +116,12 @@ def register(commands: argparse._SubParsersAction) -> None:
     )
     join.add_argument("--listen", default="/ip4/0.0.0.0/tcp/0", help="listen multiaddr")
     join.add_argument("--announce-maddr", action="append", default=[], help="public multiaddr to announce")
+    join.add_argument(
+        "--relay-service",
+        action="store_true",
+        help="serve circuit relay to peers behind NAT that join through this peer (a publicly reachable "
+        "anchor; the coordinator serves it unless network.relay_service = false)",
+    )
     join.add_argument("--connect-timeout", type=float, default=60.0, help="seconds to wait for the swarm")
     join.add_argument(
         "--metrics-port",
@@ -241,6 +247,7 @@ def run_join(args: argparse.Namespace) -> int:
         data_source=args.data_source,
         data_cache=args.data_cache,
         token=args.token,
+        relay_service=args.relay_service,
     )
     return loop.run(PeerDaemon(options).run())
 

@@ -24,8 +24,9 @@ from hetnode.daemon.anchor import AnchorLoop
 from hetnode.daemon.chain import ChainLayout, ChainLoop
 from hetnode.daemon.membership import Membership
 from hetnode.daemon.peer_address import is_url, resolve_peer
+from hetnode.daemon.reach import reach_swarm
 from hetnode.daemon.resources import available_memory_gb, measure_tflops
-from hetnode.daemon.swarm import RunContact, find_run, local_config, read_round, start_when_reachable
+from hetnode.daemon.swarm import RunContact, find_run, local_config, read_round
 from hetnode.daemon.view import PeerDirectory, SwarmView
 from hetnode.errors import HetnodeError
 from hetnode.model.decoder import count_parameters
@@ -34,7 +35,7 @@ from hetnode.net.node import SwarmNode
 from hetnode.net.probe import LinkMeasurement, combine
 from hetnode.net.records import new_peer_record
 from hetnode.net.streams import PeerRequestError
-from hetnode.planning.reachability import assess
+from hetnode.planning.reachability import Reachability, assess
 from hetnode.planning.roles import (
     ClassThresholds,
     LinkClass,
@@ -81,6 +82,7 @@ class JoinOptions:
     token: str | None = None  # a join token, for runs that admit by token
     data_source: str | None = None  # our own copy of the run's data (None: the bundled corpus)
     data_cache: str = "~/.cache/hetnode"  # where tokenised data is cached; never taken from a manifest
+    relay_service: bool = False  # serve circuit relay to peers behind NAT (a publicly reachable anchor)
 
 
 class PeerDaemon:
@@ -104,6 +106,7 @@ class PeerDaemon:
         self.directory: PeerDirectory | None = None
         self.admission: str | None = None  # our admission to a closed run
         self.pinned: str | None = options.coordinator
+        self.reachability: Reachability | None = None  # from real dials (None: judged from addresses)
 
     @property
     def config(self) -> Config:
@@ -124,13 +127,14 @@ class PeerDaemon:
                 self.pinned = remembered  # a restart follows the coordinator it followed before
             self._data_dir = data_dir
             identity = load_or_create_identity(data_dir.path / "identity.key")
-            self.node = await start_when_reachable(
+            self.node, self.reachability = await reach_swarm(
                 identity,
-                [self.options.listen],
+                self.options.listen,
                 self.options.peer,
                 self.options.announce,
                 self.options.connect_timeout_s,
                 stop,
+                self.options.relay_service,
             )
             if self.node is None:
                 return 0  # stopped while waiting
@@ -207,7 +211,7 @@ class PeerDaemon:
         await self._start_presence()
         record = self.presence.record
         maddrs = await self.node.visible_maddrs()
-        reachability = assess(maddrs, self.options.peer)
+        reachability = self.reachability or assess(maddrs, self.options.peer)
         print(reachability.line(), flush=True)
         if reachability.verdict == "unreachable":
             log.warning("%s", reachability.line())

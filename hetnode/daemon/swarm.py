@@ -89,14 +89,23 @@ async def start_when_reachable(
     announce: tuple[str, ...],
     timeout_s: float,
     stop: asyncio.Event,
+    relay_service: bool = False,
+    relay_via: tuple[str, ...] = (),
 ) -> SwarmNode | None:
     """Start our node bootstrapped from `peer_maddr`, retrying while that peer does not answer (it may be
-    starting too, as in docker-compose). None when stopped first."""
+    starting too, as in docker-compose). None when stopped first. `relay_service`, `relay_via`: as in
+    `SwarmNode.start`."""
     deadline = time.monotonic() + timeout_s
     while True:
         try:
             return await SwarmNode.start(
-                identity, DEFAULT_LIMITS, listen, initial_peers=[peer_maddr], announce_maddrs=announce
+                identity,
+                DEFAULT_LIMITS,
+                listen,
+                initial_peers=[peer_maddr],
+                announce_maddrs=announce,
+                relay_service=relay_service,
+                relay_via=relay_via,
             )
         except PeersUnreachable as exc:
             if time.monotonic() > deadline:

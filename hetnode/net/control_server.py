@@ -40,6 +40,9 @@ NudgeHandler = Callable[[str, str, int], None]  # (peer, topic, round): look at 
 ProbePolicy = Callable[[str], bool]  # peer -> may it probe us (daemons: "it has a live record")
 MemberPolicy = Callable[[str], bool]  # peer -> is it a member of the run (closed runs)
 AdmitHandler = Callable[[str, str], str]  # (peer, token) -> an admission, or WireError with the reason
+DialBack = Callable[
+    [str, int], Awaitable[bool | None]
+]  # (peer, port) -> did its port answer (None: no address)
 PAYLOAD_TIMEOUT_S = 60.0  # one payload frame: megabytes over a slow link
 MAX_PAYLOADS_PER_STREAM = 256  # pipelined payload requests one stream may carry
 
@@ -67,6 +70,7 @@ class ControlServer:
         self.probe_policy: ProbePolicy = lambda peer: True
         self.member_policy: MemberPolicy = lambda peer: True
         self.admit: AdmitHandler | None = None
+        self.dial_back: DialBack | None = None
 
     async def handle(
         self, peer: str, first: bytes, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
@@ -100,6 +104,10 @@ class ControlServer:
             included = self.inclusion(message["round"], peer)  # only ever about the asker's own payload
             answer = "unknown" if included is None else "yes" if included else "no"
             await stream.send(encode_reply("inclusion", round=message["round"], answer=answer))
+        elif message.type == "dialback":
+            answer = None if self.dial_back is None else await self.dial_back(peer, message["port"])
+            word = "unknown" if answer is None else "yes" if answer else "no"
+            await stream.send(encode_reply("dialed", port=message["port"], answer=word))
         elif message.type == "payload":
             await self._serve_payloads(message, stream)
         elif message.type == "state":

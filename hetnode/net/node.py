@@ -38,6 +38,7 @@ from hetnode.net.control_server import (
     PayloadProvider,
     ProbePolicy,
 )
+from hetnode.net.dialback import dial_back, reachable_through, tcp_host_port
 from hetnode.net.identity import Identity, owner_subkey, peer_id_of_subkey, write_identity_file
 from hetnode.net.log_limits import RefusalLog
 from hetnode.net.probe import LinkMeasurement, measure_download, measure_upload
@@ -64,6 +65,16 @@ logging.getLogger("hivemind").setLevel(logging.WARNING)
 
 class PeersUnreachable(HetnodeError):
     """No initial peer answered; worth retrying (it may not have started yet)."""
+
+
+class _StaticRelayP2P(P2P):
+    """p2pd with relay discovery off, so that autorelay reserves a slot on the trusted relays at once
+    (with discovery on it waits minutes for more candidates from the DHT). hivemind has no argument for
+    this flag; it builds p2pd's command line here."""
+
+    @staticmethod
+    def _make_process_args(*args: Any, **kwargs: Any) -> list[str]:
+        return P2P._make_process_args(*args, **kwargs, relayDiscovery=False)
 
 
 @dataclass(frozen=True)
@@ -145,13 +156,21 @@ class SwarmNode:
         initial_peers: Sequence[str] = (),
         announce_maddrs: Sequence[str] = (),
         client_mode: bool = False,
+        relay_service: bool = False,
+        relay_via: Sequence[str] = (),
     ) -> SwarmNode:
+        """`relay_service`: serve circuit relay to peers that cannot be dialled (it runs only on a node
+        that counts itself publicly reachable, so this says so). `relay_via`: we cannot be dialled;
+        hold a relay slot on these peers (full multiaddrs) and announce our circuit address through them
+        next to `announce_maddrs` (which then need explicit ports)."""
         with tempfile.TemporaryDirectory(prefix="hetnode-id-") as scratch:
             key_path = identity.path
             if key_path is None:  # p2pd must use the same key that signs our records
                 key_path = Path(scratch) / "identity.key"
                 write_identity_file(identity, key_path)
-            p2p = await cls._start_p2p(key_path, host_maddrs, initial_peers, announce_maddrs, client_mode)
+            p2p = await cls._start_p2p(
+                key_path, host_maddrs, initial_peers, announce_maddrs, client_mode, relay_service, relay_via
+            )
         node = cls(identity, p2p, limits)
         if p2p.peer_id.to_base58() != identity.peer_id:
             await p2p.shutdown()
@@ -163,6 +182,7 @@ class SwarmNode:
                 guarded_handler(CONTROL_HANDLER, limiter, node._server.handle, node.budgets, node.refusals),
             )
             await p2p.add_binary_stream_handler(STAGE_HANDLER, node._accept_stage)
+            node._server.dial_back = node._dial_back
         return node
 
     @staticmethod
@@ -172,15 +192,30 @@ class SwarmNode:
         initial_peers: Sequence[str],
         announce_maddrs: Sequence[str],
         client_mode: bool,
+        relay_service: bool = False,
+        relay_via: Sequence[str] = (),
     ) -> P2P:
+        kind: type[P2P] = P2P
+        relaying: dict[str, Any] = {"force_reachability": "public"} if relay_service else {}
+        if relay_via:
+            kind = _StaticRelayP2P
+            # private: autorelay holds a slot only on a node that counts itself undialable; the circuit
+            # addresses are announced by us because a relay vouches only for its public addresses
+            relaying = {
+                "use_auto_relay": True,
+                "trusted_relays": list(relay_via),
+                "force_reachability": "private",
+            }
+            announce_maddrs = [*announce_maddrs, *(f"{relay}/p2p-circuit" for relay in relay_via)]
         try:
-            return await P2P.create(
+            return await kind.create(
                 initial_peers=list(initial_peers) or None,
                 host_maddrs=list(host_maddrs),
                 announce_maddrs=list(announce_maddrs) or None,
                 identity_path=str(key_path),
                 dht_mode="client" if client_mode else "server",
                 check_if_identity_free=False,  # a restart with the same key must not be refused
+                **relaying,
             )
         except Exception as exc:
             if initial_peers and "bootstrap peers" in str(exc):  # p2pd's words for "none answered"
@@ -394,6 +429,37 @@ class SwarmNode:
 
     async def visible_maddrs(self) -> list[str]:
         return [str(m) for m in await self.p2p.get_visible_maddrs()]
+
+    # --- reachability --------------------------------------------------------------------------------
+
+    async def _dial_back(self, peer: str, port: int) -> bool | None:
+        """Serve a dial-back: dial `port` where `peer`'s connections to us come from."""
+        addrs = [
+            str(a)
+            for info in await self.p2p.list_peers()
+            if info.peer_id.to_base58() == peer
+            for a in info.addrs
+        ]
+        return await dial_back(addrs, port)
+
+    async def ask_dial_back(self, peer: str, port: int) -> bool | None:
+        """Ask `peer` whether it can open a fresh connection to our `port` (None: it could not tell)."""
+        reply = await request(self.p2p, peer, CONTROL_HANDLER, encode_request("dialback", port=port), 15.0)
+        if reply.type != "dialed" or reply["port"] != port or reply["answer"] not in _ANSWERS:
+            raise PeerRequestError(peer, f"expected a dial-back answer for port {port}, got {reply.type}")
+        return _ANSWERS[reply["answer"]]
+
+    async def direct_maddrs(self) -> list[str]:
+        """Our announced TCP addresses that do not go through a relay, without the /p2p/ suffix."""
+        found = []
+        for maddr in await self.visible_maddrs():
+            if tcp_host_port(maddr) is not None:
+                found.append(maddr.split("/p2p/")[0])
+        return found
+
+    async def reachable_through(self, relay_maddr: str) -> bool:
+        """Does a stranger's stream reach our control handler through the relay `relay_maddr`?"""
+        return await reachable_through(relay_maddr, self.identity.peer_id, CONTROL_HANDLER)
 
     async def neighbour_maddrs(self, limit: int = 64) -> list[str]:
         """Full multiaddrs of peers p2pd is connected to: what a restarted node bootstraps from."""

@@ -55,9 +55,13 @@ _REQUESTS: dict[str, _Schema] = {
     "nudge": {"round": (int, 0), "about": (str, None)},
     # a closed run: an admission for the caller's key, for a join token ("" for an allowlisted key)
     "admit": {"token": (str, None)},
+    # "can you open a TCP connection to my libp2p port?": answered by dialling that port at the address
+    # the asker's connection comes from (never at an address the asker names)
+    "dialback": {"port": (int, 1)},
 }
-# what a peer that is not a member of a closed run may still ask (to find the run and get admitted)
-OPEN_TO_STRANGERS = ("ping", "info", "admit")
+# what a peer that is not a member of a closed run may still ask (to find the run, get admitted and learn
+# whether it can be dialled)
+OPEN_TO_STRANGERS = ("ping", "info", "admit", "dialback")
 LONG_TEXT_CHARS = {"token": 2048, "admission": 2048}  # signed texts (`hetnode.wire.admission`)
 NUDGE_TOPICS = ("announce", "seal")
 _REPLIES: dict[str, _Schema] = {
@@ -74,6 +78,7 @@ _REPLIES: dict[str, _Schema] = {
     "payload_ready": {"bytes": (int, 0)},  # then one frame of that many bytes
     "admitted": {"admission": (str, None)},
     "inclusion": {"round": (int, 0), "answer": (str, None)},  # "yes", "no" or "unknown"
+    "dialed": {"port": (int, 0), "answer": (str, None)},  # "yes", "no" or "unknown" (no address to dial)
     "ack": {},
     "error": {"code": (str, None), "message": (str, None)},
 }

@@ -1,0 +1,97 @@
+"""A volunteer behind a masquerading NAT router (no port forward, no public address) joins, says truthfully
+that it is reached through a relay, and contributes: its payloads are in sealed rounds. A peer on the open
+network says it is reached directly. Real daemons in lab namespaces (`hetnode/bench/natlab.py`); root and
+iptables only."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+
+import pytest
+
+from hetnode.bench.lab_process import HETNODE, REPO_ROOT
+from hetnode.bench.natlab import NatLab
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(
+        os.geteuid() != 0 or not all(shutil.which(tool) for tool in ("ip", "tc", "iptables")),
+        reason="needs root with `ip`, `tc` and `iptables` to build a NAT router in namespaces",
+    ),
+]
+
+FAST_ROUNDS = {"inner_steps": 10}
+
+
+def reachability(daemon) -> str:
+    lines = [line for line in daemon.lines if line.startswith("reachability:")]
+    assert lines, f"{daemon.name} printed no reachability line:\n{daemon.tail()}"
+    return lines[0]
+
+
+def status_ok(peer: str, prefix: list[str]) -> bool:
+    """Does `hetnode status --peer` from a lab host reach `peer` (a full multiaddr)?"""
+    result = subprocess.run(
+        [*prefix, *HETNODE, "status", "--peer", peer, "--json", "--timeout", "15"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=REPO_ROOT,
+    )
+    return result.returncode == 0
+
+
+def test_a_volunteer_behind_nat_is_relayed_and_contributes_as_an_anchor(swarm):
+    lab = NatLab({"coord": None, "open": None, "home": None}, behind_nat={"volunteer": "home"})
+    with lab:
+        hosts = lab.hosts
+        boot = swarm.start(
+            "bootstrap",
+            [
+                "bootstrap",
+                "--config",
+                str(swarm.config(outer=FAST_ROUNDS)),
+                "--listen",
+                f"/ip4/{hosts['coord'].address}/tcp/0",
+                "--data-dir",
+                str(swarm.tmp_path / "bootstrap"),
+            ],
+            prefix=hosts["coord"].prefix,
+        )
+        boot.wait_ready()
+        try:
+            direct = swarm.join(
+                "direct",
+                boot.maddr,
+                "1000",
+                listen=f"/ip4/{hosts['open'].address}/tcp/0",
+                prefix=hosts["open"].prefix,
+            )
+            natted = swarm.join(
+                "volunteer", boot.maddr, "1000", listen="/ip4/0.0.0.0/tcp/0", prefix=hosts["volunteer"].prefix
+            )
+            direct.wait_ready()
+            natted.wait_ready()
+            print(f"\n{reachability(direct)}\n{reachability(natted)}")
+            assert reachability(direct).startswith("reachability: reachable (direct)"), reachability(direct)
+            assert reachability(natted).startswith("reachability: reachable (relayed)"), reachability(natted)
+
+            # what the line claims, checked from the open network: no direct path, a relayed one
+            maddrs = natted.ready["maddrs"].split(",")
+            circuit = [m for m in maddrs if "/p2p-circuit/" in m]
+            assert circuit and circuit[0].startswith(boot.maddr), maddrs
+            private = [m for m in maddrs if m.startswith(f"/ip4/{hosts['volunteer'].address}/")]
+            assert private and not status_ok(private[0], hosts["open"].prefix)
+            assert status_ok(circuit[0], hosts["open"].prefix)
+
+            history = swarm.wait_for_history(
+                lambda h: any(natted.peer_id in e["contributors"] for e in h),
+                timeout=120,
+                what="a round sealed with the NAT'd volunteer's payloads",
+            )
+            sealed = next(e for e in history if natted.peer_id in e["contributors"])
+            assert direct.peer_id in sealed["contributors"]
+        finally:
+            swarm.stop_all()  # before the namespaces go
