@@ -1,0 +1,118 @@
+"""What `hetnode bench soak` concludes from what it recorded: pure functions over the coordinator's history,
+replicas' status documents, the ledger's rows, round logs and resource samples (tested without a lab).
+
+Definitions (docs/lab.md says the same):
+- a **digest disagreement** is a replica whose layer digests for the round it reports differ from the
+  coordinator's record of that round (a stage: for the layers it holds);
+- a **half-applied round** is a disagreement in which every layer matches *some* sealed round but not all the
+  same one: a replica that applied part of a round;
+- a **ledger mismatch** is a sealed round whose credited peers differ from its contributors (less those the
+  seal refused), or a credited round the history does not have.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+SECONDS_PER_HOUR = 3600.0
+
+
+@dataclass(frozen=True)
+class DigestCheck:
+    replica: str
+    params_round: int
+    verdict: str  # "agrees", "disagrees", "half-applied" or "unknown-round"
+
+
+def check_digests(
+    peers: Iterable[Mapping[str, Any]], history: Sequence[Mapping[str, Any]]
+) -> list[DigestCheck]:
+    """Each anchor's and stage's digests (from `hetnode status --json`) against the history's."""
+    by_round = {entry["round"]: entry["layer_digests"] for entry in history if entry.get("layer_digests")}
+    out = []
+    for peer in peers:
+        if peer.get("role") not in ("anchor", "stage") or peer.get("params_round") is None:
+            continue
+        held: Mapping[str, str] = peer.get("layer_digests") or {}
+        round_ = int(peer["params_round"])
+        theirs = by_round.get(round_)
+        if theirs is None:
+            out.append(DigestCheck(peer["name"], round_, "unknown-round"))
+            continue
+        if held and all(theirs.get(shard) == digest for shard, digest in held.items()):
+            out.append(DigestCheck(peer["name"], round_, "agrees"))
+            continue
+        # every shard a sealed round's, just not one round's: part of a round applied
+        known = [{r for r, d in by_round.items() if d.get(shard) == digest} for shard, digest in held.items()]
+        mixed = bool(held) and all(known) and not set.intersection(*known)
+        out.append(DigestCheck(peer["name"], round_, "half-applied" if mixed else "disagrees"))
+    return out
+
+
+def ledger_mismatches(
+    history: Sequence[Mapping[str, Any]], credited: Mapping[int, set[str]]
+) -> list[dict[str, Any]]:
+    """Rounds where the ledger's credited peers differ from the sealed contributors (less refused peers)."""
+    out = []
+    sealed = {entry["round"]: entry for entry in history}
+    for round_, entry in sealed.items():
+        expected = set(entry["contributors"]) - set(entry.get("rejected", {}))
+        got = credited.get(round_, set())
+        if got != expected:
+            out.append({"round": round_, "missing": sorted(expected - got), "extra": sorted(got - expected)})
+    for round_ in sorted(set(credited) - set(sealed)):
+        out.append({"round": round_, "missing": [], "extra": sorted(credited[round_]), "unsealed": True})
+    return out
+
+
+def slope_per_hour(samples: Sequence[tuple[float, float]]) -> float | None:
+    """Least-squares slope of (time s, value) pairs, per hour; None with fewer than 3 samples."""
+    if len(samples) < 3:
+        return None
+    times = [t for t, _ in samples]
+    values = [v for _, v in samples]
+    mean_t, mean_v = statistics.fmean(times), statistics.fmean(values)
+    spread = sum((t - mean_t) ** 2 for t in times)
+    if spread == 0:
+        return None
+    return sum((t - mean_t) * (v - mean_v) for t, v in samples) / spread * SECONDS_PER_HOUR
+
+
+def growth_per_hour(samples: Sequence[tuple[float, float]]) -> float | None:
+    """The slope as a share of the mean level (0.05: 5 % per hour)."""
+    slope = slope_per_hour(samples)
+    level = statistics.fmean(v for _, v in samples) if samples else 0.0
+    return None if slope is None or level <= 0 else slope / level
+
+
+def catch_up_rounds(records: Sequence[Mapping[str, Any]], back_at: float, sealed_then: int) -> int | None:
+    """Rounds between a peer's return (`back_at`, when the swarm had sealed `sealed_then`) and its first
+    round log record included in a seal after it; None if it never contributed again."""
+    after = [r for r in records if r.get("time", 0.0) >= back_at and r.get("included")]
+    if not after:
+        return None
+    return max(0, min(r["round"] for r in after) - sealed_then)
+
+
+def boundaries_to_reform(died_at: float, live_at: Sequence[float], boundary_s: float) -> float | None:
+    """Boundaries from a chain member's death to the first moment a chain is live again (`live_at`: the
+    times surviving or spare stages reported a chain live); None if none did."""
+    after = sorted(t for t in live_at if t > died_at)
+    return None if not after else (after[0] - died_at) / boundary_s
+
+
+def round_times(history: Sequence[Mapping[str, Any]]) -> list[float]:
+    """Seconds between consecutive sealed rounds."""
+    times = [entry["time"] for entry in history]
+    return [b - a for a, b in zip(times, times[1:], strict=False)]
+
+
+def quantiles(values: Sequence[float]) -> dict[str, float] | None:
+    if not values:
+        return None
+    ordered = sorted(values)
+    pick = lambda q: ordered[min(len(ordered) - 1, int(q * len(ordered)))]  # noqa: E731 - a local shorthand
+    return {"p10": pick(0.1), "p50": pick(0.5), "p90": pick(0.9), "max": ordered[-1], "n": len(ordered)}

@@ -1,0 +1,106 @@
+"""The soak's verdicts from hand-written records: digests, half-applied rounds, the ledger against the
+history, catch-up, re-forming, slopes; and its plan's refusals and schedule."""
+
+from __future__ import annotations
+
+import pytest
+
+from hetnode.bench import soak, soak_checks
+from hetnode.errors import HetnodeError
+
+
+def sealed(round_: int, time: float, contributors: list[str], rejected: dict, digests: dict) -> dict:
+    return {"round": round_, "time": time, "contributors": contributors, "rejected": rejected,
+            "layer_digests": digests}  # fmt: skip
+
+
+HISTORY = [
+    sealed(1, 100.0, ["a", "b"], {}, {"l0": "x1", "l1": "y1"}),
+    sealed(2, 110.0, ["a", "b", "c"], {"c": "norm"}, {"l0": "x2", "l1": "y2"}),
+    sealed(3, 125.0, ["a"], {}, {"l0": "x3", "l1": "y3"}),
+]
+
+
+def peer(name: str, round_: int, digests: dict[str, str], role: str = "anchor") -> dict:
+    return {"name": name, "role": role, "params_round": round_, "layer_digests": digests}
+
+
+def test_digests_agree_disagree_or_show_a_half_applied_round():
+    checks = soak_checks.check_digests(
+        [
+            peer("same", 2, {"l0": "x2", "l1": "y2"}),
+            peer("stage", 3, {"l1": "y3"}, role="stage"),  # a stage holds some layers
+            peer("half", 3, {"l0": "x3", "l1": "y2"}),  # l1 still round 2's
+            peer("off", 2, {"l0": "x2", "l1": "garbage"}),
+            peer("future", 9, {"l0": "x9"}),
+            peer("coordinator", 3, {}, role="coordinator"),  # not a replica: not checked
+        ],
+        HISTORY,
+    )
+    assert {c.replica: c.verdict for c in checks} == {
+        "same": "agrees",
+        "stage": "agrees",
+        "half": "half-applied",
+        "off": "disagrees",
+        "future": "unknown-round",
+    }
+
+
+def test_the_ledger_must_credit_exactly_the_sealed_contributors_less_refused_ones():
+    credited = {1: {"a", "b"}, 2: {"a", "b"}, 3: {"a"}}
+    assert soak_checks.ledger_mismatches(HISTORY, credited) == []
+    wrong = {1: {"a"}, 2: {"a", "b", "c"}, 3: {"a"}, 4: {"z"}}
+    assert soak_checks.ledger_mismatches(HISTORY, wrong) == [
+        {"round": 1, "missing": ["b"], "extra": []},
+        {"round": 2, "missing": [], "extra": ["c"]},
+        {"round": 4, "missing": [], "extra": ["z"], "unsealed": True},
+    ]
+
+
+def test_slopes_and_growth_per_hour():
+    flat = [(t * 60.0, 100.0) for t in range(10)]
+    assert soak_checks.slope_per_hour(flat) == 0.0
+    rising = [(t * 60.0, 100.0 + t) for t in range(10)]  # 1 MB a minute
+    assert soak_checks.slope_per_hour(rising) == pytest.approx(60.0)
+    assert soak_checks.growth_per_hour(rising) == pytest.approx(60.0 / 104.5)
+    assert soak_checks.slope_per_hour(rising[:2]) is None
+
+
+def test_catch_up_counts_rounds_from_the_return_to_the_first_included_round():
+    records = [
+        {"round": 4, "time": 50.0, "included": True},
+        {"round": 7, "time": 205.0, "included": False},  # trained on a stale θ: left out
+        {"round": 8, "time": 215.0, "included": True},
+    ]
+    assert soak_checks.catch_up_rounds(records, back_at=200.0, sealed_then=6) == 2
+    assert soak_checks.catch_up_rounds(records, back_at=300.0, sealed_then=9) is None
+
+
+def test_reforming_is_counted_in_boundaries_from_the_death():
+    assert soak_checks.boundaries_to_reform(100.0, [90.0, 106.0, 120.0], boundary_s=4.0) == 1.5
+    assert soak_checks.boundaries_to_reform(100.0, [90.0], boundary_s=4.0) is None
+
+
+def test_round_times_and_quantiles():
+    assert soak_checks.round_times(HISTORY) == [10.0, 15.0]
+    q = soak_checks.quantiles([float(v) for v in range(1, 11)])
+    assert q == {"p10": 2.0, "p50": 6.0, "p90": 10.0, "max": 10.0, "n": 10}
+    assert soak_checks.quantiles([]) is None
+
+
+def test_the_plan_is_refused_when_it_cannot_show_the_churn():
+    soak.validate(soak.SoakPlan(minutes=10))
+    with pytest.raises(HetnodeError, match="--anchors 3"):
+        soak.validate(soak.SoakPlan(anchors=2))
+    with pytest.raises(HetnodeError, match="spare"):
+        soak.validate(soak.SoakPlan(stage_peers=2))
+    with pytest.raises(HetnodeError, match="too short"):
+        soak.validate(soak.SoakPlan(minutes=3))
+
+
+def test_the_schedule_has_every_kind_of_churn_in_order():
+    events = soak.churn_schedule(soak.SoakPlan())
+    kinds = {e.kind for e in events}
+    assert {"join", "leave", "crash", "link-down", "chain-member-dies", "coordinator-restart"} <= kinds
+    shares = [e.at_share for e in events]
+    assert shares == sorted(shares) and shares[-1] < 0.9  # the last tenth is quiet: the swarm settles
