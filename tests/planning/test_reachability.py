@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from hetnode.planning.reachability import assess
+from hetnode.planning.reachability import assess, judge
 
 ID = "/p2p/QmYyQSo1c1Ym7orWxLYvCrM2EmxFTANf8wXmmE7DWjhx5N"
 PUBLIC_SWARM = f"/ip4/1.2.3.4/tcp/31337{ID}"
@@ -41,3 +41,16 @@ def test_the_fix_names_the_port_to_forward():
         "forward TCP port 4711" in result.fix
         and "--announce-maddr /ip4/<your public IP>/tcp/4711" in result.fix
     )
+
+
+def test_a_verdict_from_real_dials_names_the_path_it_found():
+    own = ["/ip4/192.168.1.2/tcp/4711", "/ip4/127.0.0.1/tcp/4711"]
+    direct = judge(True, None, own, LAN_SWARM)
+    assert direct.line().startswith("reachability: reachable (direct): ") and not direct.fix
+    circuit = [*own, f"/ip4/10.0.0.1/tcp/31337{ID}/p2p-circuit{ID}"]
+    relayed = judge(False, True, circuit, LAN_SWARM, relay=ID[5:])
+    assert relayed.line().startswith("reachability: reachable (relayed): ")
+    assert "forward TCP port 4711" in relayed.fix  # the way to go direct
+    stuck = judge(False, False, own, LAN_SWARM)
+    assert stuck.verdict == "unreachable" and "serves relays" in stuck.fix
+    assert judge(None, None, own, LAN_SWARM) == assess(own, LAN_SWARM)  # no dial-back: from addresses
