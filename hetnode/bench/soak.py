@@ -31,6 +31,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 from hetnode.bench import soak_checks
 from hetnode.bench.lab_process import HETNODE, LabProcess
+from hetnode.bench.natlab import NatLab
 from hetnode.bench.netlab import NetLab
 from hetnode.bench.scale_lab import ONE_THREAD, kill_leftovers, read_rounds
 from hetnode.config import Config, dump_config, replace
@@ -42,6 +43,7 @@ HISTORY = "rounds.jsonl"
 LEDGER = "ledger.sqlite"
 LIVE_LINE = " live: stage "
 LOG_TIME = "%Y-%m-%d %H:%M:%S,%f"
+NAT_ANCHOR, NAT_ROUTER = "anchor-nat", "home"  # a volunteer behind a masquerading home router
 LAB_NETWORK = {"heartbeat_s": 2.0, "record_ttl_s": 8.0, "stable_heartbeat_s": 8.0, "boundary_s": 4.0}
 
 
@@ -166,6 +168,8 @@ class Soak:
         self.digests: list[dict[str, Any]] = []
         self.coordinator_maddr = ""
         self.dead_stage: str | None = None
+        self.peer_ids: dict[str, str] = {}
+        self.reachability: dict[str, str] = {}  # the line each peer printed when it joined
 
     # processes
 
@@ -187,6 +191,13 @@ class Soak:
         argv += ["--listen", f"/ip4/{host.address}/tcp/0", "--data-dir", str(self.work / name)]
         argv += ["--metrics-port", "0"]
         return self._launch(name, argv, host.prefix)
+
+    def wait_ready(self, name: str) -> None:
+        process = self.processes[name]
+        self.peer_ids[name] = process.wait_ready(240.0)["peer_id"]
+        said = [line for line in process.lines if line.startswith("reachability:")]
+        if said:
+            self.reachability[name] = said[0]
 
     def _launch(self, name: str, argv: list[str], prefix: list[str]) -> LabProcess:
         log = self.work / f"{name}.log"
@@ -273,7 +284,8 @@ class Soak:
 
     def apply(self, event: ChurnEvent) -> None:
         if event.kind == "join":
-            self.start_peer(event.target).wait_ready(180.0)
+            self.start_peer(event.target)
+            self.wait_ready(event.target)
             self.note("join", event.target)
         elif event.kind == "leave":
             self.stop(event.target, signal.SIGTERM)
@@ -285,7 +297,8 @@ class Soak:
             name = self.dead_stage if event.target == "dead stage" else event.target
             if name is None:
                 return
-            self.start_peer(name).wait_ready(180.0)
+            self.start_peer(name)
+            self.wait_ready(name)
             self.note("restart", name)
         elif event.kind == "link-down":
             self._link_down(event.target)
@@ -353,13 +366,14 @@ def run_soak(config: Config, plan: SoakPlan, out: Path, progress: bool = True) -
     anchors, stages = plan.names()
     late = f"anchor-{plan.anchors + 1}"
     rates: dict[str, float | None] = {"coordinator": None}
-    rates |= {a: plan.anchor_mbit for a in [*anchors, late]} | {s: plan.stage_mbit for s in stages}
+    rates |= {a: plan.anchor_mbit for a in [*anchors, late, NAT_ROUTER]}
+    rates |= {s: plan.stage_mbit for s in stages}
     previous = signal.signal(signal.SIGTERM, _interrupted)
     try:
-        with NetLab(rates) as lab:
+        with NatLab(rates, behind_nat={NAT_ANCHOR: NAT_ROUTER}) as lab:
             soak = Soak(lab, config_path, plan, work, say)
             try:
-                _drive(soak, plan, [*anchors, *stages], say)
+                _drive(soak, plan, [*anchors, NAT_ANCHOR, *stages], say)
             finally:
                 held = {sig: signal.signal(sig, signal.SIG_IGN) for sig in (signal.SIGINT, signal.SIGTERM)}
                 try:
@@ -381,7 +395,7 @@ def _drive(soak: Soak, plan: SoakPlan, names: list[str], say: Callable[[str], No
     for name in names:
         soak.start_peer(name)
     for name in names:
-        soak.processes[name].wait_ready(240.0)
+        soak.wait_ready(name)
     duration = plan.minutes * 60
     started = time.time()
     schedule = churn_schedule(plan)
@@ -508,7 +522,10 @@ def summarise(soak: Soak, config: Config, plan: SoakPlan, left: dict[str, list])
         "fd_growth_per_hour": _worst(resources, "fd_growth_per_hour"),
         "resources": resources,
         "left_behind": left,
-        "nat_peer_contributed": None,
+        "nat_peer_contributed": any(
+            soak.peer_ids.get(NAT_ANCHOR) in entry["contributors"] for entry in history
+        ),
+        "reachability": soak.reachability,
     }
 
 
