@@ -482,11 +482,14 @@ def summarise(soak: Soak, config: Config, plan: SoakPlan, left: dict[str, list])
             catch_up[f"{event['kind']} {event['target']}"] = soak_checks.catch_up_rounds(
                 logs.get(event["target"], []), event["time"], event["sealed"]
             )
-    per_profile: dict[str, list[float]] = {}
+    per_profile: dict[str, list[float]] = {}  # a replica's rounds: from one announcement to the next
+    sync_per_profile: dict[str, list[float]] = {}  # its sync: from announcing to having applied the round
     for name, records in logs.items():
         profile = f"{plan.anchor_mbit if name.startswith('anchor') else plan.stage_mbit:g} Mbit/s, lan"
         times = sorted(r["time"] for r in records)
         per_profile.setdefault(profile, []).extend(b - a for a, b in zip(times, times[1:], strict=False))
+        synced = [r["seal_wait_s"] + r["apply_s"] for r in records if r.get("included")]
+        sync_per_profile.setdefault(profile, []).extend(synced)
     warm = soak.events[0]["time"] + plan.minutes * 60 * 0.1 if soak.events else 0.0
     resources = {}
     for life, samples in soak.resources.items():
@@ -516,6 +519,7 @@ def summarise(soak: Soak, config: Config, plan: SoakPlan, left: dict[str, list])
         "catch_up_rounds": catch_up,
         "seal_interval_s": soak_checks.quantiles(soak_checks.round_times(history)),
         "round_time_s_per_profile": {k: soak_checks.quantiles(v) for k, v in per_profile.items()},
+        "sync_s_per_profile": {k: soak_checks.quantiles(v) for k, v in sync_per_profile.items()},
         "rss_slope_mb_per_hour": _worst(resources, "rss_slope_mb_per_hour"),
         "fd_slope_per_hour": _worst(resources, "fd_slope_per_hour"),
         "rss_growth_per_hour": _worst(resources, "rss_growth_per_hour"),
