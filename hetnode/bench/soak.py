@@ -42,7 +42,7 @@ LINK_DOWN_S = 30.0
 HISTORY = "rounds.jsonl"
 LEDGER = "ledger.sqlite"
 LIVE_LINE = " live: stage "
-LOG_TIME = "%Y-%m-%d %H:%M:%S,%f"
+LOG_TIME = "%H:%M:%S"
 NAT_ANCHOR, NAT_ROUTER = "anchor-nat", "home"  # a volunteer behind a masquerading home router
 LAB_NETWORK = {"heartbeat_s": 2.0, "record_ttl_s": 8.0, "stable_heartbeat_s": 8.0, "boundary_s": 4.0}
 
@@ -336,14 +336,18 @@ class Soak:
         return latest[1] if latest else None
 
 
-def live_times(log: Path) -> list[float]:
-    """Unix times at which a stage's log says its chain went live."""
+def live_times(log: Path, now: float | None = None) -> list[float]:
+    """Unix times at which a stage's log says its chain went live. Log lines carry the local time of day
+    only (hetnode/cli/main.py): a stamp later than `now` is yesterday's (runs are shorter than a day)."""
+    now = time.time() if now is None else now
+    today = datetime.datetime.fromtimestamp(now).date()
     out = []
     for line in log.read_text(errors="replace").splitlines() if log.exists() else []:
         if LIVE_LINE in line:
             with contextlib.suppress(ValueError):
-                stamp = datetime.datetime.strptime(line[:23], LOG_TIME)
-                out.append(stamp.timestamp())
+                clock = datetime.datetime.strptime(line[:8], LOG_TIME).time()
+                stamp = datetime.datetime.combine(today, clock).timestamp()
+                out.append(stamp - 86400 if stamp > now + 60 else stamp)
     return out
 
 

@@ -104,3 +104,20 @@ def test_the_schedule_has_every_kind_of_churn_in_order():
     assert {"join", "leave", "crash", "link-down", "chain-member-dies", "coordinator-restart"} <= kinds
     shares = [e.at_share for e in events]
     assert shares == sorted(shares) and shares[-1] < 0.9  # the last tenth is quiet: the swarm settles
+
+
+def test_chain_live_times_come_from_the_stage_log(tmp_path):
+    import datetime
+
+    log = tmp_path / "stage-1.log"
+    log.write_text(
+        "19:22:01 hetnode INFO hetnode.daemon.peer: link up 20.0 / down 20.0 Mbit/s\n"
+        "19:22:08 hetnode INFO hetnode.daemon.peer: chain c6-e954dba3a2 live: stage 1, layers 2..3\n"
+        "23:59:59 hetnode INFO hetnode.daemon.peer: chain c9-00 live: stage 0, layers 0..1\n"
+    )
+    now = datetime.datetime(2026, 12, 1, 19, 30, 0).timestamp()
+    times = soak.live_times(log, now=now)
+    assert times == [
+        datetime.datetime(2026, 12, 1, 19, 22, 8).timestamp(),
+        datetime.datetime(2026, 11, 30, 23, 59, 59).timestamp(),  # later than now: yesterday's
+    ]
