@@ -3,12 +3,14 @@ stderr to a log file, stopped with SIGTERM (killed only if it hangs)."""
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import signal
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -48,6 +50,7 @@ class LabProcess:
     ) -> None:
         self.name = name
         self.log_path = log_path
+        self.detached = detach
         self._log = open(log_path, "w")  # noqa: SIM115 - closed in stop()
         env = dict(os.environ, PYTHONUNBUFFERED="1")
         detached: dict[str, Any] = {"process_group": 0, "preexec_fn": _die_with_parent()} if detach else {}
@@ -77,8 +80,15 @@ class LabProcess:
                 self._ready.set()
 
     def wait_ready(self, timeout: float = 120.0) -> dict[str, str]:
-        if not self._ready.wait(timeout) or self.ready is None:
-            raise HetnodeError(f"{self.name} printed no READY line in {timeout:.0f} s:\n{self.tail()}")
+        deadline = time.monotonic() + timeout
+        while not self._ready.wait(min(0.5, max(0.0, deadline - time.monotonic()))):
+            if self.proc.poll() is not None:  # it will not come: say so now, not at the deadline
+                raise HetnodeError(
+                    f"{self.name} exited with {self.proc.returncode} before READY:\n{self.tail()}"
+                )
+            if time.monotonic() >= deadline:
+                raise HetnodeError(f"{self.name} printed no READY line in {timeout:.0f} s:\n{self.tail()}")
+        assert self.ready is not None
         return self.ready
 
     @property
@@ -92,12 +102,32 @@ class LabProcess:
         return "\n".join(self.log_path.read_text().splitlines()[-lines:])
 
     def stop(self, timeout: float = 30.0) -> int | None:
+        """SIGTERM, then SIGKILL if it has not exited within `timeout`; then whatever is left of its
+        process group (a detached daemon's p2pd) is killed too."""
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
+        return self.finish(timeout)
+
+    def finish(self, timeout: float) -> int | None:
+        """Wait up to `timeout` for an exit already asked for, kill what is left, close the log."""
+        try:
+            self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(10)
+        if self.detached:  # our own group: p2pd and DHT helpers of a killed daemon are in it, orphaned
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(self.proc.pid, signal.SIGKILL)
         self._log.close()
         return self.proc.returncode
+
+
+def stop_all(processes: list[LabProcess], grace_s: float = 5.0) -> None:
+    """SIGTERM to every process at once, a shared `grace_s` to exit, then SIGKILL for what is left:
+    stopping ten daemons takes one grace period, not ten."""
+    for process in processes:
+        if process.proc.poll() is None:
+            process.proc.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    for process in processes:
+        process.finish(max(0.0, deadline - time.monotonic()))

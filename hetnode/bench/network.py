@@ -34,7 +34,18 @@ import torch
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from hetnode.bench.lab_process import HETNODE, LabProcess  # noqa: E402
+from hetnode.bench.lab_guard import (  # noqa: E402
+    STALL_ROUNDS,
+    LabStalled,
+    check_chain_possible,
+    check_roles_possible,
+    check_running,
+    interruptible,
+    lab_session,
+    shielded,
+    stalled_reason,
+)
+from hetnode.bench.lab_process import HETNODE, LabProcess, stop_all  # noqa: E402
 from hetnode.bench.netlab import NetLab, check_lab_possible  # noqa: E402
 from hetnode.config import Config, dump_config, replace  # noqa: E402
 from hetnode.data import TokenDataset  # noqa: E402
@@ -54,6 +65,8 @@ STAGES = ("stage-1", "stage-2")
 # as on two machines: its evaluation after each round then takes nothing from the anchor's training
 SOLO_CORES = {"anchor-1": "0", "coordinator": "1"}
 LAB_TIMINGS = {"heartbeat_s": 2.0, "record_ttl_s": 8.0, "boundary_s": 4.0, "confirm_s": 2.0}
+ANCHOR_MBIT = 1000.0  # what the anchors declare (their links are not shaped)
+STOP_GRACE_S = 5.0  # for the daemons to exit on SIGTERM before they are killed
 
 
 @dataclass(frozen=True)
@@ -71,7 +84,17 @@ def plan_for(quick: bool) -> NetworkPlan:
     return NetworkPlan(inner_steps=30, chain_rounds=6, allreduce_rounds=5, timeout_s=1800.0)
 
 
+def check_plan(config: Config, plan: NetworkPlan) -> None:
+    """Refuse a plan whose chain cannot form (ConfigError naming the flag and the config key)."""
+    members = {a: ("anchor", ANCHOR_MBIT) for a in ANCHORS} | {s: ("stage", plan.slow_mbit) for s in STAGES}
+    check_roles_possible(config, members, "--slow-mbit")
+    check_chain_possible(config, len(STAGES), "bench network")
+    if plan.chain_rounds < 1 or plan.allreduce_rounds < 1:
+        raise HetnodeError(f"the plan needs at least one round of each kind: {plan}")
+
+
 def run_benchmark(config: Config, plan: NetworkPlan, out_dir: Path, progress: bool = True) -> dict:
+    check_plan(replace(config, "pipeline", stages=len(STAGES)), plan)  # before root: a plan is a plan
     check_lab_possible()
     out_dir.mkdir(parents=True, exist_ok=True)
     work = out_dir / "network-lab"
@@ -80,6 +103,11 @@ def run_benchmark(config: Config, plan: NetworkPlan, out_dir: Path, progress: bo
     config = replace(config, "outer", inner_steps=plan.inner_steps)
     config = replace(config, "pipeline", stages=2)
     config = replace(config, "network", **LAB_TIMINGS)
+    with interruptible():  # SIGTERM unwinds as Ctrl+C does: every lab below is stopped and removed
+        return _run_benchmark(config, plan, out_dir, work, progress)
+
+
+def _run_benchmark(config: Config, plan: NetworkPlan, out_dir: Path, work: Path, progress: bool) -> dict:
     _say(progress, f"local baseline: {plan.inner_steps} inner steps of hetnode train's loop, alone")
     local_tokens_per_s = measure_local_tokens_per_s(config, plan.inner_steps)
     runs = {}
@@ -165,7 +193,7 @@ def run_swarm(
     config_path = work / "swarm.toml"
     config_path.write_text(dump_config(config))
     processes: list[LabProcess] = []
-    with NetLab(lab_rates(plan, anchors, stages)) as lab:
+    with lab_session(NetLab(lab_rates(plan, anchors, stages))) as lab:
         try:
             coordinator = lab.hosts["coordinator"]
             boot = LabProcess(
@@ -177,26 +205,31 @@ def run_swarm(
             )
             processes.append(boot)
             boot.wait_ready()
+            _say(progress, f"lab {lab.tag}: coordinator up; starting {', '.join((*anchors, *stages))}")
             for name in (*anchors, *stages):
                 host = lab.hosts[name]
-                declared = "1000" if name in anchors else f"{plan.slow_mbit:g}"
+                role, declared = ("anchor", ANCHOR_MBIT) if name in anchors else ("stage", plan.slow_mbit)
+                argv = [*HETNODE, "join", "--peer", boot.maddr, "--name", name, "--role", role]
+                argv += ["--bandwidth", f"{declared:g}", "--listen", f"/ip4/{host.address}/tcp/0"]
+                prefix = host.prefix + _pinned(name, pin)
                 processes.append(
                     LabProcess(
                         name,
-                        [*HETNODE, "join", "--peer", boot.maddr, "--name", name, "--bandwidth", declared]
-                        + ["--listen", f"/ip4/{host.address}/tcp/0", "--data-dir", str(work / name)],
+                        argv + ["--data-dir", str(work / name)],
                         work / f"{name}.log",
-                        host.prefix + _pinned(name, pin),
+                        prefix,
+                        detach=True,
                     )
                 )
             ids = {p.name: p.wait_ready()["peer_id"] for p in processes[1:]}
             wire_before = {name: lab.interface_bytes(name) for name in lab.hosts}
             members = {ids[s] for s in stages} if stages else {ids[anchors[0]]}
-            history = _wait_for_rounds(work / "coordinator", members, plan, progress)
+            history = _wait_for_rounds(work / "coordinator", members, plan, progress, processes)
             wire_after = {name: lab.interface_bytes(name) for name in lab.hosts}
         finally:
-            for process in reversed(processes):
-                process.stop()
+            with shielded():  # a second signal must not cut this short; leaving the lab removes it after
+                stop_all(processes[1:], STOP_GRACE_S)  # replicas at once, then the coordinator
+                stop_all(processes[:1], STOP_GRACE_S / 2)
     wire = {
         name: {
             "rx": wire_after[name][0] - wire_before[name][0],
@@ -212,11 +245,21 @@ def run_swarm(
     }
 
 
-def _wait_for_rounds(coordinator_dir: Path, chain: set[str], plan: NetworkPlan, progress: bool) -> list[dict]:
-    """The coordinator's history once `chain` (the peers watched) was in `plan.chain_rounds` seals."""
+def _wait_for_rounds(
+    coordinator_dir: Path,
+    chain: set[str],
+    plan: NetworkPlan,
+    progress: bool,
+    processes: list[LabProcess] | None = None,
+) -> list[dict]:
+    """The coordinator's history once `chain` (the peers watched) was in `plan.chain_rounds` seals. Ends
+    with the reason (who took which role, who exited) when a daemon exits, when STALL_ROUNDS sealed rounds
+    in a row went without the watched peers, or at `plan.timeout_s`."""
+    processes = processes or []
     deadline = time.monotonic() + plan.timeout_s
     shown = 0
     while time.monotonic() < deadline:
+        check_running(processes)
         history = _read_jsonl(coordinator_dir / HISTORY)
         for entry in history[shown:]:
             if progress:
@@ -229,10 +272,26 @@ def _wait_for_rounds(coordinator_dir: Path, chain: set[str], plan: NetworkPlan, 
         shown = len(history)
         if sum(chain <= set(e["contributors"]) for e in history) >= plan.chain_rounds:
             return history
+        if rounds_without(history, chain) >= STALL_ROUNDS:
+            raise LabStalled(
+                f"{STALL_ROUNDS} sealed rounds in a row without the watched peers; the daemons' roles:\n"
+                + stalled_reason(processes, {p.name: p.log_path for p in processes[1:]})
+            )
         time.sleep(1.0)
-    raise HetnodeError(
-        f"the watched peers were not in {plan.chain_rounds} sealed rounds within {plan.timeout_s:.0f} s"
+    raise LabStalled(
+        f"the watched peers were not in {plan.chain_rounds} sealed rounds within {plan.timeout_s:.0f} s; "
+        "the daemons' roles:\n" + stalled_reason(processes, {p.name: p.log_path for p in processes[1:]})
     )
+
+
+def rounds_without(history: list[dict], watched: set[str]) -> int:
+    """Sealed rounds since the last one with every `watched` peer in it (all of them if none had)."""
+    count = 0
+    for entry in reversed(history):
+        if watched <= set(entry["contributors"]):
+            break
+        count += 1
+    return count
 
 
 def run_allreduce(config: Config, plan: NetworkPlan, work: Path) -> dict[str, Any]:
@@ -241,7 +300,7 @@ def run_allreduce(config: Config, plan: NetworkPlan, work: Path) -> dict[str, An
     numel = count_parameters(config.model)
     names = (*ANCHORS, *STAGES)
     processes: list[LabProcess] = []
-    with NetLab(lab_rates(plan)) as lab:
+    with lab_session(NetLab(lab_rates(plan))) as lab:
         try:
             for index, name in enumerate(names):
                 host = lab.hosts[name]
@@ -258,7 +317,7 @@ def run_allreduce(config: Config, plan: NetworkPlan, work: Path) -> dict[str, An
                 ]
                 if processes:
                     argv += ["--initial-peer", processes[0].maddr]
-                processes.append(LabProcess(name, argv, work / f"{name}.log", host.prefix))
+                processes.append(LabProcess(name, argv, work / f"{name}.log", host.prefix, detach=True))
                 processes[-1].wait_ready()
             for process in processes:
                 process.proc.wait(timeout=plan.timeout_s)
@@ -272,8 +331,8 @@ def run_allreduce(config: Config, plan: NetworkPlan, work: Path) -> dict[str, An
         except subprocess.TimeoutExpired:
             raise HetnodeError(f"the all-reduce baseline did not finish in {plan.timeout_s:.0f} s") from None
         finally:
-            for process in processes:
-                process.stop()
+            with shielded():
+                stop_all(processes, STOP_GRACE_S)
     return {
         "numel": numel,
         "peers": {name: json.loads((work / f"{name}.json").read_text()) for name in names},

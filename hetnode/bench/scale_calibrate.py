@@ -17,12 +17,14 @@ from pathlib import Path
 from typing import Any
 
 from hetnode.bench import scale_control
+from hetnode.bench.lab_guard import check_chain_possible, check_roles_possible
 from hetnode.bench.netlab import check_lab_possible
 from hetnode.bench.scale import ScalePlan, simulate_round
 from hetnode.bench.scale_lab import CalibrationPlan, run_lab
 from hetnode.bench.scale_schedules import Links, Swarm
 from hetnode.bench.scale_sizes import payload_sizes, seal_bytes, stage_shards
 from hetnode.config import Config, replace
+from hetnode.errors import HetnodeError
 
 TOLERANCE = 0.25
 # One machine: the DHT answers in milliseconds (as in `hetnode bench network`); heartbeats stay seconds
@@ -41,6 +43,20 @@ def lab_config(config: Config, plan: CalibrationPlan) -> Config:
     config = replace(config, "data", batch_size=plan.batch_size, seq_len=plan.seq_len)
     floor = min(plan.anchor_mbit, plan.coordinator_mbit) / 2
     return replace(config, "network", anchor_min_up_mbps=floor, anchor_min_down_mbps=floor, **LAB_TIMINGS)
+
+
+def check_plan(config: Config, plan: CalibrationPlan) -> None:
+    """Refuse a plan the lab cannot run (`config` as `lab_config` made it): links below a role's minimum,
+    chains that cannot form, nothing to measure."""
+    anchors, stages = plan.names()
+    members = {a: ("anchor", plan.anchor_mbit) for a in anchors} | {
+        s: ("stage", plan.stage_mbit) for s in stages
+    }
+    check_roles_possible(config, members, "CalibrationPlan.anchor_mbit/stage_mbit")
+    if plan.chains:
+        check_chain_possible(config, plan.stages, "CalibrationPlan.stages")
+    if plan.replicas < 1 or plan.rounds < 1 or plan.warmup_rounds < 1:
+        raise HetnodeError(f"the calibration needs a replica, a warm-up round and a measured round: {plan}")
 
 
 def model_side(
@@ -223,9 +239,10 @@ def run_calibration(
     config: Config, out_dir: Path, plan: CalibrationPlan | None = None, progress: bool = True
 ) -> dict:
     """Lab, then model, then `out_dir/calibration.json`."""
-    check_lab_possible()
     plan = plan or CalibrationPlan()
     config = lab_config(config, plan)
+    check_plan(config, plan)
+    check_lab_possible()
     out_dir.mkdir(parents=True, exist_ok=True)
     # scratch (identities, checkpoints, logs: gigabytes) where git ignores it, as `bench network` does
     measured = run_lab(config, plan, out_dir / "network-lab" / "calibration", progress)

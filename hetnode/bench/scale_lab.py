@@ -13,12 +13,9 @@ its history line is written, so single-round differences mix neighbouring rounds
 
 from __future__ import annotations
 
-import contextlib
 import json
-import os
 import re
 import shutil
-import signal
 import statistics
 import subprocess
 import sys
@@ -28,8 +25,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from hetnode.bench.lab_process import HETNODE, LabProcess
-from hetnode.bench.netlab import NetLab
+from hetnode.bench.lab_guard import (
+    STALL_ROUNDS,
+    LabStalled,
+    check_running,
+    interruptible,
+    lab_session,
+    shielded,
+    stalled_reason,
+)
+from hetnode.bench.lab_process import HETNODE, LabProcess, stop_all
+from hetnode.bench.netlab import NetLab, kill_inside
 from hetnode.config import Config, dump_config
 from hetnode.errors import HetnodeError
 
@@ -40,6 +46,7 @@ ONE_THREAD = ["env", "OMP_NUM_THREADS=1"]
 HISTORY = "rounds.jsonl"  # the coordinator's sealed rounds (bootstrap/round_keeper.py)
 # a stage's log line when its chain goes live (hetnode/daemon/peer.py): which layers the planner gave it
 LIVE = re.compile(r"live: stage (\d+), layers (\d+)\.\.(\d+)")
+STOP_GRACE_S = 5.0  # for the daemons to exit on SIGTERM before they are killed
 SYNC = re.compile(r'^hetnode_bytes_(sent|received)_total\{channel="sync"\} (\S+)$', re.MULTILINE)
 
 
@@ -89,12 +96,8 @@ def run_lab(config: Config, plan: CalibrationPlan, work: Path, progress: bool = 
     rates = {"coordinator": plan.coordinator_mbit}
     rates |= {a: plan.anchor_mbit for a in anchors} | {s: plan.stage_mbit for s in stages}
     # a SIGTERM (a `timeout`, a CI runner) unwinds like Ctrl+C, so that every cleanup below runs
-    previous = signal.signal(signal.SIGTERM, _interrupted)
-    try:
-        with NetLab(rates) as lab:  # leaving it deletes the namespaces, and with them the veths
-            samples, ids, rtt_s = _run_swarm(lab, config_path, plan, work, progress)
-    finally:
-        signal.signal(signal.SIGTERM, previous)
+    with interruptible(), lab_session(NetLab(rates)) as lab:  # leaving deletes the namespaces and veths
+        samples, ids, rtt_s = _run_swarm(lab, config_path, plan, work, progress)
     logs = {name: read_rounds(work / name) for name in (*anchors, *stages)}
     summary = summarise(samples, logs, ids, plan, rtt_s)
     return summary | {"stage_layers": stage_layers(work, stages)}
@@ -126,7 +129,9 @@ def _run_swarm(
         boot = LabProcess("coordinator", argv, work / "coordinator.log", prefix, detach=True)
         processes.append(boot)
         boot.wait_ready()
-        _say(progress, f"coordinator up; starting {len(anchors)} anchors and {len(stages)} stages")
+        _say(
+            progress, f"lab {lab.tag}: coordinator up; starting {len(anchors)} anchors, {len(stages)} stages"
+        )
         for name in (*anchors, *stages):
             host = lab.hosts[name]
             role, rate = ("anchor", plan.anchor_mbit) if name in anchors else ("stage", plan.stage_mbit)
@@ -144,21 +149,15 @@ def _run_swarm(
             progress,
             f"all up; RTT {rtt_s * 1000:.2f} ms; waiting for {plan.warmup_rounds} + {plan.rounds} rounds",
         )
-        samples = _follow(lab, urls, work / "coordinator", set(ids.values()), plan, progress)
+        samples = _follow(lab, urls, work / "coordinator", set(ids.values()), plan, progress, processes)
     finally:
         # a second Ctrl+C or SIGTERM (`timeout` sends one to the child and one to its group) must not cut
         # the cleanup short: daemons left running hang once their namespace's links are gone
-        held = {sig: signal.signal(sig, signal.SIG_IGN) for sig in (signal.SIGINT, signal.SIGTERM)}
-        try:
+        with shielded():
             # replicas first, all at once (each takes seconds to announce its exit), then the coordinator
-            with ThreadPoolExecutor(max_workers=max(1, len(processes))) as pool:
-                list(pool.map(LabProcess.stop, processes[1:]))
-            for process in processes[:1]:
-                process.stop()
+            stop_all(processes[1:], STOP_GRACE_S)
+            stop_all(processes[:1], STOP_GRACE_S / 2)
             kill_leftovers(lab)
-        finally:
-            for sig, handler in held.items():
-                signal.signal(sig, handler)
     return samples, ids, rtt_s
 
 
@@ -166,15 +165,7 @@ def kill_leftovers(lab: NetLab) -> None:
     """SIGKILL whatever still runs in the lab's namespaces (a daemon that ignored SIGTERM, or the p2pd of
     one that was killed): they are ours, as the namespaces are."""
     for host in lab.hosts.values():
-        listed = subprocess.run(["ip", "netns", "pids", host.namespace], capture_output=True, text=True)
-        for pid in listed.stdout.split():
-            with contextlib.suppress(ProcessLookupError, ValueError):
-                os.kill(int(pid), signal.SIGKILL)
-
-
-def _interrupted(signum: int, frame: object) -> None:
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # once is enough: a second must not cut the cleanup short
-    raise KeyboardInterrupt
+        kill_inside(host.namespace)
 
 
 def _metrics_url(ready: dict[str, str]) -> str:
@@ -244,12 +235,17 @@ def _follow(
     everyone: set[str],
     plan: CalibrationPlan,
     progress: bool,
+    processes: list[LabProcess] | None = None,
 ) -> list[dict]:
     """A sample of every counter at each new history line, until `plan.rounds` full rounds followed the
-    warm-up; each sample carries its history entry."""
+    warm-up; each sample carries its history entry. Ends with the reason (roles, exits) when a daemon
+    exits, when STALL_ROUNDS sealed rounds in a row were not full, or at `plan.timeout_s`."""
+    processes = processes or []
+    logs = {p.name: p.log_path for p in processes[1:]}
     deadline = time.monotonic() + plan.timeout_s
     samples: list[dict] = []
     while time.monotonic() < deadline:
+        check_running(processes)
         history = _history(coordinator_dir)
         for entry in history[len(samples) :]:
             sample = _sample(lab, urls) | {"entry": entry, "full": everyone <= set(entry["contributors"])}
@@ -262,9 +258,16 @@ def _follow(
         measured = samples[plan.warmup_rounds :]
         if sum(s["full"] for s in measured) >= plan.rounds:
             return samples
+        since_full = next((i for i, s in enumerate(reversed(samples)) if s["full"]), len(samples))
+        if since_full >= STALL_ROUNDS:
+            raise LabStalled(
+                f"{STALL_ROUNDS} sealed rounds in a row without every replica; the daemons' roles:\n"
+                + stalled_reason(processes, logs)
+            )
         time.sleep(0.25)
-    raise HetnodeError(
-        f"{plan.rounds} full rounds after the warm-up did not come within {plan.timeout_s:.0f} s"
+    raise LabStalled(
+        f"{plan.rounds} full rounds after the warm-up did not come within {plan.timeout_s:.0f} s; "
+        "the daemons' roles:\n" + stalled_reason(processes, logs)
     )
 
 

@@ -30,7 +30,8 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 from hetnode.bench import soak_checks
-from hetnode.bench.lab_process import HETNODE, LabProcess
+from hetnode.bench.lab_guard import interruptible, shielded
+from hetnode.bench.lab_process import HETNODE, LabProcess, stop_all
 from hetnode.bench.natlab import NatLab
 from hetnode.bench.netlab import NetLab
 from hetnode.bench.scale_lab import ONE_THREAD, kill_leftovers, read_rounds
@@ -39,6 +40,7 @@ from hetnode.errors import HetnodeError
 
 COORDINATOR_PORT = 41000  # fixed, so that a restarted coordinator has the address the peers were given
 LINK_DOWN_S = 30.0
+STOP_GRACE_S = 5.0  # for the daemons to exit on SIGTERM before they are killed
 HISTORY = "rounds.jsonl"
 LEDGER = "ledger.sqlite"
 LIVE_LINE = " live: stage "
@@ -220,13 +222,12 @@ class Soak:
         self.retired.append(process)
 
     def stop_everything(self) -> None:
-        names = [n for n in self.processes if n != "coordinator"]
-        for name in names:  # signal all first: they shut down in parallel
-            with contextlib.suppress(ProcessLookupError):
-                self.processes[name].proc.send_signal(signal.SIGTERM)
-        for name in [*names, "coordinator"]:
-            if name in self.processes:
-                self.stop(name, signal.SIGTERM)
+        """The replicas at once, with one shared grace, then the coordinator; then whatever is left."""
+        order = sorted(self.processes, key=lambda name: name == "coordinator")
+        stopping = [self.processes.pop(name) for name in order]
+        stop_all([p for p in stopping if p.name != "coordinator"], STOP_GRACE_S)
+        stop_all([p for p in stopping if p.name == "coordinator"], STOP_GRACE_S)
+        self.retired.extend(stopping)
         kill_leftovers(self.lab)
 
     # observations
@@ -351,11 +352,6 @@ def live_times(log: Path, now: float | None = None) -> list[float]:
     return out
 
 
-def _interrupted(signum: int, frame: object) -> None:
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # once: a second must not cut the cleanup short
-    raise KeyboardInterrupt
-
-
 def run_soak(config: Config, plan: SoakPlan, out: Path, progress: bool = True) -> dict[str, Any]:
     """The whole soak; everything it started is stopped on the way out (also on Ctrl+C, SIGTERM, errors)."""
     validate(plan)
@@ -372,24 +368,18 @@ def run_soak(config: Config, plan: SoakPlan, out: Path, progress: bool = True) -
     rates: dict[str, float | None] = {"coordinator": None}
     rates |= {a: plan.anchor_mbit for a in [*anchors, late, NAT_ROUTER]}
     rates |= {s: plan.stage_mbit for s in stages}
-    previous = signal.signal(signal.SIGTERM, _interrupted)
-    try:
+    # SIGTERM unwinds as Ctrl+C does; the cleanup below cannot be cut short by a second signal
+    with interruptible():
         with NatLab(rates, behind_nat={NAT_ANCHOR: NAT_ROUTER}) as lab:
             soak = Soak(lab, config_path, plan, work, say)
             try:
                 _drive(soak, plan, [*anchors, NAT_ANCHOR, *stages], say)
             finally:
-                held = {sig: signal.signal(sig, signal.SIG_IGN) for sig in (signal.SIGINT, signal.SIGTERM)}
-                try:
+                with shielded():
                     say("stopping every daemon")
                     soak.stop_everything()
-                finally:
-                    for sig, handler in held.items():
-                        signal.signal(sig, handler)
             namespaces = [h.namespace for h in lab.hosts.values()] + [lab.hub]
         left = _left_behind(soak, namespaces)
-    finally:
-        signal.signal(signal.SIGTERM, previous)
     return summarise(soak, config, plan, left)
 
 
