@@ -218,6 +218,9 @@ class Coordinator:
                     asyncio.create_task(keeper.run(stop), name="rounds"),
                     asyncio.create_task(directory.follow(stop), name="peer records"),
                     asyncio.create_task(
+                        node.keep_joined(stop, self.config.network.heartbeat_s), name="dht membership"
+                    ),
+                    asyncio.create_task(
                         self._keep_status(keeper, board, swarm_metrics, state, maddrs, stop), name="status"
                     ),
                 ]

@@ -229,6 +229,9 @@ class PeerDaemon:
             asyncio.create_task(self.presence.heartbeat(stop), name="heartbeat"),
             asyncio.create_task(self._follow_boundaries(stop), name="boundaries"),
             asyncio.create_task(self.directory.follow(stop), name="peer records"),
+            asyncio.create_task(
+                self.node.keep_joined(stop, self.config.network.heartbeat_s), name="dht membership"
+            ),
         ]
         self._run_role(stop)
         try:

@@ -24,7 +24,8 @@ from typing import Any
 from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.dht.node import DHTNode
 from hivemind.dht.validation import CompositeValidator
-from hivemind.p2p import P2P
+from hivemind.p2p import P2P, PeerID
+from hivemind.utils.multiaddr import Multiaddr
 
 from hetnode.errors import HetnodeError, WireError
 from hetnode.net.budgets import Budgets, NodeBudgets
@@ -60,6 +61,9 @@ log = logging.getLogger(__name__)
 CONTROL_HANDLER = "hetnode.control.v1"
 STAGE_HANDLER = "hetnode.stage.v1"  # one long-lived duplex stream per chain boundary
 DHT_TIMEOUT_S = 10.0
+# neighbours remembered to rejoin through when the routing table has emptied (the contacts we joined
+# through may be gone too: a restarting coordinator)
+REMEMBERED_NEIGHBOURS = 16
 logging.getLogger("hivemind").setLevel(logging.WARNING)
 
 
@@ -109,6 +113,8 @@ class SwarmNode:
         self.p2p = p2p
         self._limits = limits
         self.dht: DHTNode | None = None
+        self._dht_contacts: list[str] = []  # the multiaddrs we joined the DHT through
+        self._remembered: list[str] = []  # peer ids of recent DHT neighbours, newest first
         self.run: str | None = None
         self.budgets = Budgets(limits.budgets)
         self.refusals = RefusalLog(log)
@@ -404,6 +410,7 @@ class SwarmNode:
         `require_bootstrap=False`: initial peers are a best guess (remembered neighbours), some may be gone.
         """
         self.run = run
+        self._dht_contacts = list(initial_peers)
         validators = CompositeValidator(
             [
                 RSASignatureValidator(self.identity.private_key),
@@ -426,6 +433,73 @@ class SwarmNode:
             )
         except TimeoutError:
             raise HetnodeError(f"cannot join the DHT through {list(initial_peers)}: timed out") from None
+
+    def dht_neighbours(self) -> list[str]:
+        """The peer ids in our DHT routing table now."""
+        if self.dht is None:
+            return []
+        return [peer.to_base58() for peer in self.dht.protocol.routing_table.uid_to_peer_id.values()]
+
+    async def rejoin_dht(self) -> bool:
+        """Rejoin the DHT through the contacts we joined through and the neighbours we remember, if our
+        routing table has emptied. hivemind drops a node from the table on every request it does not
+        answer, so a link that was down for a while leaves the table empty; and the others dropped us
+        as well, so nobody would ever ask us again: without this the node stays alone for good. True when
+        a contact answered and the table was refilled."""
+        dht = self._require_dht()
+        if dht.protocol.routing_table.uid_to_peer_id:
+            return False
+        targets: dict[str, list[str]] = {peer: [] for peer in self._remembered}
+        for maddr in self._dht_contacts:
+            if "/p2p/" in maddr:
+                targets.setdefault(maddr.rsplit("/p2p/", 1)[1], []).append(maddr)
+        targets.pop(self.identity.peer_id, None)
+        if not targets:
+            return False
+
+        async def ping(peer: str, maddrs: list[str]) -> bool:
+            peer_id = PeerID.from_base58(peer)
+            if maddrs:  # the daemon may have forgotten how to reach it; private API: P2P has no connect()
+                try:
+                    await asyncio.wait_for(
+                        self.p2p._client.connect(peer_id, [Multiaddr(m) for m in maddrs]), 5
+                    )
+                except Exception as exc:
+                    log.debug("rejoin: dialling %s failed: %r", peer, exc)
+            return await dht.protocol.call_ping(peer_id) is not None
+
+        answered = await asyncio.gather(*(ping(peer, maddrs) for peer, maddrs in targets.items()))
+        if not any(answered):
+            log.info("rejoin: none of %d known peers answered; trying again later", len(targets))
+            return False
+        await asyncio.wait_for(dht.find_nearest_nodes([dht.node_id]), DHT_TIMEOUT_S)
+        log.warning(
+            "our DHT routing table had emptied (a link down?): rejoined through %d of %d known peers, "
+            "%d neighbours now",
+            sum(answered),
+            len(targets),
+            len(self.dht_neighbours()),
+        )
+        return True
+
+    async def keep_joined(self, stop: asyncio.Event, period_s: float) -> None:
+        """Every `period_s` until `stop`: remember our neighbours, and rejoin when none is left."""
+        while True:
+            try:
+                neighbours = self.dht_neighbours()
+                if neighbours:
+                    self._remembered = (neighbours + [p for p in self._remembered if p not in neighbours])[
+                        :REMEMBERED_NEIGHBOURS
+                    ]
+                else:
+                    await self.rejoin_dht()
+            except Exception as exc:  # a failed attempt is retried at the next period
+                log.debug("rejoin attempt failed: %r", exc)
+            try:
+                await asyncio.wait_for(stop.wait(), period_s)
+                return
+            except TimeoutError:
+                pass
 
     async def visible_maddrs(self) -> list[str]:
         return [str(m) for m in await self.p2p.get_visible_maddrs()]

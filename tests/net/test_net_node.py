@@ -266,3 +266,61 @@ def test_only_payload_requests_may_follow_a_payload_request():
             assert await client.ping(server.identity.peer_id) > 0
 
     loop.run(scenario())
+
+
+def _isolate(node, others):
+    """What a link down does to the DHT: every request `node` sends fails, so hivemind drops each of its
+    neighbours from its table; the others' requests to it fail too, so they drop it."""
+    table = node.dht.protocol.routing_table
+    for node_id in list(table.uid_to_peer_id):
+        del table[node_id]
+    for other in others:
+        theirs = other.dht.protocol.routing_table
+        for node_id, peer in list(theirs.uid_to_peer_id.items()):
+            if peer.to_base58() == node.identity.peer_id:
+                del theirs[node_id]
+
+
+def test_a_node_whose_routing_table_emptied_rejoins_through_its_contact_or_a_remembered_neighbour():
+    async def scenario():
+        async with swarm(3) as (a, b, c):
+            stop = asyncio.Event()
+            watch = asyncio.create_task(c.keep_joined(stop, 0.2))
+            try:
+                assert await b.store_own("peers", peer_record("b"), ttl_s=60)
+                assert b.identity.peer_id in await c.read_field("peers")
+                await asyncio.sleep(0.5)  # c remembers its neighbours
+                stop.set()
+                await watch
+                _isolate(c, [a, b])
+                assert not c.dht_neighbours()
+                assert await b.store_own("peers", peer_record("b-after"), ttl_s=60)
+
+                async def b_as_c_sees_it():
+                    entry = (await c.read_field("peers")).get(b.identity.peer_id)
+                    return entry.value["name"] if entry else None
+
+                await asyncio.sleep(1.0)
+                assert await b_as_c_sees_it() != "b-after"  # alone, and nobody asks it: it stays alone
+
+                stop.clear()
+                watch = asyncio.create_task(c.keep_joined(stop, 0.2))
+                deadline = time.monotonic() + 15
+                while await b_as_c_sees_it() != "b-after" and time.monotonic() < deadline:
+                    await asyncio.sleep(0.2)
+                assert await b_as_c_sees_it() == "b-after"  # back, through its contact a
+                assert c.dht_neighbours()
+
+                await a.shutdown()  # the contact c joined through is gone (a coordinator restarting)
+                _isolate(c, [b])
+                deadline = time.monotonic() + 15
+                while not c.dht_neighbours() and time.monotonic() < deadline:
+                    await asyncio.sleep(0.2)
+                assert c.dht_neighbours() == [b.identity.peer_id]  # through b, whom it remembered
+                assert await c.store_own("peers", peer_record("c"), ttl_s=60)
+                assert c.identity.peer_id in await b.read_field("peers")
+            finally:
+                stop.set()
+                await watch
+
+    loop.run(scenario())
