@@ -10,8 +10,9 @@ they see the router's address. Everything lives in namespaces the lab made: leav
 from __future__ import annotations
 
 import shutil
+from collections.abc import Mapping
 
-from hetnode.bench.netlab import Host, LabUnavailable, NetLab, _sh, check_lab_possible
+from hetnode.bench.netlab import Host, LabUnavailable, LinkSpec, NetLab, _sh, check_lab_possible
 
 
 def check_nat_possible() -> None:
@@ -25,7 +26,7 @@ class NatLab(NetLab):
 
     def __init__(
         self,
-        rates_mbit: dict[str, float | None],
+        rates_mbit: Mapping[str, LinkSpec],
         behind_nat: dict[str, str],
         net: int | None = None,
     ) -> None:

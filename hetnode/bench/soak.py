@@ -17,6 +17,7 @@ import json
 import os
 import signal
 import sqlite3
+import statistics
 import subprocess
 import time
 from collections.abc import Callable
@@ -35,11 +36,13 @@ from hetnode.bench.lab_process import HETNODE, LabProcess, stop_all
 from hetnode.bench.natlab import NatLab
 from hetnode.bench.netlab import NetLab
 from hetnode.bench.scale_lab import ONE_THREAD, kill_leftovers, read_rounds
+from hetnode.bench.wan import LinkProfile, describe, link_profile
 from hetnode.config import Config, dump_config, replace
 from hetnode.errors import HetnodeError
 
 COORDINATOR_PORT = 41000  # fixed, so that a restarted coordinator has the address the peers were given
 LINK_DOWN_S = 30.0
+MIN_SLOPE_SPAN_S = 600.0  # a life's samples after its warm-up must span this much for a slope
 STOP_GRACE_S = 5.0  # for the daemons to exit on SIGTERM before they are killed
 HISTORY = "rounds.jsonl"
 LEDGER = "ledger.sqlite"
@@ -61,6 +64,20 @@ class SoakPlan:
     batch_size: int = 4
     seq_len: int = 64
     sample_every_s: float = 60.0
+    # hosts on WAN links (hetnode.bench.wan presets); the others are LAN links at their class's rate. The
+    # late anchor is on another continent (150 ms RTT, no other churn: its rounds are compared with the
+    # LAN anchors'); a spare stage is on an asymmetric home link.
+    wan: tuple[tuple[str, str], ...] = (("anchor-4", "far-fast"), ("stage-3", "home-cable"))
+    warmup_s: float = 180.0  # of each daemon's life, before its RSS and fds count toward a slope
+
+    def profile(self, name: str) -> LinkProfile:
+        """The link of lab host `name`."""
+        wan = dict(self.wan)
+        if name in wan:
+            return link_profile(wan[name])
+        if name == "coordinator":
+            return link_profile(None)
+        return link_profile(self.stage_mbit if name.startswith("stage") else self.anchor_mbit)
 
     def names(self) -> tuple[list[str], list[str]]:
         return [f"anchor-{i + 1}" for i in range(self.anchors)], [
@@ -365,9 +382,7 @@ def run_soak(config: Config, plan: SoakPlan, out: Path, progress: bool = True) -
     config_path.write_text(dump_config(config))
     anchors, stages = plan.names()
     late = f"anchor-{plan.anchors + 1}"
-    rates: dict[str, float | None] = {"coordinator": None}
-    rates |= {a: plan.anchor_mbit for a in [*anchors, late, NAT_ROUTER]}
-    rates |= {s: plan.stage_mbit for s in stages}
+    rates = {name: plan.profile(name) for name in ["coordinator", *anchors, late, NAT_ROUTER, *stages]}
     # SIGTERM unwinds as Ctrl+C does; the cleanup below cannot be cut short by a second signal
     with interruptible():
         with NatLab(rates, behind_nat={NAT_ANCHOR: NAT_ROUTER}) as lab:
@@ -479,16 +494,19 @@ def summarise(soak: Soak, config: Config, plan: SoakPlan, left: dict[str, list])
     per_profile: dict[str, list[float]] = {}  # a replica's rounds: from one announcement to the next
     sync_per_profile: dict[str, list[float]] = {}  # its sync: from announcing to having applied the round
     for name, records in logs.items():
-        profile = f"{plan.anchor_mbit if name.startswith('anchor') else plan.stage_mbit:g} Mbit/s, lan"
+        profile = describe(plan.profile(name))
         times = sorted(r["time"] for r in records)
         per_profile.setdefault(profile, []).extend(b - a for a, b in zip(times, times[1:], strict=False))
         synced = [r["seal_wait_s"] + r["apply_s"] for r in records if r.get("included")]
         sync_per_profile.setdefault(profile, []).extend(synced)
-    warm = soak.events[0]["time"] + plan.minutes * 60 * 0.1 if soak.events else 0.0
     resources = {}
     for life, samples in soak.resources.items():
-        rss = [s for s in samples.rss_mb if s[0] >= warm]
-        fds = [s for s in samples.fds if s[0] >= warm]
+        # each life warms up on its own (loading the model, its first rounds); a slope needs a long tail
+        born = samples.rss_mb[0][0] if samples.rss_mb else 0.0
+        rss = [s for s in samples.rss_mb if s[0] >= born + plan.warmup_s]
+        fds = [s for s in samples.fds if s[0] >= born + plan.warmup_s]
+        if len(rss) < 2 or rss[-1][0] - rss[0][0] < MIN_SLOPE_SPAN_S:
+            rss, fds = [], []  # too short a life to tell a slope from noise: reported, not judged
         resources[life] = {
             "rss_mb": samples.rss_mb,
             "fds": samples.fds,
@@ -514,6 +532,7 @@ def summarise(soak: Soak, config: Config, plan: SoakPlan, left: dict[str, list])
         "seal_interval_s": soak_checks.quantiles(soak_checks.round_times(history)),
         "round_time_s_per_profile": {k: soak_checks.quantiles(v) for k, v in per_profile.items()},
         "sync_s_per_profile": {k: soak_checks.quantiles(v) for k, v in sync_per_profile.items()},
+        "far_round_ratio": _far_round_ratio(plan, per_profile),
         "rss_slope_mb_per_hour": _worst(resources, "rss_slope_mb_per_hour"),
         "fd_slope_per_hour": _worst(resources, "fd_slope_per_hour"),
         "rss_growth_per_hour": _worst(resources, "rss_growth_per_hour"),
@@ -525,6 +544,16 @@ def summarise(soak: Soak, config: Config, plan: SoakPlan, left: dict[str, list])
         ),
         "reachability": soak.reachability,
     }
+
+
+def _far_round_ratio(plan: SoakPlan, per_profile: dict[str, list[float]]) -> float | None:
+    """Median round of the replicas at the highest RTT over the median round of the LAN anchors."""
+    far = max((plan.profile(name) for name, _ in plan.wan), key=lambda p: p.rtt_ms, default=None)
+    lan = per_profile.get(describe(plan.profile("anchor-1")))
+    far_rounds = per_profile.get(describe(far)) if far is not None else None
+    if not lan or not far_rounds:
+        return None
+    return statistics.median(far_rounds) / statistics.median(lan)
 
 
 def _worst(resources: dict[str, dict[str, Any]], key: str) -> float | None:

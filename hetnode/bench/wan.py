@@ -80,7 +80,16 @@ PRESETS: dict[str, LinkProfile] = {
     "dsl": LinkProfile(down_mbit=25, up_mbit=5, delay_ms=20, jitter_ms=3),
     "mobile": LinkProfile(down_mbit=30, up_mbit=10, delay_ms=35, jitter_ms=10, loss=0.005),
     "far": LinkProfile(down_mbit=50, up_mbit=50, delay_ms=75, jitter_ms=1),  # another continent: ~150 ms RTT
+    # a fast host on another continent: the lab's anchor rate, 150 ms RTT to the core (the soak's far anchor)
+    "far-fast": LinkProfile(down_mbit=100, up_mbit=100, delay_ms=75, jitter_ms=1),
 }
+
+
+def describe(profile: LinkProfile) -> str:
+    """'100/20 Mbit/s, 20 ms RTT' (down/up), '100 Mbit/s, lan' for a symmetric link with no delay."""
+    down, up = (f"{r:g}" if r is not None else "unshaped" for r in (profile.down_mbit, profile.up_mbit))
+    rate = f"{down} Mbit/s" if down == up else f"{down}/{up} Mbit/s"
+    return f"{rate}, {profile.rtt_ms:g} ms RTT" if profile.emulated else f"{rate}, lan"
 
 
 def link_profile(spec: LinkProfile | str | float | None) -> LinkProfile:

@@ -22,6 +22,7 @@ RECORD_VERSION = 1
 # the fields whose change is an event for the swarm (roles, chains, links); the per-round ones are not
 EVENT_FIELDS = ("role", "wants", "chain", "stage", "layers", "chain_layout", "link_class", "admission")
 STABLE_STEPS = 3  # unchanged periods at one cadence before it doubles
+RETRY_S = 2.0  # after a store no DHT node accepted: try again this soon, not a stretched heartbeat later
 
 
 class Cadence:
@@ -59,6 +60,7 @@ class Presence:
         self._expires = 0.0  # of our last accepted store
         self._published_events: tuple = ()
         self._events = 0  # publishes that changed a role field
+        self.stored = False  # whether our last store was accepted
 
     @property
     def heartbeat_s(self) -> float:
@@ -84,22 +86,28 @@ class Presence:
             stored = await self.node.store_own("peers", dict(self.record), ttl)
             if stored:
                 self._expires = now + ttl
+            self.stored = stored
         if not stored:
             log.warning(
-                "no DHT node accepted our record (role %s); retrying at the next heartbeat",
+                "no DHT node accepted our record (role %s); retrying in %.0f s",
                 self.record["role"],
+                min(RETRY_S, self.cadence.period_s),
             )
         return stored
 
     async def heartbeat(self, stop: asyncio.Event) -> None:
         await self.publish()
+        self._changed.clear()  # that first store was the change: nothing to store again at once
         while True:
             events = self._events
-            if await sleep_or_wake(stop, self._changed, self.cadence.period_s):
+            retrying = not self.stored
+            wait = min(RETRY_S, self.cadence.period_s) if retrying else self.cadence.period_s
+            if await sleep_or_wake(stop, self._changed, wait):
                 return
             if self._events != events:  # `update` just published a change: sleep again, at the base
                 continue
-            self.cadence.observe(changed=False)  # before publishing: the record lives for the next period
+            if not retrying:  # a failed store does not count as a stable period
+                self.cadence.observe(changed=False)  # before publishing: the record lives for the next one
             await self.publish()
 
     async def announce_offline(self) -> None:

@@ -116,3 +116,41 @@ def test_one_read_serves_every_caller_and_reads_stretch_until_the_swarm_changes(
             await following
 
     loop.run(scenario())
+
+
+@pytest.mark.slow
+def test_a_store_no_node_accepted_is_retried_soon_and_does_not_stretch_the_heartbeat(nodes_on_loopback):
+    async def scenario():
+        async with nodes_on_loopback(2, "presence-retry") as (reader, peer):
+            real_store = peer.store_own
+            attempts: list[tuple[float, bool]] = []
+            refusals = {"left": 0}
+
+            async def store_once_refused(*args, **kwargs):
+                if refusals["left"]:  # as when every DHT node it reached refused or timed out
+                    refusals["left"] -= 1
+                    attempts.append((time.monotonic(), False))
+                    return False
+                attempts.append((time.monotonic(), True))
+                return await real_store(*args, **kwargs)
+
+            peer.store_own = store_once_refused
+            presence = Presence(peer, record("p"), heartbeat_s=1.0, ttl_s=3.0, stable_heartbeat_s=30.0)
+            stop = asyncio.Event()
+            beating = asyncio.create_task(presence.heartbeat(stop))
+            while not attempts:
+                await asyncio.sleep(0.05)
+            presence.cadence.unchanged = 100  # a long-stable swarm: the heartbeat is stretched to 30 s
+            refusals["left"] = 1  # and the next store is refused
+            deadline = time.monotonic() + 10
+            while len(attempts) < 3 and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
+            stop.set()
+            await beating
+            assert [ok for _, ok in attempts[:3]] == [True, False, True]
+            assert attempts[2][0] - attempts[1][0] < 3.0  # retried within RETRY_S, not 30 s later
+            assert presence.heartbeat_s == 30.0  # the refusal did not reset or stretch the cadence
+            assert presence.stored
+            assert peer.identity.peer_id in await reader.read_field("peers")
+
+    loop.run(scenario())

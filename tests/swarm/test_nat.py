@@ -1,5 +1,6 @@
-"""A volunteer behind a masquerading NAT router (no port forward, no public address) joins, says truthfully
-that it is reached through a relay, and contributes: its payloads are in sealed rounds. A peer on the open
+"""Volunteers behind masquerading NAT routers (no port forward, no public address) join, say truthfully that
+they are reached through a relay, and contribute: an anchor's payloads are in sealed rounds, and so are those
+of a chain whose second stage is behind NAT (its activation streams cross the relay). A peer on the open
 network says it is reached directly. Real daemons in lab namespaces (`hetnode/bench/natlab.py`); root and
 iptables only."""
 
@@ -43,8 +44,9 @@ def status_ok(peer: str, prefix: list[str]) -> bool:
     return result.returncode == 0
 
 
-def test_a_volunteer_behind_nat_is_relayed_and_contributes_as_an_anchor(swarm):
-    lab = NatLab({"coord": None, "open": None, "home": None}, behind_nat={"volunteer": "home"})
+def test_volunteers_behind_nat_are_relayed_and_contribute_as_an_anchor_and_as_a_chain_stage(swarm):
+    hosts_spec = {"coord": None, "open": None, "open-stage": None, "home": None, "home-2": None}
+    lab = NatLab(hosts_spec, behind_nat={"volunteer": "home", "stage-nat": "home-2"})
     with lab:
         hosts = lab.hosts
         boot = swarm.start(
@@ -52,7 +54,7 @@ def test_a_volunteer_behind_nat_is_relayed_and_contributes_as_an_anchor(swarm):
             [
                 "bootstrap",
                 "--config",
-                str(swarm.config(outer=FAST_ROUNDS)),
+                str(swarm.config(outer=FAST_ROUNDS, pipeline={"stages": 2})),
                 "--listen",
                 f"/ip4/{hosts['coord'].address}/tcp/0",
                 "--data-dir",
@@ -93,5 +95,27 @@ def test_a_volunteer_behind_nat_is_relayed_and_contributes_as_an_anchor(swarm):
             )
             sealed = next(e for e in history if natted.peer_id in e["contributors"])
             assert direct.peer_id in sealed["contributors"]
+
+            # a chain of two on slow links, one stage behind NAT: activations cross the relay
+            stage_open = swarm.join(
+                "stage-open",
+                boot.maddr,
+                "20",
+                listen=f"/ip4/{hosts['open-stage'].address}/tcp/0",
+                prefix=hosts["open-stage"].prefix,
+            )
+            stage_nat = swarm.join(
+                "stage-nat", boot.maddr, "20", listen="/ip4/0.0.0.0/tcp/0", prefix=hosts["stage-nat"].prefix
+            )
+            stage_open.wait_ready()
+            stage_nat.wait_ready()
+            print(f"{reachability(stage_nat)}")
+            assert reachability(stage_nat).startswith("reachability: reachable (relayed)")
+            history = swarm.wait_for_history(
+                lambda h: any({stage_nat.peer_id, stage_open.peer_id} <= set(e["contributors"]) for e in h),
+                timeout=240,
+                what="a round sealed with the chain whose stage is behind NAT",
+            )
+            assert natted.peer_id in history[-1]["contributors"]  # the NAT'd anchor is still in
         finally:
             swarm.stop_all()  # before the namespaces go
