@@ -15,6 +15,7 @@ import contextlib
 import datetime
 import json
 import os
+import re
 import signal
 import sqlite3
 import statistics
@@ -47,6 +48,7 @@ STOP_GRACE_S = 5.0  # for the daemons to exit on SIGTERM before they are killed
 HISTORY = "rounds.jsonl"
 LEDGER = "ledger.sqlite"
 LIVE_LINE = " live: stage "
+ROLE_CHANGE = r" live: stage |boundary \d+: role |: class \w+, role "  # hetnode/daemon/peer.py's lines
 LOG_TIME = "%H:%M:%S"
 NAT_ANCHOR, NAT_ROUTER = "anchor-nat", "home"  # a volunteer behind a masquerading home router
 LAB_NETWORK = {"heartbeat_s": 2.0, "record_ttl_s": 8.0, "stable_heartbeat_s": 8.0, "boundary_s": 4.0}
@@ -355,18 +357,31 @@ class Soak:
 
 
 def live_times(log: Path, now: float | None = None) -> list[float]:
-    """Unix times at which a stage's log says its chain went live. Log lines carry the local time of day
+    """Unix times at which a stage's log says its chain went live."""
+    return log_times(log, LIVE_LINE, now)
+
+
+def log_times(log: Path, pattern: str, now: float | None = None) -> list[float]:
+    """Unix times of the log lines matching `pattern` (a regex). Log lines carry the local time of day
     only (hetnode/cli/main.py): a stamp later than `now` is yesterday's (runs are shorter than a day)."""
     now = time.time() if now is None else now
     today = datetime.datetime.fromtimestamp(now).date()
+    matcher = re.compile(pattern)
     out = []
     for line in log.read_text(errors="replace").splitlines() if log.exists() else []:
-        if LIVE_LINE in line:
+        if matcher.search(line):
             with contextlib.suppress(ValueError):
                 clock = datetime.datetime.strptime(line[:8], LOG_TIME).time()
                 stamp = datetime.datetime.combine(today, clock).timestamp()
                 out.append(stamp - 86400 if stamp > now + 60 else stamp)
     return out
+
+
+def role_changes(work: Path, name: str) -> list[float]:
+    """When daemon `name` (any of its lives) took a role: each is a new warm-up (a stage loads its slice
+    and optimiser, an anchor the whole model)."""
+    logs = [work / f"{name}.log", *work.glob(f"{name}.*.log")]
+    return sorted(t for log in logs for t in log_times(log, ROLE_CHANGE))
 
 
 def run_soak(config: Config, plan: SoakPlan, out: Path, progress: bool = True) -> dict[str, Any]:
@@ -501,12 +516,12 @@ def summarise(soak: Soak, config: Config, plan: SoakPlan, left: dict[str, list])
         sync_per_profile.setdefault(profile, []).extend(synced)
     resources = {}
     for life, samples in soak.resources.items():
-        # each life warms up on its own (loading the model, its first rounds); a slope needs a long tail
-        born = samples.rss_mb[0][0] if samples.rss_mb else 0.0
-        rss = [s for s in samples.rss_mb if s[0] >= born + plan.warmup_s]
-        fds = [s for s in samples.fds if s[0] >= born + plan.warmup_s]
-        if len(rss) < 2 or rss[-1][0] - rss[0][0] < MIN_SLOPE_SPAN_S:
-            rss, fds = [], []  # too short a life to tell a slope from noise: reported, not judged
+        # each life warms up on its own, and again at each role change (loading the model, its first
+        # rounds): the slope is judged on the longest stretch in one role, after its warm-up
+        name = life.split("#")[0]
+        rss, fds = soak_checks.steady_stretch(
+            samples.rss_mb, samples.fds, role_changes(soak.work, name), plan.warmup_s, MIN_SLOPE_SPAN_S
+        )
         resources[life] = {
             "rss_mb": samples.rss_mb,
             "fds": samples.fds,

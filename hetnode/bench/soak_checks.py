@@ -88,6 +88,33 @@ def growth_per_hour(samples: Sequence[tuple[float, float]]) -> float | None:
     return None if slope is None or level <= 0 else slope / level
 
 
+def steady_stretch(
+    rss: Sequence[tuple[float, float]],
+    fds: Sequence[tuple[float, float]],
+    changes: Sequence[float],
+    warmup_s: float,
+    min_span_s: float,
+) -> tuple[list[tuple[float, float]], list[tuple[float, float]]]:
+    """The samples of a daemon's life (time, value) on its longest stretch between role changes
+    (`changes`; the life's start is one too), less each stretch's first `warmup_s`; both lists empty
+    when that stretch spans less than `min_span_s` (too short to tell a slope from noise)."""
+    if not rss:
+        return [], []
+    born, end = rss[0][0], rss[-1][0]
+    starts = sorted({born, *(t for t in changes if born < t <= end)})
+    best: tuple[float, float] | None = None
+    for start, stop in zip(starts, [*starts[1:], float("inf")], strict=True):
+        kept = [t for t, _ in rss if start + warmup_s <= t < stop]
+        if kept and (best is None or kept[-1] - kept[0] > best[1] - best[0]):
+            best = (kept[0], kept[-1])
+    if best is None or best[1] - best[0] < min_span_s:
+        return [], []
+    return (
+        [s for s in rss if best[0] <= s[0] <= best[1]],
+        [s for s in fds if best[0] <= s[0] <= best[1]],
+    )
+
+
 def catch_up_rounds(records: Sequence[Mapping[str, Any]], back_at: float, sealed_then: int) -> int | None:
     """Rounds between a peer's return (`back_at`, when the swarm had sealed `sealed_then`) and its first
     round log record included in a seal after it; None if it never contributed again."""

@@ -324,6 +324,7 @@ class PeerDaemon:
         await self.presence.publish()
         link = await self._measure_link(patient=True)
         self.link_class = self._classify(link, mem_gb)
+        await self.node.serve_dht(self.link_class != "slow")  # a slow link cannot carry others' reads
         wants = wanted_role(self.link_class, self.options.role)
         role: Role = next_role("idle", False, wants)
         log.info(
@@ -490,6 +491,7 @@ class PeerDaemon:
             new_class = self._classify(link, available_memory_gb(self.options.device))
             if new_class != self.link_class:
                 log.info("link class changed %s -> %s", self.link_class, new_class)
+                await self.node.serve_dht(new_class != "slow")
             self.link_class = new_class
             await self.presence.update(
                 link_class=new_class,

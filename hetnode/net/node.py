@@ -39,7 +39,7 @@ from hetnode.net.control_server import (
     PayloadProvider,
     ProbePolicy,
 )
-from hetnode.net.dialback import dial_back, reachable_through, tcp_host_port
+from hetnode.net.dialback import dial_back, libp2p_listens, reachable_through, tcp_host_port
 from hetnode.net.identity import Identity, owner_subkey, peer_id_of_subkey, write_identity_file
 from hetnode.net.log_limits import RefusalLog
 from hetnode.net.probe import LinkMeasurement, measure_download, measure_upload
@@ -64,6 +64,7 @@ DHT_TIMEOUT_S = 10.0
 # neighbours remembered to rejoin through when the routing table has emptied (the contacts we joined
 # through may be gone too: a restarting coordinator)
 REMEMBERED_NEIGHBOURS = 16
+REJOIN_PROBE_S = 2.0  # a contact's TCP port answering within this says our link is back
 logging.getLogger("hivemind").setLevel(logging.WARNING)
 
 
@@ -115,6 +116,7 @@ class SwarmNode:
         self.dht: DHTNode | None = None
         self._dht_contacts: list[str] = []  # the multiaddrs we joined the DHT through
         self._remembered: list[str] = []  # peer ids of recent DHT neighbours, newest first
+        self._rejoin_waits = 0  # rejoin attempts skipped because no contact answered on TCP
         self.run: str | None = None
         self.budgets = Budgets(limits.budgets)
         self.refusals = RefusalLog(log)
@@ -434,6 +436,23 @@ class SwarmNode:
         except TimeoutError:
             raise HetnodeError(f"cannot join the DHT through {list(initial_peers)}: timed out") from None
 
+    async def serve_dht(self, serving: bool) -> None:
+        """Serve the DHT (hold replicas of others' records, answer their lookups) or only use it. A peer on
+        a slow link should not serve: every read of a key goes to each of its replicas, so a replica of the
+        peer records carries every reader's copy of every record. The DHT node is made anew in the other
+        mode through the same contacts (a client is never put in others' routing tables; one that turned
+        client in place would be); our records live on at the other replicas."""
+        old = self._require_dht()
+        if serving == (not old.protocol.client_mode):
+            return
+        assert self.run is not None
+        await self.join_dht(self.run, self._dht_contacts, client_mode=not serving, require_bootstrap=False)
+        try:
+            await asyncio.wait_for(old.shutdown(), 5.0)  # its handlers go; the P2P daemon stays (ours)
+        except Exception as exc:
+            log.debug("shutting down the previous DHT node: %r", exc)
+        log.info("DHT: %s", "serving records again" if serving else "a client only (a slow link)")
+
     def dht_neighbours(self) -> list[str]:
         """The peer ids in our DHT routing table now."""
         if self.dht is None:
@@ -456,6 +475,17 @@ class SwarmNode:
         targets.pop(self.identity.peer_id, None)
         if not targets:
             return False
+        # while our link is still down every libp2p dial fails, and each failure lengthens p2pd's dial
+        # backoff for that peer (tens of seconds after a 30 s outage): look with plain TCP first, and
+        # dial through libp2p only once a contact answers (or, every 4th try, the remembered peers anyway)
+        addresses = [hp for hp in map(tcp_host_port, self._dht_contacts) if hp is not None][:4]
+        if addresses:
+            listening = await asyncio.gather(*(libp2p_listens(h, p, REJOIN_PROBE_S) for h, p in addresses))
+            if not any(listening):
+                self._rejoin_waits += 1
+                if self._rejoin_waits % 4:
+                    log.debug("rejoin: no contact answers on TCP yet; waiting")
+                    return False
 
         async def ping(peer: str, maddrs: list[str]) -> bool:
             peer_id = PeerID.from_base58(peer)
@@ -548,21 +578,19 @@ class SwarmNode:
     async def store_own(self, field: str, value: Any, ttl_s: float) -> bool:
         """Write our own (signed) entry of `field`; True when at least one DHT node accepted it."""
         dht = self._require_dht()
+        key, subkey = record_key(self.run, field), owner_subkey(self.identity)
+        expiration = time.time() + ttl_s
         try:
-            return bool(
-                await asyncio.wait_for(
-                    dht.store(
-                        record_key(self.run, field),
-                        value,
-                        time.time() + ttl_s,
-                        subkey=owner_subkey(self.identity),
-                    ),
-                    DHT_TIMEOUT_S,
-                )
-            )
+            if await asyncio.wait_for(dht.store(key, value, expiration, subkey=subkey), DHT_TIMEOUT_S):
+                return True
+            # hivemind reports the status of the replica that answered last: one refusal (a replica that
+            # holds a copy as new, a slow answer) hides the others' acceptance. Look before saying so.
+            found = await asyncio.wait_for(dht.get(key, latest=True), DHT_TIMEOUT_S)
         except TimeoutError:
             log.warning("storing %s timed out", field)
             return False
+        item = found.value.get(subkey) if found is not None and isinstance(found.value, dict) else None
+        return item is not None and item.expiration_time >= expiration - 1e-6  # this store's, or newer
 
     async def read_field(
         self, field: str, members_only: bool = True, latest: bool = True

@@ -121,3 +121,17 @@ def test_chain_live_times_come_from_the_stage_log(tmp_path):
         datetime.datetime(2026, 12, 1, 19, 22, 8).timestamp(),
         datetime.datetime(2026, 11, 30, 23, 59, 59).timestamp(),  # later than now: yesterday's
     ]
+
+
+def test_a_slope_is_judged_on_the_longest_stretch_in_one_role_after_its_warm_up():
+    rss = [(float(t), 400.0 if t < 600 else 550.0) for t in range(0, 3000, 60)]  # a step at a role change
+    fds = [(t, 40.0) for t, _ in rss]
+    kept_rss, kept_fds = soak_checks.steady_stretch(rss, fds, [600.0], warmup_s=180.0, min_span_s=600.0)
+    assert kept_rss[0][0] == 780.0 and kept_rss[-1][0] == 2940.0  # after the change, less its warm-up
+    assert soak_checks.growth_per_hour(kept_rss) == 0.0 and len(kept_fds) == len(kept_rss)
+    assert soak_checks.growth_per_hour(rss) > 0.1  # the whole life would read as a leak
+    short = soak_checks.steady_stretch(rss[:20], fds[:20], [600.0], warmup_s=180.0, min_span_s=600.0)
+    assert short == ([], [])  # 420 s after the warm-up: too short to judge
+    leaking = [(t, 500.0 + t / 100) for t, _ in rss]
+    kept, _ = soak_checks.steady_stretch(leaking, fds, [], warmup_s=180.0, min_span_s=600.0)
+    assert soak_checks.growth_per_hour(kept) > 0.05  # a real leak still shows

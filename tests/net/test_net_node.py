@@ -324,3 +324,20 @@ def test_a_node_whose_routing_table_emptied_rejoins_through_its_contact_or_a_rem
                 await watch
 
     loop.run(scenario())
+
+
+def test_a_node_that_stops_serving_the_dht_still_stores_and_reads_but_holds_no_ones_records():
+    async def scenario():
+        async with swarm(3) as (a, b, c):
+            await c.serve_dht(False)
+            assert await c.store_own("peers", peer_record("c"), ttl_s=60)
+            assert await b.store_own("peers", peer_record("b"), ttl_s=60)
+            assert {b.identity.peer_id, c.identity.peer_id} <= set(await c.read_field("peers"))
+            assert c.identity.peer_id in await a.read_field("peers")
+            # nobody can ask c for a record any more: a lookup of it fails, and the others drop it
+            assert await a.dht.protocol.call_ping(c.p2p.peer_id) is None
+            assert c.identity.peer_id not in a.dht_neighbours()
+            await c.serve_dht(True)  # and back
+            assert await a.dht.protocol.call_ping(c.p2p.peer_id) is not None
+
+    loop.run(scenario())
