@@ -127,6 +127,11 @@ def validate(plan: SoakPlan) -> None:
             f"--minutes {plan.minutes:g} is too short: events are 8 % of the run apart and a "
             f"link stays down {LINK_DOWN_S:g} s (use --minutes 7 or more)"
         )
+    anchors, stages = plan.names()
+    hosts = {"coordinator", *anchors, f"anchor-{plan.anchors + 1}", NAT_ROUTER, *stages}
+    unknown = sorted({host for host, _ in plan.wan} - hosts)
+    if unknown:
+        raise HetnodeError(f"--wan names no lab host: {unknown}; the hosts are {', '.join(sorted(hosts))}")
 
 
 def lab_config(config: Config, plan: SoakPlan) -> Config:
@@ -206,7 +211,10 @@ class Soak:
     def start_peer(self, name: str) -> LabProcess:
         host = self.lab.hosts[name]
         anchor = name.startswith("anchor")
-        rate = self.plan.anchor_mbit if anchor else self.plan.stage_mbit
+        link = self.plan.profile(name)
+        rates = [r for r in (link.up_mbit, link.down_mbit) if r is not None]
+        # it declares what its link carries (the slower way), as a volunteer's probe would find
+        rate = min(rates) if rates else (self.plan.anchor_mbit if anchor else self.plan.stage_mbit)
         argv = [*HETNODE, "join", "--peer", self.coordinator_maddr, "--name", name]
         argv += ["--role", "anchor" if anchor else "stage", "--bandwidth", f"{rate:g}"]
         argv += ["--listen", f"/ip4/{host.address}/tcp/0", "--data-dir", str(self.work / name)]

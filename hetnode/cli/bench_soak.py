@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 from pathlib import Path
 
 from hetnode.bench import soak
+from hetnode.bench.wan import PRESETS
 from hetnode.config import load_config
+from hetnode.errors import HetnodeError
 
 CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs"
 
@@ -18,6 +21,14 @@ def register(benches: argparse._SubParsersAction) -> None:
     parser.add_argument("--minutes", type=float, default=60.0, help="length of the run (default 60)")
     parser.add_argument("--config", type=Path, default=None, help="run config (default tiny)")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/soak"), help="output folder")
+    parser.add_argument(
+        "--wan",
+        action="append",
+        default=None,
+        metavar="HOST=PRESET",
+        help="a lab host's link preset (hetnode.bench.wan.PRESETS), repeatable; default "
+        + ",".join(f"{h}={p}" for h, p in soak.SoakPlan().wan),
+    )
     parser.add_argument("--no-progress", action="store_true")
     parser.set_defaults(handler=run)
 
@@ -25,6 +36,8 @@ def register(benches: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     config = load_config(args.config or CONFIG_DIR / "tiny.toml")
     plan = soak.SoakPlan(minutes=args.minutes)
+    if args.wan is not None:
+        plan = dataclasses.replace(plan, wan=tuple(_host_preset(item) for item in args.wan))
     report = soak.run_soak(config, plan, args.out, progress=not args.no_progress)
     json_path, png_path = soak.write_report(report, args.out)
     print(f"rounds sealed: {report['rounds_sealed']}; churn events: {len(report['churn_events'])}")
@@ -41,3 +54,10 @@ def run(args: argparse.Namespace) -> int:
     print(f"left behind: {report['left_behind']}")
     print(f"wrote {json_path} and {png_path}")
     return 0
+
+
+def _host_preset(item: str) -> tuple[str, str]:
+    host, _, preset = item.partition("=")
+    if not host or preset not in PRESETS:
+        raise HetnodeError(f"--wan {item!r}: use HOST=PRESET with a preset of {', '.join(PRESETS)}")
+    return host, preset

@@ -116,7 +116,7 @@ class SwarmNode:
         self.dht: DHTNode | None = None
         self._dht_contacts: list[str] = []  # the multiaddrs we joined the DHT through
         self._remembered: list[str] = []  # peer ids of recent DHT neighbours, newest first
-        self._rejoin_waits = 0  # rejoin attempts skipped because no contact answered on TCP
+        self._rejoin_waits = 0  # rejoin attempts since the routing table emptied
         self.run: str | None = None
         self.budgets = Budgets(limits.budgets)
         self.refusals = RefusalLog(log)
@@ -475,17 +475,16 @@ class SwarmNode:
         targets.pop(self.identity.peer_id, None)
         if not targets:
             return False
+        self._rejoin_waits += 1
         # while our link is still down every libp2p dial fails, and each failure lengthens p2pd's dial
         # backoff for that peer (tens of seconds after a 30 s outage): look with plain TCP first, and
         # dial through libp2p only once a contact answers (or, every 4th try, the remembered peers anyway)
         addresses = [hp for hp in map(tcp_host_port, self._dht_contacts) if hp is not None][:4]
         if addresses:
             listening = await asyncio.gather(*(libp2p_listens(h, p, REJOIN_PROBE_S) for h, p in addresses))
-            if not any(listening):
-                self._rejoin_waits += 1
-                if self._rejoin_waits % 4:
-                    log.debug("rejoin: no contact answers on TCP yet; waiting")
-                    return False
+            if not any(listening) and self._rejoin_waits % 4:
+                log.debug("rejoin: no contact answers on TCP yet; waiting")
+                return False
 
         async def ping(peer: str, maddrs: list[str]) -> bool:
             peer_id = PeerID.from_base58(peer)
@@ -500,8 +499,10 @@ class SwarmNode:
 
         answered = await asyncio.gather(*(ping(peer, maddrs) for peer, maddrs in targets.items()))
         if not any(answered):
-            log.info("rejoin: none of %d known peers answered; trying again later", len(targets))
+            say = log.debug if self._rejoin_waits > 4 else log.info  # once or twice an outage, not forever
+            say("rejoin: none of %d known peers answered; trying again later", len(targets))
             return False
+        self._rejoin_waits = 0
         await asyncio.wait_for(dht.find_nearest_nodes([dht.node_id]), DHT_TIMEOUT_S)
         log.warning(
             "our DHT routing table had emptied (a link down?): rejoined through %d of %d known peers, "

@@ -135,3 +135,13 @@ def test_a_slope_is_judged_on_the_longest_stretch_in_one_role_after_its_warm_up(
     leaking = [(t, 500.0 + t / 100) for t, _ in rss]
     kept, _ = soak_checks.steady_stretch(leaking, fds, [], warmup_s=180.0, min_span_s=600.0)
     assert soak_checks.growth_per_hour(kept) > 0.05  # a real leak still shows
+
+
+def test_wan_links_are_given_per_host_and_a_host_the_lab_lacks_is_refused():
+    plan = soak.SoakPlan(wan=(("anchor-4", "far-fast"), ("stage-3", "dsl")))
+    assert plan.profile("anchor-4").rtt_ms == 150.0 and plan.profile("stage-3").up_mbit == 5.0
+    assert not plan.profile("anchor-1").emulated and plan.profile("anchor-1").up_mbit == plan.anchor_mbit
+    assert plan.profile("stage-1").down_mbit == plan.stage_mbit
+    soak.validate(plan)
+    with pytest.raises(HetnodeError, match="no lab host"):
+        soak.validate(soak.SoakPlan(wan=(("anchor-9", "far"),)))
