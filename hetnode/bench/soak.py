@@ -508,12 +508,12 @@ def summarise(soak: Soak, config: Config, plan: SoakPlan, left: dict[str, list])
                     live[name] = min(after + [live.get(name, float("inf"))])
         complete = sorted(live.values())[plan.stages - 1 : plan.stages]  # the chain's last member live
         reform = soak_checks.boundaries_to_reform(died["time"], complete, boundary_s)
-    catch_up = {}
+    catch_up, contributing = {}, {}
     for event in soak.events:
         if event["kind"] in ("restart", "join", "link-up"):
-            catch_up[f"{event['kind']} {event['target']}"] = soak_checks.catch_up_rounds(
-                logs.get(event["target"], []), event["time"], event["sealed"]
-            )
+            label, records = f"{event['kind']} {event['target']}", logs.get(event["target"], [])
+            catch_up[label] = soak_checks.catch_up_rounds(records, event["time"], event["sealed"])
+            contributing[label] = soak_checks.contributing_rounds(records, event["time"], event["sealed"])
     per_profile: dict[str, list[float]] = {}  # a replica's rounds: from one announcement to the next
     sync_per_profile: dict[str, list[float]] = {}  # its sync: from announcing to having applied the round
     for name, records in logs.items():
@@ -551,7 +551,8 @@ def summarise(soak: Soak, config: Config, plan: SoakPlan, left: dict[str, list])
         "ledger_mismatches": None if mismatches is None else len(mismatches),
         "ledger_mismatch_rounds": mismatches,
         "chain_reform_boundaries": reform,
-        "catch_up_rounds": catch_up,
+        "catch_up_rounds": catch_up,  # to the swarm's θ (None: a spare stage with no chain to train in)
+        "contributing_after_rounds": contributing,  # to its first sealed round
         "seal_interval_s": soak_checks.quantiles(soak_checks.round_times(history)),
         "round_time_s_per_profile": {k: soak_checks.quantiles(v) for k, v in per_profile.items()},
         "sync_s_per_profile": {k: soak_checks.quantiles(v) for k, v in sync_per_profile.items()},

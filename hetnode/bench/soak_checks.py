@@ -116,8 +116,19 @@ def steady_stretch(
 
 
 def catch_up_rounds(records: Sequence[Mapping[str, Any]], back_at: float, sealed_then: int) -> int | None:
-    """Rounds between a peer's return (`back_at`, when the swarm had sealed `sealed_then`) and its first
-    round log record included in a seal after it; None if it never contributed again."""
+    """Rounds sealed between a peer's return (`back_at`, when the swarm had sealed `sealed_then`) and the
+    swarm's θ in its hands: its first round log record after `back_at` for a round past `sealed_then` is
+    for round r, trained on θ after r - 1 (a record of an earlier round was trained before it left). None
+    if it never trained again."""
+    after = [r for r in records if r.get("time", 0.0) >= back_at and r["round"] > sealed_then]
+    if not after:
+        return None
+    return max(0, min(r["round"] for r in after) - 1 - sealed_then)
+
+
+def contributing_rounds(records: Sequence[Mapping[str, Any]], back_at: float, sealed_then: int) -> int | None:
+    """Rounds between a peer's return and its first round in a seal (the round it trains in after catching
+    up is one of them); None if it never contributed again."""
     after = [r for r in records if r.get("time", 0.0) >= back_at and r.get("included")]
     if not after:
         return None

@@ -66,14 +66,17 @@ def test_slopes_and_growth_per_hour():
     assert soak_checks.slope_per_hour(rising[:2]) is None
 
 
-def test_catch_up_counts_rounds_from_the_return_to_the_first_included_round():
+def test_catch_up_counts_rounds_to_the_swarms_theta_and_to_the_first_included_round():
     records = [
         {"round": 4, "time": 50.0, "included": True},
-        {"round": 7, "time": 205.0, "included": False},  # trained on a stale θ: left out
-        {"round": 8, "time": 215.0, "included": True},
+        {"round": 5, "time": 201.0, "included": False},  # trained before it left, sealed after: stale
+        {"round": 9, "time": 205.0, "included": False},  # trained on θ after 8: caught up, announced late
+        {"round": 10, "time": 215.0, "included": True},
     ]
-    assert soak_checks.catch_up_rounds(records, back_at=200.0, sealed_then=6) == 2
+    assert soak_checks.catch_up_rounds(records, back_at=200.0, sealed_then=6) == 2  # θ after 8, 2 past 6
+    assert soak_checks.contributing_rounds(records, back_at=200.0, sealed_then=6) == 4
     assert soak_checks.catch_up_rounds(records, back_at=300.0, sealed_then=9) is None
+    assert soak_checks.contributing_rounds(records, back_at=300.0, sealed_then=9) is None
 
 
 def test_reforming_is_counted_in_boundaries_from_the_death():
