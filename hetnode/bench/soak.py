@@ -508,12 +508,7 @@ def summarise(soak: Soak, config: Config, plan: SoakPlan, left: dict[str, list])
                     live[name] = min(after + [live.get(name, float("inf"))])
         complete = sorted(live.values())[plan.stages - 1 : plan.stages]  # the chain's last member live
         reform = soak_checks.boundaries_to_reform(died["time"], complete, boundary_s)
-    catch_up, contributing = {}, {}
-    for event in soak.events:
-        if event["kind"] in ("restart", "join", "link-up"):
-            label, records = f"{event['kind']} {event['target']}", logs.get(event["target"], [])
-            catch_up[label] = soak_checks.catch_up_rounds(records, event["time"], event["sealed"])
-            contributing[label] = soak_checks.contributing_rounds(records, event["time"], event["sealed"])
+    catch_up, contributing = returns(soak.events, soak.work)
     per_profile: dict[str, list[float]] = {}  # a replica's rounds: from one announcement to the next
     sync_per_profile: dict[str, list[float]] = {}  # its sync: from announcing to having applied the round
     for name, records in logs.items():
@@ -568,6 +563,19 @@ def summarise(soak: Soak, config: Config, plan: SoakPlan, left: dict[str, list])
         ),
         "reachability": soak.reachability,
     }
+
+
+def returns(events: list[dict[str, Any]], work: Path) -> tuple[dict[str, int | None], dict[str, int | None]]:
+    """Per return (a join, restart or link back up): rounds until the peer held the swarm's θ, and until
+    its first sealed round, from its round log under `work`."""
+    catch_up: dict[str, int | None] = {}
+    contributing: dict[str, int | None] = {}
+    for event in events:
+        if event["kind"] in ("restart", "join", "link-up"):
+            label, records = f"{event['kind']} {event['target']}", read_rounds(work / event["target"])
+            catch_up[label] = soak_checks.catch_up_rounds(records, event["time"], event["sealed"])
+            contributing[label] = soak_checks.contributing_rounds(records, event["time"], event["sealed"])
+    return catch_up, contributing
 
 
 def _far_round_ratio(plan: SoakPlan, per_profile: dict[str, list[float]]) -> float | None:
