@@ -61,6 +61,15 @@ def check_lab_possible() -> None:
         raise LabUnavailable(f"the network lab needs {' and '.join(missing)} (package iproute2)")
 
 
+def lab_unavailable() -> str:
+    """Why the lab cannot be built here ("" when it can): for tests that skip without it."""
+    try:
+        check_lab_possible()
+    except LabUnavailable as exc:
+        return str(exc)
+    return ""
+
+
 class NetLab:
     """`with NetLab({"coord": None, "edge": 20.0, "home": "home-cable"}) as lab:` builds the hosts;
     leaving removes them. Per host: a LinkProfile, a preset name of hetnode.bench.wan.PRESETS, a

@@ -5,7 +5,6 @@ SIGTERM (to it alone, as `kill` or a CI runner sends it), exits within seconds a
 from __future__ import annotations
 
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -15,13 +14,10 @@ from pathlib import Path
 
 import pytest
 
-from hetnode.bench.netlab import lab_namespaces, stray_links
+from hetnode.bench.netlab import lab_namespaces, lab_unavailable, stray_links
 from hetnode.demo.swarm import alive, descendants
 
-NEEDS_ROOT = pytest.mark.skipif(
-    os.geteuid() != 0 or not shutil.which("ip") or not shutil.which("tc"),
-    reason="needs root with `ip` and `tc`",
-)
+NEEDS_ROOT = pytest.mark.skipif(bool(lab_unavailable()), reason=lab_unavailable())
 STARTED = "coordinator up; starting"  # bench network's progress line once the lab and coordinator are up
 STOP_WITHIN_S = 15.0  # a shared 5 s grace for the replicas, 2.5 s for the coordinator, then the namespaces
 

@@ -5,22 +5,18 @@ leaves no emulator, tap or namespace behind."""
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
 import time
 
 import pytest
 
-from hetnode.bench.netlab import NetLab, lab_namespaces
+from hetnode.bench.netlab import NetLab, lab_namespaces, lab_unavailable
 from hetnode.bench.wan import PRESETS, DelayLine, LinkProfile, LinkProfileError, link_profile
 from hetnode.bench.wan_check import echo, echo_summary, steady_rate
 
 NEEDS_ROOT = pytest.mark.skipif(
-    os.geteuid() != 0
-    or not shutil.which("ip")
-    or not shutil.which("tc")
-    or not os.path.exists("/dev/net/tun"),
-    reason="needs root with `ip`, `tc` and /dev/net/tun",
+    bool(lab_unavailable()) or not os.path.exists("/dev/net/tun"),
+    reason=lab_unavailable() or "the WAN emulator needs /dev/net/tun",
 )
 
 

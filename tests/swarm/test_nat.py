@@ -44,6 +44,21 @@ def status_ok(peer: str, prefix: list[str]) -> bool:
     return result.returncode == 0
 
 
+def join_open_and_natted(swarm, boot, hosts, open_peer: tuple[str, str], natted: str, mbit: str):
+    """Two volunteers declaring `mbit`: (name, lab host) on the open network, and `natted` behind its
+    router (listening on every address it has, as at home); both READY."""
+    name, host = open_peer
+    daemons = (
+        swarm.join(
+            name, boot.maddr, mbit, listen=f"/ip4/{hosts[host].address}/tcp/0", prefix=hosts[host].prefix
+        ),
+        swarm.join(natted, boot.maddr, mbit, listen="/ip4/0.0.0.0/tcp/0", prefix=hosts[natted].prefix),
+    )
+    for daemon in daemons:
+        daemon.wait_ready()
+    return daemons
+
+
 def test_volunteers_behind_nat_are_relayed_and_contribute_as_an_anchor_and_as_a_chain_stage(swarm):
     hosts_spec = {"coord": None, "open": None, "open-stage": None, "home": None, "home-2": None}
     lab = NatLab(hosts_spec, behind_nat={"volunteer": "home", "stage-nat": "home-2"})
@@ -64,18 +79,7 @@ def test_volunteers_behind_nat_are_relayed_and_contribute_as_an_anchor_and_as_a_
         )
         boot.wait_ready()
         try:
-            direct = swarm.join(
-                "direct",
-                boot.maddr,
-                "1000",
-                listen=f"/ip4/{hosts['open'].address}/tcp/0",
-                prefix=hosts["open"].prefix,
-            )
-            natted = swarm.join(
-                "volunteer", boot.maddr, "1000", listen="/ip4/0.0.0.0/tcp/0", prefix=hosts["volunteer"].prefix
-            )
-            direct.wait_ready()
-            natted.wait_ready()
+            direct, natted = join_open_and_natted(swarm, boot, hosts, ("direct", "open"), "volunteer", "1000")
             print(f"\n{reachability(direct)}\n{reachability(natted)}")
             assert reachability(direct).startswith("reachability: reachable (direct)"), reachability(direct)
             assert reachability(natted).startswith("reachability: reachable (relayed)"), reachability(natted)
@@ -97,18 +101,9 @@ def test_volunteers_behind_nat_are_relayed_and_contribute_as_an_anchor_and_as_a_
             assert direct.peer_id in sealed["contributors"]
 
             # a chain of two on slow links, one stage behind NAT: activations cross the relay
-            stage_open = swarm.join(
-                "stage-open",
-                boot.maddr,
-                "20",
-                listen=f"/ip4/{hosts['open-stage'].address}/tcp/0",
-                prefix=hosts["open-stage"].prefix,
+            stage_open, stage_nat = join_open_and_natted(
+                swarm, boot, hosts, ("stage-open", "open-stage"), "stage-nat", "20"
             )
-            stage_nat = swarm.join(
-                "stage-nat", boot.maddr, "20", listen="/ip4/0.0.0.0/tcp/0", prefix=hosts["stage-nat"].prefix
-            )
-            stage_open.wait_ready()
-            stage_nat.wait_ready()
             print(f"{reachability(stage_nat)}")
             assert reachability(stage_nat).startswith("reachability: reachable (relayed)")
             history = swarm.wait_for_history(

@@ -8,21 +8,16 @@
 
 from __future__ import annotations
 
-import os
-import shutil
 import subprocess
 import time
 
 import pytest
 
-from hetnode.bench.netlab import NetLab
+from hetnode.bench.netlab import NetLab, lab_unavailable
 
 pytestmark = [
     pytest.mark.slow,
-    pytest.mark.skipif(
-        os.geteuid() != 0 or not shutil.which("ip") or not shutil.which("tc"),
-        reason="needs root with `ip` and `tc`",
-    ),
+    pytest.mark.skipif(bool(lab_unavailable()), reason=lab_unavailable()),
 ]
 
 SLOW_MBIT = 2.0
