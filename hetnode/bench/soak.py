@@ -517,22 +517,7 @@ def summarise(soak: Soak, config: Config, plan: SoakPlan, left: dict[str, list])
         per_profile.setdefault(profile, []).extend(b - a for a, b in zip(times, times[1:], strict=False))
         synced = [r["seal_wait_s"] + r["apply_s"] for r in records if r.get("included")]
         sync_per_profile.setdefault(profile, []).extend(synced)
-    resources = {}
-    for life, samples in soak.resources.items():
-        # each life warms up on its own, and again at each role change (loading the model, its first
-        # rounds): the slope is judged on the longest stretch in one role, after its warm-up
-        name = life.split("#")[0]
-        rss, fds = soak_checks.steady_stretch(
-            samples.rss_mb, samples.fds, role_changes(soak.work, name), plan.warmup_s, MIN_SLOPE_SPAN_S
-        )
-        resources[life] = {
-            "rss_mb": samples.rss_mb,
-            "fds": samples.fds,
-            "rss_slope_mb_per_hour": soak_checks.slope_per_hour(rss),
-            "rss_growth_per_hour": soak_checks.growth_per_hour(rss),
-            "fd_slope_per_hour": soak_checks.slope_per_hour(fds),
-            "fd_growth_per_hour": soak_checks.growth_per_hour(fds),
-        }
+    resources = judge_resources(soak.resources, soak.work, plan)
     return {
         "plan": asdict(plan),
         "config": config.run.name,
@@ -563,6 +548,48 @@ def summarise(soak: Soak, config: Config, plan: SoakPlan, left: dict[str, list])
         ),
         "reachability": soak.reachability,
     }
+
+
+def judge_resources(lives: dict[str, Resources], work: Path, plan: SoakPlan) -> dict[str, dict[str, Any]]:
+    """Per daemon life: its samples, and the slopes of RSS and fds on its longest stretch in one role after
+    that stretch's warm-up (a role change is a new warm-up: a stage loads its slice and optimiser)."""
+    out = {}
+    for life, samples in lives.items():
+        rss, fds = soak_checks.steady_stretch(
+            samples.rss_mb,
+            samples.fds,
+            role_changes(work, life.split("#")[0]),
+            plan.warmup_s,
+            MIN_SLOPE_SPAN_S,
+        )
+        out[life] = {
+            "rss_mb": samples.rss_mb,
+            "fds": samples.fds,
+            "judged_from": rss[0][0] if rss else None,
+            "judged_to": rss[-1][0] if rss else None,
+            "rss_slope_mb_per_hour": soak_checks.slope_per_hour(rss),
+            "rss_growth_per_hour": soak_checks.growth_per_hour(rss),
+            "fd_slope_per_hour": soak_checks.slope_per_hour(fds),
+            "fd_growth_per_hour": soak_checks.growth_per_hour(fds),
+        }
+    return out
+
+
+def rejudge(out: Path) -> dict[str, Any]:
+    """Recompute a finished run's judgements that come from its logs and samples (catch-up, resources)
+    with this code, in `out/soak.json`; what only the live run could observe (digests) stays as it was."""
+    report = json.loads((out / "soak.json").read_text())
+    plan = SoakPlan(**{**report["plan"], "wan": tuple(tuple(pair) for pair in report["plan"]["wan"])})
+    work = out / "work"
+    lives = {
+        life: Resources([tuple(s) for s in v["rss_mb"]], [tuple(s) for s in v["fds"]])
+        for life, v in report["resources"].items()
+    }
+    report["catch_up_rounds"], report["contributing_after_rounds"] = returns(report["churn_events"], work)
+    report["resources"] = resources = judge_resources(lives, work, plan)
+    for key in ("rss_slope_mb_per_hour", "fd_slope_per_hour", "rss_growth_per_hour", "fd_growth_per_hour"):
+        report[key] = _worst(resources, key)
+    return report
 
 
 def returns(events: list[dict[str, Any]], work: Path) -> tuple[dict[str, int | None], dict[str, int | None]]:

@@ -69,16 +69,18 @@ def ledger_mismatches(
 
 
 def slope_per_hour(samples: Sequence[tuple[float, float]]) -> float | None:
-    """Least-squares slope of (time s, value) pairs, per hour; None with fewer than 3 samples."""
+    """The Theil-Sen slope of (time s, value) pairs, per hour: the median of the slopes between every two
+    samples. A leak moves every pair; a transient (a stream's fds open for a minute, a peak of RSS while a
+    round is applied) moves few, so it does not read as growth as it would in a least-squares fit. None
+    with fewer than 3 samples."""
     if len(samples) < 3:
         return None
-    times = [t for t, _ in samples]
-    values = [v for _, v in samples]
-    mean_t, mean_v = statistics.fmean(times), statistics.fmean(values)
-    spread = sum((t - mean_t) ** 2 for t in times)
-    if spread == 0:
+    slopes = sorted(
+        (v2 - v1) / (t2 - t1) for i, (t1, v1) in enumerate(samples) for t2, v2 in samples[i + 1 :] if t2 != t1
+    )
+    if not slopes:
         return None
-    return sum((t - mean_t) * (v - mean_v) for t, v in samples) / spread * SECONDS_PER_HOUR
+    return statistics.median(slopes) * SECONDS_PER_HOUR
 
 
 def growth_per_hour(samples: Sequence[tuple[float, float]]) -> float | None:

@@ -29,17 +29,34 @@ def register(benches: argparse._SubParsersAction) -> None:
         help="a lab host's link preset (hetnode.bench.wan.PRESETS), repeatable; default "
         + ",".join(f"{h}={p}" for h, p in soak.SoakPlan().wan),
     )
+    parser.add_argument(
+        "--rejudge",
+        action="store_true",
+        help="recompute a finished run's catch-up and resource verdicts in --out from its logs and samples",
+    )
     parser.add_argument("--no-progress", action="store_true")
     parser.set_defaults(handler=run)
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.rejudge:
+        report = soak.rejudge(args.out)
+        json_path, png_path = soak.write_report(report, args.out)
+        print(f"re-judged {json_path} and {png_path}")
+        _summary(report)
+        return 0
     config = load_config(args.config or CONFIG_DIR / "tiny.toml")
     plan = soak.SoakPlan(minutes=args.minutes)
     if args.wan is not None:
         plan = dataclasses.replace(plan, wan=tuple(_host_preset(item) for item in args.wan))
     report = soak.run_soak(config, plan, args.out, progress=not args.no_progress)
     json_path, png_path = soak.write_report(report, args.out)
+    _summary(report)
+    print(f"wrote {json_path} and {png_path}")
+    return 0
+
+
+def _summary(report: dict) -> None:
     print(f"rounds sealed: {report['rounds_sealed']}; churn events: {len(report['churn_events'])}")
     print(
         f"digest disagreements: {report['digest_disagreements']} "
@@ -47,13 +64,11 @@ def run(args: argparse.Namespace) -> int:
         f"ledger mismatches: {report['ledger_mismatches']}"
     )
     print(
-        f"chain re-formed in {report['chain_reform_boundaries']} boundaries; catch-up (rounds): "
-        f"{report['catch_up_rounds']}"
+        f"chain re-formed in {report['chain_reform_boundaries']} boundaries; rounds to the swarm's θ after a "
+        f"return: {report['catch_up_rounds']}; to a sealed round: {report.get('contributing_after_rounds')}"
     )
     print(f"worst growth per hour: RSS {report['rss_growth_per_hour']}, fds {report['fd_growth_per_hour']}")
     print(f"left behind: {report['left_behind']}")
-    print(f"wrote {json_path} and {png_path}")
-    return 0
 
 
 def _host_preset(item: str) -> tuple[str, str]:

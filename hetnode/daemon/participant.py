@@ -40,6 +40,8 @@ from hetnode.wire.seals import seal_digest, seal_verdict
 
 log = logging.getLogger(__name__)
 
+STATE_FETCH_PARALLEL = 4  # state shards asked of the source at once (its budget: 8 streams per peer)
+
 ANNOUNCE_TTL_S = 300.0
 POLL_S = 1.0  # seals are nudged to us: polling is the fallback (a lost nudge, a stand-in sealer)
 KEEP_ROUNDS = 2  # rounds of applied payloads a replica keeps serving (peers a round behind still fetch)
@@ -70,9 +72,16 @@ async def fetch_state(
     """Download θ after `round_` shard by shard from `source` and load it (all or nothing), checked
     against the layer digests the source publishes for that round when we have them."""
     max_bytes = int(global_model.config.network.max_frame_mb * 2**20)
-    payloads = {}
-    for shard in global_model.shards:
-        payloads[shard] = await node.fetch_state(source, round_, shard, max_bytes)
+    # the source serves only the round it holds: the download must end within a round. In parallel, a
+    # far peer pays its RTT (stream set-up, slow start) about once, not once per shard; a few at a time
+    # stay inside the source's streams-per-peer budget
+    slots = asyncio.Semaphore(STATE_FETCH_PARALLEL)
+
+    async def one(shard: str) -> tuple[str, bytes]:
+        async with slots:
+            return shard, await node.fetch_state(source, round_, shard, max_bytes)
+
+    payloads = dict(await asyncio.gather(*(one(shard) for shard in global_model.shards)))
     await asyncio.to_thread(global_model.load_state, round_, payloads, expect_digests)
 
 

@@ -242,16 +242,22 @@ class PeerDaemon:
                 tasks.append(self._role_task)
             await asyncio.gather(*tasks, return_exceptions=True)
 
-    def _run_role(self, stop: asyncio.Event, view: SwarmView | None = None) -> None:
-        """Run the training of the current role (the anchor loop, or our stage of a live chain) and stop
-        it when the role or the chain changes. `view` is needed to start a chain's stage."""
+    def _reap_role_task(self) -> None:
+        """Note how our role's training ended, if it has: a chain's that ended other than by our stop (a
+        member died, its stream broke) is broken, and the boundary that notices dissolves it."""
         task = self._role_task
         if task is not None and task.done():
+            self._role_task = None
             if not task.cancelled() and task.exception() is not None:
                 raise task.exception()
             if self._role_key != "anchor" and task.result() != "stopped":
-                self.chain_broken = True  # dissolve at the next boundary
-            self._role_task = task = None
+                self.chain_broken = True
+
+    def _run_role(self, stop: asyncio.Event, view: SwarmView | None = None) -> None:
+        """Run the training of the current role (the anchor loop, or our stage of a live chain) and stop
+        it when the role or the chain changes. `view` is needed to start a chain's stage."""
+        self._reap_role_task()
+        task = self._role_task
         record = self.presence.record
         wanted: str | None = None
         if record["role"] == "anchor":
@@ -409,6 +415,7 @@ class PeerDaemon:
     async def _on_boundary(self, boundary: int, stop: asyncio.Event) -> None:
         record = self.presence.record
         await self._apply_remeasurement(boundary)
+        self._reap_role_task()  # before deciding: a chain that broke since the last boundary is left now
         view = await self._view()
         in_live_chain = (
             self.assignment is not None

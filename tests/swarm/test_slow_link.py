@@ -29,18 +29,24 @@ LINK_DOWN_S = 30.0
 BACK_WITHIN_S = 30.0  # from the link coming back to a sealed round with the anchor in it
 
 
+def start_coordinator(swarm, host):
+    """The coordinator on lab host `host`, READY, with rounds of 10 steps and the lab's heartbeats."""
+    config = swarm.config(outer={"inner_steps": 10}, network=LAB_NETWORK)
+    boot = swarm.start(
+        "bootstrap",
+        ["bootstrap", "--config", str(config), "--listen", f"/ip4/{host.address}/tcp/0"]
+        + ["--data-dir", str(swarm.tmp_path / "bootstrap"), "--http-port", "0"],
+        prefix=host.prefix,
+    )
+    boot.wait_ready()
+    return boot
+
+
 def test_a_2_mbit_peer_is_stored_and_keeps_its_link_and_an_anchor_is_back_soon_after_a_link_outage(swarm):
     lab = NetLab({"coord": None, "fast-1": None, "fast-2": None, "slow": SLOW_MBIT})
     with lab:
         hosts = lab.hosts
-        config = swarm.config(outer={"inner_steps": 10}, network=LAB_NETWORK)
-        boot = swarm.start(
-            "bootstrap",
-            ["bootstrap", "--config", str(config), "--listen", f"/ip4/{hosts['coord'].address}/tcp/0"]
-            + ["--data-dir", str(swarm.tmp_path / "bootstrap"), "--http-port", "0"],
-            prefix=hosts["coord"].prefix,
-        )
-        boot.wait_ready()
+        boot = start_coordinator(swarm, hosts["coord"])
         try:
             for name in ("fast-1", "fast-2"):
                 swarm.join(
@@ -95,3 +101,41 @@ def test_a_2_mbit_peer_is_stored_and_keeps_its_link_and_an_anchor_is_back_soon_a
     assert max(share.values()) < 0.15, share  # a DHT client: it serves no replica of anyone's records
     print(f"anchor back in a sealed round {back_in:.1f} s after its link came back")
     assert back_in <= BACK_WITHIN_S
+
+
+def test_an_anchor_150_ms_away_catches_up_and_contributes_within_a_few_rounds_of_joining(swarm):
+    """θ is served for the round its source holds; a far peer fetching it shard by shard, an RTT and a slow
+    start each, could not finish within a round and chased the swarm for many rounds."""
+    lab = NetLab({"coord": None, "near": None, "far": "far-fast"})
+    with lab:
+        hosts = lab.hosts
+        boot = start_coordinator(swarm, hosts["coord"])
+        try:
+            near = swarm.join(
+                "near",
+                boot.maddr,
+                "1000",
+                listen=f"/ip4/{hosts['near'].address}/tcp/0",
+                prefix=hosts["near"].prefix,
+            )
+            near.wait_ready()
+            swarm.wait_for_history(lambda h: len(h) >= 3, timeout=120, what="three sealed rounds")
+            far = swarm.join(
+                "far",
+                boot.maddr,
+                "100",
+                listen=f"/ip4/{hosts['far'].address}/tcp/0",
+                prefix=hosts["far"].prefix,
+            )
+            far.wait_ready()
+            joined_at = len(swarm.history())
+            history = swarm.wait_for_history(
+                lambda h: any(far.peer_id in e["contributors"] for e in h),
+                timeout=180,
+                what="a sealed round with the far anchor",
+            )
+            first = next(i for i, e in enumerate(history) if far.peer_id in e["contributors"])
+        finally:
+            swarm.stop_all()
+    print(f"\nthe far anchor was in a seal {first + 1 - joined_at} rounds after it was READY")
+    assert first + 1 - joined_at <= 4, far.log_path.read_text()[-3000:]
