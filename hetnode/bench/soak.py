@@ -664,6 +664,7 @@ def write_report(report: dict[str, Any], out: Path) -> tuple[Path, Path]:
         label="to p90",
     )
     axes[3].set(title="seconds per round, per link profile")
+    axes[3].tick_params(axis="x", labelrotation=15, labelsize=7)
     axes[3].legend(fontsize=7)
     fig.suptitle(
         f"hetnode bench soak: {report['config']}, {report['plan']['minutes']:g} min, "
