@@ -92,7 +92,8 @@ def test_one_read_serves_every_caller_and_reads_stretch_until_the_swarm_changes(
             following = asyncio.create_task(directory.follow(stop))
             await asyncio.sleep(3.0)
             stable_gaps = gaps_of(reads.times["read_field"])
-            assert stable_gaps[0] < 0.4 and stable_gaps[-1] > 0.7
+            # a gap is the period plus the read itself (a tenth of a second or two on a loaded CI machine)
+            assert stable_gaps[0] < 0.6 and stable_gaps[-1] > 0.7
             assert directory.cadence.period_s == 0.8
 
             # a newcomer's record is a change: the reads are back at their base
