@@ -42,6 +42,12 @@ def start_coordinator(swarm, host):
     return boot
 
 
+def join_on(swarm, boot, hosts, name: str, mbit: str):
+    """A volunteer `name` on the lab host of that name, declaring `mbit`."""
+    host = hosts[name]
+    return swarm.join(name, boot.maddr, mbit, listen=f"/ip4/{host.address}/tcp/0", prefix=host.prefix)
+
+
 def test_a_2_mbit_peer_is_stored_and_keeps_its_link_and_an_anchor_is_back_soon_after_a_link_outage(swarm):
     lab = NetLab({"coord": None, "fast-1": None, "fast-2": None, "slow": SLOW_MBIT})
     with lab:
@@ -49,20 +55,8 @@ def test_a_2_mbit_peer_is_stored_and_keeps_its_link_and_an_anchor_is_back_soon_a
         boot = start_coordinator(swarm, hosts["coord"])
         try:
             for name in ("fast-1", "fast-2"):
-                swarm.join(
-                    name,
-                    boot.maddr,
-                    "1000",
-                    listen=f"/ip4/{hosts[name].address}/tcp/0",
-                    prefix=hosts[name].prefix,
-                )
-            slow = swarm.join(
-                "slow",
-                boot.maddr,
-                f"{SLOW_MBIT:g}",
-                listen=f"/ip4/{hosts['slow'].address}/tcp/0",
-                prefix=hosts["slow"].prefix,
-            )
+                join_on(swarm, boot, hosts, name, "1000")
+            slow = join_on(swarm, boot, hosts, "slow", f"{SLOW_MBIT:g}")
             for daemon in swarm.daemons[1:]:
                 daemon.wait_ready()
             swarm.wait_for_history(lambda h: len(h) >= 2, timeout=120, what="two sealed rounds")
@@ -111,22 +105,9 @@ def test_an_anchor_150_ms_away_catches_up_and_contributes_within_a_few_rounds_of
         hosts = lab.hosts
         boot = start_coordinator(swarm, hosts["coord"])
         try:
-            near = swarm.join(
-                "near",
-                boot.maddr,
-                "1000",
-                listen=f"/ip4/{hosts['near'].address}/tcp/0",
-                prefix=hosts["near"].prefix,
-            )
-            near.wait_ready()
+            join_on(swarm, boot, hosts, "near", "1000").wait_ready()
             swarm.wait_for_history(lambda h: len(h) >= 3, timeout=120, what="three sealed rounds")
-            far = swarm.join(
-                "far",
-                boot.maddr,
-                "100",
-                listen=f"/ip4/{hosts['far'].address}/tcp/0",
-                prefix=hosts["far"].prefix,
-            )
+            far = join_on(swarm, boot, hosts, "far", "100")
             far.wait_ready()
             joined_at = len(swarm.history())
             history = swarm.wait_for_history(
