@@ -24,6 +24,8 @@ SLOW_MBIT = 2.0
 WATCH_S = 60.0
 # heartbeats and reads at their base all the way (no stretching): the worst case for the control plane
 LAB_NETWORK = {"heartbeat_s": 2.0, "record_ttl_s": 8.0, "stable_heartbeat_s": 2.0, "boundary_s": 4.0}
+# an anchor on a 100 Mbit/s link (the far one) is an anchor here, as in the soak
+LAB_NETWORK |= {"anchor_min_up_mbps": 50.0, "anchor_min_down_mbps": 50.0}
 FAILED_STORES = ("no DHT node accepted", "timed out")
 LINK_DOWN_S = 30.0
 BACK_WITHIN_S = 30.0  # from the link coming back to a sealed round with the anchor in it
