@@ -32,7 +32,7 @@ from hetnode.service.http_server import DEFAULT_STATUS_PORT, HttpServer, Respons
 from hetnode.service.lifecycle import print_ready, sleep_or_stop, stop_on_signals, until_stopped
 from hetnode.service.limits import limits_of
 from hetnode.service.metrics import PeerMetrics
-from hetnode.service.presence import Presence
+from hetnode.service.presence import Presence, keep_in_dht
 from hetnode.wire.manifest import PROTOCOL_VERSION, Manifest
 
 log = logging.getLogger(__name__)
@@ -218,7 +218,7 @@ class Coordinator:
                     asyncio.create_task(keeper.run(stop), name="rounds"),
                     asyncio.create_task(directory.follow(stop), name="peer records"),
                     asyncio.create_task(
-                        node.keep_joined(stop, self.config.network.heartbeat_s), name="dht membership"
+                        keep_in_dht(node, stop, self.config.network.heartbeat_s), name="dht membership"
                     ),
                     asyncio.create_task(
                         self._keep_status(keeper, board, swarm_metrics, state, maddrs, stop), name="status"

@@ -54,7 +54,7 @@ from hetnode.service.http_server import HttpServer, Response
 from hetnode.service.lifecycle import Stopped, print_ready, sleep_or_stop, stop_on_signals, until_stopped
 from hetnode.service.limits import limits_of
 from hetnode.service.metrics import PeerMetrics
-from hetnode.service.presence import Presence
+from hetnode.service.presence import Presence, keep_in_dht
 from hetnode.wire.manifest import PROTOCOL_VERSION
 
 log = logging.getLogger(__name__)
@@ -230,7 +230,7 @@ class PeerDaemon:
             asyncio.create_task(self._follow_boundaries(stop), name="boundaries"),
             asyncio.create_task(self.directory.follow(stop), name="peer records"),
             asyncio.create_task(
-                self.node.keep_joined(stop, self.config.network.heartbeat_s), name="dht membership"
+                keep_in_dht(self.node, stop, self.config.network.heartbeat_s), name="dht membership"
             ),
         ]
         self._run_role(stop)

@@ -513,24 +513,14 @@ class SwarmNode:
         )
         return True
 
-    async def keep_joined(self, stop: asyncio.Event, period_s: float) -> None:
-        """Every `period_s` until `stop`: remember our neighbours, and rejoin when none is left."""
-        while True:
-            try:
-                neighbours = self.dht_neighbours()
-                if neighbours:
-                    self._remembered = (neighbours + [p for p in self._remembered if p not in neighbours])[
-                        :REMEMBERED_NEIGHBOURS
-                    ]
-                else:
-                    await self.rejoin_dht()
-            except Exception as exc:  # a failed attempt is retried at the next period
-                log.debug("rejoin attempt failed: %r", exc)
-            try:
-                await asyncio.wait_for(stop.wait(), period_s)
-                return
-            except TimeoutError:
-                pass
+    async def check_dht_membership(self) -> None:
+        """Remember our current neighbours, or rejoin when none is left (call it every heartbeat)."""
+        neighbours = self.dht_neighbours()
+        if neighbours:
+            kept = [peer for peer in self._remembered if peer not in neighbours]
+            self._remembered = (neighbours + kept)[:REMEMBERED_NEIGHBOURS]
+        else:
+            await self.rejoin_dht()
 
     async def visible_maddrs(self) -> list[str]:
         return [str(m) for m in await self.p2p.get_visible_maddrs()]

@@ -14,7 +14,7 @@ import time
 from typing import Any
 
 from hetnode.net.node import SwarmNode
-from hetnode.service.lifecycle import sleep_or_wake
+from hetnode.service.lifecycle import sleep_or_stop, sleep_or_wake
 
 log = logging.getLogger(__name__)
 
@@ -116,3 +116,15 @@ class Presence:
             await asyncio.wait_for(self.update(**offline), 5.0)
         except Exception as exc:  # shutting down: the record will expire anyway
             log.debug("offline announcement failed: %r", exc)
+
+
+async def keep_in_dht(node: SwarmNode, stop: asyncio.Event, period_s: float) -> None:
+    """Every `period_s` until `stop`: note our DHT neighbours, and rejoin through contacts or remembered
+    neighbours when an outage has left none (`SwarmNode.rejoin_dht`)."""
+    while True:
+        try:
+            await node.check_dht_membership()
+        except Exception as exc:  # a failed attempt is retried at the next period
+            log.debug("rejoin attempt failed: %r", exc)
+        if await sleep_or_stop(stop, period_s):
+            return

@@ -19,6 +19,7 @@ from hetnode.net.identity import ephemeral_identity, load_or_create_identity, ow
 from hetnode.net.node import CONTROL_HANDLER, NodeLimits, SwarmNode
 from hetnode.net.records import new_peer_record, record_key
 from hetnode.net.streams import PeerRequestError, RateLimiter, read_frame
+from hetnode.service.presence import keep_in_dht
 from hetnode.wire.control import decode_reply, frame_header
 
 LOOPBACK = ["/ip4/127.0.0.1/tcp/0"]
@@ -285,7 +286,7 @@ def test_a_node_whose_routing_table_emptied_rejoins_through_its_contact_or_a_rem
     async def scenario():
         async with swarm(3) as (a, b, c):
             stop = asyncio.Event()
-            watch = asyncio.create_task(c.keep_joined(stop, 0.2))
+            watch = asyncio.create_task(keep_in_dht(c, stop, 0.2))
             try:
                 assert await b.store_own("peers", peer_record("b"), ttl_s=60)
                 assert b.identity.peer_id in await c.read_field("peers")
@@ -304,7 +305,7 @@ def test_a_node_whose_routing_table_emptied_rejoins_through_its_contact_or_a_rem
                 assert await b_as_c_sees_it() != "b-after"  # alone, and nobody asks it: it stays alone
 
                 stop.clear()
-                watch = asyncio.create_task(c.keep_joined(stop, 0.2))
+                watch = asyncio.create_task(keep_in_dht(c, stop, 0.2))
                 deadline = time.monotonic() + 15
                 while await b_as_c_sees_it() != "b-after" and time.monotonic() < deadline:
                     await asyncio.sleep(0.2)
