@@ -16,9 +16,9 @@ import torch
 
 from hetnode.algo.sparseloco import SparseLoCoCodec
 from hetnode.config import load_config
-from hetnode.daemon.rounds import GlobalModel
 from hetnode.net.identity import ephemeral_identity
 from hetnode.net.signing import sign_payload
+from hetnode.replica.global_model import GlobalModel
 from hetnode.wire.sync_payload import SyncPayload, encode_payload
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -35,10 +35,10 @@ def held_memory(config_name: str, stages: int, index: int) -> None:
     import torch
 
     from hetnode.config import load_config
-    from hetnode.daemon.rounds import GlobalModel
     from hetnode.model.decoder import DecoderStage
     from hetnode.model.shards import ModelPart
     from hetnode.planning.layer_split import split_layers
+    from hetnode.replica.global_model import GlobalModel
 
     torch.zeros(1) + 1  # let torch finish its lazy start-up before the baseline
     baseline = resident_mib()
@@ -60,7 +60,7 @@ def payload_bytes(config_name: str, stages: int) -> dict[str, int]:
 
     from hetnode.algo.sparseloco import SparseLoCoCodec
     from hetnode.config import load_config
-    from hetnode.daemon.rounds import GlobalModel
+    from hetnode.replica.global_model import GlobalModel
     from hetnode.wire.sync_payload import SyncPayload, encode_payload
 
     config = load_config(ROOT / "configs" / f"{config_name}.toml")

@@ -31,15 +31,10 @@ from tqdm import tqdm  # noqa: E402
 from bootstrap.verifier import Replica, Verifier  # noqa: E402
 from hetnode.config import Config, replace  # noqa: E402
 from hetnode.daemon.faulty import StaleTheta  # noqa: E402
-from hetnode.daemon.rounds import (  # noqa: E402
-    AnchorTraining,
-    ApplyError,
-    GlobalModel,
-    base_fixed_embedding,
-    data_slot,
-)
+from hetnode.daemon.rounds import AnchorTraining, data_slot  # noqa: E402
 from hetnode.data import TokenDataset  # noqa: E402
 from hetnode.model.decoder import build_model  # noqa: E402
+from hetnode.replica.global_model import ApplyError, GlobalModel, base_fixed_embedding  # noqa: E402
 from hetnode.training.faults import WORK_FAULTS  # noqa: E402
 
 log = logging.getLogger(__name__)

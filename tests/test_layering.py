@@ -13,10 +13,11 @@ ALLOWED = {
     "data": set(),
     "wire": {"algo"},
     "training": {"algo", "model", "data"},
+    "replica": {"algo", "model", "wire"},
     "sim": {"algo", "model", "data", "training", "wire", "planning"},
     "net": {"wire"},
     "service": {"net", "wire", "model", "algo"},
-    "daemon": {"algo", "model", "data", "training", "planning", "wire", "net", "service"},
+    "daemon": {"algo", "model", "data", "training", "planning", "wire", "replica", "net", "service"},
     "cli": {
         "algo",
         "model",
@@ -24,6 +25,7 @@ ALLOWED = {
         "training",
         "planning",
         "wire",
+        "replica",
         "net",
         "service",
         "daemon",
@@ -31,11 +33,11 @@ ALLOWED = {
         "bench",
         "demo",
     },
-    "bench": {"algo", "model", "data", "training", "wire", "sim", "planning"},
+    "bench": {"algo", "model", "data", "training", "wire", "replica", "sim", "planning"},
     "demo": {"bench", "daemon", "service"},
 }
 SHARED = {"config", "errors", "__init__"}
-PURE = {"algo", "planning", "model", "wire", "data"}  # no I/O libraries, no network stacks
+PURE = {"algo", "planning", "model", "wire", "data", "replica"}  # no I/O libraries, no network stacks
 
 
 def _imports(path: Path) -> set[str]:

@@ -23,10 +23,11 @@ import torch
 from hetnode.config import Config
 from hetnode.daemon.faulty import StaleTheta, copied_payloads
 from hetnode.daemon.participant import RoundParticipant, payload_opener
-from hetnode.daemon.rounds import AnchorTraining, GlobalModel, sha256_hex
+from hetnode.daemon.rounds import AnchorTraining
 from hetnode.daemon.view import PeerDirectory
 from hetnode.data.dataset import TokenDataset
 from hetnode.net.node import SwarmNode
+from hetnode.replica.global_model import GlobalModel, sha256_hex
 from hetnode.service.metrics import PeerMetrics
 from hetnode.service.presence import Presence
 from hetnode.service.round_log import RoundRecord

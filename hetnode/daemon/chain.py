@@ -31,7 +31,6 @@ import torch
 
 from hetnode.config import Config
 from hetnode.daemon.participant import RoundParticipant, payload_opener
-from hetnode.daemon.rounds import GlobalModel, sha256_hex
 from hetnode.daemon.stage_training import StageTraining
 from hetnode.daemon.view import PeerDirectory, SwarmView
 from hetnode.data.dataset import TokenDataset
@@ -39,6 +38,7 @@ from hetnode.errors import HetnodeError, WireError
 from hetnode.model.shards import ModelPart
 from hetnode.net.node import SwarmNode
 from hetnode.net.streams import OpenStream, PeerRequestError, read_frame, write_frame
+from hetnode.replica.global_model import GlobalModel, sha256_hex
 from hetnode.service.lifecycle import sleep_or_stop
 from hetnode.service.metrics import PeerMetrics
 from hetnode.service.presence import Presence

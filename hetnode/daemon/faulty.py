@@ -11,10 +11,10 @@ from dataclasses import dataclass
 
 import torch
 
-from hetnode.daemon.rounds import GlobalModel
 from hetnode.net.node import SwarmNode
 from hetnode.net.signing import open_payload
 from hetnode.net.streams import PeerRequestError
+from hetnode.replica.global_model import GlobalModel
 from hetnode.training.faults import STALE_ROUNDS
 
 log = logging.getLogger(__name__)

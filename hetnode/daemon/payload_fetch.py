@@ -16,7 +16,6 @@ from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from hetnode.daemon.rounds import sha256_hex
 from hetnode.errors import HetnodeError, WireError
 from hetnode.net.node import SwarmNode
 from hetnode.net.streams import PeerRequestError
@@ -27,6 +26,7 @@ from hetnode.planning.fetch import (
     launch_rank,
     next_requests,
 )
+from hetnode.replica.global_model import sha256_hex
 
 log = logging.getLogger(__name__)
 

@@ -28,11 +28,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from hetnode.config import Config
-from hetnode.daemon.rounds import ApplyError, GlobalModel, PreparedRound, sha256_hex
 from hetnode.errors import WireError
 from hetnode.net.node import SwarmNode
 from hetnode.net.streams import PeerRequestError
 from hetnode.planning.rounds import Announcement, ArrivalDeadline, sealed_order
+from hetnode.replica.global_model import ApplyError, GlobalModel, PreparedRound, sha256_hex
 from hetnode.wire.seals import seal_digest
 from hetnode.wire.sync_payload import DecodedPayload
 

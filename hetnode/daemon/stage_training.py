@@ -19,11 +19,12 @@ import torch
 
 from hetnode.algo.sparseloco import CompressedTensor, ErrorFeedback, SparseLoCoCodec, pseudo_gradient
 from hetnode.config import Config
-from hetnode.daemon.rounds import NUM_DATA_SLOTS, GlobalModel, base_fixed_embedding, data_slot
+from hetnode.daemon.rounds import NUM_DATA_SLOTS, data_slot
 from hetnode.data.dataset import TokenDataset
 from hetnode.errors import CheckpointError
 from hetnode.model.decoder import layer_of
 from hetnode.planning.rounds import assigned_batches
+from hetnode.replica.global_model import GlobalModel, base_fixed_embedding
 from hetnode.training.stage_worker import Frame, build_stage_worker
 from hetnode.training.working_copy import WorkingCopy, embedding_drift
 from hetnode.wire.activation_frame import FrameLimits

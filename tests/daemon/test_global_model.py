@@ -4,9 +4,10 @@ import msgpack
 import pytest
 import torch
 
-from hetnode.daemon.rounds import AnchorTraining, GlobalModel, data_slot
+from hetnode.daemon.rounds import AnchorTraining, data_slot
 from hetnode.data.dataset import TokenDataset
 from hetnode.errors import WireError
+from hetnode.replica.global_model import GlobalModel
 
 
 @pytest.fixture(scope="module")

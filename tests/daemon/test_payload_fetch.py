@@ -7,8 +7,8 @@ import time
 import pytest
 
 from hetnode.daemon.payload_fetch import PayloadsUnavailable, fetch_sealed
-from hetnode.daemon.rounds import sha256_hex
 from hetnode.net import loop
+from hetnode.replica.global_model import sha256_hex
 
 pytestmark = pytest.mark.slow
 

@@ -2,10 +2,11 @@
 round is not a warmup of its own, which would make its work look useless next to its peers' (TRUST §4)."""
 
 from hetnode.config import replace
-from hetnode.daemon.rounds import AnchorTraining, GlobalModel
+from hetnode.daemon.rounds import AnchorTraining
 from hetnode.daemon.stage_training import StageTraining
 from hetnode.data.dataset import TokenDataset
 from hetnode.model.shards import ModelPart
+from hetnode.replica.global_model import GlobalModel
 from hetnode.training.schedule import warmup_cosine
 
 

@@ -7,11 +7,11 @@ import pytest
 import torch
 
 from hetnode.config import replace
-from hetnode.daemon.rounds import GlobalModel
 from hetnode.daemon.stage_training import StageTraining
 from hetnode.data.dataset import TokenDataset
 from hetnode.errors import CheckpointError
 from hetnode.model.shards import ModelPart
+from hetnode.replica.global_model import GlobalModel
 
 
 def _chain(config, splits, dataset):

@@ -9,12 +9,13 @@ import pytest
 import torch
 
 from hetnode.config import replace
-from hetnode.daemon.rounds import AnchorTraining, ApplyError, GlobalModel
+from hetnode.daemon.rounds import AnchorTraining
 from hetnode.data.dataset import TokenDataset
 from hetnode.errors import WireError
 from hetnode.net.identity import ephemeral_identity
 from hetnode.net.signing import open_payload, sign_payload
 from hetnode.planning.rounds import replica_tokens
+from hetnode.replica.global_model import ApplyError, GlobalModel
 from hetnode.wire.seals import GENESIS, seal_digest, seal_verdict
 from hetnode.wire.signed_payload import decode_envelope, encode_envelope
 

@@ -9,9 +9,10 @@ import torch
 
 from hetnode.config import Config, replace
 from hetnode.daemon import rounds
-from hetnode.daemon.rounds import AnchorTraining, GlobalModel
+from hetnode.daemon.rounds import AnchorTraining
 from hetnode.data import TokenDataset
 from hetnode.model import build_model
+from hetnode.replica.global_model import GlobalModel
 from hetnode.training.precision import autocast_dtype, autocast_for
 from hetnode.training.trainer import InnerTrainer
 

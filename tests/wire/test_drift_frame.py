@@ -7,11 +7,11 @@ import msgpack
 import pytest
 import torch
 
-from hetnode.daemon.rounds import GlobalModel
 from hetnode.daemon.stage_training import StageTraining, frame_limits
 from hetnode.data.dataset import TokenDataset
 from hetnode.errors import WireError
 from hetnode.model.shards import ModelPart
+from hetnode.replica.global_model import GlobalModel
 from hetnode.wire.activation_frame import FrameLimits, decode_frame, encode_frame
 
 LIMITS = FrameLimits(batch_size=2, seq_len=8, width=4, dtype="bf16", vocab_size=64, d_model=16)
