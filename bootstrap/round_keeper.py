@@ -31,7 +31,6 @@ from bootstrap.swarm_metrics import REPLICA_ROLES, SwarmMetrics
 from bootstrap.verifier import Verifier, replica_of
 from hetnode.config import Config
 from hetnode.daemon.participant import fetch_state, payload_opener
-from hetnode.daemon.rounds import GlobalModel, base_fixed_embedding
 from hetnode.daemon.sealing import SealedRound, Sealer
 from hetnode.daemon.view import PeerDirectory, SwarmView
 from hetnode.data.dataset import TokenDataset
@@ -40,6 +39,7 @@ from hetnode.model.decoder import build_model
 from hetnode.net.node import SwarmNode
 from hetnode.net.streams import PeerRequestError
 from hetnode.planning.rounds import Announcement, replica_tokens, seal_now, shard_order
+from hetnode.replica.global_model import GlobalModel, base_fixed_embedding
 from hetnode.service.datadir import DataDir
 from hetnode.service.lifecycle import sleep_or_stop, sleep_or_wake
 from hetnode.service.presence import Presence
@@ -52,6 +52,7 @@ POLL_S = 0.5  # announcements are also nudged to us: this is the fallback and th
 CHECKPOINT = "global.pt"
 HISTORY = "rounds.jsonl"
 HISTORY_KEPT = 500  # rounds kept in memory for the status page
+HEAD_TTL_S = 3600.0  # rewritten every round; it outlives long rounds, and replicas compare round numbers
 
 
 def read_history(data_dir: Path) -> list[dict[str, Any]]:
@@ -120,7 +121,20 @@ class RoundKeeper:
             return None
         return self.global_model.state_payload(shard)
 
+    async def _publish_theta(self, round_: int, digests: dict[str, str]) -> None:
+        """Say which θ we hold: in our peer record, and in the small `head` entry that replicas check
+        their own digests against after every round (reading it costs one entry, not the swarm's records)."""
+        await self.presence.update(params_round=round_, layer_digests=digests, outer_step=round_)
+        await self._store_head(round_, digests)
+
+    async def _store_head(self, round_: int, digests: dict[str, str]) -> None:
+        head = {"round": round_, "layer_digests": digests}
+        if not await self.node.store_own("head", head, HEAD_TTL_S):
+            log.warning("round %d: the DHT did not accept our head record", round_)
+
     async def run(self, stop: asyncio.Event) -> None:
+        digests = await asyncio.to_thread(self.global_model.digests)
+        await self._store_head(self.global_model.params_round, digests)
         evaluator = await asyncio.to_thread(self._build_evaluator)
         if self.config.outer.verify:
             self.verifier = Verifier(self.config, self._dataset, self._model)
@@ -222,7 +236,7 @@ class RoundKeeper:
             self.global_model.seal_hash = seal_digest(seal)
             await asyncio.to_thread(self._checkpoint)
             eval_loss = await asyncio.to_thread(evaluator, self.global_model)
-            await self.presence.update(params_round=round_, layer_digests=digests, outer_step=round_)
+            await self._publish_theta(round_, digests)
             self._append_history(
                 {
                     "round": round_,
@@ -276,7 +290,7 @@ class RoundKeeper:
         if round_ % self.config.outer.checkpoint_every_rounds == 0:
             await asyncio.to_thread(self._checkpoint)
         digests = self.global_model.digests()
-        await self.presence.update(params_round=round_, layer_digests=digests, outer_step=round_)
+        await self._publish_theta(round_, digests)
         entry = {
             "round": round_,
             "contributors": [peer for peer, _ in sealed.contributions],

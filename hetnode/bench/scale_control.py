@@ -5,7 +5,7 @@ seal record beyond the one copy a replica needs, lookups and routing upkeep. Pay
 the seal per replica are the sync plane (`hetnode/bench/scale.py`), never counted here.
 
 Today (read from hetnode/service/presence.py, hetnode/daemon/view.py, hetnode/net/node.py,
-hetnode/daemon/participant.py, bootstrap/round_keeper.py):
+hetnode/daemon/participant.py, bootstrap/round_keeper.py, before 5e90c12):
 - every peer stores its whole record under the run's one `peers` key each heartbeat, and reads that key
   once per heartbeat (`RecentView`); a read of a dictionary key with `latest=True` walks a beam of k nodes
   and gets the whole dictionary, all N records, from each of the key's replicas it meets;
@@ -58,6 +58,7 @@ class RecordSizes:
     peer_event: float  # the target's record: only what changes on events
     announce: float
     seal: float
+    head: float = 0.0  # the coordinator's `head` entry: its round and the layer digests of θ
 
 
 def record_sizes(
@@ -105,11 +106,13 @@ def record_sizes(
     def mean(size) -> float:
         return sum(size(held, stage) for held, stage in members) / len(members)
 
+    head = {"round": 1000, "layer_digests": {s: "0" * 16 for s in shards}}
     return RecordSizes(
         peer_today=mean(lambda held, stage: peer(held, stage, True)),
         peer_event=mean(lambda held, stage: peer(held, stage, False)),
         announce=mean(lambda held, stage: announce(held)),
         seal=float(seal),
+        head=float(len(msgpack.packb(head, use_bin_type=True)) + RECORD_OVERHEAD_BYTES),
     )
 
 
@@ -185,7 +188,8 @@ def stretched(
     and reads the others' once per `stretched_heartbeat_s`, and polls for the seal less often the longer
     it waits (`seal_reads`), from the first copy it meets; the coordinator still reads every
     `heartbeat_s`. A read still moves all N records: per-peer bytes fall by the ratio of the heartbeats
-    and still grow with N."""
+    and still grow with N. After each round every replica reads the coordinator's `head` entry (its
+    digests, to check its own against), which the coordinator stores once a round."""
     slow = today(
         peers,
         authors,
@@ -199,7 +203,8 @@ def stretched(
     copies = min(peers, m.dht_replicas)
     extra_beats = m.round_period_s / m.heartbeat_s - m.round_period_s / m.stretched_heartbeat_s
     coordinator_reads = extra_beats * (lookup + copies * peers * sizes.peer_today)
-    total = slow.total + coordinator_reads
+    head = authors * (lookup + copies * sizes.head) + lookup + copies * sizes.head
+    total = slow.total + coordinator_reads + head
     return ControlBytes(2 * total / peers, max(slow.hot_peer, 2 * coordinator_reads), total)
 
 

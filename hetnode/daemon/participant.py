@@ -9,7 +9,8 @@ Who may seal (TRUST §1): the coordinator, or, while its record has expired, the
 the signed manifest lists (none unless the operator named some). A seal counts only as the next link of
 the chain this replica holds (`seal_verdict`): a far-future seal, a fork or a seal by anyone else is
 ignored. When a round cannot be applied here it catches up by downloading θ from the sealer, checked
-against the digests the sealer publishes in its own signed record.
+against the digests the sealer signs: the coordinator's `head` entry, a stand-in's peer record. After
+every round the replica compares its own digests with the coordinator's head.
 """
 
 from __future__ import annotations
@@ -24,7 +25,6 @@ from typing import Any
 
 from hetnode.config import Config
 from hetnode.daemon.payload_fetch import PayloadsUnavailable, fetch_sealed
-from hetnode.daemon.rounds import ApplyError, GlobalModel, PayloadOpener, sha256_hex
 from hetnode.daemon.sealing import Sealer
 from hetnode.daemon.view import PeerDirectory, SwarmView
 from hetnode.errors import HetnodeError, WireError
@@ -33,6 +33,7 @@ from hetnode.net.signing import open_payload, sign_payload
 from hetnode.net.streams import PeerRequestError
 from hetnode.planning.fetch import DEMOTED_ROUNDS, Holder, fetch_order, holders_of
 from hetnode.planning.rounds import Announcement, seal_now
+from hetnode.replica.global_model import ApplyError, GlobalModel, PayloadOpener, sha256_hex
 from hetnode.service.lifecycle import sleep_or_stop, sleep_or_wake
 from hetnode.service.metrics import PeerMetrics
 from hetnode.service.round_log import RoundRecord, append_round
@@ -60,6 +61,14 @@ def payload_opener(run: str, config: Config) -> PayloadOpener:
 async def read_seal(node: SwarmNode, sealer: str) -> dict[str, Any] | None:
     entry = (await node.read_field("seal")).get(sealer)
     return entry.value if entry is not None and isinstance(entry.value, dict) else None
+
+
+async def read_head(node: SwarmNode, coordinator: str) -> tuple[int, dict[str, str]] | None:
+    """The coordinator's θ as its `head` entry states it: (round, layer digests), or None when absent."""
+    entry = (await node.read_field("head")).get(coordinator)
+    if entry is None or not isinstance(entry.value, dict):
+        return None
+    return entry.value["round"], dict(entry.value["layer_digests"])
 
 
 async def fetch_state(
@@ -370,8 +379,7 @@ class RoundParticipant:
         if round_ is None or round_ != self.global_model.params_round:
             self.unchecked = None
             return False
-        record = (await self.view.get(max_age_s=0)).peers.get(self.coordinator, {})
-        their_round, theirs = record.get("params_round"), record.get("layer_digests")
+        their_round, theirs = await self.coordinator_theta()
         if not isinstance(their_round, int) or their_round < round_:
             return False
         self.unchecked = None
@@ -387,6 +395,15 @@ class RoundParticipant:
         if self.metrics is not None:
             self.metrics.digest_mismatches.inc()
         return await self.catch_up(stop, force=True)
+
+    async def coordinator_theta(self) -> tuple[int | None, dict[str, str] | None]:
+        """The round the coordinator's θ is at and its digests: from its `head` entry, one small read;
+        from its peer record (a read of every record) only when the head is missing."""
+        head = await read_head(self.node, self.coordinator)
+        if head is not None:
+            return head
+        record = (await self.view.get(max_age_s=0)).peers.get(self.coordinator, {})
+        return record.get("params_round"), record.get("layer_digests")
 
     def acting_stand_in(self, view: SwarmView) -> str | None:
         """The listed stand-in that seals now: the lowest-id live one, while the coordinator is silent."""
@@ -415,8 +432,12 @@ class RoundParticipant:
                 return False  # nothing sealed yet, or we hold newer θ (a coordinator restarting)
             if seal["round"] == held and seal_digest(seal) == self.global_model.seal_hash and not force:
                 return False  # we hold exactly that round
-            record = view.peers.get(sealer, {})
-            digests = record.get("layer_digests") if record.get("params_round") == seal["round"] else None
+            if sealer == self.coordinator:
+                their_round, digests = await self.coordinator_theta()
+            else:
+                record = view.peers.get(sealer, {})
+                their_round, digests = record.get("params_round"), record.get("layer_digests")
+            digests = digests if their_round == seal["round"] else None
             if sealer != self.coordinator and digests is None:
                 log.info(
                     "catch-up: stand-in %s has not published round %d's digests yet", sealer, seal["round"]

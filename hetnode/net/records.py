@@ -6,6 +6,9 @@ Keys (hivemind prefixes them as `{run}_{field}`):
   so that a daemon of another protocol version can still read it and refuse with a clear message.
 - `round`: subkey = the coordinator's owner key; the current boundary (outer step) number.
 - `peers`: subkey = each peer's owner key; what the peer says about itself.
+- `head`: subkey = the coordinator's owner key; the round its θ is at and that θ's layer digests, what
+  every replica checks its own against after a round. A key of its own, so that the check reads one small
+  entry instead of every peer's record.
 
 Every field has a lifetime cap (`MAX_TTL_S`) and a size cap (`MAX_RECORD_BYTES`), enforced by
 `RecordCapsValidator` where a record is stored and again where it is read (TRUST §5): without them one
@@ -40,13 +43,14 @@ MAX_MANIFEST_BYTES = 64 * 1024
 MAX_SHARDS = 1026  # 1024 layers, embed and head: the most shards a dict keyed by ShardName may have
 
 # Callers stay well under these: peers record_ttl_s (30 s in configs/), announce 300 s, manifest 600 s,
-# round 4 x boundary_s (120 s by default), seal 3600 s.
+# round 4 x boundary_s (120 s by default), seal and head 3600 s.
 MAX_TTL_S: dict[str, float] = {
     "manifest": 900.0,
     "round": 300.0,
     "peers": 120.0,
     "announce": 600.0,
     "seal": 7200.0,
+    "head": 7200.0,
 }
 # msgpack bytes of the value. Real records (1b config, 18 layers): peers ~0.8 KB, announce ~1.4 KB,
 # manifest ~1.2 KB, round ~50 B; a seal holds ~1.46 KB per contribution of all 20 shards, ~179 of them.
@@ -56,6 +60,7 @@ MAX_RECORD_BYTES: dict[str, int] = {
     "seal": 256 * 1024,
     "manifest": MAX_MANIFEST_BYTES + 1024,  # the schema's largest body and its envelope
     "round": 256,
+    "head": 4 * 1024,  # the digests of a peer record, which has the same cap
 }
 TTL_SLACK_S = 30.0  # honest peers' clocks disagree by seconds
 SIGNATURE_BYTES = 512  # RSASignatureValidator's "[signature:<base64>]" suffix: 356 bytes for RSA-2048
@@ -146,12 +151,22 @@ class SealRecord(pydantic.BaseModel):
     prev: pydantic.constr(strict=True, regex=r"^([0-9a-f]{64})?$")  # type: ignore[valid-type]  # the seal before
 
 
+class HeadRecord(pydantic.BaseModel):
+    """The coordinator's θ: the last round applied to it and its layer digests after that round."""
+
+    round: pydantic.conint(strict=True, ge=-1)  # type: ignore[valid-type]
+    layer_digests: dict[ShardName, Digest]  # type: ignore[valid-type]
+
+    _cap_digests = pydantic.validator("layer_digests", pre=True, allow_reuse=True)(_at_most_shards)
+
+
 class RunRecords(pydantic.BaseModel):
     manifest: dict[BytesWithPublicKey, ManifestRecord]
     round: dict[BytesWithPublicKey, RoundRecord]
     peers: dict[BytesWithPublicKey, PeerRecord]
     announce: dict[BytesWithPublicKey, AnnounceRecord]
     seal: dict[BytesWithPublicKey, SealRecord]
+    head: dict[BytesWithPublicKey, HeadRecord]
 
 
 def run_schema_validator(run: str) -> SchemaValidator:

@@ -31,3 +31,24 @@ def test_the_stretched_scheme_gains_more_the_larger_the_swarm_but_still_grows_wi
     assert ratio(385) > ratio(33) > ratio(9) > 1.0
     small, large = (sc.stretched(n, n - 1, SIZES, 20.0, MODEL).per_peer for n in (9, 385))
     assert large > small  # a read still moves every record: per-peer cost is O(N), not O(log N)
+
+
+def test_the_digest_check_reads_one_small_entry_not_the_swarms_records():
+    from dataclasses import replace
+
+    peers = 257
+    with_head = replace(SIZES, head=700.0)
+    extra = (
+        sc.stretched(peers, peers - 1, with_head, 20.0, MODEL).total
+        - sc.stretched(peers, peers - 1, SIZES, 20.0, MODEL).total
+    )
+    assert extra / peers == pytest.approx(MODEL.dht_replicas * 700.0)  # per replica read, and one store
+    lookup = sc.lookup_rpcs_today(peers, MODEL) * MODEL.rpc_bytes
+    check = lookup + MODEL.dht_replicas * 700.0
+    assert check < 0.2 * (lookup + MODEL.dht_replicas * peers * SIZES.peer_today)  # a read of every record
+
+
+def test_the_head_entry_is_sized_like_the_records_the_code_writes():
+    shards = ["embed", "head", *map(str, range(18))]
+    sizes = sc.record_sizes(shards, [tuple(shards[:11]), tuple(shards[11:])], 4, 2, 74_000)
+    assert sc.RECORD_OVERHEAD_BYTES < sizes.head < sizes.peer_today

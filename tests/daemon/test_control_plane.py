@@ -2,13 +2,16 @@
 back at once when something does, over real p2pd nodes on loopback."""
 
 import asyncio
+import logging
 import time
 
 import pytest
 
+from hetnode.daemon.participant import RoundParticipant, read_head
 from hetnode.daemon.view import PeerDirectory
 from hetnode.net import loop
 from hetnode.net.records import new_peer_record
+from hetnode.replica.global_model import GlobalModel
 from hetnode.service.presence import STABLE_STEPS, Cadence, Presence
 
 LINK = {"link_class": "low", "up_mbps": 20.0, "down_mbps": 20.0, "mem_gb": 1.0, "tflops": 0.5}
@@ -38,11 +41,13 @@ class Counting:
 
     def __init__(self, node, *methods: str) -> None:
         self.times: dict[str, list[float]] = {m: [] for m in methods}
+        self.fields: list[str] = []  # the record fields stored or read, in order
         for method in methods:
             original = getattr(node, method)
 
             async def counted(*args, _original=original, _method=method, **kwargs):
                 self.times[_method].append(time.monotonic())
+                self.fields.append(args[0] if args else kwargs.get("field"))
                 return await _original(*args, **kwargs)
 
             setattr(node, method, counted)
@@ -153,5 +158,49 @@ def test_a_store_no_node_accepted_is_retried_soon_and_does_not_stretch_the_heart
             assert presence.heartbeat_s == 30.0  # the refusal did not reset or stretch the cadence
             assert presence.stored
             assert peer.identity.peer_id in await reader.read_field("peers")
+
+    loop.run(scenario())
+
+
+@pytest.mark.slow
+def test_the_digest_check_after_a_round_reads_the_coordinators_head_not_the_peer_records(
+    nodes_on_loopback, tiny_config, tmp_path, caplog
+):
+    """The check every replica runs after every round costs one small entry, not a read of the swarm's
+    records; only the coordinator's head counts (an impostor's, under its own key, is not its), and a
+    malformed head is refused where it is stored."""
+
+    async def scenario():
+        async with nodes_on_loopback(3, "head-test") as (coordinator, replica, impostor):
+            model = GlobalModel(tiny_config)
+            model.params_round = 3
+            ours = model.digests()
+            participant = RoundParticipant(
+                tiny_config, replica, coordinator.identity.peer_id, model, False, tmp_path
+            )
+            reads = Counting(replica, "read_field")
+            stop = asyncio.Event()
+            stop.set()  # a mismatch would download θ: here it only has to be noticed
+
+            other = {shard: "0" * 16 for shard in ours}
+            assert await impostor.store_own("head", {"round": 3, "layer_digests": other}, ttl_s=60)
+            assert await coordinator.store_own("head", {"round": 3, "layer_digests": ours}, ttl_s=60)
+            participant.unchecked = 3
+            with caplog.at_level(logging.WARNING, logger="hetnode.daemon.participant"):
+                assert await participant.verify_agreement(stop) is False
+                assert participant.unchecked is None  # checked, and they agree
+                assert "differ" not in caplog.text
+                assert reads.fields == ["head"], reads.fields  # no read of the peer records
+
+                # a coordinator whose θ differs in one shard: noticed
+                differs = dict(ours, embed="f" * 16)
+                assert await coordinator.store_own("head", {"round": 3, "layer_digests": differs}, ttl_s=60)
+                participant.unchecked = 3
+                await participant.verify_agreement(stop)
+                assert "layer digests differ from the coordinator's in ['embed']" in caplog.text
+
+            for bad in ({"round": "3", "layer_digests": ours}, {"round": 3, "layer_digests": {"x": "00"}}):
+                assert not await impostor.store_own("head", bad, ttl_s=60)
+            assert await read_head(replica, impostor.identity.peer_id) == (3, other)
 
     loop.run(scenario())
