@@ -3,8 +3,10 @@
 The lab (`scale_lab.py`) runs a coordinator, anchors and chains on tc-shaped links and measures what a
 sealed round costs. The model (`scale.simulate_round`, mode `any-holder`, the code's schedule) is then run
 for the same swarm: the same mix of anchors and chains, the lab's link rates and measured RTT, the
-config's real payload sizes, today's control plane at the lab's heartbeat and round length. Both go side
-by side into `calibration.json`; `comparison` says, per quantity, whether the model is within 25 %.
+config's real payload sizes, today's control plane at the lab's heartbeat and round length. Its CPU term
+(`scale_cpu`) is measured here, on one thread, outside the lab: the sealer's check and aggregation before
+the seal, then each core's share of applying it (the lab pins processes to cores). Both go side by side
+into `calibration.json`; `comparison` says, per quantity, whether the model is within 25 %.
 """
 
 from __future__ import annotations
@@ -20,11 +22,13 @@ from hetnode.bench import scale_control
 from hetnode.bench.lab_guard import check_chain_possible, check_roles_possible
 from hetnode.bench.netlab import check_lab_possible
 from hetnode.bench.scale import ScalePlan, simulate_round
+from hetnode.bench.scale_cpu import RoundCpu, measure_round_cpu
 from hetnode.bench.scale_lab import CalibrationPlan, run_lab
 from hetnode.bench.scale_schedules import Links, Swarm
 from hetnode.bench.scale_sizes import payload_sizes, seal_bytes, stage_shards
 from hetnode.config import Config, replace
 from hetnode.errors import HetnodeError
+from hetnode.planning.layer_split import split_layers
 
 TOLERANCE = 0.25
 # One machine: the DHT answers in milliseconds (as in `hetnode bench network`); heartbeats stay seconds
@@ -59,20 +63,38 @@ def check_plan(config: Config, plan: CalibrationPlan) -> None:
         raise HetnodeError(f"the calibration needs a replica, a warm-up round and a measured round: {plan}")
 
 
+def cores_of(cpu_list: str) -> int:
+    """How many cores a taskset list names ("0", "1-3", "0,2")."""
+    count = 0
+    for part in cpu_list.split(","):
+        first, _, last = part.partition("-")
+        count += int(last or first) - int(first) + 1
+    return count
+
+
+def lab_splits(config: Config, stage_layers: Mapping[str, Sequence[int]] | None) -> list[range]:
+    """A chain's layers per stage as the lab's planner split them, or the even split."""
+    splits = {s: range(first, last + 1) for s, first, last in (stage_layers or {}).values()}
+    if sorted(splits) == list(range(config.pipeline.stages)):
+        return [splits[s] for s in range(config.pipeline.stages)]
+    return split_layers(config.model.n_layers, [1.0] * config.pipeline.stages)
+
+
 def model_side(
     config: Config,
     plan: CalibrationPlan,
     rtt_s: float,
     round_wall_s: float,
     stage_layers: Mapping[str, Sequence[int]] | None = None,
+    cpu: RoundCpu | None = None,
 ) -> dict[str, Any]:
     """The scale model's any-holder row for the lab's swarm, links and round; with `stage_layers`
     ({daemon: [stage, first layer, last layer]}, from the lab) the chain's layers as the planner split them
-    (by measured compute: not always evenly)."""
+    (by measured compute: not always evenly). `cpu`: the round's CPU costs (measured here when None)."""
     sizes = payload_sizes(config)
-    splits = {s: range(first, last + 1) for s, first, last in (stage_layers or {}).values()}
-    if sorted(splits) == list(range(plan.stages)):
-        held = stage_shards([splits[s] for s in range(plan.stages)], config.model.tie_embeddings)
+    splits = lab_splits(config, stage_layers)
+    if stage_layers:
+        held = stage_shards(splits, config.model.tie_embeddings)
         sizes = dataclasses.replace(sizes, stage_shards=held)
     swarm = Swarm(plan.anchors, plan.chains, plan.stages)
     links = Links(plan.anchor_mbit, plan.stage_mbit, plan.coordinator_mbit, rtt_s)
@@ -80,6 +102,11 @@ def model_side(
     scale_plan = ScalePlan((swarm.replicas,), (config.run.name,), links=links, control=control)
     row = simulate_round("any-holder", sizes, swarm, scale_plan)
     seal = seal_bytes(sizes, swarm.anchors, swarm.chains)
+    cpu = cpu or measure_round_cpu(config, plan.anchors, plan.chains, splits)
+    # the anchors share their cores; the chains' stages share theirs with the coordinator's own step
+    anchors_per_core = -(-plan.anchors // cores_of(plan.anchor_cores))
+    stage_core_s = (plan.chains * sum(cpu.stage_apply_s) + cpu.commit_s) / cores_of(plan.chain_cores)
+    before_seal_s, after_fetch_s = cpu.critical_path_s(anchors_per_core, stage_core_s)
     return {
         "row": row,
         "payload_bytes": sizes.payload_bytes,
@@ -87,6 +114,10 @@ def model_side(
         "stage_shards": sizes.stage_shards,
         "seal_bytes": seal,
         "links": asdict(links),
+        "cpu": asdict(cpu),
+        "cpu_before_seal_s": before_seal_s,
+        "cpu_after_fetch_s": after_fetch_s,
+        "anchor_apply_shared_s": anchors_per_core * cpu.anchor_apply_s,
     }
 
 
@@ -202,19 +233,27 @@ def compare(measured: dict[str, Any], model: dict[str, Any], plan: CalibrationPl
             median_of(names, lambda n: logs[n]["fetch_s"]),
             "seal → fetched",
         )
+    fetched_s = row["round_s"] + model["cpu_before_seal_s"]
+    add(
+        "anchor checking and applying (fetched → applied)",
+        "s",
+        model["anchor_apply_shared_s"],
+        median_of(anchors, lambda n: _apply_after_fetch(logs[n])),
+        "decode, aggregate and step, each anchor's share of their core",
+    )
     add(
         "sync time (last announcement → all fetched)",
         "s",
-        row["round_s"],
+        fetched_s,
         measured.get("critical_fetch_s"),
-        "validation, seal, reading the seal, fetching: the model's round",
+        "links (validation, seal, fetching) plus the sealer's check and aggregation",
     )
     add(
         "sync time (last announcement → all applied)",
         "s",
-        row["round_s"],
+        fetched_s + model["cpu_after_fetch_s"],
         measured["critical_sync_s"],
-        "the lab adds validation, signing checks, decoding and applying on shared CPUs",
+        "then the busiest core's share of applying the seal",
     )
     sync = row["anchor_download_bytes"] + row["anchor_upload_bytes"]
     wire = median_of(anchors, lambda n: hosts[n]["rx"] + hosts[n]["tx"])
@@ -235,6 +274,11 @@ def compare(measured: dict[str, Any], model: dict[str, Any], plan: CalibrationPl
     return out
 
 
+def _apply_after_fetch(log: Mapping[str, Any]) -> float | None:
+    apply_s, fetch_s = log.get("apply_s"), log.get("fetch_s")
+    return apply_s - fetch_s if apply_s is not None and fetch_s is not None else None
+
+
 def run_calibration(
     config: Config, out_dir: Path, plan: CalibrationPlan | None = None, progress: bool = True
 ) -> dict:
@@ -251,10 +295,12 @@ def run_calibration(
     return report
 
 
-def calibration_report(config: Config, plan: CalibrationPlan, measured: dict[str, Any]) -> dict[str, Any]:
+def calibration_report(
+    config: Config, plan: CalibrationPlan, measured: dict[str, Any], cpu: RoundCpu | None = None
+) -> dict[str, Any]:
     """The report from what the lab measured: the model run for it and the comparison."""
     model = model_side(
-        config, plan, measured["rtt_s"], measured["round_wall_s"], measured.get("stage_layers")
+        config, plan, measured["rtt_s"], measured["round_wall_s"], measured.get("stage_layers"), cpu
     )
     comparison = compare(measured, model, plan)
     return {

@@ -11,7 +11,8 @@ import torch
 from hetnode.algo.sparseloco import SparseLoCoCodec
 from hetnode.bench import scale, scale_control
 from hetnode.bench.fluid import NodeGroup, Transfer, link_seconds, simulate
-from hetnode.bench.scale_calibrate import calibration_report, lab_config
+from hetnode.bench.scale_calibrate import calibration_report, cores_of, lab_config
+from hetnode.bench.scale_cpu import RoundCpu, measure_round_cpu
 from hetnode.bench.scale_fetch import QUANTUM_OF_LIMIT, daemon_fetch, fair_rates
 from hetnode.bench.scale_lab import CalibrationPlan
 from hetnode.bench.scale_sizes import ROUND, payload_sizes, seal_bytes, shard_shapes, signed_payload_bytes
@@ -266,13 +267,32 @@ def test_cli_quick_writes_json_and_plot(tmp_path: Path):
     assert all(r.get("daemon") for r in report["rows"] if r["mode"] == "any-holder")
 
 
+CPU = RoundCpu(
+    seal_check_s=0.01, seal_prepare_s=0.2, anchor_apply_s=0.3, stage_apply_s=(0.1, 0.1), commit_s=0.05
+)
+
+
+def test_a_rounds_cpu_is_measured_on_real_payloads_of_the_swarm():
+    config = load_config(CONFIGS / "tiny.toml")
+    splits = [range(0, 1), range(1, config.model.n_layers)]
+    cpu = measure_round_cpu(config, anchors=3, chains=1, splits=splits, repeats=1)
+    assert 0 < cpu.seal_check_s < cpu.anchor_apply_s  # one payload against all of them
+    assert 0 < cpu.seal_prepare_s <= cpu.anchor_apply_s * 1.5
+    assert len(cpu.stage_apply_s) == 2 and all(0 < s < cpu.anchor_apply_s * 1.5 for s in cpu.stage_apply_s)
+    before, after = cpu.critical_path_s(anchors_per_core=4, stage_core_work_s=0.0)
+    assert before == cpu.seal_check_s + cpu.seal_prepare_s and after == 4 * cpu.anchor_apply_s
+
+
 def _lab_fixture(sizes, plan) -> dict:
     """What a lab run of `plan` would write if every payload byte were as the model has it, by hand: an
     anchor fetches 6 anchors' payloads and both stages' slices, a stage the 7 anchors' slices of its layers;
     every author serves its payload to the coordinator and the 7 others; the wire adds made-up DHT bytes."""
     p, (s0, s1) = sizes.payload_bytes, (sizes.stage_bytes(0), sizes.stage_bytes(1))
     anchors, stages = plan.names()
-    logs = {a: {"upload_bytes": p, "download_bytes": 6 * p + s0 + s1, "fetch_s": 0.05} for a in anchors}
+    logs = {
+        a: {"upload_bytes": p, "download_bytes": 6 * p + s0 + s1, "fetch_s": 0.05, "apply_s": 2.15}
+        for a in anchors
+    }
     logs |= {
         n: {"upload_bytes": s, "download_bytes": 7 * s, "fetch_s": 0.4}
         for n, s in zip(stages, (s0, s1), strict=True)
@@ -299,7 +319,7 @@ def test_calibration_table_puts_the_model_next_to_the_lab():
     config = lab_config(load_config(CONFIGS / "tiny.toml"), plan)
     assert config.pipeline.stages == 2 and config.outer.inner_steps == plan.inner_steps
     sizes = payload_sizes(config)
-    report = calibration_report(config, plan, _lab_fixture(sizes, plan))
+    report = calibration_report(config, plan, _lab_fixture(sizes, plan), CPU)
     table = {c["quantity"]: c for c in report["comparison"]}
     for exact in (
         "payload p (an anchor's upload)",
@@ -317,21 +337,30 @@ def test_calibration_table_puts_the_model_next_to_the_lab():
     # 0.4 s measured against the 20 Mbit/s link's 7 × slice: the ratio is the model's over the lab's
     fetch = table["stage 1 fetch time"]
     assert fetch["model_over_lab"] == pytest.approx(fetch["model"] / 0.4)
-    assert not table["sync time (last announcement → all applied)"]["within_25pct"]  # CPU, not links
+    # the CPU term: the sealer's check and aggregation, then 7 anchors applying on their one core
+    links_s = report["model"]["row"]["round_s"]
+    assert table["sync time (last announcement → all fetched)"]["model"] == pytest.approx(links_s + 0.21)
+    applied = table["sync time (last announcement → all applied)"]
+    assert applied["model"] == pytest.approx(links_s + 0.21 + 7 * 0.3)
+    assert table["anchor checking and applying (fetched → applied)"]["model_over_lab"] == pytest.approx(1.0)
     assert set(report["within_25pct"]) | set(report["outside_25pct"]) == set(table)
     # the planner numbers the stages, not their names: stage 0 is the daemon that logged stage 0
     swapped = _lab_fixture(sizes, plan)
     anchors, stages = plan.names()
     swapped["stage_layers"] = {stages[0]: [1, 2, 3], stages[1]: [0, 0, 1]}
     swapped["logs"][stages[1]]["download_bytes"] = 123
-    table = {c["quantity"]: c for c in calibration_report(config, plan, swapped)["comparison"]}
+    table = {c["quantity"]: c for c in calibration_report(config, plan, swapped, CPU)["comparison"]}
     assert table["stage 0 sealed download (payloads)"]["lab"] == 123
     # the planner's split, as the lab logged it, is the model's: 3 layers and the embedding on stage 0
     uneven = _lab_fixture(sizes, plan) | {"stage_layers": {"a": [0, 0, 2], "b": [1, 3, 3]}}
-    model = calibration_report(config, plan, uneven)["model"]
+    model = calibration_report(config, plan, uneven, CPU)["model"]
     assert model["stage_shards"] == (("embed", "0", "1", "2"), ("3", "head"))
     assert sum(model["stage_payload_bytes"]) == sizes.payload_bytes
     json.dumps(report)  # the report is JSON as written
+
+
+def test_taskset_lists_count_their_cores():
+    assert [cores_of(x) for x in ("0", "1-3", "0,2", "0-1,4")] == [1, 3, 2, 3]
 
 
 def test_calibrate_needs_root(monkeypatch, tmp_path: Path, capsys):
