@@ -14,6 +14,7 @@ import time
 from typing import Any
 
 from hetnode.net.node import SwarmNode
+from hetnode.net.records import MAX_TTL_S
 from hetnode.service.lifecycle import sleep_or_stop, sleep_or_wake
 
 log = logging.getLogger(__name__)
@@ -80,9 +81,11 @@ class Presence:
             self._published_events = events
             now = time.time()
             self.record["last_seen"] = now
-            # lives as many heartbeats as at the base cadence; never shorter than what is stored already,
-            # which a DHT node would refuse as older than its copy
-            ttl = max(self.ttl_s * self.cadence.period_s / self.cadence.base_s, self._expires - now + 1e-3)
+            # lives as many heartbeats as at the base cadence, within the field's cap (every DHT node
+            # refuses a longer-lived record); never shorter than what is stored already, which a DHT node
+            # would refuse as older than its copy
+            stretched = min(self.ttl_s * self.cadence.period_s / self.cadence.base_s, MAX_TTL_S["peers"])
+            ttl = max(stretched, self._expires - now + 1e-3)
             stored = await self.node.store_own("peers", dict(self.record), ttl)
             if stored:
                 self._expires = now + ttl

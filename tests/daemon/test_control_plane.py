@@ -10,7 +10,7 @@ import pytest
 from hetnode.daemon.participant import RoundParticipant, read_head
 from hetnode.daemon.view import PeerDirectory
 from hetnode.net import loop
-from hetnode.net.records import new_peer_record
+from hetnode.net.records import MAX_TTL_S, new_peer_record
 from hetnode.replica.global_model import GlobalModel
 from hetnode.service.presence import STABLE_STEPS, Cadence, Presence
 
@@ -77,6 +77,25 @@ def test_a_stable_record_heartbeats_less_often_lives_longer_and_a_role_change_st
             assert len(stores.times["store_own"]) - before >= 2
             stop.set()
             await beating
+
+    loop.run(scenario())
+
+
+@pytest.mark.slow
+def test_a_stretched_record_never_outlives_the_fields_cap_and_is_still_stored(nodes_on_loopback):
+    """`small`'s settings (30 s records at a 10 s heartbeat, 60 s once stable) stretch a record to 180 s,
+    past the 120 s every DHT node allows: without the cap, every store of a stable swarm was refused."""
+
+    async def scenario():
+        async with nodes_on_loopback(2, "presence-cap") as (reader, peer):
+            presence = Presence(peer, record("p"), heartbeat_s=10.0, ttl_s=30.0, stable_heartbeat_s=60.0)
+            assert await presence.publish()
+            for _ in range(3 * 4):  # stable long enough for the 60 s heartbeat
+                presence.cadence.observe(changed=False)
+            assert presence.heartbeat_s == 60.0
+            assert await presence.publish(), "a stable record must still be stored"
+            entry = (await reader.read_field("peers"))[peer.identity.peer_id]
+            assert 60.0 < entry.expiration - time.time() <= MAX_TTL_S["peers"] + 1.0
 
     loop.run(scenario())
 
