@@ -139,7 +139,8 @@ class NetworkConfig:
     record_ttl_s: float = 30.0
     # Once a peer's role and the swarm's membership stop changing, its record heartbeats and its reads of
     # the others' records stretch from `heartbeat_s` up to this (records then live
-    # record_ttl_s × stable_heartbeat_s / heartbeat_s); any change brings them back to `heartbeat_s`.
+    # record_ttl_s × stable_heartbeat_s / heartbeat_s, at most 120 s); any change brings them back to
+    # `heartbeat_s`.
     stable_heartbeat_s: float = 60.0
     # Roles and chains change only at boundaries; while the swarm is not training the coordinator
     # opens one every `boundary_s` seconds. Chain members must all confirm within `confirm_s`.
