@@ -2,14 +2,14 @@
 manifest and opens a boundary every `network.boundary_s` (roles and chains change only at boundaries).
 
 State in the data dir survives a restart: identity key (same peer id), the bound port (same address
-when `--listen` asked for port 0), the run id and the boundary counter.
+when `--listen` asked for port 0), the run id and the boundary counter. Before anything there is written,
+`bootstrap/run_state.py` checks that `--config` continues the stored run (or moves it aside: `--new-run`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import secrets
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,6 +19,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from bootstrap.admissions import Admissions, read_allowlist
 from bootstrap.ledger import Ledger
 from bootstrap.round_keeper import RoundKeeper
+from bootstrap.run_state import LEDGER_FILE, NEIGHBOURS_FILE, STATE_FILE, begin_new_run, go_on_with_run
 from bootstrap.status_page import StatusBoard
 from bootstrap.swarm_metrics import SwarmMetrics
 from hetnode.config import Config, load_config
@@ -37,12 +38,9 @@ from hetnode.wire.manifest import PROTOCOL_VERSION, Manifest
 
 log = logging.getLogger(__name__)
 
-STATE_FILE = "coordinator.json"
-NEIGHBOURS_FILE = "neighbours.json"
 MANIFEST_TTL_S = 600.0
 MANIFEST_REFRESH_S = 60.0
 DEFAULT_LISTEN = "/ip4/0.0.0.0/tcp/31337"
-LEDGER_FILE = "ledger.sqlite"
 
 
 @dataclass(frozen=True)
@@ -59,6 +57,7 @@ class BootstrapOptions:
     stand_ins: tuple[str, ...] = ()  # peers that may seal while the coordinator is away (TRUST §1)
     admission: str = "open"  # open | allowlist | tokens
     allowlist: Path | None = None  # peer ids admitted in "allowlist" mode
+    new_run: bool = False  # start a new run in data_dir, the old run's files moved aside (run_state.py)
 
 
 def listen_address(requested: str, state: dict) -> str:
@@ -89,21 +88,20 @@ class Coordinator:
         self.options = options
         self.config: Config = load_config(options.config_path)
         self._bootstrapped_from: list[str] = []
+        self._allowlist: frozenset[str] = frozenset()
 
     async def run(self) -> int:
         stop = stop_on_signals()
         with DataDir(self.options.data_dir) as data_dir:
-            state = data_dir.read_json(STATE_FILE)
-            if state.get("config_name") not in (None, self.config.run.name):
-                log.warning(
-                    "data dir held run %s; starting a new run for %s", state.get("run"), self.config.run.name
-                )
-                state = {}
-            state.setdefault("run", f"{self.config.run.name}-{secrets.token_hex(4)}")
-            state.setdefault("created", time.time())
-            state["config_name"] = self.config.run.name
-            identity = load_or_create_identity(self.options.identity or data_dir.path / "identity.key")
-            listen = listen_address(self.options.listen, state)
+            o = self.options
+            # every check reads only: a refused start leaves the data dir as it found it
+            self._allowlist = read_allowlist(o.allowlist) if o.allowlist is not None else frozenset()
+            if o.new_run:
+                state = begin_new_run(data_dir, self.config)
+            else:
+                state = go_on_with_run(data_dir, self.config, o.config_path)  # written once the node is up
+            identity = load_or_create_identity(o.identity or data_dir.path / "identity.key")
+            listen = listen_address(o.listen, state)
             remembered = [
                 m for m in data_dir.read_json(NEIGHBOURS_FILE).get("maddrs", []) if isinstance(m, str)
             ]
@@ -159,8 +157,7 @@ class Coordinator:
             node.identity.private_key.get_public_key().to_bytes().decode(),
         )
         if o.admission != "open":
-            allowlist = read_allowlist(o.allowlist) if o.allowlist is not None else frozenset()
-            admissions = Admissions(o.admission, node.identity, run, data_dir, allowlist)
+            admissions = Admissions(o.admission, node.identity, run, data_dir, self._allowlist)
             node.set_admit_handler(admissions.grant)
             log.info("closed run: admission by %s", o.admission)
         membership = Membership(node, self.config, manifest, node.identity.peer_id)

@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 from bootstrap.ledger import Contribution, Ledger, Verdict
+from bootstrap.run_state import CHECKPOINT, HISTORY, shape_mismatch
 from bootstrap.swarm_metrics import REPLICA_ROLES, SwarmMetrics
 from bootstrap.verifier import Verifier, replica_of
 from hetnode.config import Config
@@ -34,7 +35,7 @@ from hetnode.daemon.participant import fetch_state, payload_opener
 from hetnode.daemon.sealing import SealedRound, Sealer
 from hetnode.daemon.view import PeerDirectory, SwarmView
 from hetnode.data.dataset import TokenDataset
-from hetnode.errors import WireError
+from hetnode.errors import CheckpointError, WireError
 from hetnode.model.decoder import build_model
 from hetnode.net.node import SwarmNode
 from hetnode.net.streams import PeerRequestError
@@ -49,8 +50,6 @@ from hetnode.wire.sync_payload import DecodedPayload
 log = logging.getLogger(__name__)
 
 POLL_S = 0.5  # announcements are also nudged to us: this is the fallback and the deadline's resolution
-CHECKPOINT = "global.pt"
-HISTORY = "rounds.jsonl"
 HISTORY_KEPT = 500  # rounds kept in memory for the status page
 HEAD_TTL_S = 3600.0  # rewritten every round; it outlives long rounds, and replicas compare round numbers
 
@@ -432,8 +431,13 @@ class RoundKeeper:
             return
         state = torch.load(path, map_location="cpu", weights_only=True)
         params = state["params"]
-        if set(params) != set(self.global_model.params):
-            raise WireError("checkpoint", f"{path} holds another model")
+        # the coordinator checked this before starting (run_state.py); the file may have changed since
+        problem = shape_mismatch(
+            {name: tuple(t.shape) for name, t in params.items()},
+            {name: tuple(t.shape) for name, t in self.global_model.params.items()},
+        )
+        if problem is not None:
+            raise CheckpointError(f"{path} holds another model: {problem}")
         with torch.no_grad():
             for name, tensor in params.items():
                 self.global_model.params[name].copy_(tensor)

@@ -1,10 +1,12 @@
-"""A daemon's data directory: one daemon at a time (a lock), small JSON state written atomically."""
+"""A daemon's data directory: one daemon at a time (a lock), small JSON state written atomically, and files
+moved aside (never deleted) when a daemon starts over in the same folder."""
 
 from __future__ import annotations
 
 import fcntl
 import json
 import os
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -53,7 +55,33 @@ class DataDir:
         return data
 
     def write_json(self, name: str, data: dict[str, Any]) -> None:
+        """Atomic: a reader, or a start after a crash, finds the old file or the new one, whole (a rename over
+        it). No fsync: daemons write here from their event loop, which must not wait behind the disk
+        flushing a checkpoint."""
         path = self.path / name
         tmp = path.with_suffix(".tmp")
         tmp.write_text(json.dumps(data, indent=1, sort_keys=True))
         os.replace(tmp, path)
+
+    def move_aside(self, names: Sequence[str], folder: str) -> list[str]:
+        """Move those of `names` that exist into `DATA_DIR/folder` (created), in the order given; the ones
+        moved. Renames inside the data dir: nothing is copied or deleted, each move is all or nothing."""
+        present = [name for name in names if (self.path / name).exists()]
+        if not present:
+            return []
+        target = self.path / folder
+        target.mkdir(parents=True, exist_ok=False)
+        for name in present:
+            os.replace(self.path / name, target / name)
+        for folder_path in (target, self.path):  # once, at start-up: make the renames survive a power cut
+            _sync_folder(folder_path)
+        return present
+
+
+def _sync_folder(path: Path) -> None:
+    """POSIX records a rename in the folder: syncing it makes the rename durable."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
