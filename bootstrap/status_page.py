@@ -34,6 +34,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 from bootstrap.ledger import Ledger, Standing, Verdict
+from hetnode.daemon.status import format_mbit
 from hetnode.service.http_server import Response, Route
 
 LEADERBOARD_TOP = 100
@@ -322,7 +323,7 @@ def render_page(
     )
 
     def link(p: Mapping[str, Any]) -> str:
-        return f"↑ {_fmt_float(p.get('up_mbps'), 3)} / ↓ {_fmt_float(p.get('down_mbps'), 3)} Mbps"
+        return f"↑ {format_mbit(p.get('up_mbps'))} / ↓ {format_mbit(p.get('down_mbps'))} Mbit/s"
 
     def chain_stage(p: Mapping[str, Any]) -> str:
         chain = p.get("chain")

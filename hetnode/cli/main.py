@@ -10,9 +10,11 @@ from collections.abc import Sequence
 from hetnode import __version__
 from hetnode.cli import bench, demo, swarm, train
 from hetnode.errors import ConfigError, HetnodeError
+from hetnode.service.lifecycle import Stopped
 
 EXIT_ERROR = 1
 EXIT_USAGE = 2  # bad config or arguments
+EXIT_INTERRUPTED = 130  # as a shell reports a command ended by Ctrl+C
 
 SUBCOMMANDS = (demo, train, bench, swarm)
 
@@ -39,20 +41,31 @@ def setup_logging(verbose: bool, prefix: str = "hetnode") -> None:
     )
 
 
+def config_error_text(exc: ConfigError) -> str:
+    """A flag's error names the flag once ("--bandwidth: must be ..."); a config file's error names the
+    file and the key at fault ("config error: configs/x.toml: model.dim: ...")."""
+    if exc.path.startswith("-"):
+        return f"{exc.path}: {exc.message}"
+    return f"config error: {exc}"
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     setup_logging(args.verbose)
     try:
         return int(args.handler(args) or 0)
     except ConfigError as exc:
-        print(f"hetnode: config error: {exc}", file=sys.stderr)
+        print(f"hetnode: {config_error_text(exc)}", file=sys.stderr)
         return EXIT_USAGE
+    except Stopped as exc:  # a one-shot command (status) stopped by Ctrl+C or SIGTERM while it waited
+        print(f"hetnode: interrupted ({exc})", file=sys.stderr)
+        return EXIT_INTERRUPTED
     except HetnodeError as exc:
         print(f"hetnode: {exc}", file=sys.stderr)
         return EXIT_ERROR
     except KeyboardInterrupt:
         print("hetnode: interrupted", file=sys.stderr)
-        return 130
+        return EXIT_INTERRUPTED
 
 
 if __name__ == "__main__":

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import socket
+import time
 from pathlib import Path
 
 from hetnode.errors import ConfigError
@@ -47,6 +48,13 @@ def register(commands: argparse._SubParsersAction) -> None:
     )
     boot.add_argument("--data-dir", type=Path, default=DEFAULT_HOME / "bootstrap", help="state folder")
     boot.add_argument(
+        "--new-run",
+        action="store_true",
+        help="start a new run in --data-dir even though it holds one: the old run's files move to "
+        "DATA_DIR/previous-runs/ (nothing is deleted; same peer id and address). Without it, a --config "
+        "that does not continue the stored run is refused and nothing is changed",
+    )
+    boot.add_argument(
         "--http-port",
         type=port_or_off,
         default=DEFAULT_STATUS_PORT,
@@ -84,7 +92,9 @@ def register(commands: argparse._SubParsersAction) -> None:
     join.add_argument(
         "--peer",
         required=True,
-        help="multiaddr of any swarm member (ending in /p2p/<peer id>), or the coordinator's http://HOST:PORT",
+        help="the coordinator's status URL http://HOST:PORT (PORT: its --http-port, default "
+        f"{DEFAULT_STATUS_PORT}), or the multiaddr of any swarm member from its READY line (ending in "
+        "/p2p/<peer id>); waited for up to --connect-timeout",
     )
     join.add_argument(
         "--coordinator",
@@ -109,8 +119,19 @@ def register(commands: argparse._SubParsersAction) -> None:
     )
     join.add_argument("--name", default=None, help="name on the leaderboard (default: host name)")
     join.add_argument("--bandwidth", default="auto", help="auto (measure) or this link's Mbit/s")
-    join.add_argument("--role", choices=("auto", "anchor", "stage"), default="auto")
-    join.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    join.add_argument(
+        "--role",
+        choices=("auto", "anchor", "stage"),
+        default="auto",
+        help="auto (default): the link's class decides (anchor on a fast link, a chain stage otherwise); "
+        "anchor or stage: ask for that role",
+    )
+    join.add_argument(
+        "--device",
+        choices=("cpu", "cuda"),
+        default="cpu",
+        help="where this peer trains (default %(default)s; cuda needs a CUDA build of torch and a GPU)",
+    )
     join.add_argument(
         "--data-dir", type=Path, default=None, help="state folder (default ~/.hetnode/peers/NAME)"
     )
@@ -122,7 +143,14 @@ def register(commands: argparse._SubParsersAction) -> None:
         help="serve circuit relay to peers behind NAT that join through this peer (a publicly reachable "
         "anchor; the coordinator serves it unless network.relay_service = false)",
     )
-    join.add_argument("--connect-timeout", type=float, default=60.0, help="seconds to wait for the swarm")
+    join.add_argument(
+        "--connect-timeout",
+        type=float,
+        default=60.0,
+        metavar="SECONDS",
+        help="how long to wait for --peer to answer (an http:// URL's status API, then the P2P port) and "
+        "for the run's manifest, retrying while it starts (default %(default)g); then fail with the reason",
+    )
     join.add_argument(
         "--metrics-port",
         type=port_or_off,
@@ -137,10 +165,20 @@ def register(commands: argparse._SubParsersAction) -> None:
 
     status = commands.add_parser("status", help="show the swarm as the DHT sees it")
     status.add_argument(
-        "--peer", required=True, help="multiaddr of any swarm member, or the coordinator's http://HOST:PORT"
+        "--peer",
+        required=True,
+        help="the coordinator's status URL http://HOST:PORT (PORT: its --http-port, default "
+        f"{DEFAULT_STATUS_PORT}), or the multiaddr of any swarm member from its READY line",
     )
     status.add_argument("--json", action="store_true", help="machine-readable output (a stable interface)")
-    status.add_argument("--timeout", type=float, default=30.0)
+    status.add_argument(
+        "--timeout",
+        type=float,
+        default=30.0,
+        metavar="SECONDS",
+        help="give up after this long, saying why (default %(default)g); a --peer where nothing listens "
+        "fails at once",
+    )
     status.add_argument("--listen", default="/ip4/127.0.0.1/tcp/0", help=argparse.SUPPRESS)
     status.set_defaults(handler=run_status)
 
@@ -169,6 +207,7 @@ def run_bootstrap(args: argparse.Namespace) -> int:
         stand_ins=stand_ins,
         admission=admission,
         allowlist=allowlist,
+        new_run=args.new_run,
     )
     return loop.run(Coordinator(options).run())
 
@@ -202,8 +241,17 @@ def print_token(args: argparse.Namespace) -> int:
 
 
 def run_join(args: argparse.Namespace) -> int:
+    from hetnode.cli.device import check_device
     from hetnode.daemon.peer import JoinOptions, PeerDaemon
+    from hetnode.daemon.peer_address import check_peer
 
+    check_peer(args.peer, "--connect-timeout")
+    if not 0 < args.connect_timeout <= 86400:
+        raise ConfigError(
+            "--connect-timeout",
+            "connect_timeout",
+            f"must be in (0, 86400] seconds, got {args.connect_timeout:g}",
+        )
     name = args.name or socket.gethostname()
     if not name or len(name) > 64:
         raise ConfigError("--name", "name", "must be 1..64 characters")
@@ -216,14 +264,10 @@ def run_join(args: argparse.Namespace) -> int:
                 "--bandwidth", "bandwidth", f"expected 'auto' or Mbit/s, got {args.bandwidth!r}"
             ) from None
         if not 0 < bandwidth < 1e6:
-            raise ConfigError("--bandwidth", "bandwidth", f"must be in (0, 1e6) Mbit/s, got {bandwidth}")
-    if args.device == "cuda":
-        import torch
-
-        if not torch.cuda.is_available():
             raise ConfigError(
-                "--device", "device", "cuda requested but no CUDA device is available (use cpu)"
+                "--bandwidth", "bandwidth", f"must be above 0 and below 1000000 Mbit/s, got {args.bandwidth}"
             )
+    check_device(args.device)
     coordinator = None
     if args.coordinator is not None:
         from hetnode.net.identity import check_peer_id
@@ -253,10 +297,30 @@ def run_join(args: argparse.Namespace) -> int:
 
 
 def run_status(args: argparse.Namespace) -> int:
-    from hetnode.daemon.peer_address import resolve_peer
-    from hetnode.daemon.status import query_status, render_table
+    from hetnode.daemon.peer_address import check_peer
+    from hetnode.daemon.status import render_table
 
-    peer = resolve_peer(args.peer, args.timeout)
-    document = loop.run(query_status(peer, args.timeout, args.listen))
+    check_peer(args.peer, "--timeout")
+    if not 0 < args.timeout <= 3600:
+        raise ConfigError("--timeout", "timeout", f"must be in (0, 3600] seconds, got {args.timeout:g}")
+    document = loop.run(read_status(args.peer, args.timeout, args.listen))
     print(json.dumps(document, indent=1) if args.json else render_table(document), flush=True)
     return 0
+
+
+async def read_status(peer: str, timeout_s: float, listen: str) -> dict:
+    """The status document within about `timeout_s` (the URL's request and the DHT read share it); a
+    Ctrl+C or SIGTERM ends the wait at once (`Stopped`)."""
+    from hetnode.daemon.peer_address import resolve_peer
+    from hetnode.daemon.status import query_status
+    from hetnode.service.lifecycle import release_signals, stop_on_signals
+
+    stop = stop_on_signals()
+    try:
+        started = time.monotonic()
+        # asked once: a status query does not wait for a coordinator to start, whichever form --peer takes
+        maddr = await resolve_peer(peer, timeout_s, stop, retry=False, flag="--timeout")
+        left = max(1.0, timeout_s - (time.monotonic() - started))
+        return await query_status(maddr, left, listen, stop)
+    finally:
+        release_signals()

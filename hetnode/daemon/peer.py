@@ -114,13 +114,17 @@ class PeerDaemon:
         return self._config
 
     async def run(self) -> int:
+        stop = stop_on_signals()  # first: the wait for a coordinator URL ends on Ctrl+C too
         if is_url(self.options.peer):
-            peer = await asyncio.to_thread(resolve_peer, self.options.peer, self.options.connect_timeout_s)
+            try:
+                peer = await resolve_peer(self.options.peer, self.options.connect_timeout_s, stop)
+            except Stopped as exc:
+                log.info("%s", exc)
+                return 0
             self.options = dataclasses.replace(self.options, peer=peer)
             # the URL is the coordinator's own: it names the peer id to follow
             self.pinned = self.pinned or peer_id_from_maddr(peer)
         peer_id_from_maddr(self.options.peer)  # a clear error before any daemon starts
-        stop = stop_on_signals()
         with DataDir(self.options.data_dir) as data_dir:
             remembered = data_dir.read_json(PIN_FILE).get("coordinator")
             if self.pinned is None and isinstance(remembered, str):

@@ -21,6 +21,7 @@ from hetnode.net.identity import Identity, peer_id_from_maddr
 from hetnode.net.node import SwarmNode
 from hetnode.net.streams import PeerRequestError
 from hetnode.planning.reachability import Reachability, judge
+from hetnode.service.lifecycle import Stopped, sleep_or_stop, unless_stopped
 
 log = logging.getLogger(__name__)
 
@@ -49,7 +50,11 @@ async def reach_swarm(
     answer = None
     if port is not None:
         try:
-            answer = await node.ask_dial_back(contact, port)
+            asking = node.ask_dial_back(contact, port)  # up to 15 s: a Ctrl+C must not wait for it
+            answer = await unless_stopped(stop, asking, f"asking {contact} to dial us back")
+        except Stopped:
+            await node.shutdown()
+            return None, None
         except (PeerRequestError, TimeoutError, HetnodeError) as exc:
             log.info("%s did not answer a dial-back (%s): judging from addresses", contact, exc)
     if answer is not False or relay_service:  # a relay is never itself relayed
@@ -64,10 +69,17 @@ async def reach_swarm(
         return None, None
     relayed = False
     for attempt in range(RELAY_CHECK_TRIES):
-        relayed = await relayed_node.reachable_through(peer_maddr)
+        try:
+            checking = relayed_node.reachable_through(peer_maddr)  # up to 20 s each
+            relayed = await unless_stopped(stop, checking, f"checking the relay slot on {contact}")
+        except Stopped:
+            await relayed_node.shutdown()
+            return None, None
         if relayed or attempt == RELAY_CHECK_TRIES - 1:
             break
-        await asyncio.sleep(1.0)
+        if await sleep_or_stop(stop, 1.0):
+            await relayed_node.shutdown()
+            return None, None
     verdict = judge(False, relayed, await relayed_node.visible_maddrs(), peer_maddr, relay=contact)
     return relayed_node, verdict
 

@@ -17,10 +17,13 @@ from hetnode.errors import ConfigError, HetnodeError
 from hetnode.net.identity import Identity, peer_id_from_maddr
 from hetnode.net.node import DEFAULT_LIMITS, PeersUnreachable, SwarmNode
 from hetnode.net.streams import PeerRequestError
-from hetnode.service.lifecycle import Stopped, sleep_or_stop
+from hetnode.service.lifecycle import Stopped, sleep_or_stop, unless_stopped
 from hetnode.wire.manifest import Manifest, manifest_from_envelope
 
 log = logging.getLogger(__name__)
+
+RETRY_S = 2.0  # between attempts to reach a peer that may be starting
+MIN_START_S = 5.0  # one p2pd start, even when the timeout is nearly spent
 
 
 @dataclass(frozen=True)
@@ -51,10 +54,11 @@ async def find_run(
     info = None
     while info is None:
         try:
-            info = await node.info(target, timeout=min(10.0, max(1.0, deadline - time.monotonic())))
+            ask = node.info(target, timeout=min(10.0, max(1.0, deadline - time.monotonic())))
+            info = await unless_stopped(stop, ask, f"asking {peer_maddr} which run it serves")
         except PeerRequestError as exc:
             if time.monotonic() > deadline:
-                raise HetnodeError(f"cannot reach {peer_maddr} within {timeout_s:.0f} s: {exc}") from None
+                raise HetnodeError(f"cannot reach {peer_maddr} within {timeout_s:g} s: {exc}") from None
             log.info("waiting for %s: %s", peer_maddr, exc)
             if await sleep_or_stop(stop, 1.0):
                 raise Stopped("stopped before the swarm answered") from None
@@ -71,13 +75,17 @@ async def find_run(
             f"{coordinator}, pass --coordinator {coordinator} (check it against the coordinator's READY line "
             "or status page), or join through the coordinator's own address or http://HOST:PORT"
         )
-    await node.join_dht(info["run"], [peer_maddr], client_mode=client_mode)
+    joining = node.join_dht(info["run"], [peer_maddr], client_mode=client_mode)
+    await unless_stopped(stop, joining, f"joining the DHT of run {info['run']}")
     while True:
-        entry = (await node.read_field("manifest")).get(coordinator)
+        manifests = await unless_stopped(stop, node.read_field("manifest"), "reading the run's manifest")
+        entry = manifests.get(coordinator)
         if entry is not None:
             return RunContact(coordinator, manifest_from_envelope(entry.value))
         if time.monotonic() > deadline:
-            raise HetnodeError(f"no manifest signed by {coordinator} in the DHT of run {info['run']}")
+            raise HetnodeError(
+                f"no manifest signed by {coordinator} in the DHT of run {info['run']} within {timeout_s:g} s"
+            )
         if await sleep_or_stop(stop, 0.5):
             raise Stopped("stopped before the manifest was found")
 
@@ -93,25 +101,34 @@ async def start_when_reachable(
     relay_via: tuple[str, ...] = (),
 ) -> SwarmNode | None:
     """Start our node bootstrapped from `peer_maddr`, retrying while that peer does not answer (it may be
-    starting too, as in docker-compose). None when stopped first. `relay_service`, `relay_via`: as in
-    `SwarmNode.start`."""
+    starting too, as in docker-compose). None when stopped first; an error naming the reason once
+    `timeout_s` has passed. `relay_service`, `relay_via`: as in `SwarmNode.start`."""
     deadline = time.monotonic() + timeout_s
     while True:
+        # one start may take long when the peer's packets are dropped (p2pd waits for its dial)
+        attempt = SwarmNode.start(
+            identity,
+            DEFAULT_LIMITS,
+            listen,
+            initial_peers=[peer_maddr],
+            announce_maddrs=announce,
+            relay_service=relay_service,
+            relay_via=relay_via,
+        )
+        budget = max(MIN_START_S, deadline - time.monotonic())
         try:
-            return await SwarmNode.start(
-                identity,
-                DEFAULT_LIMITS,
-                listen,
-                initial_peers=[peer_maddr],
-                announce_maddrs=announce,
-                relay_service=relay_service,
-                relay_via=relay_via,
-            )
-        except PeersUnreachable as exc:
-            if time.monotonic() > deadline:
-                raise HetnodeError(f"cannot reach {peer_maddr} within {timeout_s:.0f} s ({exc})") from None
-            log.info("waiting for %s to answer", peer_maddr)
-        if await sleep_or_stop(stop, 2.0):
+            return await unless_stopped(stop, asyncio.wait_for(attempt, budget), f"waiting for {peer_maddr}")
+        except Stopped:
+            return None
+        except (PeersUnreachable, TimeoutError) as exc:
+            reason = str(exc) if isinstance(exc, PeersUnreachable) else f"no answer in {budget:.0f} s"
+            left = deadline - time.monotonic()
+            if left < RETRY_S:  # no time for another attempt: a p2pd start takes a second or two
+                raise HetnodeError(
+                    f"cannot reach {peer_maddr} within {timeout_s:g} s (--connect-timeout): {reason}"
+                ) from None
+            log.info("waiting for %s to answer (%s)", peer_maddr, reason)
+        if await sleep_or_stop(stop, RETRY_S):
             return None
 
 

@@ -41,6 +41,7 @@ from hetnode.net.control_server import (
 )
 from hetnode.net.dialback import dial_back, libp2p_listens, reachable_through, tcp_host_port
 from hetnode.net.identity import Identity, owner_subkey, peer_id_of_subkey, write_identity_file
+from hetnode.net.listen_ports import refuse_taken_ports
 from hetnode.net.log_limits import RefusalLog
 from hetnode.net.probe import LinkMeasurement, measure_download, measure_upload
 from hetnode.net.records import RecordCapsValidator, cap_problem, record_key, run_schema_validator
@@ -203,6 +204,7 @@ class SwarmNode:
         relay_service: bool = False,
         relay_via: Sequence[str] = (),
     ) -> P2P:
+        await refuse_taken_ports(host_maddrs)  # p2pd itself would share a taken port (SO_REUSEPORT)
         kind: type[P2P] = P2P
         relaying: dict[str, Any] = {"force_reachability": "public"} if relay_service else {}
         if relay_via:

@@ -6,11 +6,14 @@ import asyncio
 import logging
 import signal
 import sys
-from collections.abc import Sequence
+from collections.abc import Awaitable, Sequence
+from typing import TypeVar
 
 from hetnode.errors import HetnodeError
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 
 class Stopped(HetnodeError):
@@ -32,6 +35,14 @@ def stop_on_signals() -> asyncio.Event:
     return stop
 
 
+def release_signals() -> None:
+    """SIGINT and SIGTERM back to Python's defaults: a one-shot command (status) may run in a process that
+    lives on, such as a test run, and the loop's handlers would outlive the loop."""
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        loop.remove_signal_handler(signum)
+
+
 async def until_stopped(stop: asyncio.Event, tasks: Sequence[asyncio.Task]) -> None:
     """Wait for `stop`, or for a task to end first; a task's failure is raised here (the daemon exits)."""
     waiter = asyncio.ensure_future(stop.wait())
@@ -51,6 +62,24 @@ async def sleep_or_stop(stop: asyncio.Event, seconds: float) -> bool:
     except TimeoutError:
         return False
     return True
+
+
+async def unless_stopped(stop: asyncio.Event, work: Awaitable[T], what: str) -> T:
+    """`work`'s result, or `Stopped` as soon as `stop` is set: a wait on the network (a request with a
+    long timeout, a p2pd start) must not hold up a Ctrl+C. The cancelled work runs its cleanup first."""
+    task = asyncio.ensure_future(work)
+    waiter = asyncio.ensure_future(stop.wait())
+    try:
+        await asyncio.wait([task, waiter], return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        waiter.cancel()
+        interrupted = not task.done()
+        if interrupted:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)  # its `finally` blocks, e.g. a node shutdown
+    if interrupted:
+        raise Stopped(f"stopped while {what}")
+    return task.result()
 
 
 def print_ready(peer_id: str, maddrs: Sequence[str], **extra: object) -> None:

@@ -91,7 +91,15 @@ def snapshot(**overrides) -> dict:
                 "down_mbps": None,
                 "last_seen": NOW - 3,
             },
-            {"peer": "peer-a", "name": "alice", "role": "anchor", "link_class": "high", "last_seen": NOW},
+            {
+                "peer": "peer-a",
+                "name": "alice",
+                "role": "anchor",
+                "link_class": "high",
+                "up_mbps": 1000.0,
+                "down_mbps": 1000.0,
+                "last_seen": NOW,
+            },
         ],
         "chains": [{"chain": "<b>chain-0</b>", "members": ["peer-x", "peer-unknown"], "live": True}],
         "history": [
@@ -193,6 +201,7 @@ def test_html_escapes_peer_chosen_text(server: HttpServer, board: StatusBoard):
     # the leaderboard: rank, name, tokens, share, rounds, role, last seen
     assert "3,000" in page and "46.2 %" in page and "10 s ago" in page
     assert page.index("&lt;script&gt;") < page.index("bob") < page.index("alice")
+    assert "↑ 1000 / ↓ 1000 Mbit/s" in page and "↑ 12.5 / ↓ - Mbit/s" in page and "e+03" not in page
 
 
 def test_unknown_path_is_404(server: HttpServer):

@@ -112,11 +112,11 @@ def test_render_table_prints_no_control_characters():
     lines = text.split("\n")
     assert len(lines) == 3 + 2 + 1 + 1  # header, blank, columns, 2 peers, blank, 1 chain: no injected lines
     assert "evil name" in text and "Zoë 山田" in text
-    assert lines[0].startswith("run run (cfg), round 3, 2 peers")
+    assert lines[0].startswith("run run (cfg), boundary 3, 2 peers")  # boundary t, not a sync round
 
 
 def test_hetnode_status_text_output_is_sanitised(monkeypatch, capsys):
-    async def fake_query(peer: str, timeout_s: float, listen: str) -> dict:
+    async def fake_query(peer: str, timeout_s: float, listen: str, stop: object) -> dict:
         return hostile_document()
 
     monkeypatch.setattr(status, "query_status", fake_query)
