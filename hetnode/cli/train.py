@@ -7,8 +7,7 @@ import json
 import logging
 from pathlib import Path
 
-import torch
-
+from hetnode.cli.device import check_device
 from hetnode.config import load_config
 from hetnode.errors import ConfigError
 from hetnode.training.local_run import run_local_training
@@ -33,8 +32,7 @@ def run(args: argparse.Namespace) -> int:
     config = load_config(args.config)
     if args.max_steps is not None and args.max_steps <= 0:
         raise ConfigError("--max-steps", "train.max_steps", f"must be > 0, got {args.max_steps}")
-    if args.device == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("--device", "device", "cuda requested but no CUDA device is available (use cpu)")
+    check_device(args.device)
     out_dir = args.out or Path("runs") / config.run.name
     log.info("effective config (%s): %s", args.config, json.dumps(config.to_dict(), sort_keys=True))
     summary = run_local_training(
