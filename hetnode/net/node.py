@@ -568,11 +568,12 @@ class SwarmNode:
 
     # --- records -------------------------------------------------------------------------------------
 
-    async def store_own(self, field: str, value: Any, ttl_s: float) -> bool:
-        """Write our own (signed) entry of `field`; True when at least one DHT node accepted it."""
+    async def store_own(self, field: str, value: Any, ttl_s: float, expires_at: float | None = None) -> bool:
+        """Write our own (signed) entry of `field`, living `ttl_s` (or until `expires_at`); True when at
+        least one DHT node holds it."""
         dht = self._require_dht()
         key, subkey = record_key(self.run, field), owner_subkey(self.identity)
-        expiration = time.time() + ttl_s
+        expiration = time.time() + ttl_s if expires_at is None else expires_at
         try:
             if await asyncio.wait_for(dht.store(key, value, expiration, subkey=subkey), DHT_TIMEOUT_S):
                 return True
@@ -583,7 +584,9 @@ class SwarmNode:
             log.warning("storing %s timed out", field)
             return False
         item = found.value.get(subkey) if found is not None and isinstance(found.value, dict) else None
-        return item is not None and item.expiration_time >= expiration - 1e-6  # this store's, or newer
+        # ours: a copy that lives as long or longer but says something else (an earlier store that
+        # outlives this one) means this store was refused
+        return item is not None and item.expiration_time >= expiration - 1e-6 and item.value == value
 
     async def read_field(
         self, field: str, members_only: bool = True, latest: bool = True

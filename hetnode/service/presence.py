@@ -85,10 +85,12 @@ class Presence:
             # refuses a longer-lived record); never shorter than what is stored already, which a DHT node
             # would refuse as older than its copy
             stretched = min(self.ttl_s * self.cadence.period_s / self.cadence.base_s, MAX_TTL_S["peers"])
-            ttl = max(stretched, self._expires - now + 1e-3)
-            stored = await self.node.store_own("peers", dict(self.record), ttl)
+            # an absolute expiry, strictly later than the stored one's (a TTL would be counted from a
+            # moment a little later or sooner than the last store's)
+            expires_at = max(now + stretched, self._expires + 1e-3)
+            stored = await self.node.store_own("peers", dict(self.record), stretched, expires_at=expires_at)
             if stored:
-                self._expires = now + ttl
+                self._expires = expires_at
             self.stored = stored
         if not stored:
             log.warning(
