@@ -29,6 +29,7 @@ from hetnode.daemon.sealing import Sealer
 from hetnode.daemon.view import PeerDirectory, SwarmView
 from hetnode.errors import HetnodeError, WireError
 from hetnode.net.node import SwarmNode
+from hetnode.net.records import check_head_record
 from hetnode.net.signing import open_payload, sign_payload
 from hetnode.net.streams import PeerRequestError
 from hetnode.planning.fetch import DEMOTED_ROUNDS, Holder, fetch_order, holders_of
@@ -66,9 +67,14 @@ async def read_seal(node: SwarmNode, sealer: str) -> dict[str, Any] | None:
 async def read_head(node: SwarmNode, coordinator: str) -> tuple[int, dict[str, str]] | None:
     """The coordinator's θ as its `head` entry states it: (round, layer digests), or None when absent."""
     entry = (await node.read_field("head")).get(coordinator)
-    if entry is None or not isinstance(entry.value, dict):
+    if entry is None:
         return None
-    return entry.value["round"], dict(entry.value["layer_digests"])
+    try:
+        head = check_head_record(entry.value)
+    except ValueError as exc:  # a relay passed on something our schema refuses: read the peer records
+        log.info("ignoring the coordinator's head entry: %s", exc)
+        return None
+    return head["round"], head["layer_digests"]
 
 
 async def fetch_state(

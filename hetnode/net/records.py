@@ -184,6 +184,11 @@ def check_peer_record(value: dict) -> dict:
     return PeerRecord.parse_obj(value).dict()
 
 
+def check_head_record(value: Any) -> dict:
+    """The same for the coordinator's `head` entry."""
+    return HeadRecord.parse_obj(value).dict()
+
+
 class RecordCapsValidator(RecordValidatorBase):
     """Refuses a record of `run` that would live longer, or weighs more, than its field's cap.
 

@@ -5,6 +5,7 @@ import asyncio
 import logging
 import time
 
+import pydantic.v1 as pydantic
 import pytest
 
 from hetnode.daemon.participant import RoundParticipant, read_head
@@ -223,3 +224,13 @@ def test_the_digest_check_after_a_round_reads_the_coordinators_head_not_the_peer
             assert await read_head(replica, impostor.identity.peer_id) == (3, other)
 
     loop.run(scenario())
+
+
+def test_a_head_entry_our_schema_refuses_is_not_taken_for_the_coordinators_digests():
+    from hetnode.net.records import check_head_record
+
+    assert check_head_record({"round": 3, "layer_digests": {"embed": "0" * 16}})["round"] == 3
+    bad_heads = ({"round": "3", "layer_digests": {}}, {"round": 3}, {"round": 3, "layer_digests": {"x": "0"}})
+    for bad in bad_heads:
+        with pytest.raises(pydantic.ValidationError):
+            check_head_record(bad)
