@@ -55,8 +55,9 @@ from hetnode.errors import ConfigError  # noqa: E402
 
 __all__ = ["MODES", "Links", "ScalePlan", "Swarm", "crossover", "plan_for", "run_benchmark", "swarm_at"]
 # the control plane each mode runs with: the hub is the code before any-holder fetch and before the
-# heartbeats stretched; any-holder is the code now; seeded and tiles are planned, with the target's
-CONTROL_SCHEME = {"hub": "today", "any-holder": "stretched", "seeded": "target", "tiles": "target"}
+# heartbeats stretched; any-holder is the code now (reads vouched for by the coordinator's head); seeded
+# and tiles are planned, with the target's
+CONTROL_SCHEME = {"hub": "today", "any-holder": "vouched", "seeded": "target", "tiles": "target"}
 DAEMON = "any-holder (daemon)"  # the any-holder rows' `daemon` fields, as a mode of their own in targets
 
 
@@ -120,6 +121,11 @@ def simulate_round(mode: str, sizes: PayloadSizes, swarm: Swarm, plan: ScalePlan
         control = scale_control.today(swarm.peers, authors, records, seal_s, plan.control)
     elif scheme == "stretched":
         control = scale_control.stretched(swarm.peers, authors, records, seal_s, plan.control)
+    elif scheme == "vouched":
+        control = scale_control.vouched(swarm.peers, authors, records, seal_s, plan.control)
+        # beside it: the code before the head vouched for views, and the code under churn
+        before = scale_control.stretched(swarm.peers, authors, records, seal_s, plan.control)
+        churn = scale_control.vouched(swarm.peers, authors, records, seal_s, plan.control, churn=True)
     else:
         control = scale_control.target(swarm.peers, authors, swarm.stages, records, plan.control)
     row = {
@@ -149,6 +155,9 @@ def simulate_round(mode: str, sizes: PayloadSizes, swarm: Swarm, plan: ScalePlan
         "control_bytes_per_peer": control.per_peer,
         "control_bytes_hot_peer": control.hot_peer,
     }
+    if scheme == "vouched":
+        row["control_bytes_per_peer_stretched"] = before.per_peer
+        row["control_bytes_per_peer_churn"] = churn.per_peer
     if mode == "any-holder" and not plan.prefetch:  # the daemon fetches once it has the seal, never before
         row["daemon"] = _daemon(row, sizes, swarm, plan, timeline.finish_s, stage_download, slices)
     return row
@@ -251,6 +260,9 @@ def _checks(rows: list[dict], plan: ScalePlan, s: PayloadSizes) -> dict:
             "met": growth <= allowed,
             "peers": [low["peers"], high["peers"]],
         }
+        if "control_bytes_per_peer_churn" in high:  # the same with 2 % of peers changing each round
+            growth = high["control_bytes_per_peer_churn"] / low["control_bytes_per_peer_churn"]
+            checks["control_growth_churn"] = {"value": growth, "limit": allowed, "met": growth <= allowed}
     return checks
 
 

@@ -220,3 +220,58 @@ def target(peers: int, authors: int, stages: int, sizes: RecordSizes, m: Control
     coordinator = peers * m.event_rate * (lookup + sizes.peer_event) + authors * announce
     total = peers * (beats * store + events + upkeep) + coordinator
     return ControlBytes(2 * total / peers, max(2 * coordinator, 2 * total / peers), total)
+
+
+def vouched(
+    peers: int,
+    authors: int,
+    sizes: RecordSizes,
+    seal_wait_s: float,
+    m: ControlModel,
+    churn: bool = False,
+) -> ControlBytes:
+    """The code since the coordinator's head carries the digest of its view (`PeerDirectory` in
+    `hetnode/daemon/view.py`), per round: as `stretched`, but where a replica read every record once per
+    stretched heartbeat it reads the coordinator's `head` entry (first copy found) and reads every record
+    only when the digests differ. In a stable swarm that never happens; with `churn`, each of the
+    `event_rate × peers` changes a round makes every replica read every record at its next refresh (a
+    read per refresh at most). The coordinator keeps reading every record every heartbeat and stores its
+    head at every change and every half stable heartbeat.
+
+    Waiting for a seal, a replica polls the head's `sealed` round (the first copy, every 4th poll every
+    copy) instead of the seal, and reads the seal's first copy once it is out or the sealer nudged it."""
+    base = stretched(peers, authors, sizes, seal_wait_s, m)
+    lookup = lookup_rpcs_today(peers, m) * m.rpc_bytes
+    copies = min(peers, m.dht_replicas)
+    polls = seal_reads(seal_wait_s, m, m.heartbeat_s)
+    everywhere = 2 + (polls - 2) // 4
+    seal_polls_before = everywhere * (lookup + copies * sizes.seal) + (polls - everywhere) * (
+        lookup + sizes.seal
+    )
+    head_polls = sum(lookup + (copies if p % 4 == 0 else 1) * sizes.head for p in range(polls - 1))
+    seal_polls = head_polls + lookup + sizes.seal  # one seal, its first copy: that one is sync, not control
+    refreshes = m.round_period_s / m.stretched_heartbeat_s  # per replica per round
+    full_read = lookup + copies * peers * sizes.peer_today
+    changes = m.event_rate * peers if churn else 0.0
+    # a refresh reads every record when at least one change fell in its period (changes as Poisson arrivals)
+    full_reads = refreshes * (1.0 - math.exp(-changes / refreshes))
+    replicas = peers - 1
+    head_stores = (m.round_period_s / (m.stretched_heartbeat_s / 2) + changes) * (
+        lookup + copies * sizes.head
+    )
+    total = (
+        base.total
+        - authors * (seal_polls_before - seal_polls)
+        - replicas * refreshes * full_read
+        + replicas * (refreshes * (lookup + sizes.head) + full_reads * full_read)
+        + head_stores
+    )
+    # a replica of the `peers` key: every store, the coordinator's reads, and the replicas' full reads
+    beats = m.round_period_s / m.stretched_heartbeat_s
+    coordinator_reads = m.round_period_s / m.heartbeat_s * peers * sizes.peer_today
+    peers_replica = (
+        peers * beats * sizes.peer_today
+        + coordinator_reads
+        + replicas * full_reads * peers * sizes.peer_today
+    )
+    return ControlBytes(2 * total / peers, max(peers_replica, 2 * coordinator_reads), total)

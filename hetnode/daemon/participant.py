@@ -77,6 +77,19 @@ async def read_head(node: SwarmNode, coordinator: str) -> tuple[int, dict[str, s
     return head["round"], head["layer_digests"]
 
 
+async def sealed_round(node: SwarmNode, coordinator: str, latest: bool) -> int | None:
+    """The newest round the coordinator sealed, as its `head` entry states it (None: no such entry, or one
+    our schema refuses). A poll for a seal reads this small entry instead of the seal, which grows with
+    the swarm and is the previous round's until the new one is out."""
+    entry = (await node.read_field("head", latest=latest)).get(coordinator)
+    if entry is None:
+        return None
+    try:
+        return check_head_record(entry.value).get("sealed")
+    except ValueError:
+        return None
+
+
 async def fetch_state(
     node: SwarmNode,
     source: str,
@@ -236,6 +249,7 @@ class RoundParticipant:
         announced_at = 0.0
         polls = 0
         nudged = True  # the first read looks everywhere, as does every read a nudge brings
+        woken = False  # by the sealer's nudge
         while not stop.is_set():
             if time.monotonic() - announced_at > ANNOUNCE_TTL_S / 3:  # (re)announce until sealed
                 await self.node.store_own("announce", announcement, ANNOUNCE_TTL_S)
@@ -243,19 +257,20 @@ class RoundParticipant:
                 self.node.nudge([self.coordinator], "announce", round_)
             view = await self.view.get()
             stand_in = self.acting_stand_in(view)
-            # a timed poll (a lost nudge) takes the first copy it finds, not every replica's whole seal
-            seals = await self.node.read_field("seal", latest=nudged)
             allowed = [self.coordinator] + ([stand_in] if stand_in else [])
-            for sealer in allowed:
-                entry = seals.get(sealer)
-                if entry is None or not isinstance(entry.value, dict):
-                    continue
-                verdict = seal_verdict(
-                    entry.value, sealer, allowed, self.global_model.params_round, self.global_model.seal_hash
-                )
-                # apply() takes the next link and catches up on "behind" or "fork"
-                if verdict in ("apply", "behind", "fork"):
-                    return sealer, entry.value
+            # unless the sealer nudged us, the coordinator's head says whether the seal is out yet
+            sealed = None
+            if stand_in is None and not woken:
+                sealed = await sealed_round(self.node, self.coordinator, latest=polls % 4 == 0)
+            if sealed is None or sealed >= round_:
+                # a timed poll (a lost nudge) takes the first copy it finds, not every replica's whole
+                # seal; when the head or a nudge says it is out, a stale first copy sends us everywhere
+                told = woken or sealed is not None  # that the seal is out: its first copy will do
+                found = self._seal_in(await self.node.read_field("seal", latest=nudged and not told), allowed)
+                if found is None and told:
+                    found = self._seal_in(await self.node.read_field("seal", latest=True), allowed)
+                if found is not None:
+                    return found
             silent_for = time.monotonic() - waiting_since
             if (
                 self.may_stand_in
@@ -279,9 +294,24 @@ class RoundParticipant:
             nudges = self.nudges
             if await sleep_or_wake(stop, self._sealed, poll_s):
                 return None
+            woken = self.nudges != nudges
             # every 4th timed poll looks everywhere too: a replica of the key that missed the seal's store
             # must not hide it from us
-            nudged = self.nudges != nudges or stand_in is not None or polls % 4 == 0
+            nudged = woken or stand_in is not None or polls % 4 == 0
+        return None
+
+    def _seal_in(self, seals: dict[str, Any], allowed: list[str]) -> tuple[str, dict] | None:
+        """The first seal of an allowed sealer that is for us: the next link, or one to catch up to."""
+        for sealer in allowed:
+            entry = seals.get(sealer)
+            if entry is None or not isinstance(entry.value, dict):
+                continue
+            verdict = seal_verdict(
+                entry.value, sealer, allowed, self.global_model.params_round, self.global_model.seal_hash
+            )
+            # apply() takes the next link and catches up on "behind" or "fork"
+            if verdict in ("apply", "behind", "fork"):
+                return sealer, entry.value
         return None
 
     async def apply(self, sealer: str, seal: dict) -> bool:

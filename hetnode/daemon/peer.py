@@ -27,7 +27,7 @@ from hetnode.daemon.peer_address import is_url, resolve_peer
 from hetnode.daemon.reach import reach_swarm
 from hetnode.daemon.resources import available_memory_gb, measure_tflops
 from hetnode.daemon.swarm import RunContact, find_run, local_config, read_round
-from hetnode.daemon.view import PeerDirectory, SwarmView
+from hetnode.daemon.view import PeerDirectory, SwarmView, coordinator_directory
 from hetnode.errors import HetnodeError
 from hetnode.model.decoder import count_parameters
 from hetnode.net.identity import load_or_create_identity, peer_id_from_maddr
@@ -208,6 +208,11 @@ class PeerDaemon:
             n.stable_heartbeat_s,
             on_read=self.membership.absorb,
             is_member=self.membership.is_member,
+            # the coordinator stores its head every half stable heartbeat; twice the stable heartbeat
+            # tolerates a lost store and some clock skew before we read every record ourselves
+            vouched=lambda: coordinator_directory(
+                self.node, self.contact.coordinator, 2 * n.stable_heartbeat_s
+            ),
         )
         self.membership.on_stranger = self.directory.wake
         self.admission = await self._get_admitted() if manifest.admission != "open" else None

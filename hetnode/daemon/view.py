@@ -3,16 +3,18 @@
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import json
 import logging
 import math
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from hetnode.config import Config
 from hetnode.net.node import StoredValue, SwarmNode
-from hetnode.net.records import check_peer_record
+from hetnode.net.records import check_head_record, check_peer_record
 from hetnode.planning.roles import Candidate, ChainStatus, Claim, chain_prefix, chain_status, parse_layout
 from hetnode.service.lifecycle import sleep_or_wake
 from hetnode.service.presence import Cadence
@@ -108,6 +110,27 @@ class SwarmView:
             for peer, r in self.peers.items()
         )
 
+    def digest(self) -> str:
+        """16 hex digits over what the swarm's decisions read from the records (who is in it, in which role
+        and chain, with which links and compute), not the per-round fields: equal digests, equal decisions.
+        The coordinator publishes its view's in its `head` entry (`PeerDirectory`)."""
+        rows = sorted(
+            [
+                peer,
+                r["role"],
+                r["wants"],
+                r["chain"],
+                r["stage"],
+                r["layers"],
+                r.get("chain_layout"),
+                r["link_class"],
+                r["tflops"],
+            ]
+            for peer, r in self.peers.items()
+        )
+        text = json.dumps(rows, separators=(",", ":"), default=str)
+        return hashlib.sha256(text.encode()).hexdigest()[:16]
+
     def status_document(self, run: str, round_: int) -> dict[str, Any]:
         """The stable `hetnode status --json` document (later versions add fields, never rename)."""
         peers = [
@@ -159,11 +182,34 @@ def _model_problem(record: dict[str, Any], shards: set[str], n_layers: int) -> s
     return ""
 
 
+async def coordinator_directory(node: SwarmNode, coordinator: str, fresh_s: float) -> str | None:
+    """The digest of the coordinator's view of the swarm from its `head` entry (one small entry, the first
+    copy found), or None when the entry is missing, refused by our schema, has no digest, or was stored more
+    than `fresh_s` ago by the coordinator's clock (a coordinator that went silent must not vouch for a view
+    it no longer reads)."""
+    entry = (await node.read_field("head", latest=False)).get(coordinator)
+    if entry is None:
+        return None
+    try:
+        head = check_head_record(entry.value)
+    except Exception as exc:  # a relay passed on something our schema refuses
+        log.debug("ignoring the coordinator's head entry: %s", exc)
+        return None
+    if head.get("directory") is None or head.get("at") is None or time.time() - head["at"] > fresh_s:
+        return None
+    return head["directory"]
+
+
 class PeerDirectory:
     """The peer records as one daemon reads them: one read shared by everything in the daemon that needs
-    them (each read moves every record of the swarm), repeated every `base_s` while the swarm's roles and
-    membership change and less often, up to `stable_s`, while they do not. `wake()` (an event: a boundary,
-    a stranger's request) brings the next read forward, never more often than every `base_s`.
+    them, repeated every `base_s` while the swarm's roles and membership change and less often, up to
+    `stable_s`, while they do not. `wake()` (an event: a boundary, a stranger's request) brings the next
+    read forward, never more often than every `base_s`, and makes it a full read.
+
+    A read moves every record of the swarm, so a peer's cost of following it grows with the swarm. With
+    `vouched` (a replica's: the digest the coordinator's `head` entry publishes), a refresh first reads
+    that one small entry, and reads the records only when the coordinator's view differs from ours: in a
+    stable swarm a peer reads them once, and again on each change. `get(max_age_s=0)` always reads them.
 
     `on_read` gets every read's raw entries, members or not (the membership policy is built from them)."""
 
@@ -175,39 +221,77 @@ class PeerDirectory:
         stable_s: float,
         on_read: Callable[[Mapping[str, StoredValue]], None] | None = None,
         is_member: Callable[[str], bool] = lambda peer: True,
+        vouched: Callable[[], Awaitable[str | None]] | None = None,
+        on_change: Callable[[], None] = lambda: None,
     ) -> None:
         self.node = node
         self.config = config
         self.cadence = Cadence(base_s, stable_s)
         self.on_read = on_read
         self.is_member = is_member
+        self.vouched = vouched
+        self.on_change = on_change  # after a read whose view's digest differs from the last one's
+        self.digest: str | None = None  # of the last read's view
+        self.reads = 0  # reads of every record
+        self.vouched_refreshes = 0  # refreshes the coordinator's digest answered without such a read
         self._view: SwarmView | None = None
         self._read_at = -math.inf
         self._signature: frozenset = frozenset()
+        self._full_read_due = False
+        self._reading = False
         self._lock = asyncio.Lock()
         self._woken = asyncio.Event()
 
     async def get(self, max_age_s: float | None = None) -> SwarmView:
-        """The view, read again when older than `max_age_s` (default: the current period)."""
+        """The view, refreshed when older than `max_age_s` (default: the current period); `max_age_s=0`
+        reads every record now."""
         limit = self.cadence.period_s if max_age_s is None else max_age_s
         async with self._lock:  # callers at the same moment share one read
-            if self._view is None or time.monotonic() - self._read_at > limit:
+            stale = self._view is None or time.monotonic() - self._read_at > limit
+            if stale and (max_age_s == 0 or not await self._vouched_for()):
                 await self._read()
         assert self._view is not None
         return self._view
 
+    async def _vouched_for(self) -> bool:
+        """True (and the view counts as fresh) when the coordinator's published digest is our view's."""
+        if self.vouched is None or self._view is None or self._full_read_due:
+            return False
+        try:
+            theirs = await self.vouched()
+        except Exception as exc:  # no answer is no vouching: read the records
+            log.debug("reading the coordinator's view digest failed: %r", exc)
+            return False
+        if theirs is None or theirs != self.digest:
+            return False
+        self.cadence.observe(changed=False)
+        self._read_at = time.monotonic()
+        self.vouched_refreshes += 1
+        return True
+
     async def _read(self) -> None:
         entries = await self.node.read_field("peers", members_only=False)
-        if self.on_read is not None:
-            self.on_read(entries)
-        members = {peer: entry for peer, entry in entries.items() if self.is_member(peer)}
+        self._reading = True  # a non-member's records are no event: every read would meet them again
+        try:
+            if self.on_read is not None:
+                self.on_read(entries)
+            members = {peer: entry for peer, entry in entries.items() if self.is_member(peer)}
+        finally:
+            self._reading = False
         view = SwarmView.from_entries(members, self.config.pipeline.stages, self.config.model.n_layers)
-        signature = view.signature()
+        signature, digest = view.signature(), view.digest()
         self.cadence.observe(changed=signature != self._signature)
-        self._view, self._signature, self._read_at = view, signature, time.monotonic()
+        changed = digest != self.digest
+        self._view, self._signature, self._read_at, self.digest = view, signature, time.monotonic(), digest
+        self._full_read_due = False
+        self.reads += 1
+        if changed:
+            self.on_change()
 
     def wake(self) -> None:
         self.cadence.observe(changed=True)
+        if not self._reading:
+            self._full_read_due = True  # a stranger the coordinator may not have seen yet
         self._woken.set()
 
     async def follow(self, stop: asyncio.Event) -> None:

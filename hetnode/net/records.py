@@ -8,7 +8,9 @@ Keys (hivemind prefixes them as `{run}_{field}`):
 - `peers`: subkey = each peer's owner key; what the peer says about itself.
 - `head`: subkey = the coordinator's owner key; the round its θ is at and that θ's layer digests, what
   every replica checks its own against after a round. A key of its own, so that the check reads one small
-  entry instead of every peer's record.
+  entry instead of every peer's record. It also carries the digest of the coordinator's view of the swarm
+  (`directory`) and when it was stored (`at`): a peer whose own view has that digest need not read every
+  record again (`PeerDirectory`).
 
 Every field has a lifetime cap (`MAX_TTL_S`) and a size cap (`MAX_RECORD_BYTES`), enforced by
 `RecordCapsValidator` where a record is stored and again where it is read (TRUST §5): without them one
@@ -156,6 +158,12 @@ class HeadRecord(pydantic.BaseModel):
 
     round: pydantic.conint(strict=True, ge=-1)  # type: ignore[valid-type]
     layer_digests: dict[ShardName, Digest]  # type: ignore[valid-type]
+    # the digest of who is in the swarm in which role as the coordinator reads it (SwarmView), and the
+    # coordinator's clock when it stored this entry; absent in entries of older coordinators
+    directory: pydantic.constr(strict=True, regex=r"^[0-9a-f]{16}$") | None = None  # type: ignore[valid-type]
+    at: pydantic.confloat(strict=True, ge=0, le=1e11) | None = None  # type: ignore[valid-type]
+    # the newest round it sealed: a replica waiting for a seal polls this small entry, not the seal
+    sealed: pydantic.conint(strict=True, ge=-1) | None = None  # type: ignore[valid-type]
 
     _cap_digests = pydantic.validator("layer_digests", pre=True, allow_reuse=True)(_at_most_shards)
 
@@ -225,6 +233,21 @@ def cap_problem(field: str, value: Any, expiration_time: float, now: float) -> s
     if size > MAX_RECORD_BYTES[field]:
         return f"{size} bytes, over the {MAX_RECORD_BYTES[field]}-byte cap"
     return None
+
+
+def new_head_record(
+    round_: int, layer_digests: dict[str, str], directory: str | None, sealed: int | None = None
+) -> dict[str, Any]:
+    """The coordinator's `head` entry: its θ's round and digests, the digest of its view of the swarm
+    (None before its first read), the newest round it sealed (at least θ's), stamped with its clock now."""
+    sealed = max(round_, sealed if sealed is not None else round_)
+    return {
+        "round": round_,
+        "layer_digests": layer_digests,
+        "directory": directory,
+        "at": time.time(),
+        "sealed": sealed,
+    }
 
 
 def new_peer_record(name: str, **fields: Any) -> dict[str, Any]:

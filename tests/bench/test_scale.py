@@ -86,7 +86,7 @@ def test_any_holder_authors_serve_their_payloads_and_the_coordinator_only_seals(
     assert row["anchor_download_bytes"] == pytest.approx((r - 1) * p + seal)
     for s, down in enumerate(row["stage_download_bytes_by_stage"]):
         assert down == pytest.approx((r - 1) * small.stage_bytes(s) + seal)
-    assert row["control_scheme"] == "stretched"  # the code now: heartbeats and reads stretch when stable
+    assert row["control_scheme"] == "vouched"  # the code now: the coordinator's head vouches for views
     hub = _row(small, 8, "hub")
     assert hub["control_scheme"] == "today" and row["control_bytes_per_peer"] < hub["control_bytes_per_peer"]
 
@@ -237,6 +237,20 @@ def test_control_today_grows_with_the_swarm_and_the_target_logarithmically(small
     growth = high["control_bytes_per_peer"] / low["control_bytes_per_peer"]
     assert growth <= math.log(high["peers"]) / math.log(low["peers"])
     assert scale_control.lookup_rpcs_target(high["peers"], scale_control.ControlModel()) < high["peers"] / 10
+
+
+def test_control_with_the_head_vouching_grows_logarithmically_in_a_stable_swarm_and_not_under_churn(small):
+    """The code's scheme: a replica reads every record only when the coordinator's view digest differs
+    from its own. Stable: the per-peer cost grows like the lookups (log N). With 2 % of peers changing each
+    round, every refresh past about 50 peers meets a change and reads every record again: O(N)."""
+    low, high = _row(small, 8, "any-holder"), _row(small, 256, "any-holder")
+    allowed = math.log(high["peers"]) / math.log(low["peers"])
+    assert high["control_bytes_per_peer"] / low["control_bytes_per_peer"] <= allowed
+    assert high["control_bytes_per_peer_stretched"] / low["control_bytes_per_peer_stretched"] > allowed
+    assert high["control_bytes_per_peer_churn"] / low["control_bytes_per_peer_churn"] > allowed
+    for row in (low, high):
+        stable, before = row["control_bytes_per_peer"], row["control_bytes_per_peer_stretched"]
+        assert stable < before and stable <= row["control_bytes_per_peer_churn"]
 
 
 def test_crossover_is_near_two_bytes_over_the_payload_per_parameter(small):

@@ -11,7 +11,7 @@ import pytest
 from hetnode.daemon.participant import RoundParticipant, read_head
 from hetnode.daemon.view import PeerDirectory
 from hetnode.net import loop
-from hetnode.net.records import MAX_TTL_S, new_peer_record
+from hetnode.net.records import MAX_TTL_S, new_head_record, new_peer_record
 from hetnode.replica.global_model import GlobalModel
 from hetnode.service.presence import STABLE_STEPS, Cadence, Presence
 
@@ -203,8 +203,8 @@ def test_the_digest_check_after_a_round_reads_the_coordinators_head_not_the_peer
             stop.set()  # a mismatch would download θ: here it only has to be noticed
 
             other = {shard: "0" * 16 for shard in ours}
-            assert await impostor.store_own("head", {"round": 3, "layer_digests": other}, ttl_s=60)
-            assert await coordinator.store_own("head", {"round": 3, "layer_digests": ours}, ttl_s=60)
+            assert await impostor.store_own("head", new_head_record(3, other, None), ttl_s=60)
+            assert await coordinator.store_own("head", new_head_record(3, ours, None), ttl_s=60)
             participant.unchecked = 3
             with caplog.at_level(logging.WARNING, logger="hetnode.daemon.participant"):
                 assert await participant.verify_agreement(stop) is False
@@ -214,7 +214,7 @@ def test_the_digest_check_after_a_round_reads_the_coordinators_head_not_the_peer
 
                 # a coordinator whose θ differs in one shard: noticed
                 differs = dict(ours, embed="f" * 16)
-                assert await coordinator.store_own("head", {"round": 3, "layer_digests": differs}, ttl_s=60)
+                assert await coordinator.store_own("head", new_head_record(3, differs, None), ttl_s=60)
                 participant.unchecked = 3
                 await participant.verify_agreement(stop)
                 assert "layer digests differ from the coordinator's in ['embed']" in caplog.text
@@ -230,7 +230,99 @@ def test_a_head_entry_our_schema_refuses_is_not_taken_for_the_coordinators_diges
     from hetnode.net.records import check_head_record
 
     assert check_head_record({"round": 3, "layer_digests": {"embed": "0" * 16}})["round"] == 3
-    bad_heads = ({"round": "3", "layer_digests": {}}, {"round": 3}, {"round": 3, "layer_digests": {"x": "0"}})
+    bad_heads = [{"round": "3", "layer_digests": {}}, {"round": 3}, {"round": 3, "layer_digests": {"x": "0"}}]
+    good = {"round": 3, "layer_digests": {}, "directory": "0" * 16, "at": 1.7e9}
+    assert check_head_record(good)["directory"] == "0" * 16
+    bad_heads += [good | {"at": float("nan")}, good | {"at": 1e300}, good | {"directory": "x" * 16}]
     for bad in bad_heads:
         with pytest.raises(pydantic.ValidationError):
             check_head_record(bad)
+
+
+@pytest.mark.slow
+def test_a_replica_reads_every_record_only_when_the_coordinators_view_differs_from_its_own(
+    nodes_on_loopback, tiny_config
+):
+    """In a stable swarm a refresh of the peer records costs one small `head` entry: the coordinator's
+    digest of its view equals ours. A change (a newcomer) changes the coordinator's digest and brings a full
+    read; a head stored too long ago, an impostor's head, a wake and `max_age_s=0` never vouch."""
+    from hetnode.daemon.view import coordinator_directory
+
+    async def scenario():
+        async with nodes_on_loopback(4, "vouched-test") as (coordinator, me, newcomer, impostor):
+            coordinator_id = coordinator.identity.peer_id
+            for node, name, role in ((coordinator, "coord", "coordinator"), (me, "me", "anchor")):
+                await node.store_own("peers", record(name, role), ttl_s=60)
+            theirs = PeerDirectory(coordinator, tiny_config, base_s=0.1, stable_s=0.1)
+
+            async def publish_head(at_offset_s: float = 0.0) -> None:
+                head = new_head_record(3, {}, (await theirs.get(max_age_s=0)).digest())
+                head["at"] += at_offset_s
+                assert await coordinator.store_own("head", head, ttl_s=60)
+
+            fresh_s = 5.0
+            directory = PeerDirectory(
+                me,
+                tiny_config,
+                base_s=0.1,
+                stable_s=0.1,
+                vouched=lambda: coordinator_directory(me, coordinator_id, fresh_s),
+            )
+            reads = Counting(me, "read_field")
+            await publish_head()
+            first = await directory.get()
+            assert directory.reads == 1 and set(first.peers) == {coordinator_id, me.identity.peer_id}
+            for _ in range(5):
+                await asyncio.sleep(0.15)
+                assert await directory.get() is first
+            assert directory.reads == 1 and directory.vouched_refreshes == 5
+            assert reads.fields == ["peers"] + ["head"] * 5, reads.fields
+
+            # an impostor's head, under its own key, says nothing about the coordinator's view
+            assert await impostor.store_own("head", new_head_record(3, {}, "0" * 16), ttl_s=60)
+            # a newcomer: the coordinator's view and digest change, ours is stale, so we read every record
+            await newcomer.store_own("peers", record("newcomer"), ttl_s=60)
+            await publish_head()
+            await asyncio.sleep(0.15)
+            view = await directory.get()
+            assert newcomer.identity.peer_id in view.peers and directory.reads == 2
+            await asyncio.sleep(0.15)
+            await directory.get()
+            assert directory.reads == 2  # and the equal digests vouch again
+
+            # a head from a coordinator that stopped storing it (its clock fresh_s ago): no vouching
+            await publish_head(at_offset_s=-2 * fresh_s)
+            await asyncio.sleep(0.15)
+            await directory.get()
+            assert directory.reads == 3
+            await publish_head()
+
+            # a wake (a stranger's request) and a read that must be current always read every record
+            await asyncio.sleep(0.15)
+            directory.wake()
+            await directory.get()
+            assert directory.reads == 4
+            await directory.get(max_age_s=0)
+            assert directory.reads == 5
+            await asyncio.sleep(0.15)
+            await directory.get()
+            assert directory.reads == 5  # vouched again
+
+    loop.run(scenario())
+
+
+def test_a_views_digest_follows_roles_and_links_not_per_round_fields(tiny_config):
+    from hetnode.daemon.view import SwarmView
+    from hetnode.net.node import StoredValue
+
+    def view_of(**changes) -> SwarmView:
+        rec = record("p", "anchor") | changes
+        return SwarmView.from_entries(
+            {"peer-a": StoredValue("peer-a", rec, 0.0)}, 2, tiny_config.model.n_layers
+        )
+
+    base = view_of().digest()
+    assert len(base) == 16 and view_of(params_round=7, tokens=99, last_seen=5.0).digest() == base
+    assert view_of(role="idle").digest() != base
+    assert view_of(tflops=9.0).digest() != base
+    assert SwarmView({}, 2, 4).digest() != base
