@@ -1,7 +1,8 @@
 """The data layer: sources of text, tokenizers, and the deterministic per-slot batch schedule."""
 
-from hetnode.data.dataset import TokenDataset, is_eval_key, split_documents
-from hetnode.data.sources import Document, load_documents
+from hetnode.data.dataset import TokenDataset
+from hetnode.data.documents import Document, is_eval_key, split_documents
+from hetnode.data.sources import iter_documents, load_documents
 from hetnode.data.tokenizer import BpeTokenizer, ByteTokenizer, Tokenizer, make_tokenizer
 
 __all__ = [
@@ -11,6 +12,7 @@ __all__ = [
     "TokenDataset",
     "Tokenizer",
     "is_eval_key",
+    "iter_documents",
     "load_documents",
     "make_tokenizer",
     "split_documents",

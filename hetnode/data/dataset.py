@@ -7,10 +7,7 @@ the schedule must be a pure function of those numbers and of the corpus, identic
 
 from __future__ import annotations
 
-import hashlib
 import logging
-import os
-import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -19,35 +16,17 @@ import numpy as np
 import torch
 
 from hetnode.config import DataConfig
-from hetnode.data.sources import (
-    Document,
-    check_ids,
-    documents_fingerprint,
-    load_documents,
-    load_token_file,
-    parse_source,
-)
-from hetnode.data.tokenizer import BpeTokenizer, ByteTokenizer, Tokenizer, make_tokenizer
+from hetnode.data.documents import is_eval_key, split_documents
+from hetnode.data.shards import windows
+from hetnode.data.sources import load_token_file, parse_source
+from hetnode.data.streams import document_streams
+from hetnode.data.tokenizer import ByteTokenizer, Tokenizer
 from hetnode.errors import DataError
 
 log = logging.getLogger(__name__)
 
 Batch = tuple[torch.Tensor, torch.Tensor]
-
-
-def is_eval_key(key: str, eval_fraction: float) -> bool:
-    """A document is held out iff a keyed hash of its key lands below `eval_fraction`: stable everywhere."""
-    digest = hashlib.blake2b(key.encode("utf-8"), digest_size=8, person=b"hetnode-eval").digest()
-    return int.from_bytes(digest, "little") / 2**64 < eval_fraction
-
-
-def split_documents(docs: Sequence[Document], eval_fraction: float) -> tuple[list[Document], list[Document]]:
-    """(train, eval) by `is_eval_key`; adding documents never moves an existing one across the split."""
-    train: list[Document] = []
-    held: list[Document] = []
-    for doc in docs:
-        (held if is_eval_key(doc.key, eval_fraction) else train).append(doc)
-    return train, held
+__all__ = ["TokenDataset", "epoch_permutation", "is_eval_key", "split_documents"]
 
 
 def epoch_permutation(num_windows: int, seed: int, epoch: int) -> np.ndarray:
@@ -65,8 +44,8 @@ class TokenDataset:
         *,
         source: str,
         tokenizer: Tokenizer,
-        train: np.ndarray,
-        held_out: np.ndarray,
+        train: np.ndarray | Sequence[np.ndarray],
+        held_out: np.ndarray | Sequence[np.ndarray],
         seq_len: int,
         batch_size: int,
         seed: int,
@@ -80,8 +59,11 @@ class TokenDataset:
         self.seq_len = seq_len
         self.batch_size = batch_size
         self.seed = seed
-        self.train_tokens = int(train.size)
-        self.eval_tokens = int(held_out.size)
+        # a stream is one array or its memory-mapped shards, read as one sequence
+        train_shards = [train] if isinstance(train, np.ndarray) else list(train)
+        eval_shards = [held_out] if isinstance(held_out, np.ndarray) else list(held_out)
+        self.train_tokens = sum(int(a.size) for a in train_shards)
+        self.eval_tokens = sum(int(a.size) for a in eval_shards)
         width = seq_len + 1
         self.num_train_windows = self.train_tokens // width
         self.num_eval_batches = self.eval_tokens // width // batch_size
@@ -93,9 +75,8 @@ class TokenDataset:
                 f"{source}: eval split too small ({self.eval_tokens} tokens; {need}); "
                 "raise data.eval_fraction or add data"
             )
-        self._train = train[: self.num_train_windows * width].reshape(-1, width)
-        n_eval = self.num_eval_batches * batch_size
-        self._eval = held_out[: n_eval * width].reshape(-1, width)
+        self._train = windows(train_shards, width, self.num_train_windows)
+        self._eval = windows(eval_shards, width, self.num_eval_batches * batch_size)
         self._perms: dict[int, np.ndarray] = {}
 
     @classmethod
@@ -109,7 +90,7 @@ class TokenDataset:
         if kind == "bin" and path is not None:
             tokenizer, train, held = _bin_streams(cfg, path, vocab_size)
         else:
-            tokenizer, train, held = _document_streams(cfg, vocab_size, data_dir)
+            tokenizer, train, held = document_streams(cfg, vocab_size, data_dir)
         dataset = cls(
             source=cfg.source,
             tokenizer=tokenizer,
@@ -176,9 +157,9 @@ class TokenDataset:
         return perm
 
 
-def _to_batch(windows: np.ndarray) -> Batch:
-    inputs = torch.from_numpy(windows[:, :-1].astype(np.int64))
-    targets = torch.from_numpy(windows[:, 1:].astype(np.int64))
+def _to_batch(rows: np.ndarray) -> Batch:
+    inputs = torch.from_numpy(np.asarray(rows[:, :-1], dtype=np.int64))
+    targets = torch.from_numpy(np.asarray(rows[:, 1:], dtype=np.int64))
     return inputs, targets
 
 
@@ -197,78 +178,3 @@ def _bin_streams(cfg: DataConfig, path: Path, vocab_size: int) -> tuple[Tokenize
         )
     split = tokens.size - n_eval
     return ByteTokenizer(), tokens[:split], tokens[split:]
-
-
-def _document_streams(
-    cfg: DataConfig, vocab_size: int, data_dir: Path
-) -> tuple[Tokenizer, np.ndarray, np.ndarray]:
-    docs = load_documents(cfg.source)
-    train_docs, eval_docs = split_documents(docs, cfg.eval_fraction)
-    if not train_docs or not eval_docs:
-        which = "eval" if not eval_docs else "train"
-        raise DataError(
-            f"{cfg.source}: no document of {len(docs)} fell in the {which} split "
-            f"(eval_fraction={cfg.eval_fraction}); add documents (or split large files)"
-        )
-    # BPE sees training documents only, so eval text never shapes the vocabulary.
-    tokenizer = make_tokenizer(cfg, [d.text for d in train_docs], data_dir)
-    if tokenizer.vocab_size > vocab_size:
-        raise DataError(
-            f"{cfg.source}: tokenizer {tokenizer.name} has {tokenizer.vocab_size} ids, "
-            f"more than the model vocab {vocab_size}"
-        )
-    stem = f"tokens-{documents_fingerprint(docs)[:16]}-{tokenizer.name}-ef{cfg.eval_fraction!r}"
-    paths = (data_dir / f"{stem}.train.npy", data_dir / f"{stem}.eval.npy")
-    cached = _load_streams(paths)
-    if cached is not None:
-        train, held = cached
-    else:
-        train, held = _encode(tokenizer, train_docs), _encode(tokenizer, eval_docs)
-        _save_streams(paths, (train, held))
-    check_ids(train, vocab_size, f"{cfg.source} (train stream)")
-    check_ids(held, vocab_size, f"{cfg.source} (eval stream)")
-    return tokenizer, train, held
-
-
-def _encode(tokenizer: Tokenizer, docs: Sequence[Document]) -> np.ndarray:
-    """Concatenate documents, each followed by eos."""
-    texts = [d.text for d in docs]
-    if isinstance(tokenizer, ByteTokenizer):
-        ids: list[np.ndarray] = [tokenizer.encode_array(t) for t in texts]
-    elif isinstance(tokenizer, BpeTokenizer):
-        ids = [np.asarray(x, dtype=np.uint16) for x in tokenizer.encode_batch(texts)]
-    else:
-        ids = [np.asarray(tokenizer.encode(t), dtype=np.uint16) for t in texts]
-    eos = np.array([tokenizer.eos_id], dtype=np.uint16)
-    parts = [p for x in ids for p in (x, eos)]
-    return np.concatenate(parts).astype(np.uint16, copy=False)
-
-
-def _load_streams(paths: tuple[Path, Path]) -> tuple[np.ndarray, np.ndarray] | None:
-    if not all(p.is_file() for p in paths):
-        return None
-    try:
-        arrays = tuple(np.load(p, allow_pickle=False) for p in paths)
-    except (OSError, ValueError) as exc:
-        log.warning("ignoring unreadable token cache %s: %s", paths[0], exc)
-        return None
-    if any(a.dtype != np.uint16 or a.ndim != 1 for a in arrays):
-        log.warning("ignoring token cache %s with unexpected dtype/shape", paths[0])
-        return None
-    return arrays[0], arrays[1]
-
-
-def _save_streams(paths: tuple[Path, Path], arrays: tuple[np.ndarray, np.ndarray]) -> None:
-    """Atomic per file, and the eval file last: a reader needs both, so it never sees half a cache."""
-    try:
-        paths[0].parent.mkdir(parents=True, exist_ok=True)
-        for path, array in zip(paths, arrays, strict=True):
-            fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-            try:
-                with os.fdopen(fd, "wb") as fh:
-                    np.save(fh, array, allow_pickle=False)
-                os.replace(tmp, path)
-            finally:
-                Path(tmp).unlink(missing_ok=True)
-    except OSError as exc:
-        log.warning("could not cache token streams in %s: %s", paths[0].parent, exc)

@@ -10,7 +10,7 @@ import torch
 
 from hetnode.config import DataConfig
 from hetnode.data import ByteTokenizer, TokenDataset, is_eval_key, load_documents, split_documents
-from hetnode.data import dataset as dataset_module
+from hetnode.data import streams as streams_module
 from hetnode.data.dataset import epoch_permutation
 from hetnode.data.tokenizer import bpe_cache_path
 from hetnode.errors import DataError
@@ -44,12 +44,14 @@ def test_wiki_size_and_description(wiki: TokenDataset):
 def test_second_build_uses_the_token_cache(
     wiki: TokenDataset, wiki_dir: Path, monkeypatch: pytest.MonkeyPatch
 ):
-    assert len(list(wiki_dir.glob("tokens-*-bytes-ef0.02.*.npy"))) == 2
+    [manifest] = wiki_dir.glob("tokens/*/manifest.json")
+    assert json.loads(manifest.read_text())["tokenizer"]["name"] == "bytes"
 
     def no_encoding(*args: object) -> np.ndarray:
         raise AssertionError("the cached token streams should have been loaded")
 
-    monkeypatch.setattr(dataset_module, "_encode", no_encoding)
+    monkeypatch.setattr(streams_module, "_encode", no_encoding)
+    monkeypatch.setattr(streams_module, "iter_documents", no_encoding)
     again = TokenDataset.build(WIKI, vocab_size=320, seed=0, data_dir=wiki_dir)
     assert (again.train_tokens, again.eval_tokens) == (wiki.train_tokens, wiki.eval_tokens)
     for a, b in zip(again.eval_batches(3), wiki.eval_batches(3), strict=True):

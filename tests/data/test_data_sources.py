@@ -162,3 +162,35 @@ def test_bin_with_bpe_is_refused(tmp_path: Path):
     with pytest.raises(DataError, match="already tokenised") as info:
         TokenDataset.build(cfg, vocab_size=4096, seed=0, data_dir=tmp_path)
     assert str(path) in str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("body", "key"),
+    [
+        ("source = 'parquet:'", "data.source"),
+        ("source = 'arrow: '", "data.source"),
+        ("source = 'csv:/x'", "data.source"),
+        ("text_column = ' '", "data.text_column"),
+        ("max_documents = -1", "data.max_documents"),
+        ("hf_split = ''", "data.hf_split"),
+    ],
+)
+def test_data_config_validates_the_new_fields(tmp_path: Path, body: str, key: str):
+    from hetnode.config import load_config
+    from hetnode.errors import ConfigError
+
+    path = tmp_path / "c.toml"
+    path.write_text(f"[data]\n{body}\n")
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    assert key in str(info.value)
+    for source in ("parquet:/d", "arrow:x.arrow", "hf:org/name", "hf:./local"):
+        path.write_text(f"[data]\nsource = '{source}'\ntext_column = 'body'\nmax_documents = 5\n")
+        assert load_config(path).data.source == source
+
+
+def test_jsonl_field_follows_text_column(tmp_path: Path):
+    (tmp_path / "d.jsonl").write_text('{"body": "hello"}\n{"body": "world"}\n', encoding="utf-8")
+    assert [d.text for d in load_documents(f"dir:{tmp_path}", text_column="body")] == ["hello", "world"]
+    with pytest.raises(DataError, match="string field 'text'"):
+        load_documents(f"dir:{tmp_path}")
