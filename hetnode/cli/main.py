@@ -8,7 +8,7 @@ import sys
 from collections.abc import Sequence
 
 from hetnode import __version__
-from hetnode.cli import bench, demo, swarm, train
+from hetnode.cli import bench, demo, swarm, train, use_model
 from hetnode.errors import ConfigError, HetnodeError
 from hetnode.service.lifecycle import Stopped
 
@@ -16,7 +16,7 @@ EXIT_ERROR = 1
 EXIT_USAGE = 2  # bad config or arguments
 EXIT_INTERRUPTED = 130  # as a shell reports a command ended by Ctrl+C
 
-SUBCOMMANDS = (demo, train, bench, swarm)
+SUBCOMMANDS = (demo, train, bench, swarm, use_model)
 
 
 def build_parser() -> argparse.ArgumentParser:

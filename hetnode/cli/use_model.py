@@ -1,0 +1,108 @@
+"""`hetnode export` and `hetnode sample`: the global model out of a run, from a checkpoint folder or a
+running coordinator's URL, as a Hugging Face folder or as text."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import logging
+import math
+import sys
+from pathlib import Path
+
+from hetnode.errors import ConfigError
+from hetnode.export.hf import write_hf
+from hetnode.export.source import Checkpoint, load_global_model, open_checkpoint, run_tokenizer
+from hetnode.model.sampling import sample_tokens
+from hetnode.replica.global_model import base_fixed_embedding
+
+log = logging.getLogger(__name__)
+
+MAX_TOKENS = 4096
+
+
+def register(commands: argparse._SubParsersAction) -> None:
+    export = commands.add_parser(
+        "export", help="write the global model as a Hugging Face folder (safetensors, config, tokenizer)"
+    )
+    _source_flags(export)
+    export.add_argument("--format", choices=("hf",), default="hf", help="hf: LlamaForCausalLM (default)")
+    export.add_argument("--out", required=True, type=Path, help="folder to write (created)")
+    export.add_argument("--force", action="store_true", help="write into a folder that is not empty")
+    export.set_defaults(handler=run_export)
+
+    sample = commands.add_parser("sample", help="print a continuation of a prompt from the global model")
+    _source_flags(sample)
+    sample.add_argument("--prompt", required=True, help="text to continue")
+    sample.add_argument("--tokens", type=int, default=200, help=f"new tokens, 1..{MAX_TOKENS} (default 200)")
+    sample.add_argument("--temperature", type=float, default=0.8, help="0 is greedy (default 0.8)")
+    sample.add_argument("--seed", type=int, default=0, help="seed of the draws: same seed, same text")
+    sample.set_defaults(handler=run_sample)
+
+
+def _source_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--from",
+        dest="source",
+        required=True,
+        metavar="CHECKPOINT_OR_URL",
+        help="a checkpoint folder (or a folder of round-* checkpoints) or a coordinator URL http://host:port",
+    )
+    parser.add_argument(
+        "--tokenizer",
+        type=Path,
+        default=None,
+        help="a BPE run's tokenizer JSON (default: rebuilt from the run's data config, as peers do)",
+    )
+    parser.add_argument("--timeout", type=float, default=30.0, help="seconds per network read (URL only)")
+
+
+def _open(args: argparse.Namespace) -> Checkpoint:
+    if not (math.isfinite(args.timeout) and args.timeout > 0):
+        raise ConfigError("--timeout", "timeout", f"must be a positive number of seconds, got {args.timeout}")
+    checkpoint = open_checkpoint(args.source, timeout_s=args.timeout)
+    m = checkpoint.manifest
+    log.info("checkpoint of run %s, θ after round %d, from %s", m.run or "?", m.round, checkpoint.where)
+    return checkpoint
+
+
+def run_export(args: argparse.Namespace) -> int:
+    out: Path = args.out
+    if out.exists() and not out.is_dir():
+        raise ConfigError("--out", "out", f"{out} exists and is not a folder")
+    if out.is_dir() and any(out.iterdir()) and not args.force:
+        raise ConfigError("--out", "out", f"{out} is not empty (add --force to write into it)")
+    checkpoint = _open(args)
+    config = checkpoint.config
+    tokenizer = run_tokenizer(config, args.tokenizer)
+    fixed = base_fixed_embedding(config)
+    written = write_hf(out, checkpoint.params, config, fixed, tokenizer, checkpoint.provenance())
+    print(f"exported θ after round {checkpoint.manifest.round} ({tokenizer.name} tokenizer) to {out}:")
+    for path in written:
+        print(f"  {path.name}")
+    print(
+        f"load it with AutoModelForCausalLM.from_pretrained({str(out)!r}) and AutoTokenizer.from_pretrained"
+    )
+    if importlib.util.find_spec("transformers") is None:
+        print(
+            "(transformers is not installed here: the folder was written without it, and loads where it is)"
+        )
+    return 0
+
+
+def run_sample(args: argparse.Namespace) -> int:
+    if not 1 <= args.tokens <= MAX_TOKENS:
+        raise ConfigError("--tokens", "tokens", f"must be in 1..{MAX_TOKENS}, got {args.tokens}")
+    if not (math.isfinite(args.temperature) and args.temperature >= 0):
+        raise ConfigError("--temperature", "temperature", f"must be finite and >= 0, got {args.temperature}")
+    if not 0 <= args.seed < 2**63:
+        raise ConfigError("--seed", "seed", f"must be in 0..2^63-1, got {args.seed}")
+    checkpoint = _open(args)
+    tokenizer = run_tokenizer(checkpoint.config, args.tokenizer)
+    prompt = tokenizer.encode(args.prompt)
+    if not prompt:
+        raise ConfigError("--prompt", "prompt", f"{args.prompt!r} encodes to no tokens")
+    model = load_global_model(checkpoint)
+    ids = sample_tokens(model, prompt, args.tokens, args.temperature, args.seed, stop_id=tokenizer.eos_id)
+    sys.stdout.write(tokenizer.decode(ids) + "\n")
+    return 0

@@ -1,0 +1,165 @@
+"""Opening a checkpoint from a coordinator URL: a real HTTP server on 127.0.0.1 serves a checkpoint folder
+the way the coordinator does (`/api/checkpoint/manifest.json`, `/api/checkpoint/model.safetensors`)."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import socket
+import threading
+from collections.abc import Callable, Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import pytest
+import torch
+
+from hetnode.cli.main import main
+from hetnode.errors import CheckpointError
+from hetnode.export.source import fetch_checkpoint, open_checkpoint
+
+# path -> (status, body, send Content-Length); a callable is asked again on every request
+Reply = tuple[int, bytes, bool]
+Routes = dict[str, Reply | Callable[[], Reply]]
+
+
+@pytest.fixture
+def serve() -> Iterator[Callable[[Routes], str]]:
+    servers: list[ThreadingHTTPServer] = []
+
+    def start(routes: Routes) -> str:
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self) -> None:  # noqa: N802 (the http.server name)
+                route = routes.get(self.path)
+                status, body, length = (route() if callable(route) else route) if route else (404, b"", True)
+                self.send_response(status)
+                if length:
+                    self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                with contextlib.suppress(
+                    BrokenPipeError, ConnectionResetError
+                ):  # the client refused the rest
+                    self.wfile.write(body)
+                self.close_connection = True
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+        server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        servers.append(server)
+        threading.Thread(target=server.serve_forever, args=(0.05,), daemon=True).start()
+        return f"http://127.0.0.1:{server.server_address[1]}"
+
+    yield start
+    for server in servers:
+        server.shutdown()
+        server.server_close()
+
+
+def _routes(folder: Path) -> Routes:
+    return {
+        "/api/checkpoint/manifest.json": (200, (folder / "manifest.json").read_bytes(), True),
+        "/api/checkpoint/model.safetensors": (200, (folder / "model.safetensors").read_bytes(), True),
+    }
+
+
+def test_url_gives_what_the_folder_holds(small, write_checkpoint, serve):
+    folder = write_checkpoint(small("selective", tied=True))
+    url = serve(_routes(folder))
+    from_url, from_folder = open_checkpoint(url + "/"), open_checkpoint(str(folder))
+    assert from_url.manifest == from_folder.manifest and from_url.config == from_folder.config
+    assert from_url.params.keys() == from_folder.params.keys()
+    assert all(torch.equal(from_url.params[n], t) for n, t in from_folder.params.items())
+
+
+def test_export_from_a_url(small, write_checkpoint, serve, tmp_path: Path):
+    folder = write_checkpoint(small("none", tied=False))
+    out = tmp_path / "hf"
+    assert main(["export", "--from", serve(_routes(folder)), "--format", "hf", "--out", str(out)]) == 0
+    provenance = json.loads((out / "config.json").read_text())["hetnode"]
+    assert provenance["round"] == 7 and provenance["run"] == "test-run"
+
+
+def test_unreachable_url_is_a_clear_error(tmp_path: Path, capsys):
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    with pytest.raises(CheckpointError, match="cannot reach the coordinator"):
+        fetch_checkpoint(f"http://127.0.0.1:{port}", timeout_s=5)
+    assert main(["export", "--from", f"http://127.0.0.1:{port}", "--out", str(tmp_path / "o")]) == 1
+    assert "cannot reach" in capsys.readouterr().err
+
+
+def test_no_checkpoint_yet_is_a_404(serve):
+    with pytest.raises(CheckpointError, match="HTTP 404.*no checkpoint here"):
+        fetch_checkpoint(serve({}), timeout_s=5)
+    said = json.dumps({"error": "no checkpoint yet: the coordinator writes one every K rounds"}).encode()
+    url = serve({"/api/checkpoint/manifest.json": (404, said, True)})
+    with pytest.raises(CheckpointError, match="HTTP 404 no checkpoint yet: the coordinator writes"):
+        fetch_checkpoint(url, timeout_s=5)
+
+
+def test_a_busy_coordinator_is_asked_again(small, write_checkpoint, serve):
+    """503 while the coordinator rewrites its checkpoints: retried, then the checkpoint arrives."""
+    folder = write_checkpoint(small("none", tied=False))
+    routes = _routes(folder)
+    answers = iter([(503, b'{"error": "checkpoints are being rewritten; retry"}', True)])
+    weights = routes["/api/checkpoint/model.safetensors"]
+    routes["/api/checkpoint/model.safetensors"] = lambda: next(answers, weights)
+    assert fetch_checkpoint(serve(routes), timeout_s=5).manifest.round == 7
+
+
+@pytest.mark.parametrize("declared", [True, False], ids=["content-length", "no-length"])
+def test_oversized_manifest_is_refused(serve, declared: bool):
+    big = json.dumps({"format": "hetnode-checkpoint/1", "pad": "x" * (5 << 20)}).encode()
+    url = serve({"/api/checkpoint/manifest.json": (200, big, declared)})
+    with pytest.raises(CheckpointError, match="allowed"):
+        fetch_checkpoint(url, timeout_s=5)
+
+
+@pytest.mark.parametrize("declared", [True, False], ids=["content-length", "no-length"])
+def test_weights_larger_than_the_config_implies_are_refused(small, write_checkpoint, serve, declared):
+    folder = write_checkpoint(small("none", tied=False))
+    routes = _routes(folder)
+    weights = (folder / "model.safetensors").read_bytes()
+    routes["/api/checkpoint/model.safetensors"] = (200, weights + b"\0" * (2 << 20), declared)
+    with pytest.raises(CheckpointError, match="allowed"):
+        fetch_checkpoint(serve(routes), timeout_s=5)
+
+
+def test_a_manifest_that_is_not_json_is_refused(serve):
+    url = serve({"/api/checkpoint/manifest.json": (200, b"<html>status page</html>", True)})
+    with pytest.raises(CheckpointError, match="not a JSON manifest"):
+        fetch_checkpoint(url, timeout_s=5)
+
+
+def test_weights_of_another_round_are_fetched_again(small, write_checkpoint, serve):
+    """A checkpoint written between the two requests: the pair disagrees once, the retry gets a match."""
+    config = small("none", tied=False)
+    old, new = write_checkpoint(config, round_=3), write_checkpoint(config, round_=4)
+    manifests = iter([old, new])  # first the old manifest, then (retry) the new one
+    routes: Routes = {
+        "/api/checkpoint/manifest.json": lambda: (
+            200,
+            (next(manifests) / "manifest.json").read_bytes(),
+            True,
+        ),
+        "/api/checkpoint/model.safetensors": (200, (new / "model.safetensors").read_bytes(), True),
+    }
+    assert fetch_checkpoint(serve(routes), timeout_s=5).manifest.round == 4
+
+
+def test_damaged_weights_are_refused(small, write_checkpoint, serve):
+    folder = write_checkpoint(small("none", tied=False))
+    routes = _routes(folder)
+    weights = bytearray((folder / "model.safetensors").read_bytes())
+    weights[-4] ^= 1  # the lowest mantissa bit of the last value: only the layer digests see it
+    routes["/api/checkpoint/model.safetensors"] = (200, bytes(weights), True)
+    with pytest.raises(CheckpointError, match="digests"):
+        fetch_checkpoint(serve(routes), timeout_s=5)
+
+
+@pytest.mark.parametrize("url", ["ftp://127.0.0.1:1", "http://", "http://127.0.0.1:1/?x=1"])
+def test_malformed_urls_are_refused(url: str):
+    with pytest.raises(CheckpointError):
+        open_checkpoint(url)
