@@ -139,11 +139,16 @@ def measure(name: str) -> dict:
     result["eval_loss"] = loss
 
     with tempfile.TemporaryDirectory() as folder:
-        writer = SimpleNamespace(data_dir=SimpleNamespace(path=Path(folder)), global_model=theta)
+        writer = SimpleNamespace(  # what _checkpoint reads
+            data_dir=SimpleNamespace(path=Path(folder)),
+            global_model=theta,
+            config=config,
+            node=SimpleNamespace(run="bench"),
+        )
         started = time.perf_counter()
         RoundKeeper._checkpoint(writer)
         result["checkpoint_s"] = time.perf_counter() - started
-        result["checkpoint_bytes"] = sum(p.stat().st_size for p in Path(folder).iterdir())
+        result["checkpoint_bytes"] = sum(p.stat().st_size for p in Path(folder).rglob("*") if p.is_file())
     current, peak = rss_mb()
     result["rss_end_mb"] = current
     result["peak_rss_mb"] = peak

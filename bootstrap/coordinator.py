@@ -3,7 +3,8 @@ manifest and opens a boundary every `network.boundary_s` (roles and chains chang
 
 State in the data dir survives a restart: identity key (same peer id), the bound port (same address
 when `--listen` asked for port 0), the run id and the boundary counter. Before anything there is written,
-`bootstrap/run_state.py` checks that `--config` continues the stored run (or moves it aside: `--new-run`).
+`bootstrap/run_state.py` checks that `--config` continues the stored run (or moves it aside: `--new-run`),
+and θ comes from the newest usable checkpoint (`bootstrap/checkpoint_store.py`; `--resume` requires one).
 """
 
 from __future__ import annotations
@@ -17,9 +18,11 @@ from pathlib import Path
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from bootstrap.admissions import Admissions, read_allowlist
+from bootstrap.checkpoint_store import CheckpointRoutes, Restored, checkpoints_root, convert_legacy, restore
 from bootstrap.ledger import Ledger
 from bootstrap.round_keeper import RoundKeeper
 from bootstrap.run_state import LEDGER_FILE, NEIGHBOURS_FILE, STATE_FILE, begin_new_run, go_on_with_run
+from bootstrap.samples import newest_samples
 from bootstrap.status_page import StatusBoard
 from bootstrap.swarm_metrics import SwarmMetrics
 from hetnode.config import Config, load_config
@@ -58,6 +61,7 @@ class BootstrapOptions:
     admission: str = "open"  # open | allowlist | tokens
     allowlist: Path | None = None  # peer ids admitted in "allowlist" mode
     new_run: bool = False  # start a new run in data_dir, the old run's files moved aside (run_state.py)
+    resume: bool = False  # go on from the data dir's latest checkpoint; an error when it holds none
 
 
 def listen_address(requested: str, state: dict) -> str:
@@ -89,6 +93,7 @@ class Coordinator:
         self.config: Config = load_config(options.config_path)
         self._bootstrapped_from: list[str] = []
         self._allowlist: frozenset[str] = frozenset()
+        self._restored: Restored | None = None  # θ from the data dir, until the round keeper takes it
 
     async def run(self) -> int:
         stop = stop_on_signals()
@@ -100,6 +105,9 @@ class Coordinator:
                 state = begin_new_run(data_dir, self.config)
             else:
                 state = go_on_with_run(data_dir, self.config, o.config_path)  # written once the node is up
+            # before the node starts: a start that cannot go on from the checkpoints fails at once
+            convert_legacy(data_dir.path, self.config, state["run"])  # an old global.pt, once
+            self._restored = restore(data_dir.path, self.config, state["run"], resume=o.resume)
             identity = load_or_create_identity(o.identity or data_dir.path / "identity.key")
             listen = listen_address(o.listen, state)
             remembered = [
@@ -189,9 +197,11 @@ class Coordinator:
                 swarm_metrics,
                 self.options.stand_ins,
                 directory,
+                restored=self._restored,
             )
+            self._restored = None  # the keeper copied θ: one copy in memory
             board = StatusBoard(ledger, stale_after_s=max(60.0, 6 * n.heartbeat_s))
-            servers = self._http_servers(board, peer_metrics)
+            servers = self._http_servers(board, peer_metrics, checkpoints_root(data_dir.path))
             try:
                 for server in servers.values():
                     server.start()
@@ -214,6 +224,7 @@ class Coordinator:
                     asyncio.create_task(self._remember_neighbours(node, data_dir, stop), name="neighbours"),
                     asyncio.create_task(keeper.run(stop), name="rounds"),
                     asyncio.create_task(directory.follow(stop), name="peer records"),
+                    asyncio.create_task(keeper.keep_head(stop), name="head"),
                     asyncio.create_task(
                         keep_in_dht(node, stop, self.config.network.heartbeat_s), name="dht membership"
                     ),
@@ -231,13 +242,17 @@ class Coordinator:
                 for server in servers.values():
                     server.stop()
 
-    def _http_servers(self, board: StatusBoard, metrics: PeerMetrics) -> dict[str, HttpServer]:
-        """The status page and API (with /metrics unless it has a port of its own), and that port."""
+    def _http_servers(
+        self, board: StatusBoard, metrics: PeerMetrics, checkpoints: Path
+    ) -> dict[str, HttpServer]:
+        """The status page, API and newest checkpoint (with /metrics unless it has a port of its own), and
+        that port."""
         o = self.options
         metrics_route = {"/metrics": lambda: Response(metrics.exposition(), CONTENT_TYPE_LATEST)}
         servers = {}
         if o.http_port is not None:
-            routes = board.routes() | (metrics_route if o.metrics_port is None else {})
+            routes = board.routes() | CheckpointRoutes(checkpoints).routes()
+            routes |= metrics_route if o.metrics_port is None else {}
             servers["http"] = HttpServer(o.http_host, o.http_port, routes)
         if o.metrics_port is not None:
             health = {"/healthz": board.routes()["/healthz"]}
@@ -344,4 +359,5 @@ def status_snapshot(
             {"chain": c.chain, "members": [m for m in c.stages if m], "live": c.live} for c in view.chains()
         ],
         "history": history,
+        "samples": newest_samples(keeper.history),  # in the history: a restart keeps them
     }

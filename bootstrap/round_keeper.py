@@ -26,8 +26,10 @@ from typing import Any
 
 import torch
 
+from bootstrap.checkpoint_store import Restored, checkpoints_root, store
 from bootstrap.ledger import Contribution, Ledger, Verdict
-from bootstrap.run_state import CHECKPOINT, HISTORY, shape_mismatch
+from bootstrap.run_state import HISTORY
+from bootstrap.samples import RoundSampler
 from bootstrap.swarm_metrics import REPLICA_ROLES, SwarmMetrics
 from bootstrap.verifier import Verifier, replica_of
 from hetnode.config import Config
@@ -35,9 +37,10 @@ from hetnode.daemon.participant import fetch_state, payload_opener
 from hetnode.daemon.sealing import SealedRound, Sealer
 from hetnode.daemon.view import PeerDirectory, SwarmView
 from hetnode.data.dataset import TokenDataset
-from hetnode.errors import CheckpointError, WireError
+from hetnode.errors import WireError
 from hetnode.model.decoder import build_model
 from hetnode.net.node import SwarmNode
+from hetnode.net.records import new_head_record
 from hetnode.net.streams import PeerRequestError
 from hetnode.planning.rounds import Announcement, replica_tokens, seal_now, shard_order
 from hetnode.replica.global_model import GlobalModel, base_fixed_embedding
@@ -79,8 +82,10 @@ class RoundKeeper:
         metrics: SwarmMetrics | None = None,
         stand_ins: tuple[str, ...] = (),
         directory: PeerDirectory | None = None,
+        restored: Restored | None = None,
     ) -> None:
-        """`directory`: the coordinator's reads of the peer records (one of our own if not given)."""
+        """`directory`: the coordinator's reads of the peer records (one of our own if not given);
+        `restored`: θ from the data dir's checkpoint (`checkpoint_store.restore`), taken over here."""
         self.config = config
         self.node = node
         self.presence = presence
@@ -93,11 +98,16 @@ class RoundKeeper:
         self.sealer = Sealer(config, node, self.global_model)
         self.sealed_in_this_life = False  # from then on, no other seal or θ is ever adopted
         self.verifier: Verifier | None = None  # set up with the evaluator when `outer.verify` is on
+        self.sampler: RoundSampler | None = None  # set up with the evaluator (it samples on that model)
         self._rescued: dict[tuple[int, tuple[str, ...]], set[str]] = {}  # the last `_rescue` verdict
         self._names: dict[str, str] = {}  # display names from peer records, as last seen
         n = config.network
         self.view = directory or PeerDirectory(node, config, n.heartbeat_s, n.heartbeat_s)
-        self._load_checkpoint()
+        self.view.on_change = self.directory_changed
+        self._head: tuple[int, dict[str, str]] | None = None  # the round and digests the head states
+        self._directory_changed = asyncio.Event()
+        self._sealed = -1  # the newest round we sealed, in the head as soon as the seal is out
+        self._load_checkpoint(restored)
         node.set_payloads(self.sealer.serve)
         node.set_state(self._serve_state)
         node.set_inclusion(self.included)
@@ -127,14 +137,32 @@ class RoundKeeper:
         await self._store_head(round_, digests)
 
     async def _store_head(self, round_: int, digests: dict[str, str]) -> None:
-        head = {"round": round_, "layer_digests": digests}
+        """Our θ's round and digests, with the digest of our view of the swarm and our clock: replicas
+        skip reading every peer record while their view has that digest (`PeerDirectory`)."""
+        self._head = (round_, digests)
+        head = new_head_record(round_, digests, self.view.digest, self._sealed)
         if not await self.node.store_own("head", head, HEAD_TTL_S):
             log.warning("round %d: the DHT did not accept our head record", round_)
+
+    def directory_changed(self) -> None:
+        """Our view of the swarm changed: store the head with its new digest soon."""
+        self._directory_changed.set()
+
+    async def keep_head(self, stop: asyncio.Event) -> None:
+        """Store the head again on each change of our view, and at least every half stable heartbeat, so
+        that replicas can tell a current digest from the last word of a coordinator that went silent."""
+        period_s = self.config.network.stable_heartbeat_s / 2
+        while not await sleep_or_wake(stop, self._directory_changed, period_s):
+            if self._head is not None:
+                await self._store_head(*self._head)
 
     async def run(self, stop: asyncio.Event) -> None:
         digests = await asyncio.to_thread(self.global_model.digests)
         await self._store_head(self.global_model.params_round, digests)
         evaluator = await asyncio.to_thread(self._build_evaluator)
+        self.sampler = RoundSampler(
+            self.config.samples, self.config.run.seed, self._dataset.tokenizer, self._model
+        )
         if self.config.outer.verify:
             self.verifier = Verifier(self.config, self._dataset, self._model)
             self.sealer.screen = self.verifier.screen
@@ -178,6 +206,9 @@ class RoundKeeper:
         sealed = await self.sealer.seal(round_, seen)
         if sealed is None:
             return
+        self._sealed = round_
+        if self._head is not None:  # replicas poll the head for this, not the (O(R)-byte) seal
+            await self._store_head(*self._head)
         self.sealer.observe_arrivals(expected, seen)
         await self._record(sealed, started, evaluator)
 
@@ -235,6 +266,7 @@ class RoundKeeper:
             self.global_model.seal_hash = seal_digest(seal)
             await asyncio.to_thread(self._checkpoint)
             eval_loss = await asyncio.to_thread(evaluator, self.global_model)
+            sample = await self._sample(round_)
             await self._publish_theta(round_, digests)
             self._append_history(
                 {
@@ -249,6 +281,7 @@ class RoundKeeper:
                     "time": time.time(),
                     "caught_up_from": peer,
                     "sealed_by": sealer,
+                    "sample": sample,
                 }
             )
             log.info(
@@ -286,6 +319,7 @@ class RoundKeeper:
         except Exception:  # the ledger is a view of the rounds: its failure must not stop them
             log.exception("round %d: the ledger refused the round's credits", round_)
         eval_loss = await asyncio.to_thread(evaluator, self.global_model)
+        sample = await self._sample(round_)
         if round_ % self.config.outer.checkpoint_every_rounds == 0:
             await asyncio.to_thread(self._checkpoint)
         digests = self.global_model.digests()
@@ -308,6 +342,7 @@ class RoundKeeper:
                 role: sum(c.bytes_sent for c in credits if c.role == role) for role in REPLICA_ROLES
             },
             "dense_bytes": sum(self.global_model.dense_bytes(p) for _, p in sealed.contributions),
+            "sample": sample,  # a few tokens from θ after this round, for people to read
         }
         self._append_history(entry)
         if self.metrics is not None:
@@ -389,6 +424,17 @@ class RoundKeeper:
             history.write(json.dumps(entry) + "\n")
         self.history.append(entry)
 
+    async def _sample(self, round_: int) -> dict[str, Any] | None:
+        """A short text from θ after `round_` (off the event loop, like evaluation); its failure is logged
+        and never stops the round."""
+        if self.sampler is None or not self.sampler.enabled:
+            return None
+        try:
+            return await asyncio.to_thread(self.sampler.sample, self.global_model.params, round_)
+        except Exception:
+            log.exception("round %d: sampling failed", round_)
+            return None
+
     @property
     def eval_loss(self) -> float | None:
         """Of the global θ after the newest round in the history."""
@@ -413,38 +459,22 @@ class RoundKeeper:
         return evaluate
 
     def _checkpoint(self) -> None:
-        path: Path = self.data_dir.path / CHECKPOINT
-        tmp = path.with_suffix(".tmp")
-        torch.save(
-            {
-                "params_round": self.global_model.params_round,
-                "seal_hash": self.global_model.seal_hash,
-                "params": self.global_model.params,
-            },
-            tmp,
-        )
-        tmp.replace(path)
+        folder = store(checkpoints_root(self.data_dir.path), self.global_model, self.config, self.node.run)
+        if folder is not None:
+            log.info("round %d: θ written to %s", self.global_model.params_round, folder)
 
-    def _load_checkpoint(self) -> None:
-        path = self.data_dir.path / CHECKPOINT
-        if not path.exists():
+    def _load_checkpoint(self, restored: Restored | None) -> None:
+        """Take θ from `restored` (checked against the config by `checkpoint_store.restore`)."""
+        if restored is None:
             return
-        state = torch.load(path, map_location="cpu", weights_only=True)
-        params = state["params"]
-        # the coordinator checked this before starting (run_state.py); the file may have changed since
-        problem = shape_mismatch(
-            {name: tuple(t.shape) for name, t in params.items()},
-            {name: tuple(t.shape) for name, t in self.global_model.params.items()},
-        )
-        if problem is not None:
-            raise CheckpointError(f"{path} holds another model: {problem}")
         with torch.no_grad():
-            for name, tensor in params.items():
+            for name, tensor in restored.params.items():
                 self.global_model.params[name].copy_(tensor)
-        self.global_model.params_round = int(state["params_round"])
+        restored.params.clear()  # one copy of θ in memory, not two
+        self.global_model.params_round = restored.manifest.round
         self.global_model.changed()
-        seal_hash = state.get("seal_hash")
-        if not isinstance(seal_hash, str):  # a checkpoint from before seals were chained: ask the history
+        seal_hash = restored.manifest.seal_hash
+        if seal_hash is None:  # converted from a checkpoint of before seals were chained: ask the history
             seal_hash = next(
                 (
                     h.get("seal_hash")
@@ -454,4 +484,4 @@ class RoundKeeper:
                 None,
             )
         self.global_model.seal_hash = seal_hash
-        log.info("global model restored at round %d from %s", self.global_model.params_round, path)
+        log.info("global model restored at round %d from %s", self.global_model.params_round, restored.folder)

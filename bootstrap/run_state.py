@@ -1,10 +1,11 @@
 """The run a coordinator's data dir holds, checked against `--config` before anything there is written.
 
-`coordinator.json` names the run (its id, when it began, the config it was made with); `global.pt`,
-`rounds.jsonl` and `ledger.sqlite` are that run's θ, history and credit. A config that would give them
-another meaning (another run name, seed, model, vocabulary or input embedding) is refused with nothing
-changed on disk, so the next start with the right config comes back as the same run. Other settings
-(timings, limits, the schedule) may change between starts of one run: the coordinator logs what changed.
+`coordinator.json` names the run (its id, when it began, the config it was made with); `checkpoints/`
+(`bootstrap/checkpoint_store.py`; `global.pt` before), `rounds.jsonl` and `ledger.sqlite` are that run's θ,
+history and credit. A config that would give them another meaning (another run name, seed, model,
+vocabulary or input embedding) is refused with nothing changed on disk, so the next start with the right
+config comes back as the same run. Other settings (timings, limits, the schedule) may change between starts
+of one run: the coordinator logs what changed.
 
 `--new-run` starts a new run in the same data dir on purpose: the old run's files move into
 `DATA_DIR/previous-runs/<UTC time>-<run id>/` (renamed, never deleted). The identity key, the listen port
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import json
 import logging
+import pickle
 import re
 import secrets
 import time
@@ -30,12 +32,15 @@ from hetnode.config import Config
 from hetnode.errors import CheckpointError, HetnodeError
 from hetnode.model.decoder import DecoderStage
 from hetnode.model.shards import ModelPart
+from hetnode.replica.checkpoint import WEIGHTS, list_checkpoints, weights_shapes
 from hetnode.service.datadir import DataDir
 
 log = logging.getLogger(__name__)
 
 STATE_FILE = "coordinator.json"
-CHECKPOINT = "global.pt"
+CHECKPOINT = "global.pt"  # θ as versions before checkpoints/ wrote it (a pickle), converted on start
+CONVERTED = "global.pt.converted"  # that file once converted: kept for the operator to delete
+CHECKPOINTS = "checkpoints"  # round-NNNNNN/ folders (hetnode/replica/checkpoint.py)
 HISTORY = "rounds.jsonl"
 LEDGER_FILE = "ledger.sqlite"
 NEIGHBOURS_FILE = "neighbours.json"
@@ -44,7 +49,9 @@ PREVIOUS_RUNS = "previous-runs"
 # a θ without a run id (which a start refuses), never a run id with half of its files.
 RUN_FILES = (
     STATE_FILE,
+    CHECKPOINTS,
     CHECKPOINT,
+    CONVERTED,
     HISTORY,
     LEDGER_FILE,
     f"{LEDGER_FILE}-wal",
@@ -55,7 +62,16 @@ RUN_FILES = (
 # What θ, the history and the ledger mean: a change here makes them another run's. `run.*` and `model.*`
 # whole, and the vocabulary; `pipeline.compression` only between "none" and a subspace mode.
 IDENTITY_SECTIONS = ("run", "model")
-IDENTITY_KEYS = ("data.source", "data.tokenizer", "data.bpe_vocab_size")
+# what the run trains on: the documents (which column, how many, which split) and their tokens
+IDENTITY_KEYS = (
+    "data.source",
+    "data.tokenizer",
+    "data.bpe_vocab_size",
+    "data.text_column",
+    "data.max_documents",
+    "data.hf_split",
+    "data.hf_subset",
+)
 LISTEN_KEYS = ("listen_requested", "listen_port")  # the coordinator's address outlives its runs
 MAX_LISTED = 6  # differences named in a refusal
 
@@ -121,12 +137,20 @@ def shape_mismatch(found: dict[str, tuple[int, ...]], expected: dict[str, tuple[
 
 
 def checkpoint_shapes(path: Path) -> dict[str, tuple[int, ...]]:
-    """The parameter shapes in a coordinator checkpoint, read without loading the tensors (mmap)."""
+    """The parameter shapes in a coordinator checkpoint (a `round-NNNNNN/` folder, its `model.safetensors`,
+    or an old `global.pt`), read without loading the tensors (the safetensors header; mmap for a pickle)."""
+    if path.is_dir():
+        path = path / WEIGHTS
+    if path.suffix == ".safetensors":
+        return weights_shapes(path)
     try:
         state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
         return {name: tuple(tensor.shape) for name, tensor in state["params"].items()}
+    except pickle.UnpicklingError:  # torch's message advises loading it anyway: not ours to give
+        raise CheckpointError(f"{path} is unreadable: it holds objects other than tensors") from None
     except Exception as exc:  # torch raises many kinds for a damaged file; all mean "unreadable"
-        raise CheckpointError(f"{path} is unreadable ({type(exc).__name__}: {exc})") from None
+        first = (str(exc).strip().splitlines() or [""])[0][:200]
+        raise CheckpointError(f"{path} is unreadable ({type(exc).__name__}: {first})") from None
 
 
 def ledger_problem(path: Path) -> tuple[str, str] | None:
@@ -153,6 +177,8 @@ def check_stored_run(data_dir: DataDir, config: Config, config_path: Path) -> St
     path = data_dir.path
     state = data_dir.read_json(STATE_FILE)
     present = [name for name in (CHECKPOINT, HISTORY, LEDGER_FILE) if (path / name).exists()]
+    if list_checkpoints(path / CHECKPOINTS):
+        present.insert(0, CHECKPOINTS)
     if not state and not present:
         return StoredRun({}, {})
     if not state:
@@ -191,6 +217,10 @@ def check_stored_run(data_dir: DataDir, config: Config, config_path: Path) -> St
             ) from None
         if (problem := shape_mismatch(found, model_shapes(config))) is not None:
             reasons.append(f"{CHECKPOINT} holds another model: {problem}")
+    if (newest := newest_shapes(path / CHECKPOINTS)) is not None:
+        name, found = newest
+        if (problem := shape_mismatch(found, model_shapes(config))) is not None:
+            reasons.append(f"{CHECKPOINTS}/{name} holds another model: {problem}")
     if reasons:
         more = len(reasons) - MAX_LISTED
         shown = reasons[:MAX_LISTED] + ([f"and {more} more"] if more > 0 else [])
@@ -200,6 +230,17 @@ def check_stored_run(data_dir: DataDir, config: Config, config_path: Path) -> St
             f"{run}, start with its config; to start a new run, {_ways_forward(path)}"
         )
     return StoredRun(state, {key: change for key, change in changes.items() if key not in identity})
+
+
+def newest_shapes(root: Path) -> tuple[str, dict[str, tuple[int, ...]]] | None:
+    """(folder name, shapes) of the newest checkpoint under `root` whose header reads; a damaged one is
+    skipped here, and warned about by the start that falls back past it (`checkpoint_store.restore`)."""
+    for _, folder in reversed(list_checkpoints(root)):
+        try:
+            return folder.name, checkpoint_shapes(folder)
+        except CheckpointError:
+            continue
+    return None
 
 
 def _ways_forward(path: Path) -> str:

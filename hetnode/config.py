@@ -44,7 +44,8 @@ class ModelConfig:
 
 @dataclass(frozen=True)
 class DataConfig:
-    # "wiki" (bundled Wikipedia summaries), "dir:<folder of .txt/.jsonl>", or "bin:<uint16 token file>"
+    # "wiki" (bundled Wikipedia summaries), "dir:<folder of .txt/.jsonl>", "parquet:<file or folder>",
+    # "arrow:<file or folder>" (Arrow IPC), "hf:<dataset name or local path>", or "bin:<uint16 token file>"
     source: str = "wiki"
     tokenizer: Literal["bytes", "bpe"] = "bytes"
     bpe_vocab_size: int = 4096
@@ -52,6 +53,10 @@ class DataConfig:
     batch_size: int = 16
     eval_fraction: float = 0.02
     data_dir: str = "~/.cache/hetnode"
+    text_column: str = "text"  # the text of parquet/arrow/hf rows and .jsonl records
+    max_documents: int = 0  # read at most this many documents, in source order (0: all)
+    hf_split: str = "train"  # hf: the split to stream
+    hf_subset: str = ""  # hf: the dataset's configuration ("" for its default)
 
 
 @dataclass(frozen=True)
@@ -97,6 +102,9 @@ class OuterConfig:
     # The coordinator writes θ to disk every this many sealed rounds (and when it stops); after a crash
     # it takes the rounds it missed from the replicas, so K trades disk writes for catch-up downloads.
     checkpoint_every_rounds: int = 5
+    # How many of those checkpoints (DATA_DIR/checkpoints/round-NNNNNN/) the coordinator keeps, newest
+    # first: more than one, so that a damaged newest checkpoint falls back to the one before it.
+    keep_checkpoints: int = 3
     # The largest |shift| + max|table| a contribution's 2-bit quantisation may carry (TRUST §2): honest
     # pseudo-gradients sit far below 1; the bound keeps every aggregate and θ − α·Δ finite in float32.
     max_value: float = 1000.0
@@ -156,6 +164,16 @@ class NetworkConfig:
 
 
 @dataclass(frozen=True)
+class SamplesConfig:
+    """The coordinator's short text from θ after every evaluated round (status page, `rounds.jsonl`), so
+    people see the model learn. Seeded by run seed + round: a round's sample can be repeated."""
+
+    prompt: str = "The history of"
+    tokens: int = 64  # new tokens per sample (a forward pass each, no KV cache); 0: no samples
+    temperature: float = 0.8  # 0: greedy
+
+
+@dataclass(frozen=True)
 class Config:
     run: RunConfig = field(default_factory=RunConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -165,6 +183,7 @@ class Config:
     outer: OuterConfig = field(default_factory=OuterConfig)
     pipeline: PipelineConfig = field(default_factory=PipelineConfig)
     network: NetworkConfig = field(default_factory=NetworkConfig)
+    samples: SamplesConfig = field(default_factory=SamplesConfig)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -266,6 +285,12 @@ def _require(condition: bool, source: str, key: str, message: str) -> None:
         raise ConfigError(source, key, message)
 
 
+DATA_SOURCE_KINDS = ("dir", "bin", "parquet", "arrow", "hf")
+DATA_SOURCE_FORMS = (
+    "'wiki', 'dir:<path>', 'parquet:<path>', 'arrow:<path>', 'hf:<name or path>' or 'bin:<path>'"
+)
+
+
 def validate(config: Config, source: str) -> None:
     """Check the values that no type can express (ranges and cross-field rules)."""
     m, d, t, i, o, p, n = (
@@ -320,8 +345,12 @@ def validate(config: Config, source: str) -> None:
     _require(
         0 < d.eval_fraction < 0.5, source, "data.eval_fraction", f"must be in (0, 0.5), got {d.eval_fraction}"
     )
-    src_ok = d.source == "wiki" or d.source.startswith(("dir:", "bin:"))
-    _require(src_ok, source, "data.source", f"must be 'wiki', 'dir:<path>' or 'bin:<path>', got {d.source!r}")
+    kind, sep, rest = d.source.partition(":")
+    src_ok = d.source == "wiki" or (bool(sep) and kind in DATA_SOURCE_KINDS and bool(rest.strip()))
+    _require(src_ok, source, "data.source", f"must be {DATA_SOURCE_FORMS}, got {d.source!r}")
+    _require(bool(d.text_column.strip()), source, "data.text_column", "must name a column")
+    _require(d.max_documents >= 0, source, "data.max_documents", f"must be >= 0, got {d.max_documents}")
+    _require(bool(d.hf_split.strip()), source, "data.hf_split", "must name a split")
 
     _require(i.lr > 0, source, "inner.lr", f"must be > 0, got {i.lr}")
     _require(0 <= i.min_lr_ratio <= 1, source, "inner.min_lr_ratio", "must be in [0, 1]")
@@ -357,11 +386,16 @@ def validate(config: Config, source: str) -> None:
         "outer.checkpoint_every_rounds",
         f"must be >= 1, got {o.checkpoint_every_rounds}",
     )
+    _require(
+        o.keep_checkpoints >= 1, source, "outer.keep_checkpoints", f"must be >= 1, got {o.keep_checkpoints}"
+    )
     _require(o.weight_decay >= 0, source, "outer.weight_decay", "must be >= 0")
     _require(o.verify_sample >= 1, source, "outer.verify_sample", f"must be >= 1, got {o.verify_sample}")
     _require(0 < o.max_value <= 1e30, source, "outer.max_value", f"must be in (0, 1e30], got {o.max_value}")
     rules = typing.get_args(typing.get_type_hints(OuterConfig)["aggregation"])
     _require(o.aggregation in rules, source, "outer.aggregation", f"must be one of {list(rules)}")
+
+    _validate_samples(config.samples, source)
 
     _require(p.stages >= 1, source, "pipeline.stages", f"must be >= 1, got {p.stages}")
     _require(
@@ -417,4 +451,32 @@ def validate(config: Config, source: str) -> None:
         source,
         "network.confirm_s",
         "must be < network.boundary_s, or a chain cannot confirm before the next boundary",
+    )
+
+
+MAX_SAMPLE_TOKENS = 256  # a sample is a glimpse; sampling runs after every round on the coordinator's CPU
+MAX_SAMPLE_PROMPT = 200  # characters
+
+
+def _validate_samples(s: SamplesConfig, source: str) -> None:
+    _require(
+        0 <= s.tokens <= MAX_SAMPLE_TOKENS,
+        source,
+        "samples.tokens",
+        f"must be in [0, {MAX_SAMPLE_TOKENS}] (0: no samples), got {s.tokens}",
+    )
+    _require(
+        0 <= s.temperature <= 10, source, "samples.temperature", f"must be in [0, 10], got {s.temperature}"
+    )
+    _require(
+        s.tokens == 0 or bool(s.prompt.strip()),
+        source,
+        "samples.prompt",
+        "must not be empty while samples.tokens > 0",
+    )
+    _require(
+        len(s.prompt) <= MAX_SAMPLE_PROMPT,
+        source,
+        "samples.prompt",
+        f"must be at most {MAX_SAMPLE_PROMPT} characters, got {len(s.prompt)}",
     )

@@ -32,9 +32,11 @@ ALLOWED = {
         "sim",
         "bench",
         "demo",
+        "export",
     },
     "bench": {"algo", "model", "data", "training", "wire", "replica", "sim", "planning"},
     "demo": {"bench", "daemon", "service"},
+    "export": {"model", "data", "replica"},
 }
 SHARED = {"config", "errors", "__init__"}
 PURE = {"algo", "planning", "model", "wire", "data", "replica"}  # no I/O libraries, no network stacks

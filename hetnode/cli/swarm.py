@@ -55,6 +55,13 @@ def register(commands: argparse._SubParsersAction) -> None:
         "that does not continue the stored run is refused and nothing is changed",
     )
     boot.add_argument(
+        "--resume",
+        action="store_true",
+        help="go on from the latest checkpoint in DATA_DIR/checkpoints/ (a damaged one falls back to the one "
+        "before it) and fail, changing nothing, when there is none or it is another config's. A start "
+        "without it goes on from the latest checkpoint too, or begins from the seeded θ when there is none",
+    )
+    boot.add_argument(
         "--http-port",
         type=port_or_off,
         default=DEFAULT_STATUS_PORT,
@@ -106,8 +113,8 @@ def register(commands: argparse._SubParsersAction) -> None:
     join.add_argument(
         "--data-source",
         default=None,
-        help="your copy of the run's data (dir:FOLDER or bin:FILE) when the run does not train on the "
-        "bundled corpus; a manifest never picks a path on your machine",
+        help="your copy of the run's data (dir:FOLDER, bin:FILE, parquet:PATH, arrow:PATH or hf:NAME) "
+        "when the run does not train on the bundled corpus; a manifest never picks a path on your machine",
     )
     join.add_argument(
         "--data-cache",
@@ -192,6 +199,8 @@ def run_bootstrap(args: argparse.Namespace) -> int:
         return print_token(args)
     if args.config is None:
         raise ConfigError("--config", "config", "the coordinator needs a run config, e.g. configs/tiny.toml")
+    if args.resume and args.new_run:
+        raise ConfigError("--resume", "resume", "goes on with the stored run, and --new-run begins another")
     stand_ins = tuple(check_peer_id(peer, "--stand-in") for peer in args.stand_in)
     admission, allowlist = admission_mode(args.admit)
     options = BootstrapOptions(
@@ -208,6 +217,7 @@ def run_bootstrap(args: argparse.Namespace) -> int:
         admission=admission,
         allowlist=allowlist,
         new_run=args.new_run,
+        resume=args.resume,
     )
     return loop.run(Coordinator(options).run())
 

@@ -12,22 +12,25 @@ import hashlib
 import json
 import os
 import re
+import shutil
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import SafetensorError
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
 from hetnode.config import Config
 from hetnode.errors import CheckpointError
+from hetnode.model.shards import layer_digests
 
 FORMAT = "hetnode-checkpoint/1"
 WEIGHTS = "model.safetensors"
 MANIFEST = "manifest.json"
 MAX_MANIFEST_BYTES = 4 << 20  # digests and a config: kilobytes; anything near this is not a manifest
-_FOLDER = re.compile(r"^round-(\d{6,})$")
+_FOLDER = re.compile(r"^round-(\d{6,}|init)$")  # "init": θ before round 0 (round -1)
+_LEFTOVER = re.compile(r"^round-(\d{6,}|init)\.(tmp|old)$")  # a save that a crash interrupted
 
 
 def config_hash(config: Config | dict[str, Any]) -> str:
@@ -67,7 +70,9 @@ def save_checkpoint(folder: Path, params: dict[str, torch.Tensor], manifest: Che
     """Write `folder` (created; replaced whole if it exists) atomically: a reader sees the old checkpoint
     or the new one, never half of one."""
     folder = Path(folder)
-    tmp = folder.with_name(folder.name + ".tmp")
+    tmp, old = folder.with_name(folder.name + ".tmp"), folder.with_name(folder.name + ".old")
+    if old.exists() and folder.exists():  # left by a crash after the swap below: the new one is whole
+        shutil.rmtree(old)
     tmp.mkdir(parents=True, exist_ok=True)
     tensors = {name: t.detach().to("cpu", torch.float32).contiguous() for name, t in params.items()}
     save_file(tensors, str(tmp / WEIGHTS), metadata={"format": FORMAT, "round": str(manifest.round)})
@@ -76,15 +81,21 @@ def save_checkpoint(folder: Path, params: dict[str, torch.Tensor], manifest: Che
         with open(tmp / part, "rb") as f:
             os.fsync(f.fileno())
     if folder.exists():
-        old = folder.with_name(folder.name + ".old")
         folder.replace(old)
         tmp.replace(folder)
-        for part in old.iterdir():
-            part.unlink()
-        old.rmdir()
+        shutil.rmtree(old)  # a reader that opened a file in it keeps reading it (POSIX)
     else:
         tmp.replace(folder)
+    _sync_folder(folder.parent)  # the rename survives a power cut
     return folder
+
+
+def _sync_folder(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def read_manifest(folder: Path) -> CheckpointManifest:
@@ -133,7 +144,8 @@ def manifest_from_dict(raw: Any, where: str) -> CheckpointManifest:
 
 def load_checkpoint(folder: Path) -> tuple[dict[str, torch.Tensor], CheckpointManifest]:
     """The parameters (float32, CPU) and manifest of the checkpoint in `folder`; CheckpointError when it
-    is missing, damaged, or its tensors are not finite."""
+    is missing, damaged, its tensors are not finite, or they do not hash to the manifest's layer digests
+    (a torn copy, or a manifest and weights from two checkpoints)."""
     folder = Path(folder)
     manifest = read_manifest(folder)
     try:
@@ -147,7 +159,20 @@ def load_checkpoint(folder: Path) -> tuple[dict[str, torch.Tensor], CheckpointMa
             raise CheckpointError(f"{folder / WEIGHTS}: {name} is {tensor.dtype}, not float32")
         if not torch.isfinite(tensor).all():
             raise CheckpointError(f"{folder / WEIGHTS}: {name} holds values that are not finite")
+    if layer_digests(params) != manifest.layer_digests:
+        raise CheckpointError(f"{folder / WEIGHTS} does not match the layer digests of its {MANIFEST}")
     return params, manifest
+
+
+def weights_shapes(path: Path) -> dict[str, tuple[int, ...]]:
+    """{name: shape} from a `model.safetensors` header alone (no tensor is read)."""
+    try:
+        with safe_open(str(path), framework="pt") as weights:
+            return {name: tuple(weights.get_slice(name).get_shape()) for name in weights.keys()}  # noqa: SIM118
+    except FileNotFoundError:
+        raise CheckpointError(f"{path} is missing") from None
+    except (SafetensorError, OSError, ValueError) as exc:
+        raise CheckpointError(f"{path} is unreadable ({exc})") from None
 
 
 def list_checkpoints(root: Path) -> list[tuple[int, Path]]:
@@ -159,7 +184,7 @@ def list_checkpoints(root: Path) -> list[tuple[int, Path]]:
     for child in root.iterdir():
         match = _FOLDER.match(child.name)
         if match and (child / WEIGHTS).is_file() and (child / MANIFEST).is_file():
-            found.append((int(match.group(1)), child))
+            found.append((-1 if match.group(1) == "init" else int(match.group(1)), child))
     return sorted(found)
 
 
@@ -167,3 +192,20 @@ def latest_checkpoint(root: Path) -> Path | None:
     """The folder of the newest complete checkpoint under `root`, or None."""
     found = list_checkpoints(root)
     return found[-1][1] if found else None
+
+
+def prune_checkpoints(root: Path, keep: int) -> list[Path]:
+    """Delete all but the newest `keep` checkpoints under `root`, and what crashed saves left behind (a
+    `.tmp`, or an `.old` whose replacement is whole); the folders deleted. Only the writer calls this."""
+    if keep < 1:
+        raise ValueError(f"keep must be at least 1, got {keep}")
+    found = list_checkpoints(root)
+    doomed = [folder for _, folder in found[:-keep]]
+    if Path(root).is_dir():
+        for child in Path(root).iterdir():
+            match = _LEFTOVER.match(child.name)
+            if match and (match.group(2) == "tmp" or child.with_suffix("").is_dir()):
+                doomed.append(child)
+    for folder in doomed:
+        shutil.rmtree(folder, ignore_errors=True)
+    return doomed

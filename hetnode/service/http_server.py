@@ -14,7 +14,12 @@ Clients are strangers (TRUST.md §5), so every connection is budgeted:
   once a minute;
 - the whole request (line and headers) must arrive within `request_timeout_s` and `max_request_bytes`,
   one deadline for all reads, so a client trickling a byte at a time (slowloris) is dropped on time;
-- each write of the answer is bounded by `request_timeout_s` too (`sendall` keeps one deadline).
+- each write of the answer is bounded by `request_timeout_s` too (`sendall` keeps one deadline);
+- a file answer (`FileResponse`, e.g. a checkpoint of gigabytes) is streamed from its open file in chunks
+  of `STREAM_CHUNK` bytes (memory stays bounded whatever the file's size), each write bounded as above and
+  the whole answer by `request_timeout_s + length / min_stream_rate`, so a client reading at a trickle
+  lets go in bounded time. At most `max_streams` file answers run at once; past that a client gets 503
+  and Retry-After at once, so downloads never take the connections that the status page and /metrics need.
 Connections serve one request (HTTP/1.0, no keep-alive).
 """
 
@@ -31,7 +36,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any
+from typing import Any, BinaryIO
 
 from hetnode.errors import HetnodeError
 
@@ -43,6 +48,10 @@ REQUEST_TIMEOUT_S = 10.0  # a scraper or browser on any real link sends its requ
 MAX_REQUEST_BYTES = 64 * 1024  # request line + headers; the stdlib alone allows 100 headers of 64 KiB
 LISTEN_BACKLOG = 128  # the stdlib's 5 drops SYNs when many clients connect at once
 LOG_INTERVAL_S = 60.0  # refusals are logged at most this often
+MAX_STREAMS = 4  # file answers at once: a few downloads of θ, never the whole connection budget
+MIN_STREAM_RATE = 256 * 1024  # bytes/s a file answer must average (2 Mbit/s: a 4 GB θ in ~4.5 h)
+STREAM_CHUNK = 256 * 1024  # bytes read and written at a time: the memory one stream holds
+Headers = tuple[tuple[str, str], ...]
 
 
 @dataclass(frozen=True)
@@ -50,9 +59,21 @@ class Response:
     body: bytes
     content_type: str = "text/plain; charset=utf-8"
     status: int = 200
+    headers: Headers = ()  # more headers (the server's own come first)
 
 
-Route = Callable[[], Response]
+@dataclass(frozen=True)
+class FileResponse:
+    """`length` bytes of an open binary file, streamed (the server closes it). The route opens the file,
+    so the answer is that file even if a writer replaces or deletes its path meanwhile (POSIX)."""
+
+    file: BinaryIO
+    length: int
+    content_type: str = "application/octet-stream"
+    headers: Headers = ()
+
+
+Route = Callable[[], Response | FileResponse]
 
 
 @dataclass(frozen=True)
@@ -65,6 +86,8 @@ class HttpStats:
     evicted: int = 0  # still sending its request when the cap was reached, dropped for a newer one
     timed_out: int = 0  # request not complete within request_timeout_s
     too_large: int = 0  # request line + headers over max_request_bytes
+    busy_streams: int = 0  # file answers refused with 503: max_streams were running
+    slow_streams: int = 0  # file answers cut off: the client read slower than min_stream_rate
 
 
 class RequestTooLarge(HetnodeError):
@@ -128,21 +151,62 @@ class _Handler(BaseHTTPRequestHandler):
         self.connection.settimeout(self.server.request_timeout_s)  # for the writes below
         route = self.server.routes.get(self.path.split("?", 1)[0])
         if route is None:
-            response = Response(b"not found\n", status=404)
+            response: Response | FileResponse = Response(b"not found\n", status=404)
         else:
             try:
                 response = route()
             except Exception:
                 log.exception("HTTP handler for %s failed", self.path[:200])
                 response = Response(b"internal error\n", status=500)
-        self.send_response(response.status)
-        self.send_header("Content-Type", response.content_type)
-        self.send_header("Content-Length", str(len(response.body)))
-        self.send_header("Cache-Control", "no-store")
-        self.send_header("X-Content-Type-Options", "nosniff")
-        self.end_headers()
+        if isinstance(response, FileResponse):
+            self._answer_file(response, send_body)
+            return
+        self._head(response.status, response.content_type, len(response.body), response.headers)
         if send_body:
             self.wfile.write(response.body)
+
+    def _head(self, status: int, content_type: str, length: int, headers: Headers) -> None:
+        self.send_response(status)
+        self.send_header("Content-Type", content_type)
+        self.send_header("Content-Length", str(length))
+        self.send_header("Cache-Control", "no-store")
+        self.send_header("X-Content-Type-Options", "nosniff")
+        for name, value in headers:
+            self.send_header(name, value)
+        self.end_headers()
+
+    def _answer_file(self, response: FileResponse, send_body: bool) -> None:
+        with response.file:
+            if not send_body:  # HEAD: the size, without a stream
+                self._head(200, response.content_type, response.length, response.headers)
+                return
+            if not self.server.begin_stream():
+                busy = b'{"error": "too many downloads at once; retry later"}\n'
+                self._head(503, "application/json", len(busy), (("Retry-After", "30"),))
+                self.wfile.write(busy)
+                return
+            try:
+                self._head(200, response.content_type, response.length, response.headers)
+                self._stream(response.file, response.length)
+            finally:
+                self.server.end_stream()
+
+    def _stream(self, file: BinaryIO, length: int) -> None:
+        timeout = self.server.request_timeout_s
+        deadline = time.monotonic() + timeout + length / self.server.min_stream_rate
+        left = length
+        while left > 0:
+            chunk = file.read(min(STREAM_CHUNK, left))
+            if not chunk:  # the file is shorter than it said: the client sees a short body (Content-Length)
+                log.warning("HTTP %s: the file ended %d bytes early", self.path[:200], left)
+                return
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                self.server.count_slow_stream()
+                raise TimeoutError("the client read the file too slowly")
+            self.connection.settimeout(min(timeout, remaining))
+            self.wfile.write(chunk)
+            left -= len(chunk)
 
     def log_message(self, format: str, *args: object) -> None:
         log.debug("%s %s", self.address_string(), format % args)
@@ -160,15 +224,21 @@ class _Server(ThreadingHTTPServer):
         max_connections: int,
         request_timeout_s: float,
         max_request_bytes: int,
+        max_streams: int = MAX_STREAMS,
+        min_stream_rate: float = MIN_STREAM_RATE,
     ) -> None:
         self.routes = routes
         self.max_connections = max_connections
         self.request_timeout_s = request_timeout_s
         self.max_request_bytes = max_request_bytes
+        self.max_streams = max_streams
+        self.min_stream_rate = min_stream_rate
         self._lock = threading.Lock()
         self._arriving: OrderedDict[socket.socket, None] = OrderedDict()  # oldest first
         self._answering: set[socket.socket] = set()
-        self._counts = dict.fromkeys(("served", "refused", "evicted", "timed_out", "too_large"), 0)
+        self._streams = 0
+        counters = ("served", "refused", "evicted", "timed_out", "too_large", "busy_streams", "slow_streams")
+        self._counts = dict.fromkeys(counters, 0)
         self._logged_at = -LOG_INTERVAL_S
         super().__init__(address, _Handler)
 
@@ -219,6 +289,23 @@ class _Server(ThreadingHTTPServer):
     def count_timeout(self) -> None:
         with self._lock:
             self._counts["timed_out"] += 1
+
+    def begin_stream(self) -> bool:
+        """Take one of the `max_streams` slots for a file answer; False (counted) when all are taken."""
+        with self._lock:
+            if self._streams >= self.max_streams:
+                self._counts["busy_streams"] += 1
+                return False
+            self._streams += 1
+            return True
+
+    def end_stream(self) -> None:
+        with self._lock:
+            self._streams -= 1
+
+    def count_slow_stream(self) -> None:
+        with self._lock:
+            self._counts["slow_streams"] += 1
 
     def handle_error(self, request: Any, client_address: Any) -> None:
         """Clients that hang up, time out or send too much are routine: no traceback on stderr."""
@@ -279,6 +366,8 @@ class HttpServer:
         max_connections: int = MAX_CONNECTIONS,
         request_timeout_s: float = REQUEST_TIMEOUT_S,
         max_request_bytes: int = MAX_REQUEST_BYTES,
+        max_streams: int = MAX_STREAMS,
+        min_stream_rate: float = MIN_STREAM_RATE,
     ) -> None:
         if max_connections < 1:
             raise ValueError(f"max_connections must be at least 1, got {max_connections}")
@@ -286,10 +375,16 @@ class HttpServer:
             raise ValueError(f"request_timeout_s must be positive, got {request_timeout_s}")
         if max_request_bytes < 1024:
             raise ValueError(f"max_request_bytes must be at least 1024, got {max_request_bytes}")
+        if max_streams < 1:  # above max_connections it is never reached: connections bound streams too
+            raise ValueError(f"max_streams must be at least 1, got {max_streams}")
+        if not min_stream_rate > 0:
+            raise ValueError(f"min_stream_rate must be positive, got {min_stream_rate}")
         self.host, self.port, self.routes = host, port, dict(routes)
         self.max_connections = max_connections
         self.request_timeout_s = request_timeout_s
         self.max_request_bytes = max_request_bytes
+        self.max_streams = max_streams
+        self.min_stream_rate = min_stream_rate
         self._server: _Server | None = None
         self._thread: threading.Thread | None = None
         self._final = HttpStats()  # what stats() answers once stopped
@@ -302,6 +397,8 @@ class HttpServer:
                 self.max_connections,
                 self.request_timeout_s,
                 self.max_request_bytes,
+                self.max_streams,
+                self.min_stream_rate,
             )
         except OSError as exc:
             raise HetnodeError(

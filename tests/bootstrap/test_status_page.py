@@ -1,6 +1,8 @@
 """The status page and JSON API over a real HTTP server: health before and after updates, JSON that
 survives NaN, the leaderboard in token order, and peer-chosen names shown as text, never as markup."""
 
+import base64
+import hashlib
 import json
 import urllib.error
 import urllib.request
@@ -9,7 +11,8 @@ from pathlib import Path
 import pytest
 
 from bootstrap.ledger import Contribution, Ledger
-from bootstrap.status_page import StatusBoard, loss_chart, render_page
+from bootstrap.status_html import clean_text, loss_chart, render_page
+from bootstrap.status_page import StatusBoard
 from hetnode.service.http_server import HttpServer
 
 EVIL = "<script>alert(1)</script>"
@@ -69,6 +72,12 @@ def get(server: HttpServer, path: str) -> tuple[int, str, bytes]:
             return error.code, error.headers["Content-Type"], error.read()
 
 
+SAMPLES = [
+    {"round": 2, "prompt": "The history of", "text": " the " + EVIL + "\x00\x1b[31m\ufffd\u202e", "seed": 2},
+    {"round": 1, "prompt": "The history of", "text": " thhe cat", "seed": 1},
+]
+
+
 def snapshot(**overrides) -> dict:
     base = {
         "run": "run-1",
@@ -115,6 +124,7 @@ def snapshot(**overrides) -> dict:
             }
             for r in range(3)
         ],
+        "samples": SAMPLES,
     }
     return base | overrides
 
@@ -193,10 +203,11 @@ def test_html_escapes_peer_chosen_text(server: HttpServer, board: StatusBoard):
     status, content_type, body = get(server, "/")
     assert (status, content_type) == (200, "text/html; charset=utf-8")
     page = body.decode()
-    assert "<script" not in page and "<b>chain" not in page and "<i>stage" not in page
+    assert page.count("<script") == 1  # the page's own, allowed by its hash alone
+    assert "alert(1)</script>" not in page and "<b>chain" not in page and "<i>stage" not in page
     assert "&lt;script&gt;alert(1)&lt;/script&gt;" in page
     assert "&lt;b&gt;chain-0&lt;/b&gt;" in page
-    assert '<meta http-equiv="refresh" content="5">' in page
+    assert '<noscript><meta http-equiv="refresh" content="5"></noscript>' in page
     assert "<svg" in page and "<polyline" in page
     # the leaderboard: rank, name, tokens, share, rounds, role, last seen
     assert "3,000" in page and "46.2 %" in page and "10 s ago" in page
@@ -230,3 +241,36 @@ def test_loss_chart_scales_to_the_data(n: int):
     svg = loss_chart(points)
     assert svg.startswith("<svg") and "nan" not in svg.lower()
     assert ("<circle" in svg) == (n == 1) and ("<polyline" in svg) == (n > 1)
+
+
+def test_samples_on_the_page_and_in_the_api(server: HttpServer, board: StatusBoard):
+    assert json.loads(get(server, "/api/samples")[2]) == {"samples": [], "updated": None}
+    board.update(snapshot())
+    page = get(server, "/")[2].decode()
+    # the prompt in bold, the model's text as text: markup escaped, controls and bidi overrides replaced
+    assert (
+        "<b>The history of</b> the &lt;script&gt;alert(1)&lt;/script&gt;\ufffd\ufffd[31m\ufffd\ufffd</q>"
+        in page
+    )
+    assert page.index("round 2</span>") < page.index("round 1</span>") and "thhe cat" in page
+    for path in ("/api/samples", "/api/status"):
+        samples = json.loads(get(server, path)[2])["samples"]
+        assert [s["round"] for s in samples] == [2, 1] and samples[0]["text"] == SAMPLES[0]["text"]
+
+
+def test_the_refresh_script_is_the_only_one_the_policy_allows():
+    page = render_page(snapshot(), [], NOW)
+    script = page.split("<script>")[1].split("</script>")[0]
+    digest = base64.b64encode(hashlib.sha256(script.encode()).digest()).decode()
+    policy = page.split('http-equiv="Content-Security-Policy" content="')[1].split('"')[0]
+    assert f"script-src 'sha256-{digest}'" in policy and "unsafe" not in policy.split("script-src")[1]
+    assert "default-src 'none'" in policy and "connect-src 'self'" in policy
+    # every part the script swaps exists once, with an id
+    for id_ in ("meta", "leaderboard", "loss", "samples", "peers", "chains", "rounds", "refused"):
+        assert page.count(f'id="{id_}"') == 1
+
+
+def test_clean_text_keeps_text_and_replaces_what_could_break_the_page():
+    assert clean_text("a\tb\nc é 漢字 🙂") == "a\tb\nc é 漢字 🙂"
+    assert clean_text("\x00\x07\x7f\x85\u202e\u2066") == "\ufffd" * 6
+    assert clean_text("\ud800x") == "\ufffdx"  # a lone surrogate could not be encoded as UTF-8
