@@ -46,7 +46,16 @@ def lab_config(config: Config, plan: CalibrationPlan) -> Config:
     config = replace(config, "pipeline", stages=plan.stages)
     config = replace(config, "data", batch_size=plan.batch_size, seq_len=plan.seq_len)
     floor = min(plan.anchor_mbit, plan.coordinator_mbit) / 2
-    return replace(config, "network", anchor_min_up_mbps=floor, anchor_min_down_mbps=floor, **LAB_TIMINGS)
+    # stages on links slower than the config's minimum (a link-bound calibration) are still stages
+    stage_floor = min(config.network.stage_min_up_mbps, plan.stage_mbit / 2)
+    return replace(
+        config,
+        "network",
+        anchor_min_up_mbps=floor,
+        anchor_min_down_mbps=floor,
+        stage_min_up_mbps=stage_floor,
+        **LAB_TIMINGS,
+    )
 
 
 def check_plan(config: Config, plan: CalibrationPlan) -> None:

@@ -96,6 +96,15 @@ def register(commands: argparse._SubParsersAction) -> None:
         help="instead: real daemons in the netns lab against the model (root; minutes) -> calibration.json",
     )
     sync.add_argument("--config", type=Path, default=None, help="--calibrate: run config (default small)")
+    sync.add_argument(
+        "--lab-mbit",
+        type=float,
+        nargs=2,
+        metavar=("ANCHOR", "STAGE"),
+        default=None,
+        help="--calibrate: the anchors' and the stages' link rates in Mbit/s (default 100 20); low rates "
+        "make the round link-bound",
+    )
     sync.add_argument("--no-progress", action="store_true")
     sync.set_defaults(handler=run_scale)
     for name, text, handler in (
@@ -206,7 +215,17 @@ def run_scale(args: argparse.Namespace) -> int:
 
 def run_scale_calibration(args: argparse.Namespace) -> int:
     config = load_config(args.config or CONFIG_DIR / "small.toml")
-    report = scale_calibrate.run_calibration(config, args.out, progress=not args.no_progress)
+    plan = scale_calibrate.CalibrationPlan()
+    if args.lab_mbit is not None:
+        anchor, stage = args.lab_mbit
+        if not (0 < stage < anchor <= plan.coordinator_mbit):
+            raise ConfigError(
+                "--lab-mbit",
+                "bench scale --calibrate",
+                f"needs 0 < STAGE < ANCHOR <= {plan.coordinator_mbit:g}",
+            )
+        plan = dataclasses.replace(plan, anchor_mbit=anchor, stage_mbit=stage)
+    report = scale_calibrate.run_calibration(config, args.out, plan, progress=not args.no_progress)
     print(f"{'quantity':<46} {'model':>14} {'lab':>14} {'model/lab':>10}")
     for c in report["comparison"]:
         lab = "n/a" if c["lab"] is None else f"{c['lab']:,.3f}"

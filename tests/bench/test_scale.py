@@ -384,3 +384,22 @@ def test_calibrate_needs_root(monkeypatch, tmp_path: Path, capsys):
     assert main(["bench", "scale", "--calibrate", "--out", str(tmp_path)]) != 0
     assert "root" in capsys.readouterr().err
     assert not (tmp_path / "calibration.json").exists()
+
+
+def test_a_link_bound_calibration_keeps_its_slow_stages_stages_and_refuses_rates_out_of_order(
+    tmp_path: Path, capsys
+):
+    from hetnode.bench.scale_calibrate import check_plan
+    from hetnode.bench.scale_lab import CalibrationPlan
+    from hetnode.cli.main import main
+
+    small = load_config(CONFIGS / "small.toml")
+    plan = CalibrationPlan(anchor_mbit=8.0, stage_mbit=2.0)
+    config = lab_config(small, plan)
+    assert config.network.stage_min_up_mbps == 1.0 < small.network.stage_min_up_mbps
+    assert config.network.anchor_min_up_mbps == 4.0
+    check_plan(config, plan)  # 2 Mbit/s stages and 8 Mbit/s anchors take the roles the lab gives them
+    assert lab_config(small, CalibrationPlan()).network.stage_min_up_mbps == small.network.stage_min_up_mbps
+    for rates in (["20", "30"], ["200", "20"], ["20", "0"]):
+        assert main(["bench", "scale", "--calibrate", "--lab-mbit", *rates, "--out", str(tmp_path)]) == 2
+        assert "--lab-mbit" in capsys.readouterr().err

@@ -180,8 +180,21 @@ class Swarm:
 
     def agree_with_coordinator(self, document: dict, names: set[str]) -> dict[str, int]:
         """Every named replica's (params_round, layer_digests) equals the coordinator's record of that
-        round (a chain stage's: for the layers it holds); returns each one's params_round."""
-        by_round = {entry["round"]: entry["layer_digests"] for entry in self.history()}
+        round (a chain stage's: for the layers it holds); returns each one's params_round.
+
+        A replica applies a round as soon as it has the seal; the coordinator writes the round to its
+        history after applying, evaluating, sampling and checkpointing it: so wait for its history."""
+        wanted = {
+            p["params_round"]
+            for p in document["peers"]
+            if p["name"] in names and p["params_round"] is not None
+        }
+        deadline = time.monotonic() + 30
+        while True:
+            by_round = {entry["round"]: entry["layer_digests"] for entry in self.history()}
+            if wanted <= set(by_round) or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
         rounds = {}
         for peer in document["peers"]:
             if peer["name"] in names and peer["params_round"] is not None:
