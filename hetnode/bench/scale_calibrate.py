@@ -300,8 +300,19 @@ def run_calibration(
     # scratch (identities, checkpoints, logs: gigabytes) where git ignores it, as `bench network` does
     measured = run_lab(config, plan, out_dir / "network-lab" / "calibration", progress)
     report = calibration_report(config, plan, measured)
+    report["command"] = command_for(plan, out_dir)
     (out_dir / "calibration.json").write_text(json.dumps(report, indent=2))
     return report
+
+
+def command_for(plan: CalibrationPlan, out_dir: Path) -> str:
+    """The command line that runs this calibration again."""
+    rates = (
+        ""
+        if (plan.anchor_mbit, plan.stage_mbit) == (100.0, 20.0)
+        else (f" --lab-mbit {plan.anchor_mbit:g} {plan.stage_mbit:g}")
+    )
+    return f"sudo .venv/bin/hetnode bench scale --calibrate{rates} --out {out_dir}"
 
 
 def calibration_report(

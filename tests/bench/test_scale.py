@@ -399,6 +399,10 @@ def test_a_link_bound_calibration_keeps_its_slow_stages_stages_and_refuses_rates
     assert config.network.stage_min_up_mbps == 1.0 < small.network.stage_min_up_mbps
     assert config.network.anchor_min_up_mbps == 4.0
     check_plan(config, plan)  # 2 Mbit/s stages and 8 Mbit/s anchors take the roles the lab gives them
+    from hetnode.bench.scale_calibrate import command_for
+
+    assert command_for(plan, Path("out")).endswith("--calibrate --lab-mbit 8 2 --out out")
+    assert "--lab-mbit" not in command_for(CalibrationPlan(), Path("out"))
     assert lab_config(small, CalibrationPlan()).network.stage_min_up_mbps == small.network.stage_min_up_mbps
     for rates in (["20", "30"], ["200", "20"], ["20", "0"]):
         assert main(["bench", "scale", "--calibrate", "--lab-mbit", *rates, "--out", str(tmp_path)]) == 2
