@@ -30,8 +30,7 @@ import torch
 from bootstrap.ledger import SCHEMA_VERSION
 from hetnode.config import Config
 from hetnode.errors import CheckpointError, HetnodeError
-from hetnode.model.decoder import DecoderStage
-from hetnode.model.shards import ModelPart
+from hetnode.model.decoder import parameter_shapes
 from hetnode.replica.checkpoint import WEIGHTS, list_checkpoints, weights_shapes
 from hetnode.service.datadir import DataDir
 
@@ -115,12 +114,8 @@ def config_changes(stored: dict[str, Any], config: Config) -> dict[str, tuple[An
 
 
 def model_shapes(config: Config) -> dict[str, tuple[int, ...]]:
-    """Every parameter of the whole model `config` builds, and its shape (built on the meta device: no
-    memory, no initialisation)."""
-    part = ModelPart.whole(config.model.n_layers)
-    with torch.device("meta"):
-        model = DecoderStage(config.model, part.layers, part.first, part.last, seed=config.run.seed)
-    return {name: tuple(param.shape) for name, param in model.named_parameters()}
+    """Every parameter of the whole model `config` builds, and its shape."""
+    return parameter_shapes(config.model)
 
 
 def shape_mismatch(found: dict[str, tuple[int, ...]], expected: dict[str, tuple[int, ...]]) -> str | None:

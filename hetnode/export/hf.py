@@ -21,6 +21,7 @@ from hetnode.config import Config, ModelConfig
 from hetnode.data.tokenizer import Tokenizer
 from hetnode.errors import CheckpointError, DataError
 from hetnode.export.hf_tokenizer import write_tokenizer_files
+from hetnode.model.decoder import parameter_shapes
 
 WEIGHTS = "model.safetensors"
 # (hetnode name inside block i, HF name inside model.layers.i)
@@ -37,31 +38,9 @@ BLOCK_MAP = (
 )
 
 
-def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Name -> shape of every parameter of the whole model (what a checkpoint of it must hold)."""
-    d, f, v = cfg.d_model, cfg.ffn_hidden, cfg.vocab_size
-    block = {
-        "attn_norm.weight": (d,),
-        "attn.wq.weight": (d, d),
-        "attn.wk.weight": (d, d),
-        "attn.wv.weight": (d, d),
-        "attn.wo.weight": (d, d),
-        "mlp_norm.weight": (d,),
-        "mlp.w_gate.weight": (f, d),
-        "mlp.w_up.weight": (f, d),
-        "mlp.w_down.weight": (d, f),
-    }
-    shapes = {"embed.weight": (v, d), "norm.weight": (d,)}
-    if not cfg.tie_embeddings:
-        shapes["head.weight"] = (v, d)
-    for i in range(cfg.n_layers):
-        shapes.update({f"blocks.{i}.{name}": shape for name, shape in block.items()})
-    return shapes
-
-
 def check_params(params: dict[str, torch.Tensor], cfg: ModelConfig, where: str) -> None:
     """CheckpointError unless `params` are exactly the whole model's tensors for `cfg`."""
-    expected = expected_shapes(cfg)
+    expected = parameter_shapes(cfg)
     missing = sorted(set(expected) - set(params))
     unexpected = sorted(set(params) - set(expected))
     wrong = sorted(

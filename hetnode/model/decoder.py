@@ -93,6 +93,14 @@ def build_model(cfg: ModelConfig, seed: int = 0) -> DecoderStage:
     return DecoderStage(cfg, range(cfg.n_layers), first=True, last=True, seed=seed)
 
 
+def parameter_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Every parameter of the whole model and its shape, built on the meta device (no memory, no
+    initialisation): what a checkpoint or an export of it must hold."""
+    with torch.device("meta"):
+        model = DecoderStage(cfg, range(cfg.n_layers), first=True, last=True)
+    return {name: tuple(param.shape) for name, param in model.named_parameters()}
+
+
 def build_stages(cfg: ModelConfig, splits: list[range], seed: int = 0) -> list[DecoderStage]:
     """One module per contiguous layer range; ranges must cover 0..n_layers-1 in order."""
     check_splits(cfg, splits)
