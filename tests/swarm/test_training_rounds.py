@@ -211,8 +211,12 @@ def test_anchors_seal_while_the_coordinator_is_away_and_it_catches_up_on_return(
         timeout=150,
         what="the restarted coordinator seals rounds with both anchors again",
     )
-    [caught_up] = [e for e in history if e.get("caught_up_from")]
-    assert caught_up["round"] >= last_by_coordinator + 2  # it took the rounds sealed in its place
+    # a stand-in may seal once more while the coordinator evaluates and checkpoints its first catch-up,
+    # so it can catch up more than once; each time to a newer round, and then it seals again itself
+    caught_up = [e["round"] for e in history if e.get("caught_up_from")]
+    assert caught_up and caught_up[0] >= last_by_coordinator + 2  # it took the rounds sealed in its place
+    assert caught_up == sorted(set(caught_up))
+    assert any(e["round"] > caught_up[-1] and not e.get("caught_up_from") for e in history)
     swarm.replicas_agree_at(boot.maddr, history[-1]["round"], {"anchor-1", "anchor-2"})
     # the ledger survived kill -9: every credit written before it is still there
     standings = {s["peer"]: s for s in swarm.contributions(again)["standings"]}
