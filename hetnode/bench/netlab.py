@@ -89,6 +89,7 @@ class NetLab:
             self.hosts[name] = Host(name, f"hnl-{i}-{self.tag}", address, device, profile.down_mbit, profile)
         self._namespaces: list[str] = []
         self.emulator: Emulator | None = None
+        self.hub_devices: dict[str, str] = {}  # host -> its link's end in the hub (what it sends, received)
 
     def __enter__(self) -> NetLab:
         check_lab_possible()
@@ -108,16 +109,19 @@ class NetLab:
         _sh("ip", "-n", self.hub, "link", "add", "br0", "type", "bridge")
         _sh("ip", "-n", self.hub, "link", "set", "br0", "up")
         emulated = []
-        for i, host in enumerate(self.hosts.values()):
+        for i, (name, host) in enumerate(self.hosts.items()):
             self._namespaces.append(host.namespace)
             _sh("ip", "netns", "add", host.namespace)
             hub_end = f"h{i}{self.tag}"
             if host.profile is not None and host.profile.emulated:
-                emulated.append(EmulatedLink(host.namespace, host.device, self.hub, hub_end, host.profile))
+                link = EmulatedLink(host.namespace, host.device, self.hub, hub_end, host.profile)
+                emulated.append(link)
+                self.hub_devices[name] = link.hub_device
                 continue  # its taps come from the emulator, below
             _sh("ip", "link", "add", host.device, "type", "veth", "peer", "name", hub_end)
             _sh("ip", "link", "set", host.device, "netns", host.namespace)
             _sh("ip", "link", "set", hub_end, "netns", self.hub)
+            self.hub_devices[name] = hub_end
             self._attach(host, hub_end)
         if emulated:
             self.emulator = Emulator(emulated, self.tag, self.seed)

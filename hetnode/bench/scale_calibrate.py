@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import shutil
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict
 from pathlib import Path
@@ -298,7 +299,10 @@ def run_calibration(
     check_lab_possible()
     out_dir.mkdir(parents=True, exist_ok=True)
     # scratch (identities, checkpoints, logs: gigabytes) where git ignores it, as `bench network` does
-    measured = run_lab(config, plan, out_dir / "network-lab" / "calibration", progress)
+    work = out_dir / "network-lab" / "calibration"
+    measured = run_lab(config, plan, work, progress)
+    if (work / "link-trace.png").exists():
+        shutil.copy(work / "link-trace.png", out_dir / "link-trace.png")
     report = calibration_report(config, plan, measured)
     report["command"] = command_for(plan, out_dir)
     (out_dir / "calibration.json").write_text(json.dumps(report, indent=2))

@@ -35,7 +35,9 @@ from hetnode.bench.lab_guard import (
     stalled_reason,
 )
 from hetnode.bench.lab_process import HETNODE, LabProcess, stop_all
+from hetnode.bench.link_trace import LinkTrace, LinkTracer
 from hetnode.bench.netlab import NetLab, kill_inside
+from hetnode.bench.sync_windows import plot_round, round_windows, summary, window_load
 from hetnode.config import Config, dump_config
 from hetnode.errors import HetnodeError
 
@@ -95,12 +97,45 @@ def run_lab(config: Config, plan: CalibrationPlan, work: Path, progress: bool = 
     anchors, stages = plan.names()
     rates = {"coordinator": plan.coordinator_mbit}
     rates |= {a: plan.anchor_mbit for a in anchors} | {s: plan.stage_mbit for s in stages}
-    # a SIGTERM (a `timeout`, a CI runner) unwinds like Ctrl+C, so that every cleanup below runs
-    with interruptible(), lab_session(NetLab(rates)) as lab:  # leaving deletes the namespaces and veths
+    # a SIGTERM (a `timeout`, a CI runner) unwinds like Ctrl+C, so that every cleanup below runs; leaving
+    # deletes the namespaces and veths
+    with interruptible(), lab_session(NetLab(rates)) as lab, LinkTracer(lab.hub, lab.hub_devices) as trace:
         samples, ids, rtt_s = _run_swarm(lab, config_path, plan, work, progress)
     logs = {name: read_rounds(work / name) for name in (*anchors, *stages)}
     summary = summarise(samples, logs, ids, plan, rtt_s)
-    return summary | {"stage_layers": stage_layers(work, stages)}
+    layers = stage_layers(work, stages)
+    return summary | {
+        "stage_layers": layers,
+        "links": link_load(trace, logs, summary["rounds"], rates, layers, work),
+    }
+
+
+def link_load(
+    trace: LinkTrace,
+    logs: dict[str, list[dict]],
+    rounds: list[int],
+    rates: dict[str, float],
+    layers: dict[str, list[int]],
+    work: Path,
+) -> dict[str, Any]:
+    """What the links carried in each measured round's sealing and fetching windows (`sync_windows`),
+    per host and per class; the trace itself and a plot of the median round's links in `work`."""
+    windows = round_windows(logs, rounds)
+    if not trace.times or not windows:
+        return {}
+    load = window_load(trace, windows, rates)
+    stages = sorted(layers, key=lambda n: layers[n][0])
+    classes = {"coordinator": ["coordinator"], "anchor": [n for n in rates if n.startswith("anchor")]}
+    classes |= {f"stage {layers[n][0]}": [n] for n in stages}
+    (work / "link-trace.json").write_text(json.dumps(trace.to_json(list(rates))))
+    ordered = sorted(windows, key=lambda n: windows[n]["fetched"] - windows[n]["sealed"])
+    middle = ordered[len(ordered) // 2]
+    plot_round(trace, windows[middle], rates, work / "link-trace.png", f"round {middle}")
+    return {
+        "windows": {str(n): w for n, w in windows.items()},
+        "by_class": summary(load, classes),
+        "hosts": load,
+    }
 
 
 def stage_layers(work: Path, stages: list[str]) -> dict[str, list[int]]:

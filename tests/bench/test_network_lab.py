@@ -13,8 +13,10 @@ from pathlib import Path
 
 import pytest
 
+from hetnode.bench.link_trace import LinkTrace, LinkTracer
 from hetnode.bench.netlab import NetLab, parse_net_dev
 from hetnode.bench.network import NetworkPlan, critical_sync_s, stage_times, summarise_swarm
+from hetnode.bench.sync_windows import round_windows, window_load
 
 NEEDS_ROOT = pytest.mark.skipif(
     os.geteuid() != 0 or not shutil.which("ip") or not shutil.which("tc"),
@@ -36,6 +38,29 @@ def test_interface_counters_are_read_from_proc_net_dev():
     assert parse_net_dev(NET_DEV, "lo") == (120, 120)
     with pytest.raises(Exception, match="no interface"):
         parse_net_dev(NET_DEV, "eth9")
+
+
+def test_a_link_trace_interpolates_between_samples_and_a_window_reads_its_links_share():
+    trace = LinkTrace(
+        [100.0, 101.0, 102.0],
+        [
+            {"a": (0, 0), "s": (0, 0)},
+            {"a": (1000, 0), "s": (250_000, 10)},
+            {"a": (1000, 0), "s": (500_000, 20)},
+        ],
+    )
+    assert trace.bytes_between("s", 100.5, 101.5) == (250_000, 10)
+    assert trace.bytes_between("a", 99.0, 103.0) == (1000, 0)  # clamped to the trace
+    assert trace.rates_mbit("s", 100.0, 102.0, 1.0) == [(2.0, 0.00008), (2.0, 0.00008)]
+    logs = {  # the seal reached the first replica at 100.5, the last fetched at 101.5
+        "a": [{"round": 3, "included": True, "time": 99.0, "seal_wait_s": 1.6, "fetch_s": 0.9}],
+        "s": [{"round": 3, "included": True, "time": 99.5, "seal_wait_s": 1.0, "fetch_s": 1.0}],
+    }
+    windows = round_windows(logs, [3])
+    assert windows == {3: {"announced": 99.5, "sealed": 100.5, "fetched": 101.5}}
+    load = window_load(trace, windows, {"a": 8.0, "s": 2.0})
+    assert load["fetching"]["s"]["up_share"] == pytest.approx(1.0)  # 250 KB in 1 s fills 2 Mbit/s
+    assert load["fetching"]["a"]["up_bytes"] == pytest.approx(500)
 
 
 def _stage_log(round_: int, train_s: float, sync: tuple[float, float], included: bool = True) -> dict:
@@ -116,7 +141,7 @@ def test_a_shaped_lab_link_moves_bytes_at_its_rate():
         "s=socket.create_connection((sys.argv[1], 9700)); t=time.perf_counter()\n"
         f"s.sendall(b'x'*{payload}); s.shutdown(socket.SHUT_WR); s.recv(1); print(time.perf_counter()-t)\n"
     )
-    with NetLab({"fast": None, "slow": 20.0}) as lab:
+    with NetLab({"fast": None, "slow": 20.0}) as lab, LinkTracer(lab.hub, lab.hub_devices, 0.1) as trace:
         fast, slow = lab.hosts["fast"], lab.hosts["slow"]
         before = lab.interface_bytes("slow")
         receiver = subprocess.Popen(
@@ -132,7 +157,9 @@ def test_a_shaped_lab_link_moves_bytes_at_its_rate():
                 capture_output=True,
             )
             seconds = time.perf_counter() - started
+            ended = time.time()
             assert int(receiver.stdout.readline()) == payload
+            time.sleep(0.3)  # a sample after the transfer
         finally:
             receiver.kill()
             receiver.wait(10)
@@ -140,6 +167,12 @@ def test_a_shaped_lab_link_moves_bytes_at_its_rate():
     rate_mbit = payload * 8 / seconds / 1e6
     assert 12.0 < rate_mbit < 22.0, f"{rate_mbit:.1f} Mbit/s over a 20 Mbit/s lab link"
     assert sent >= payload  # the counters see the bytes (and the headers)
+    # the hub-side trace sees the same upload, and the fast host's download of it
+    up, _ = trace.bytes_between("slow", ended - seconds - 1.0, ended + 0.3)
+    _, down = trace.bytes_between("fast", ended - seconds - 1.0, ended + 0.3)
+    assert payload <= up <= 1.1 * payload and payload <= down <= 1.1 * payload
+    peak = max(r[0] for r in trace.rates_mbit("slow", trace.times[0], trace.times[-1], 0.5))
+    assert 12.0 < peak < 22.0
     assert not any(
         lab.hub in line
         for line in subprocess.run(
