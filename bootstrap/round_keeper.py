@@ -36,6 +36,7 @@ from hetnode.config import Config
 from hetnode.daemon.participant import fetch_state, payload_opener
 from hetnode.daemon.sealing import SealedRound, Sealer
 from hetnode.daemon.view import PeerDirectory, SwarmView
+from hetnode.daemon.view_changes import ChangeLog
 from hetnode.data.dataset import TokenDataset
 from hetnode.errors import WireError
 from hetnode.model.decoder import build_model
@@ -104,6 +105,7 @@ class RoundKeeper:
         n = config.network
         self.view = directory or PeerDirectory(node, config, n.heartbeat_s, n.heartbeat_s)
         self.view.on_change = self.directory_changed
+        self.changes = ChangeLog(node, HEAD_TTL_S)  # our view's recent steps, for replicas a few behind
         self._head: tuple[int, dict[str, str]] | None = None  # the round and digests the head states
         self._directory_changed = asyncio.Event()
         self._sealed = -1  # the newest round we sealed, in the head as soon as the seal is out
@@ -139,13 +141,15 @@ class RoundKeeper:
     async def _store_head(self, round_: int, digests: dict[str, str]) -> None:
         """Our θ's round and digests, with the digest of our view of the swarm and our clock: replicas
         skip reading every peer record while their view has that digest (`PeerDirectory`)."""
-        self._head = (round_, digests)
-        head = new_head_record(round_, digests, self.view.digest, self._sealed)
+        self._head, directory = (round_, digests), self.view.digest
+        await self.changes.publish()  # holds the step to `directory`: store it before a head names it
+        head = new_head_record(round_, digests, directory, self._sealed)
         if not await self.node.store_own("head", head, HEAD_TTL_S):
             log.warning("round %d: the DHT did not accept our head record", round_)
 
-    def directory_changed(self) -> None:
-        """Our view of the swarm changed: store the head with its new digest soon."""
+    def directory_changed(self, before: SwarmView | None, after: SwarmView) -> None:
+        """Our view of the swarm changed: log the step; store the log, then the head with the new digest."""
+        self.changes.record(before, after)
         self._directory_changed.set()
 
     async def keep_head(self, stop: asyncio.Event) -> None:

@@ -48,6 +48,9 @@ class ControlModel:
     rpc_bytes: int = 1200  # one DHT RPC without a value: request, k contacts back, framing
     event_rate: float = 0.02  # target: record changes per peer per round (joins, roles, chains)
     refresh_s: float = 3600.0  # target: each routing-table bucket refreshed by one lookup this often
+    change_steps: int = 8  # the coordinator's change log keeps this many steps (records.py MAX_CHANGE_STEPS)
+    change_log_bytes: int = 64 * 1024  # and drops its oldest to fit this (records.py MAX_RECORD_BYTES)
+    change_step_peers: int = 64  # a step naming more peers is not logged (records.py MAX_STEP_PEERS)
 
 
 @dataclass(frozen=True)
@@ -222,6 +225,48 @@ def target(peers: int, authors: int, stages: int, sizes: RecordSizes, m: Control
     return ControlBytes(2 * total / peers, max(2 * coordinator, 2 * total / peers), total)
 
 
+# a step of the change log without its records: {"from": 16 hex, "to": 16 hex, "peers": {}}
+STEP_BYTES = len(msgpack.packb({"from": "0" * 16, "to": "0" * 16, "peers": {}}, use_bin_type=True))
+
+
+@dataclass(frozen=True)
+class ChangeLog:
+    """The coordinator's `changes` entry under churn, per replica refresh (`daemon/view_changes.py`)."""
+
+    steps: float  # steps the coordinator logs (and entries it stores) per round
+    entry: float  # bytes of the entry, as a first-copy read gets it
+    meets: float  # of a replica's refreshes per round: those that meet a change (and read the entry)
+    behind: float  # of them: those more steps behind than the log keeps (and read every record as well)
+
+
+def change_log(changes: float, refreshes: float, sizes: RecordSizes, m: ControlModel) -> ChangeLog:
+    """`changes` record changes per round, as Poisson arrivals. The coordinator reads every heartbeat; a
+    read that meets changes logs one step holding the changed records (each record's value and peer id,
+    without its own key and signature). Under churn the log is full: its last `change_steps` steps, fewer
+    where they do not fit `change_log_bytes`. A replica refreshes `refreshes` times a round and applies the
+    steps logged since its last refresh, unless there are more than the log keeps (at most one step per
+    coordinator read in its period), or the steps name more than `change_step_peers` and are not logged."""
+    if changes <= 0:
+        return ChangeLog(0.0, 0.0, 0.0, 0.0)
+    per_read = changes * m.heartbeat_s / m.round_period_s
+    p_step = 1.0 - math.exp(-per_read)  # a coordinator read meets at least one change
+    steps = m.round_period_s / m.heartbeat_s * p_step
+    records_per_step = per_read / p_step
+    record = sizes.peer_today - RECORD_OVERHEAD_BYTES + len(msgpack.packb(PEER_ID, use_bin_type=True))
+    step = STEP_BYTES + records_per_step * record
+    kept = min(m.change_steps, math.floor(m.change_log_bytes / step))
+    entry = kept * step + RECORD_OVERHEAD_BYTES
+    meets = refreshes * (1.0 - math.exp(-changes / refreshes))
+    if records_per_step > m.change_step_peers:
+        return ChangeLog(steps, entry, meets, meets)
+    reads = math.ceil(m.round_period_s / refreshes / m.heartbeat_s)  # coordinator reads per refresh period
+    # more steps in the period than the log keeps: binomial over those reads
+    behind = sum(
+        math.comb(reads, k) * p_step**k * (1 - p_step) ** (reads - k) for k in range(kept + 1, reads + 1)
+    )
+    return ChangeLog(steps, entry, meets, refreshes * behind)
+
+
 def vouched(
     peers: int,
     authors: int,
@@ -233,10 +278,11 @@ def vouched(
     """The code since the coordinator's head carries the digest of its view (`PeerDirectory` in
     `hetnode/daemon/view.py`), per round: as `stretched`, but where a replica read every record once per
     stretched heartbeat it reads the coordinator's `head` entry (first copy found) and reads every record
-    only when the digests differ. In a stable swarm that never happens; with `churn`, each of the
-    `event_rate × peers` changes a round makes every replica read every record at its next refresh (a
-    read per refresh at most). The coordinator keeps reading every record every heartbeat and stores its
-    head at every change and every half stable heartbeat.
+    only when the digests differ. In a stable swarm that never happens. With `churn` (`event_rate × peers`
+    changes a round), a refresh that meets a change reads the coordinator's `changes` entry (first copy)
+    and applies the steps since its own view (`change_log`); it reads every record only when more steps
+    fell in its period than the log keeps. The coordinator keeps reading every record every heartbeat,
+    stores its change log at every step and its head at every change and every half stable heartbeat.
 
     Waiting for a seal, a replica polls the head's `sealed` round (the first copy, every 4th poll every
     copy) instead of the seal, and reads the seal's first copy once it is out or the sealer nudged it."""
@@ -253,18 +299,21 @@ def vouched(
     refreshes = m.round_period_s / m.stretched_heartbeat_s  # per replica per round
     full_read = lookup + copies * peers * sizes.peer_today
     changes = m.event_rate * peers if churn else 0.0
-    # a refresh reads every record when at least one change fell in its period (changes as Poisson arrivals)
-    full_reads = refreshes * (1.0 - math.exp(-changes / refreshes))
+    log = change_log(changes, refreshes, sizes, m)
+    full_reads = log.behind  # a refresh further behind than the log keeps reads every record
     replicas = peers - 1
     head_stores = (m.round_period_s / (m.stretched_heartbeat_s / 2) + changes) * (
         lookup + copies * sizes.head
     )
+    log_stores = log.steps * (lookup + copies * log.entry)
     total = (
         base.total
         - authors * (seal_polls_before - seal_polls)
         - replicas * refreshes * full_read
         + replicas * (refreshes * (lookup + sizes.head) + full_reads * full_read)
+        + replicas * log.meets * (lookup + log.entry)
         + head_stores
+        + log_stores
     )
     # a replica of the `peers` key: every store, the coordinator's reads, and the replicas' full reads
     beats = m.round_period_s / m.stretched_heartbeat_s
@@ -274,4 +323,6 @@ def vouched(
         + coordinator_reads
         + replicas * full_reads * peers * sizes.peer_today
     )
-    return ControlBytes(2 * total / peers, max(peers_replica, 2 * coordinator_reads), total)
+    # a replica of the `changes` key, if every first-copy read of it met the same one
+    changes_replica = log.steps * log.entry + replicas * log.meets * log.entry
+    return ControlBytes(2 * total / peers, max(peers_replica, changes_replica, 2 * coordinator_reads), total)

@@ -28,6 +28,7 @@ from hetnode.daemon.reach import reach_swarm
 from hetnode.daemon.resources import available_memory_gb, measure_tflops
 from hetnode.daemon.swarm import RunContact, find_run, local_config, read_round
 from hetnode.daemon.view import PeerDirectory, SwarmView, coordinator_directory
+from hetnode.daemon.view_changes import coordinator_changes
 from hetnode.errors import HetnodeError
 from hetnode.model.decoder import count_parameters
 from hetnode.net.identity import load_or_create_identity, peer_id_from_maddr
@@ -211,6 +212,10 @@ class PeerDaemon:
             # the coordinator stores its head every half stable heartbeat; twice the stable heartbeat
             # tolerates a lost store and some clock skew before we read every record ourselves
             vouched=lambda: coordinator_directory(
+                self.node, self.contact.coordinator, 2 * n.stable_heartbeat_s
+            ),
+            # and when its view is a few changes ahead of ours, the records that changed
+            changes=lambda: coordinator_changes(
                 self.node, self.contact.coordinator, 2 * n.stable_heartbeat_s
             ),
         )

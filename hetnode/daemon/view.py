@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from hetnode.config import Config
+from hetnode.daemon.view_changes import Step, apply_steps
 from hetnode.net.node import StoredValue, SwarmNode
 from hetnode.net.records import check_head_record, check_peer_record
 from hetnode.planning.roles import Candidate, ChainStatus, Claim, chain_prefix, chain_status, parse_layout
@@ -34,21 +35,27 @@ class SwarmView:
     def from_entries(
         cls, entries: Mapping[str, StoredValue], stages_per_chain: int, n_layers: int
     ) -> SwarmView:
-        peers = {}
-        shards = {"embed", "head", *(str(i) for i in range(n_layers))}
+        view = cls({}, stages_per_chain, n_layers)
         for peer_id, entry in entries.items():
-            try:
-                record = check_peer_record(entry.value)
-            except Exception as exc:  # a relay passed on something our schema refuses
-                log.debug("ignoring the record of peer %s: %s", peer_id, exc)
-                continue
-            problem = _model_problem(record, shards, n_layers)
-            if problem:  # schema-valid, but not about this run's model: keys limited to its shards
-                log.debug("ignoring the record of peer %s: %s", peer_id, problem)
-                continue
-            if record["role"] != "offline":
-                peers[peer_id] = record
-        return cls(peers, stages_per_chain, n_layers)
+            record = view.admit(peer_id, entry.value)
+            if record is not None:
+                view.peers[peer_id] = record
+        return view
+
+    def admit(self, peer_id: str, value: Any) -> dict[str, Any] | None:
+        """`value` as a record of this view (schema and model checked again), or None when it cannot be one
+        or says the peer is offline."""
+        try:
+            record = check_peer_record(value)
+        except Exception as exc:  # a relay passed on something our schema refuses
+            log.debug("ignoring the record of peer %s: %s", peer_id, exc)
+            return None
+        shards = {"embed", "head", *(str(i) for i in range(self.n_layers))}
+        problem = _model_problem(record, shards, self.n_layers)
+        if problem:  # schema-valid, but not about this run's model: keys limited to its shards
+            log.debug("ignoring the record of peer %s: %s", peer_id, problem)
+            return None
+        return record if record["role"] != "offline" else None
 
     @classmethod
     async def read(cls, node: SwarmNode, config: Config) -> SwarmView:
@@ -114,22 +121,24 @@ class SwarmView:
         """16 hex digits over what the swarm's decisions read from the records (who is in it, in which role
         and chain, with which links and compute), not the per-round fields: equal digests, equal decisions.
         The coordinator publishes its view's in its `head` entry (`PeerDirectory`)."""
-        rows = sorted(
-            [
-                peer,
-                r["role"],
-                r["wants"],
-                r["chain"],
-                r["stage"],
-                r["layers"],
-                r.get("chain_layout"),
-                r["link_class"],
-                r["tflops"],
-            ]
-            for peer, r in self.peers.items()
-        )
+        rows = sorted(self.row(peer) for peer in self.peers)
         text = json.dumps(rows, separators=(",", ":"), default=str)
         return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+    def row(self, peer: str) -> list[Any]:
+        """What `digest` reads from one peer's record: a change of it is a change of the view."""
+        r = self.peers[peer]
+        return [
+            peer,
+            r["role"],
+            r["wants"],
+            r["chain"],
+            r["stage"],
+            r["layers"],
+            r.get("chain_layout"),
+            r["link_class"],
+            r["tflops"],
+        ]
 
     def status_document(self, run: str, round_: int) -> dict[str, Any]:
         """The stable `hetnode status --json` document (later versions add fields, never rename)."""
@@ -209,9 +218,13 @@ class PeerDirectory:
     A read moves every record of the swarm, so a peer's cost of following it grows with the swarm. With
     `vouched` (a replica's: the digest the coordinator's `head` entry publishes), a refresh first reads
     that one small entry, and reads the records only when the coordinator's view differs from ours: in a
-    stable swarm a peer reads them once, and again on each change. `get(max_age_s=0)` always reads them.
+    stable swarm a peer reads them once. With `changes` too (the steps of the coordinator's change log), a
+    view one or a few changes behind takes just the records that changed (`view_changes.apply_steps`) and
+    reads every record only when the log does not lead to the coordinator's digest. `wake()` and
+    `get(max_age_s=0)` always read them.
 
-    `on_read` gets every read's raw entries, members or not (the membership policy is built from them)."""
+    `on_read` gets every full read's raw entries, members or not (the membership policy is built from them);
+    `on_change` gets the previous view (None before the first) and the new one whenever the digest changes."""
 
     def __init__(
         self,
@@ -222,7 +235,8 @@ class PeerDirectory:
         on_read: Callable[[Mapping[str, StoredValue]], None] | None = None,
         is_member: Callable[[str], bool] = lambda peer: True,
         vouched: Callable[[], Awaitable[str | None]] | None = None,
-        on_change: Callable[[], None] = lambda: None,
+        on_change: Callable[[SwarmView | None, SwarmView], None] = lambda before, after: None,
+        changes: Callable[[], Awaitable[list[Step] | None]] | None = None,
     ) -> None:
         self.node = node
         self.config = config
@@ -230,10 +244,12 @@ class PeerDirectory:
         self.on_read = on_read
         self.is_member = is_member
         self.vouched = vouched
-        self.on_change = on_change  # after a read whose view's digest differs from the last one's
+        self.changes = changes
+        self.on_change = on_change  # after a refresh whose view's digest differs from the last one's
         self.digest: str | None = None  # of the last read's view
         self.reads = 0  # reads of every record
         self.vouched_refreshes = 0  # refreshes the coordinator's digest answered without such a read
+        self.delta_refreshes = 0  # refreshes the coordinator's change log brought up to its digest
         self._view: SwarmView | None = None
         self._read_at = -math.inf
         self._signature: frozenset = frozenset()
@@ -254,7 +270,8 @@ class PeerDirectory:
         return self._view
 
     async def _vouched_for(self) -> bool:
-        """True (and the view counts as fresh) when the coordinator's published digest is our view's."""
+        """True (and the view counts as fresh) when the coordinator's published digest is our view's, or
+        its change log brought our view to that digest."""
         if self.vouched is None or self._view is None or self._full_read_due:
             return False
         try:
@@ -262,11 +279,38 @@ class PeerDirectory:
         except Exception as exc:  # no answer is no vouching: read the records
             log.debug("reading the coordinator's view digest failed: %r", exc)
             return False
-        if theirs is None or theirs != self.digest:
+        if theirs is None:
             return False
+        if theirs != self.digest:
+            return await self._follow_changes(theirs)
         self.cadence.observe(changed=False)
         self._read_at = time.monotonic()
         self.vouched_refreshes += 1
+        return True
+
+    async def _follow_changes(self, theirs: str) -> bool:
+        """Apply the coordinator's steps from our digest to `theirs`; False (read every record) when there
+        are none, they do not chain from our view, or their result is not the view `theirs` names."""
+        if self.changes is None or self._view is None:
+            return False
+        try:
+            steps = await self.changes()
+        except Exception as exc:
+            log.debug("reading the coordinator's change log failed: %r", exc)
+            return False
+        if steps is None:
+            log.debug("no fresh change log of the coordinator: reading every record")
+            return False
+        self._reading = True  # a peer we do not know yet sends us to a full read anyway, not to a wake
+        try:
+            view = apply_steps(self._view, steps, theirs, self.is_member)
+        finally:
+            self._reading = False
+        if view is None:
+            log.debug("the coordinator's change log does not lead from %s to %s", self.digest, theirs)
+            return False
+        self._adopt(view)
+        self.delta_refreshes += 1
         return True
 
     async def _read(self) -> None:
@@ -278,15 +322,17 @@ class PeerDirectory:
             members = {peer: entry for peer, entry in entries.items() if self.is_member(peer)}
         finally:
             self._reading = False
-        view = SwarmView.from_entries(members, self.config.pipeline.stages, self.config.model.n_layers)
-        signature, digest = view.signature(), view.digest()
-        self.cadence.observe(changed=signature != self._signature)
-        changed = digest != self.digest
-        self._view, self._signature, self._read_at, self.digest = view, signature, time.monotonic(), digest
         self._full_read_due = False
         self.reads += 1
+        self._adopt(SwarmView.from_entries(members, self.config.pipeline.stages, self.config.model.n_layers))
+
+    def _adopt(self, view: SwarmView) -> None:
+        signature, digest = view.signature(), view.digest()
+        self.cadence.observe(changed=signature != self._signature)
+        before, changed = self._view, digest != self.digest
+        self._view, self._signature, self._read_at, self.digest = view, signature, time.monotonic(), digest
         if changed:
-            self.on_change()
+            self.on_change(before, view)
 
     def wake(self) -> None:
         self.cadence.observe(changed=True)

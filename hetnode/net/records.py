@@ -11,6 +11,9 @@ Keys (hivemind prefixes them as `{run}_{field}`):
   entry instead of every peer's record. It also carries the digest of the coordinator's view of the swarm
   (`directory`) and when it was stored (`at`): a peer whose own view has that digest need not read every
   record again (`PeerDirectory`).
+- `changes`: subkey = the coordinator's owner key; its view's recent transitions (digest to digest, with the
+  records of the peers that changed), stored before the head that names the newest digest: a replica one or
+  a few changes behind applies them instead of reading every record (`hetnode/daemon/view_changes.py`).
 
 Every field has a lifetime cap (`MAX_TTL_S`) and a size cap (`MAX_RECORD_BYTES`), enforced by
 `RecordCapsValidator` where a record is stored and again where it is read (TRUST §5): without them one
@@ -45,7 +48,7 @@ MAX_MANIFEST_BYTES = 64 * 1024
 MAX_SHARDS = 1026  # 1024 layers, embed and head: the most shards a dict keyed by ShardName may have
 
 # Callers stay well under these: peers record_ttl_s (30 s in configs/), announce 300 s, manifest 600 s,
-# round 4 x boundary_s (120 s by default), seal and head 3600 s.
+# round 4 x boundary_s (120 s by default), seal, head and changes 3600 s.
 MAX_TTL_S: dict[str, float] = {
     "manifest": 900.0,
     "round": 300.0,
@@ -53,6 +56,7 @@ MAX_TTL_S: dict[str, float] = {
     "announce": 600.0,
     "seal": 7200.0,
     "head": 7200.0,
+    "changes": 7200.0,
 }
 # msgpack bytes of the value. Real records (1b config, 18 layers): peers ~0.8 KB, announce ~1.4 KB,
 # manifest ~1.2 KB, round ~50 B; a seal holds ~1.46 KB per contribution of all 20 shards, ~179 of them.
@@ -63,10 +67,23 @@ MAX_RECORD_BYTES: dict[str, int] = {
     "manifest": MAX_MANIFEST_BYTES + 1024,  # the schema's largest body and its envelope
     "round": 256,
     "head": 4 * 1024,  # the digests of a peer record, which has the same cap
+    # a few steps of changed peer records (~0.8-1.5 KB each): the coordinator drops its oldest steps to fit
+    "changes": 64 * 1024,
 }
 TTL_SLACK_S = 30.0  # honest peers' clocks disagree by seconds
 SIGNATURE_BYTES = 512  # RSASignatureValidator's "[signature:<base64>]" suffix: 356 bytes for RSA-2048
 MAX_SUBKEY_BYTES = 1024  # "[owner:<ssh-rsa key>]" in msgpack: 391 bytes for RSA-2048
+
+
+def _at_most(limit: int, what: str) -> Callable[[Any], Any]:
+    """A pre-validator that refuses a list or dict on its length alone, before its items are validated."""
+
+    def check(value: Any) -> Any:
+        if isinstance(value, (dict, list)) and len(value) > limit:
+            raise ValueError(f"{len(value)} {what}, at most {limit}")
+        return value
+
+    return check
 
 
 def _at_most_shards(value: Any) -> Any:
@@ -168,6 +185,32 @@ class HeadRecord(pydantic.BaseModel):
     _cap_digests = pydantic.validator("layer_digests", pre=True, allow_reuse=True)(_at_most_shards)
 
 
+PeerId = pydantic.constr(strict=True, regex=r"^[1-9A-HJ-NP-Za-km-z]{1,128}$")
+ViewDigest = pydantic.constr(strict=True, regex=r"^[0-9a-f]{16}$")
+MAX_CHANGE_STEPS = 8  # steps the coordinator keeps: a replica further behind reads every record
+MAX_STEP_PEERS = 64  # peers one step may name: a larger change is not logged (readers read every record)
+
+
+class ChangeStep(pydantic.BaseModel):
+    """One transition of the coordinator's view: the records of the peers whose decision fields differ
+    between the view of digest `from` and the view of digest `to` (None: the peer left)."""
+
+    from_: ViewDigest = pydantic.Field(alias="from")  # type: ignore[valid-type]
+    to: ViewDigest  # type: ignore[valid-type]
+    peers: dict[PeerId, PeerRecord | None]  # type: ignore[valid-type]
+
+    _cap_peers = pydantic.validator("peers", pre=True, allow_reuse=True)(_at_most(MAX_STEP_PEERS, "peers"))
+
+
+class ChangesRecord(pydantic.BaseModel):
+    """The coordinator's recent view transitions, newest last, and its clock when it stored them."""
+
+    steps: list[ChangeStep]
+    at: pydantic.confloat(strict=True, ge=0, le=1e11)  # type: ignore[valid-type]
+
+    _cap_steps = pydantic.validator("steps", pre=True, allow_reuse=True)(_at_most(MAX_CHANGE_STEPS, "steps"))
+
+
 class RunRecords(pydantic.BaseModel):
     manifest: dict[BytesWithPublicKey, ManifestRecord]
     round: dict[BytesWithPublicKey, RoundRecord]
@@ -175,6 +218,7 @@ class RunRecords(pydantic.BaseModel):
     announce: dict[BytesWithPublicKey, AnnounceRecord]
     seal: dict[BytesWithPublicKey, SealRecord]
     head: dict[BytesWithPublicKey, HeadRecord]
+    changes: dict[BytesWithPublicKey, ChangesRecord]
 
 
 def run_schema_validator(run: str) -> SchemaValidator:
@@ -195,6 +239,16 @@ def check_peer_record(value: dict) -> dict:
 def check_head_record(value: Any) -> dict:
     """The same for the coordinator's `head` entry."""
     return HeadRecord.parse_obj(value).dict()
+
+
+def check_changes_record(value: Any) -> dict:
+    """The same for the coordinator's `changes` entry (its steps keyed `from`, as stored)."""
+    return ChangesRecord.parse_obj(value).dict(by_alias=True)
+
+
+def value_bytes(value: Any) -> int:
+    """The msgpack bytes of a record's value, as the size caps count them."""
+    return len(MSGPackSerializer.dumps(value))
 
 
 class RecordCapsValidator(RecordValidatorBase):
@@ -229,7 +283,7 @@ def cap_problem(field: str, value: Any, expiration_time: float, now: float) -> s
     entry may come from our own storage or a path that skipped the validator."""
     if expiration_time > now + MAX_TTL_S[field] + TTL_SLACK_S:
         return f"expires in {expiration_time - now:.0f} s, beyond the {MAX_TTL_S[field]:.0f} s cap"
-    size = len(MSGPackSerializer.dumps(value))
+    size = value_bytes(value)
     if size > MAX_RECORD_BYTES[field]:
         return f"{size} bytes, over the {MAX_RECORD_BYTES[field]}-byte cap"
     return None
@@ -248,6 +302,12 @@ def new_head_record(
         "at": time.time(),
         "sealed": sealed,
     }
+
+
+def new_changes_record(steps: list[dict[str, Any]]) -> dict[str, Any]:
+    """The coordinator's `changes` entry: `steps` (`{"from", "to", "peers"}`, newest last), stamped with its
+    clock now."""
+    return {"steps": steps, "at": time.time()}
 
 
 def new_peer_record(name: str, **fields: Any) -> dict[str, Any]:

@@ -239,18 +239,21 @@ def test_control_today_grows_with_the_swarm_and_the_target_logarithmically(small
     assert scale_control.lookup_rpcs_target(high["peers"], scale_control.ControlModel()) < high["peers"] / 10
 
 
-def test_control_with_the_head_vouching_grows_logarithmically_in_a_stable_swarm_and_not_under_churn(small):
+def test_control_with_the_head_vouching_and_the_change_log_grows_logarithmically_stable_or_under_churn(small):
     """The code's scheme: a replica reads every record only when the coordinator's view digest differs
-    from its own. Stable: the per-peer cost grows like the lookups (log N). With 2 % of peers changing each
-    round, every refresh past about 50 peers meets a change and reads every record again: O(N)."""
+    from its own and the coordinator's change log does not lead there. Stable: the per-peer cost grows like
+    the lookups (log N). With 2 % of peers changing each round, a refresh that meets a change reads the
+    change log (8 steps of a few records, ~10 KB at 513 peers) instead of every record; the coordinator
+    logs at most one step per heartbeat, 6 per stretched refresh, fewer than the 8 kept, so no refresh
+    falls back to a full read and the cost under churn grows like the lookups too."""
     low, high = _row(small, 8, "any-holder"), _row(small, 256, "any-holder")
     allowed = math.log(high["peers"]) / math.log(low["peers"])
     assert high["control_bytes_per_peer"] / low["control_bytes_per_peer"] <= allowed
     assert high["control_bytes_per_peer_stretched"] / low["control_bytes_per_peer_stretched"] > allowed
-    assert high["control_bytes_per_peer_churn"] / low["control_bytes_per_peer_churn"] > allowed
+    assert high["control_bytes_per_peer_churn"] / low["control_bytes_per_peer_churn"] <= allowed
     for row in (low, high):
         stable, before = row["control_bytes_per_peer"], row["control_bytes_per_peer_stretched"]
-        assert stable < before and stable <= row["control_bytes_per_peer_churn"]
+        assert stable < before and stable <= row["control_bytes_per_peer_churn"] < before
 
 
 def test_crossover_is_near_two_bytes_over_the_payload_per_parameter(small):

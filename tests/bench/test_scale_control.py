@@ -52,3 +52,27 @@ def test_the_head_entry_is_sized_like_the_records_the_code_writes():
     shards = ["embed", "head", *map(str, range(18))]
     sizes = sc.record_sizes(shards, [tuple(shards[:11]), tuple(shards[11:])], 4, 2, 74_000)
     assert sc.RECORD_OVERHEAD_BYTES < sizes.head < sizes.peer_today
+
+
+def test_under_churn_a_replica_reads_the_change_log_and_every_record_only_when_further_behind():
+    """2 % of peers change each round. A refresh that meets a change reads the coordinator's change log,
+    not every record, while its period holds fewer coordinator steps than the log keeps (6 reads of the
+    coordinator per stretched refresh, 8 steps kept); a log of 2 steps, or replicas that refresh every
+    240 s (24 coordinator reads), fall behind it and read every record again."""
+    from dataclasses import replace
+
+    peers = 513
+    stable = sc.vouched(peers, peers - 1, SIZES, 20.0, MODEL)
+    churn = sc.vouched(peers, peers - 1, SIZES, 20.0, MODEL, churn=True)
+    log = sc.change_log(MODEL.event_rate * peers, 1.0, SIZES, MODEL)
+    assert log.behind == 0.0 and log.meets > 0.99 and log.entry < 20_000
+    assert stable.per_peer < churn.per_peer < 1.2 * stable.per_peer
+    for model in (replace(MODEL, change_steps=2), replace(MODEL, stretched_heartbeat_s=240.0)):
+        refreshes = model.round_period_s / model.stretched_heartbeat_s
+        behind = sc.change_log(MODEL.event_rate * peers, refreshes, SIZES, model)
+        assert behind.behind > 0.95 * behind.meets
+        assert sc.vouched(peers, peers - 1, SIZES, 20.0, model, churn=True).per_peer > 1.5 * churn.per_peer
+    # the entry never passes its cap: at 20,000 peers a step holds ~67 records, so steps are dropped or not
+    # logged at all, and every refresh that meets a change reads every record
+    crowd = sc.change_log(MODEL.event_rate * 20_000, 1.0, SIZES, MODEL)
+    assert crowd.entry <= MODEL.change_log_bytes + sc.RECORD_OVERHEAD_BYTES and crowd.behind == crowd.meets

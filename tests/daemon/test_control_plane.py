@@ -4,6 +4,7 @@ back at once when something does, over real p2pd nodes on loopback."""
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 
 import pydantic.v1 as pydantic
 import pytest
@@ -326,3 +327,147 @@ def test_a_views_digest_follows_roles_and_links_not_per_round_fields(tiny_config
     assert view_of(role="idle").digest() != base
     assert view_of(tflops=9.0).digest() != base
     assert SwarmView({}, 2, 4).digest() != base
+
+
+async def _coordinator_and_replica(tiny_config, coordinator, me, fresh_s: float, **hooks):
+    """The coordinator's directory with its change log (as `RoundKeeper` wires them), and a replica's
+    directory vouched by the coordinator's head and fed by its change log."""
+    from hetnode.daemon.view import coordinator_directory
+    from hetnode.daemon.view_changes import ChangeLog, coordinator_changes
+
+    coordinator_id = coordinator.identity.peer_id
+    for node, name, role in ((coordinator, "coord", "coordinator"), (me, "me", "anchor")):
+        await node.store_own("peers", record(name, role), ttl_s=60)
+    log = ChangeLog(coordinator, ttl_s=60.0)
+    theirs = PeerDirectory(coordinator, tiny_config, base_s=0.1, stable_s=0.1, on_change=log.record)
+    ours = PeerDirectory(
+        me,
+        tiny_config,
+        base_s=0.1,
+        stable_s=0.1,
+        vouched=lambda: coordinator_directory(me, coordinator_id, fresh_s),
+        changes=lambda: coordinator_changes(me, coordinator_id, fresh_s),
+        **hooks,
+    )
+    return log, theirs, ours
+
+
+@pytest.mark.slow
+def test_a_vouched_replica_takes_a_join_and_a_leave_from_the_coordinators_change_log(
+    nodes_on_loopback, tiny_config
+):
+    """A newcomer and a leaver reach a replica whose view was current through the coordinator's `changes`
+    entry (the changed records only): no read of every record, and the view a full read gives."""
+    from hetnode.daemon.view import SwarmView
+
+    async def scenario():
+        async with nodes_on_loopback(3, "changes-test") as (coordinator, me, newcomer):
+            full_reads, changes = [], []
+            log, theirs, directory = await _coordinator_and_replica(
+                tiny_config,
+                coordinator,
+                me,
+                5.0,
+                on_read=full_reads.append,
+                on_change=lambda before, after: changes.append(after.digest()),
+            )
+
+            async def coordinator_reads() -> str:
+                digest = (await theirs.get(max_age_s=0)).digest()  # a change: its step is logged
+                await log.publish()  # before the head names the digest, as `RoundKeeper._store_head`
+                assert await coordinator.store_own("head", new_head_record(3, {}, digest), ttl_s=60)
+                return digest
+
+            await coordinator_reads()
+            await directory.get()
+            reads = Counting(me, "read_field")
+            assert directory.reads == 1 and directory.delta_refreshes == 0
+
+            views = []
+            for change, present in (({"role": "idle"}, True), ({"role": "offline"}, False)):
+                assert await newcomer.store_own("peers", record("newcomer") | change, ttl_s=60)
+                digest = await coordinator_reads()
+                await asyncio.sleep(0.15)
+                view = await directory.get()
+                views.append(view)
+                assert (newcomer.identity.peer_id in view.peers) is present
+                assert directory.reads == 1 and directory.digest == view.digest() == digest
+                full = await SwarmView.read(me, tiny_config)
+                assert full.digest() == digest and set(full.peers) == set(view.peers)
+                assert all(view.row(peer) == full.row(peer) for peer in full.peers)
+            assert directory.delta_refreshes == 2 and len(full_reads) == 1  # `on_read`: full reads only
+            assert changes[1:] == [view.digest() for view in views]  # `on_change`: each applied change
+            assert reads.fields == ["head", "changes", "peers"] * 2, reads.fields  # the peers: our checks
+
+    loop.run(scenario())
+
+
+@pytest.mark.slow
+def test_a_change_log_that_is_too_short_an_impostors_wrong_or_stale_brings_a_full_read(
+    nodes_on_loopback, tiny_config
+):
+    """Anything but a fresh coordinator log that leads from our digest to the head's is no shortcut: a
+    replica that missed more steps than are kept, a log under an impostor's key, steps whose records do
+    not give the head's digest, a log stored too long ago. Each costs a full read, never a wrong view."""
+    from hetnode.net.records import MAX_CHANGE_STEPS, new_changes_record
+
+    fresh_s = 5.0
+
+    async def scenario():
+        async with nodes_on_loopback(4, "changes-refused") as (coordinator, me, newcomer, impostor):
+            log, theirs, directory = await _coordinator_and_replica(tiny_config, coordinator, me, fresh_s)
+            tflops = iter(range(1, 100))
+
+            async def change(forge: Callable[[list[dict]], dict] | None = None) -> str:
+                """The newcomer changes its compute; the coordinator reads it (and logs the step), stores
+                its log, or `forge(its steps)` instead, then the head."""
+                compute = {"tflops": float(next(tflops))}
+                assert await newcomer.store_own("peers", record("newcomer") | compute, ttl_s=60)
+                digest = (await theirs.get(max_age_s=0)).digest()
+                if forge is None:
+                    await log.publish()
+                else:
+                    assert await coordinator.store_own("changes", forge(log.steps), ttl_s=60)
+                assert await coordinator.store_own("head", new_head_record(3, {}, digest), ttl_s=60)
+                return digest
+
+            async def refresh(digest: str, full_read: bool) -> None:
+                reads, deltas = directory.reads, directory.delta_refreshes
+                await asyncio.sleep(0.15)
+                assert (await directory.get()).digest() == digest == directory.digest
+                assert (directory.reads, directory.delta_refreshes) == (
+                    (reads + 1, deltas) if full_read else (reads, deltas + 1)
+                )
+
+            await refresh(await change(), full_read=True)  # our first read
+            await refresh(await change(), full_read=False)  # one behind: the log's last step
+
+            # we missed more changes than the log keeps: no step starts from our digest
+            ours = directory.digest
+            for _ in range(MAX_CHANGE_STEPS + 1):
+                digest = await change()
+            assert len(log.steps) == MAX_CHANGE_STEPS and all(s["from"] != ours for s in log.steps)
+            await refresh(digest, full_read=True)
+
+            # the right steps, but under an impostor's key (the coordinator's own log is empty)
+            digest = await change(lambda steps: new_changes_record([]))
+            assert await impostor.store_own("changes", new_changes_record(log.steps), ttl_s=60)
+            await refresh(digest, full_read=True)
+
+            # the coordinator's steps, with a record that does not give the head's digest
+            def forged(steps: list[dict]) -> dict:
+                peers = {peer: r and r | {"tflops": 0.25} for peer, r in steps[-1]["peers"].items()}
+                return new_changes_record([*steps[:-1], steps[-1] | {"peers": peers}])
+
+            await refresh(await change(forged), full_read=True)
+
+            # the right steps, stored by the coordinator's clock longer ago than the head's freshness
+            await refresh(
+                await change(lambda steps: new_changes_record(steps) | {"at": time.time() - 2 * fresh_s}),
+                full_read=True,
+            )
+
+            # and its own fresh log again: the shortcut is back
+            await refresh(await change(), full_read=False)
+
+    loop.run(scenario())
