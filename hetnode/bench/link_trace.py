@@ -1,6 +1,7 @@
 """Every lab link's bytes over time, from the hub's side: what each host sent and received, every few tenths
 of a second, so a round's sync window can be read as link utilisation (is the busiest uplink full, and
-with what).
+with what); and how busy each CPU core was (the lab pins its daemons to cores), to tell a round waiting on
+its links from one waiting on its cores.
 
 One process inside the hub namespace prints /proc/net/dev in a loop (one spawn for the whole run, not one
 per host and sample: ten hosts sampled five times a second would otherwise cost fifty spawns a second on
@@ -22,10 +23,11 @@ MARK = "--sample"
 
 @dataclass
 class LinkTrace:
-    """Samples of (time, {host: (uploaded, downloaded) bytes so far})."""
+    """Samples of (time, {host: (uploaded, downloaded) bytes so far}, {core: (busy, all) jiffies so far})."""
 
     times: list[float] = field(default_factory=list)
     counters: list[dict[str, tuple[int, int]]] = field(default_factory=list)
+    cores: list[dict[str, tuple[int, int]]] = field(default_factory=list)
 
     def bytes_between(self, host: str, start: float, end: float) -> tuple[float, float]:
         """(uploaded, downloaded) bytes of `host` from `start` to `end`, interpolated between samples."""
@@ -33,15 +35,27 @@ class LinkTrace:
         down = self._at(host, end, 1) - self._at(host, start, 1)
         return up, down
 
-    def _at(self, host: str, when: float, side: int) -> float:
+    def core_busy(self, core: str, start: float, end: float) -> float | None:
+        """The share of `start`..`end` that `core` ("cpu0", …) was busy, None when it was not sampled."""
+        if not self.cores or core not in self.cores[0]:
+            return None
+        busy = self._at(core, end, 0, self.cores) - self._at(core, start, 0, self.cores)
+        total = self._at(core, end, 1, self.cores) - self._at(core, start, 1, self.cores)
+        return busy / total if total > 0 else None
+
+    def _at(self, name: str, when: float, side: int, series: list | None = None) -> float:
+        series = self.counters if series is None else series
         i = bisect.bisect_left(self.times, when)
         if i == 0:
-            return float(self.counters[0][host][side])
+            return float(series[0][name][side])
         if i >= len(self.times):
-            return float(self.counters[-1][host][side])
+            return float(series[-1][name][side])
         t0, t1 = self.times[i - 1], self.times[i]
-        c0, c1 = self.counters[i - 1][host][side], self.counters[i][host][side]
+        c0, c1 = series[i - 1][name][side], series[i][name][side]
         return c0 + (c1 - c0) * (when - t0) / (t1 - t0) if t1 > t0 else float(c1)
+
+    def core_names(self) -> list[str]:
+        return sorted(self.cores[0]) if self.cores else []
 
     def rates_mbit(self, host: str, start: float, end: float, step_s: float) -> list[tuple[float, float]]:
         """(upload, download) Mbit/s of `host` in consecutive `step_s` slices from `start` to `end`."""
@@ -58,6 +72,7 @@ class LinkTrace:
             "times": self.times,
             "up": {h: [c[h][0] for c in self.counters] for h in hosts},
             "down": {h: [c[h][1] for c in self.counters] for h in hosts},
+            "cores": {k: [c[k] for c in self.cores] for k in self.core_names()},
         }
 
 
@@ -73,7 +88,11 @@ class LinkTracer:
         self._reader: threading.Thread | None = None
 
     def __enter__(self) -> LinkTrace:
-        script = f"while :; do echo {MARK}; cat /proc/net/dev; sleep {self.period_s}; done"
+        # /proc/stat is the machine's whatever the namespace: its per-core lines, beside the hub's links
+        script = (
+            f"while :; do echo {MARK}; cat /proc/net/dev; grep '^cpu[0-9]' /proc/stat; "
+            f"sleep {self.period_s}; done"
+        )
         self._process = subprocess.Popen(
             ["ip", "netns", "exec", self.namespace, "sh", "-c", script],
             stdout=subprocess.PIPE,
@@ -94,21 +113,33 @@ class LinkTracer:
     def _read(self) -> None:
         assert self._process is not None and self._process.stdout is not None
         current: dict[str, tuple[int, int]] = {}
+        cores: dict[str, tuple[int, int]] = {}
         taken = time.time()
         for line in self._process.stdout:
             if line.startswith(MARK):  # the counters that follow are read now
-                self._keep(taken, current)
-                current, taken = {}, time.time()
+                self._keep(taken, current, cores)
+                current, cores, taken = {}, {}, time.time()
+                continue
+            if line.startswith("cpu"):  # user nice system idle iowait irq softirq steal …
+                name, *jiffies = line.split()
+                values = [int(v) for v in jiffies[:8]]
+                cores[name] = (sum(values) - values[3] - values[4], sum(values))
                 continue
             name, _, counters = line.partition(":")
             host = self.hosts_of.get(name.strip())
             if host is not None and counters:
                 fields = counters.split()
                 current[host] = (int(fields[0]), int(fields[8]))  # the hub's rx: the host's upload
-        self._keep(taken, current)
+        self._keep(taken, current, cores)
 
-    def _keep(self, taken: float, sample: dict[str, tuple[int, int]]) -> None:
-        # a sample cut short (the process killed mid-print) lacks hosts: it is dropped
-        if sample and set(sample) == set(self.hosts_of.values()):
-            self.trace.times.append(taken)
-            self.trace.counters.append(sample)
+    def _keep(
+        self, taken: float, sample: dict[str, tuple[int, int]], cores: dict[str, tuple[int, int]]
+    ) -> None:
+        # a sample cut short (the process killed mid-print) lacks hosts or cores: it is dropped
+        if not sample or set(sample) != set(self.hosts_of.values()):
+            return
+        if self.trace.cores and set(cores) != set(self.trace.cores[0]):
+            return
+        self.trace.times.append(taken)
+        self.trace.counters.append(sample)
+        self.trace.cores.append(cores)

@@ -37,7 +37,7 @@ from hetnode.bench.lab_guard import (
 from hetnode.bench.lab_process import HETNODE, LabProcess, stop_all
 from hetnode.bench.link_trace import LinkTrace, LinkTracer
 from hetnode.bench.netlab import NetLab, kill_inside
-from hetnode.bench.sync_windows import plot_round, round_windows, summary, window_load
+from hetnode.bench.sync_windows import plot_round, round_windows, summary, window_cores, window_load
 from hetnode.config import Config, dump_config
 from hetnode.errors import HetnodeError
 
@@ -134,6 +134,7 @@ def link_load(
     return {
         "windows": {str(n): w for n, w in windows.items()},
         "by_class": summary(load, classes),
+        "cores": window_cores(trace, windows),
         "hosts": load,
     }
 

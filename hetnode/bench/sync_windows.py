@@ -33,14 +33,31 @@ def round_windows(logs: Mapping[str, Sequence[dict]], rounds: Sequence[int]) -> 
     return out
 
 
+SPANS = {"sealing": ("announced", "sealed"), "fetching": ("sealed", "fetched")}
+
+
+def window_cores(trace: LinkTrace, windows: Mapping[int, Mapping[str, float]]) -> dict[str, dict[str, float]]:
+    """{window: {core: the median over rounds of the share of the window it was busy}}."""
+    out: dict[str, dict[str, float]] = {}
+    for window, (start, end) in SPANS.items():
+        for core in trace.core_names():
+            shares = [
+                share
+                for w in windows.values()
+                if w[end] > w[start] and (share := trace.core_busy(core, w[start], w[end])) is not None
+            ]
+            if shares:
+                out.setdefault(window, {})[core] = statistics.median(shares)
+    return out
+
+
 def window_load(
     trace: LinkTrace, windows: Mapping[int, Mapping[str, float]], rates_mbit: Mapping[str, float]
 ) -> dict[str, dict[str, dict[str, float]]]:
     """{window ("sealing", "fetching"): {host: medians over rounds of seconds, bytes up and down, and the
     share of its link each direction used}}."""
-    spans = {"sealing": ("announced", "sealed"), "fetching": ("sealed", "fetched")}
     out: dict[str, dict[str, dict[str, float]]] = {}
-    for window, (start, end) in spans.items():
+    for window, (start, end) in SPANS.items():
         per_host: dict[str, dict[str, list[float]]] = {}
         for w in windows.values():
             seconds = w[end] - w[start]
@@ -73,26 +90,42 @@ def plot_round(
     title: str,
     step_s: float = 0.4,
 ) -> None:
-    """Every host's upload rate through one round's sync, the windows' edges marked: `path` (PNG)."""
+    """Every host's upload and download rate, and every core's load, through one round's sync, the windows'
+    edges marked: `path` (PNG)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     start, end = window["announced"] - 3.0, window["fetched"] + 3.0
-    fig, axes = plt.subplots(2, 1, figsize=(10, 6.5), sharex=True)
+    cores = trace.core_names()
+    fig, axes = plt.subplots(3 if cores else 2, 1, figsize=(10, 9 if cores else 6.5), sharex=True)
+    offset = window["announced"] - start
     for ax, side, label in ((axes[0], 0, "upload"), (axes[1], 1, "download")):
         for host in rates_mbit:
             rates = trace.rates_mbit(host, start, end, step_s)
-            xs = [i * step_s + step_s / 2 - (window["announced"] - start) for i in range(len(rates))]
+            xs = [i * step_s + step_s / 2 - offset for i in range(len(rates))]
             style = "-" if host.startswith("stage") else (":" if host == "coordinator" else "--")
             ax.plot(xs, [r[side] for r in rates], style, label=host, linewidth=1.2)
         for edge, colour in (("announced", "grey"), ("sealed", "black"), ("fetched", "red")):
             ax.axvline(window[edge] - window["announced"], color=colour, linewidth=0.8)
         ax.set_ylabel(f"{label}, Mbit/s")
         ax.grid(alpha=0.3)
+    if cores:
+        ax = axes[2]
+        steps = int((end - start) / step_s)
+        xs = [i * step_s + step_s / 2 - offset for i in range(steps)]
+        for core in cores:
+            busy = [trace.core_busy(core, start + i * step_s, start + (i + 1) * step_s) for i in range(steps)]
+            ax.plot(xs, [100 * (b or 0.0) for b in busy], label=core, linewidth=1.2)
+        for edge, colour in (("announced", "grey"), ("sealed", "black"), ("fetched", "red")):
+            ax.axvline(window[edge] - window["announced"], color=colour, linewidth=0.8)
+        ax.set_ylabel("core busy, %")
+        ax.set_ylim(0, 105)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
     axes[0].set_title(title + "\n(grey: last announcement, black: first seal held, red: last fetch done)")
-    axes[1].set_xlabel("seconds from the last announcement")
+    axes[-1].set_xlabel("seconds from the last announcement")
     axes[0].legend(fontsize=7, ncol=4)
     fig.tight_layout()
     fig.savefig(path, dpi=110)

@@ -16,7 +16,7 @@ import pytest
 from hetnode.bench.link_trace import LinkTrace, LinkTracer
 from hetnode.bench.netlab import NetLab, parse_net_dev
 from hetnode.bench.network import NetworkPlan, critical_sync_s, stage_times, summarise_swarm
-from hetnode.bench.sync_windows import round_windows, window_load
+from hetnode.bench.sync_windows import round_windows, window_cores, window_load
 
 NEEDS_ROOT = pytest.mark.skipif(
     os.geteuid() != 0 or not shutil.which("ip") or not shutil.which("tc"),
@@ -52,6 +52,13 @@ def test_a_link_trace_interpolates_between_samples_and_a_window_reads_its_links_
     assert trace.bytes_between("s", 100.5, 101.5) == (250_000, 10)
     assert trace.bytes_between("a", 99.0, 103.0) == (1000, 0)  # clamped to the trace
     assert trace.rates_mbit("s", 100.0, 102.0, 1.0) == [(2.0, 0.00008), (2.0, 0.00008)]
+    assert trace.core_busy("cpu0", 100.0, 101.0) is None  # no cores sampled
+    trace.cores = [{"cpu0": (0, 0)}, {"cpu0": (50, 100)}, {"cpu0": (150, 200)}]
+    assert trace.core_busy("cpu0", 100.0, 101.0) == 0.5 and trace.core_busy("cpu0", 101.0, 102.0) == 1.0
+    assert window_cores(trace, {1: {"announced": 100.0, "sealed": 101.0, "fetched": 102.0}}) == {
+        "sealing": {"cpu0": 0.5},
+        "fetching": {"cpu0": 1.0},
+    }
     logs = {  # the seal reached the first replica at 100.5, the last fetched at 101.5
         "a": [{"round": 3, "included": True, "time": 99.0, "seal_wait_s": 1.6, "fetch_s": 0.9}],
         "s": [{"round": 3, "included": True, "time": 99.5, "seal_wait_s": 1.0, "fetch_s": 1.0}],
@@ -173,6 +180,10 @@ def test_a_shaped_lab_link_moves_bytes_at_its_rate():
     assert payload <= up <= 1.1 * payload and payload <= down <= 1.1 * payload
     peak = max(r[0] for r in trace.rates_mbit("slow", trace.times[0], trace.times[-1], 0.5))
     assert 12.0 < peak < 22.0
+    assert trace.core_names() and all(  # every core of the machine, each busy a share of the time
+        0.0 <= (trace.core_busy(core, trace.times[0], trace.times[-1]) or 0.0) <= 1.0
+        for core in trace.core_names()
+    )
     assert not any(
         lab.hub in line
         for line in subprocess.run(
