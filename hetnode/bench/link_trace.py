@@ -1,7 +1,7 @@
 """Every lab link's bytes over time, from the hub's side: what each host sent and received, every few tenths
 of a second, so a round's sync window can be read as link utilisation (is the busiest uplink full, and
-with what); and how busy each CPU core was (the lab pins its daemons to cores), to tell a round waiting on
-its links from one waiting on its cores.
+with what); how busy each CPU core was (the lab pins its daemons to cores), to tell a round waiting on its
+links from one waiting on its cores; and the CPU time of every daemon and p2pd, to say what kept a core busy.
 
 One process inside the hub namespace prints /proc/net/dev in a loop (one spawn for the whole run, not one
 per host and sample: ten hosts sampled five times a second would otherwise cost fifty spawns a second on
@@ -12,6 +12,7 @@ what it downloads.
 from __future__ import annotations
 
 import bisect
+import os
 import subprocess
 import threading
 import time
@@ -19,6 +20,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 MARK = "--sample"
+TRACED = ("python", "python3", "python3.11", "p2pd")  # process names whose CPU time is kept
+CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 
 
 @dataclass
@@ -28,6 +31,7 @@ class LinkTrace:
     times: list[float] = field(default_factory=list)
     counters: list[dict[str, tuple[int, int]]] = field(default_factory=list)
     cores: list[dict[str, tuple[int, int]]] = field(default_factory=list)
+    processes: list[dict[int, tuple[int, int]]] = field(default_factory=list)  # pid -> (parent, CPU ticks)
 
     def bytes_between(self, host: str, start: float, end: float) -> tuple[float, float]:
         """(uploaded, downloaded) bytes of `host` from `start` to `end`, interpolated between samples."""
@@ -53,6 +57,25 @@ class LinkTrace:
         t0, t1 = self.times[i - 1], self.times[i]
         c0, c1 = series[i - 1][name][side], series[i][name][side]
         return c0 + (c1 - c0) * (when - t0) / (t1 - t0) if t1 > t0 else float(c1)
+
+    def cpu_seconds(self, pid: int, start: float, end: float) -> float:
+        """CPU time process `pid` used from `start` to `end` (0 where it was not sampled)."""
+        return (self._ticks_at(pid, end) - self._ticks_at(pid, start)) / CLOCK_TICKS
+
+    def _ticks_at(self, pid: int, when: float) -> float:
+        i = min(bisect.bisect_left(self.times, when), len(self.times) - 1)
+        before = self.processes[i - 1].get(pid) if i > 0 else None
+        after = self.processes[i].get(pid)
+        if before is None or after is None:
+            found = after or before
+            return float(found[1]) if found else 0.0
+        t0, t1 = self.times[i - 1], self.times[i]
+        share = min(max((when - t0) / (t1 - t0), 0.0), 1.0) if t1 > t0 else 1.0
+        return before[1] + (after[1] - before[1]) * share
+
+    def children_of(self, pid: int) -> set[int]:
+        """Processes sampled with `pid` as their parent (a daemon's p2pd)."""
+        return {child for sample in self.processes for child, (parent, _) in sample.items() if parent == pid}
 
     def core_names(self) -> list[str]:
         return sorted(self.cores[0]) if self.cores else []
@@ -91,7 +114,7 @@ class LinkTracer:
         # /proc/stat is the machine's whatever the namespace: its per-core lines, beside the hub's links
         script = (
             f"while :; do echo {MARK}; cat /proc/net/dev; grep '^cpu[0-9]' /proc/stat; "
-            f"sleep {self.period_s}; done"
+            f"cat /proc/[0-9]*/stat 2>/dev/null; sleep {self.period_s}; done"
         )
         self._process = subprocess.Popen(
             ["ip", "netns", "exec", self.namespace, "sh", "-c", script],
@@ -114,11 +137,17 @@ class LinkTracer:
         assert self._process is not None and self._process.stdout is not None
         current: dict[str, tuple[int, int]] = {}
         cores: dict[str, tuple[int, int]] = {}
+        processes: dict[int, tuple[int, int]] = {}
         taken = time.time()
         for line in self._process.stdout:
             if line.startswith(MARK):  # the counters that follow are read now
-                self._keep(taken, current, cores)
-                current, cores, taken = {}, {}, time.time()
+                self._keep(taken, current, cores, processes)
+                current, cores, processes, taken = {}, {}, {}, time.time()
+                continue
+            if line[:1].isdigit():  # /proc/<pid>/stat: pid (name) state ppid … utime stime (fields 14, 15)
+                name, rest = line[line.find("(") + 1 : line.rfind(")")], line[line.rfind(")") + 2 :].split()
+                if name in TRACED and len(rest) > 12:
+                    processes[int(line.split(" ", 1)[0])] = (int(rest[1]), int(rest[11]) + int(rest[12]))
                 continue
             if line.startswith("cpu"):  # user nice system idle iowait irq softirq steal …
                 name, *jiffies = line.split()
@@ -130,10 +159,14 @@ class LinkTracer:
             if host is not None and counters:
                 fields = counters.split()
                 current[host] = (int(fields[0]), int(fields[8]))  # the hub's rx: the host's upload
-        self._keep(taken, current, cores)
+        self._keep(taken, current, cores, processes)
 
     def _keep(
-        self, taken: float, sample: dict[str, tuple[int, int]], cores: dict[str, tuple[int, int]]
+        self,
+        taken: float,
+        sample: dict[str, tuple[int, int]],
+        cores: dict[str, tuple[int, int]],
+        processes: dict[int, tuple[int, int]],
     ) -> None:
         # a sample cut short (the process killed mid-print) lacks hosts or cores: it is dropped
         if not sample or set(sample) != set(self.hosts_of.values()):
@@ -143,3 +176,4 @@ class LinkTracer:
         self.trace.times.append(taken)
         self.trace.counters.append(sample)
         self.trace.cores.append(cores)
+        self.trace.processes.append(processes)

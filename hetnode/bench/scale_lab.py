@@ -37,7 +37,14 @@ from hetnode.bench.lab_guard import (
 from hetnode.bench.lab_process import HETNODE, LabProcess, stop_all
 from hetnode.bench.link_trace import LinkTrace, LinkTracer
 from hetnode.bench.netlab import NetLab, kill_inside
-from hetnode.bench.sync_windows import plot_round, round_windows, summary, window_cores, window_load
+from hetnode.bench.sync_windows import (
+    plot_round,
+    round_windows,
+    summary,
+    window_cores,
+    window_cpu,
+    window_load,
+)
 from hetnode.config import Config, dump_config
 from hetnode.errors import HetnodeError
 
@@ -100,13 +107,14 @@ def run_lab(config: Config, plan: CalibrationPlan, work: Path, progress: bool = 
     # a SIGTERM (a `timeout`, a CI runner) unwinds like Ctrl+C, so that every cleanup below runs; leaving
     # deletes the namespaces and veths
     with interruptible(), lab_session(NetLab(rates)) as lab, LinkTracer(lab.hub, lab.hub_devices) as trace:
-        samples, ids, rtt_s = _run_swarm(lab, config_path, plan, work, progress)
+        samples, ids, rtt_s, pids = _run_swarm(lab, config_path, plan, work, progress)
     logs = {name: read_rounds(work / name) for name in (*anchors, *stages)}
     summary = summarise(samples, logs, ids, plan, rtt_s)
     layers = stage_layers(work, stages)
     return summary | {
         "stage_layers": layers,
-        "links": link_load(trace, logs, summary["rounds"], rates, layers, work),
+        "links": link_load(trace, logs, summary["rounds"], rates, layers, work)
+        | {"cpu": window_cpu(trace, round_windows(logs, summary["rounds"]), pids)},
     }
 
 
@@ -151,7 +159,7 @@ def stage_layers(work: Path, stages: list[str]) -> dict[str, list[int]]:
 
 def _run_swarm(
     lab: NetLab, config_path: Path, plan: CalibrationPlan, work: Path, progress: bool
-) -> tuple[list[dict], dict[str, str], float]:
+) -> tuple[list[dict], dict[str, str], float, dict[str, int]]:
     """The daemons in the lab until the measured rounds are in; every daemon (and its p2pd) stopped on the
     way out, in reverse order of start."""
     anchors, stages = plan.names()
@@ -194,7 +202,7 @@ def _run_swarm(
             stop_all(processes[1:], STOP_GRACE_S)
             stop_all(processes[:1], STOP_GRACE_S / 2)
             kill_leftovers(lab)
-    return samples, ids, rtt_s
+    return samples, ids, rtt_s, {p.name: p.proc.pid for p in processes}
 
 
 def kill_leftovers(lab: NetLab) -> None:

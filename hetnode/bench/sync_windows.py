@@ -51,6 +51,28 @@ def window_cores(trace: LinkTrace, windows: Mapping[int, Mapping[str, float]]) -
     return out
 
 
+def window_cpu(
+    trace: LinkTrace, windows: Mapping[int, Mapping[str, float]], pids: Mapping[str, int]
+) -> dict[str, dict[str, dict[str, float]]]:
+    """{window: {daemon: medians over rounds of its own CPU seconds (`daemon_s`), its p2pd's (`p2pd_s`)
+    and the window's length}}: what kept the cores busy."""
+    p2pds = {name: trace.children_of(pid) for name, pid in pids.items()}
+    out: dict[str, dict[str, dict[str, float]]] = {}
+    for window, (start, end) in SPANS.items():
+        for name, pid in pids.items():
+            spans = [(w[start], w[end]) for w in windows.values() if w[end] > w[start]]
+            if not spans:
+                continue
+            own = [trace.cpu_seconds(pid, a, b) for a, b in spans]
+            helpers = [sum(trace.cpu_seconds(child, a, b) for child in p2pds[name]) for a, b in spans]
+            out.setdefault(window, {})[name] = {
+                "seconds": statistics.median(b - a for a, b in spans),
+                "daemon_s": statistics.median(own),
+                "p2pd_s": statistics.median(helpers),
+            }
+    return out
+
+
 def window_load(
     trace: LinkTrace, windows: Mapping[int, Mapping[str, float]], rates_mbit: Mapping[str, float]
 ) -> dict[str, dict[str, dict[str, float]]]:

@@ -13,10 +13,10 @@ from pathlib import Path
 
 import pytest
 
-from hetnode.bench.link_trace import LinkTrace, LinkTracer
+from hetnode.bench.link_trace import CLOCK_TICKS, LinkTrace, LinkTracer
 from hetnode.bench.netlab import NetLab, parse_net_dev
 from hetnode.bench.network import NetworkPlan, critical_sync_s, stage_times, summarise_swarm
-from hetnode.bench.sync_windows import round_windows, window_cores, window_load
+from hetnode.bench.sync_windows import round_windows, window_cores, window_cpu, window_load
 
 NEEDS_ROOT = pytest.mark.skipif(
     os.geteuid() != 0 or not shutil.which("ip") or not shutil.which("tc"),
@@ -59,6 +59,12 @@ def test_a_link_trace_interpolates_between_samples_and_a_window_reads_its_links_
         "sealing": {"cpu0": 0.5},
         "fetching": {"cpu0": 1.0},
     }
+    ticks = CLOCK_TICKS  # a daemon (pid 7) and its p2pd (pid 9): one second of CPU each, in the second second
+    trace.processes = [{7: (1, 0)}, {7: (1, 0), 9: (7, 0)}, {7: (1, ticks), 9: (7, ticks)}]
+    assert trace.children_of(7) == {9} and trace.cpu_seconds(7, 101.0, 102.0) == pytest.approx(1.0)
+    cpu = window_cpu(trace, {1: {"announced": 100.0, "sealed": 101.0, "fetched": 102.0}}, {"anchor": 7})
+    assert cpu["sealing"]["anchor"] == {"seconds": 1.0, "daemon_s": 0.0, "p2pd_s": 0.0}
+    assert cpu["fetching"]["anchor"] == {"seconds": 1.0, "daemon_s": 1.0, "p2pd_s": 1.0}
     logs = {  # the seal reached the first replica at 100.5, the last fetched at 101.5
         "a": [{"round": 3, "included": True, "time": 99.0, "seal_wait_s": 1.6, "fetch_s": 0.9}],
         "s": [{"round": 3, "included": True, "time": 99.5, "seal_wait_s": 1.0, "fetch_s": 1.0}],
@@ -184,6 +190,7 @@ def test_a_shaped_lab_link_moves_bytes_at_its_rate():
         0.0 <= (trace.core_busy(core, trace.times[0], trace.times[-1]) or 0.0) <= 1.0
         for core in trace.core_names()
     )
+    assert trace.children_of(os.getpid())  # the receiver, a python this test started, with its CPU time
     assert not any(
         lab.hub in line
         for line in subprocess.run(
