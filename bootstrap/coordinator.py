@@ -153,7 +153,9 @@ class Coordinator:
         state.update(listen_requested=self.options.listen, listen_port=bound_port(maddrs))
         data_dir.write_json(STATE_FILE, state)
         # a restarted coordinator finds the swarm again through the neighbours it remembers
-        await node.join_dht(run, self._bootstrapped_from, require_bootstrap=False)
+        await node.join_dht(
+            run, self._bootstrapped_from, require_bootstrap=False, coordinator=node.identity.peer_id
+        )
         o = self.options
         manifest = Manifest(
             o.protocol,

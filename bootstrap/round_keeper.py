@@ -4,10 +4,10 @@ and state.
 
 After a restart (or a crash between checkpoints) the swarm may hold rounds the coordinator does not: its
 own last seal is newer than its checkpoint, or a stand-in listed in the manifest sealed in its place while
-it was away. Before it seals anything in this life it takes θ of that round from any replica, trusting
-only parameters whose layer digests match its own history (its rounds) or the stand-in's signed record
-(the stand-in's rounds), never a vote of replicas. Once it has sealed, no other peer's seal or θ is ever
-adopted (TRUST §1): the swarm follows the coordinator's chain.
+it was away. Before it seals anything in this life it takes θ of that round from any replica (`catch_up`),
+trusting only parameters whose layer digests match its own history (its rounds) or the stand-in's
+signed record (the stand-in's rounds), never a vote of replicas. Once it has sealed, no other peer's seal
+or θ is ever adopted (TRUST §1): the swarm follows the coordinator's chain.
 
 Credit follows from the protocol, not from claims: a sealed contribution earns the manifest's schedule
 (H × batch × sequence tokens per replica, split over a chain's stages by the shards each delivered). A
@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from bootstrap.catch_up import CatchUp
 from bootstrap.checkpoint_store import Restored, checkpoints_root, store
 from bootstrap.ledger import Contribution, Ledger, Verdict
 from bootstrap.run_state import HISTORY
@@ -33,22 +34,19 @@ from bootstrap.samples import RoundSampler
 from bootstrap.swarm_metrics import REPLICA_ROLES, SwarmMetrics
 from bootstrap.verifier import Verifier, replica_of
 from hetnode.config import Config
-from hetnode.daemon.participant import fetch_state, payload_opener
+from hetnode.daemon.participant import payload_opener
 from hetnode.daemon.sealing import SealedRound, Sealer
 from hetnode.daemon.view import PeerDirectory, SwarmView
 from hetnode.daemon.view_changes import ChangeLog
 from hetnode.data.dataset import TokenDataset
-from hetnode.errors import WireError
 from hetnode.model.decoder import build_model
 from hetnode.net.node import SwarmNode
 from hetnode.net.records import new_head_record
-from hetnode.net.streams import PeerRequestError
 from hetnode.planning.rounds import Announcement, replica_tokens, seal_now, shard_order
 from hetnode.replica.global_model import GlobalModel, base_fixed_embedding
 from hetnode.service.datadir import DataDir
 from hetnode.service.lifecycle import sleep_or_stop, sleep_or_wake
 from hetnode.service.presence import Presence
-from hetnode.wire.seals import seal_digest
 from hetnode.wire.sync_payload import DecodedPayload
 
 log = logging.getLogger(__name__)
@@ -98,6 +96,17 @@ class RoundKeeper:
         self.global_model = GlobalModel(config, opener=payload_opener(node.run or "", config))
         self.sealer = Sealer(config, node, self.global_model)
         self.sealed_in_this_life = False  # from then on, no other seal or θ is ever adopted
+        self.catch_up = CatchUp(
+            config,
+            node,
+            self.global_model,
+            self.stand_ins,
+            self.history,
+            self._checkpoint,
+            self._sample,
+            self._publish_theta,
+            self._append_history,
+        )
         self.verifier: Verifier | None = None  # set up with the evaluator when `outer.verify` is on
         self.sampler: RoundSampler | None = None  # set up with the evaluator (it samples on that model)
         self._rescued: dict[tuple[int, tuple[str, ...]], set[str]] = {}  # the last `_rescue` verdict
@@ -174,16 +183,11 @@ class RoundKeeper:
         seen: dict[str, Announcement] = {}
         round_ = self.global_model.params_round + 1
         try:
-            newer, checked_at = None, -float("inf")
             while not await sleep_or_wake(stop, self._announced, POLL_S):
-                # seals missed while away change rarely: look once per heartbeat, and only until we seal
-                if (
-                    not self.sealed_in_this_life
-                    and time.monotonic() - checked_at >= self.config.network.heartbeat_s
-                ):
-                    newer, checked_at = await self._newer_trusted_seal(), time.monotonic()
-                if newer is not None and newer[1]["round"] > self.global_model.params_round:
-                    if not await self._catch_up_from_replicas(*newer, evaluator):
+                # rounds the swarm sealed without us (`catch_up`): taken before we seal anything
+                newer = await self.catch_up.due(self.sealed_in_this_life)
+                if newer is not None:
+                    if not await self.catch_up.from_replicas(*newer, evaluator):
                         await sleep_or_stop(stop, 1.0)
                     continue
                 round_ = self.global_model.params_round + 1
@@ -215,90 +219,6 @@ class RoundKeeper:
             await self._store_head(*self._head)
         self.sealer.observe_arrivals(expected, seen)
         await self._record(sealed, started, evaluator)
-
-    # --- after a restart: rounds the swarm sealed without us ----------------------------------------
-
-    async def _newer_trusted_seal(self) -> tuple[str, dict[str, Any]] | None:
-        """(sealer, seal) of the newest round sealed by us in an earlier life, or by a stand-in of the
-        manifest, that is newer than the θ we hold; None when there is none. Anyone else's seal is noise."""
-        held = self.global_model.params_round
-        best: tuple[str, dict[str, Any]] | None = None
-        seals = await self.node.read_field("seal")
-        for sealer in (self.node.identity.peer_id, *self.stand_ins):
-            entry = seals.get(sealer)
-            seal = entry.value if entry is not None and isinstance(entry.value, dict) else None
-            if seal is None or not isinstance(seal.get("round"), int) or seal["round"] <= held:
-                continue
-            if best is None or seal["round"] > best[1]["round"]:
-                best = (sealer, seal)
-        return best
-
-    def _trusted_digests(self, sealer: str, round_: int, view: SwarmView) -> dict[str, str] | None:
-        """θ's layer digests after `round_` as its sealer signed them: our own history for our seals, the
-        stand-in's own record for its seals."""
-        if sealer == self.node.identity.peer_id:
-            entries = [h for h in self.history if h["round"] == round_ and h.get("layer_digests")]
-            return dict(entries[-1]["layer_digests"]) if entries else None
-        record = view.peers.get(sealer, {})
-        if record.get("params_round") == round_ and record.get("layer_digests"):
-            return dict(record["layer_digests"])
-        return None
-
-    async def _catch_up_from_replicas(self, sealer: str, seal: dict[str, Any], evaluator: Any) -> bool:
-        """θ after `seal`'s round from any replica that holds it, checked against the sealer's digests."""
-        round_ = seal["round"]
-        view = await SwarmView.read(self.node, self.config)
-        digests = self._trusted_digests(sealer, round_, view)
-        if digests is None:
-            log.info("round %d was sealed by %s; waiting for its signed digests", round_, sealer[-8:])
-            return False
-        holders = sorted(
-            peer
-            for peer, record in view.peers.items()
-            if record["role"] in ("anchor", "stage")
-            and record["params_round"] == round_
-            and record["layer_digests"] == digests
-        )
-        if sealer in view.peers and sealer not in holders and sealer != self.node.identity.peer_id:
-            holders.insert(0, sealer)
-        for peer in holders:
-            try:  # all or nothing, and only θ whose layers match the sealer's digests
-                await fetch_state(self.node, peer, self.global_model, round_, digests)
-            except (PeerRequestError, WireError) as exc:
-                log.warning("catch-up from %s failed: %s", peer, exc)
-                continue
-            self.global_model.seal_hash = seal_digest(seal)
-            await asyncio.to_thread(self._checkpoint)
-            eval_loss = await asyncio.to_thread(evaluator, self.global_model)
-            sample = await self._sample(round_)
-            await self._publish_theta(round_, digests)
-            self._append_history(
-                {
-                    "round": round_,
-                    "contributors": [],  # sealed without us: we took the result, not the contributions
-                    "excluded": [],
-                    "tokens": 0,
-                    "eval_loss": eval_loss,
-                    "seal_seconds": 0.0,
-                    "layer_digests": digests,
-                    "seal_hash": self.global_model.seal_hash,
-                    "time": time.time(),
-                    "caught_up_from": peer,
-                    "sealed_by": sealer,
-                    "sample": sample,
-                }
-            )
-            log.info(
-                "caught up to round %d from %s (sealed by %s), eval loss %.4f",
-                round_,
-                peer,
-                sealer,
-                eval_loss,
-            )
-            return True
-        if not holders:
-            log.info("round %d was sealed without us; waiting for a replica that holds it", round_)
-        return False
 
     async def _record(self, sealed: SealedRound, started: float, evaluator: Any) -> None:
         """Score the round's contributions (on θ before the step), apply the sealed round to the

@@ -40,7 +40,7 @@ class ControlModel:
     heartbeat_s: float = 10.0  # configs' network.heartbeat_s
     stable_heartbeat_s: float = 120.0  # target, once the swarm is stable
     stretched_heartbeat_s: float = 60.0  # the code's, once the swarm is stable: network.stable_heartbeat_s
-    seal_poll_s: float = 1.0  # hetnode/daemon/participant.py POLL_S
+    seal_poll_s: float = 1.0  # hetnode/daemon/seal_wait.py POLL_S
     announce_poll_s: float = 0.5  # bootstrap/round_keeper.py POLL_S
     bucket_size: int = 20  # hivemind's k, also the beam of its lookups
     dht_replicas: int = 5  # hivemind's num_replicas

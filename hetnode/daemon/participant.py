@@ -1,9 +1,10 @@
 """A replica's part in sealed rounds, shared by anchors and chain stages (DESIGN §3.5–3.6).
 
-`RoundParticipant` signs and announces a payload, waits for the seal, fetches exactly the sealed payloads
-from any holder (their authors, replicas that applied the round, the sealer last: `payload_fetch`), checks
-their sha256 against the seal and their authors' signatures, and applies all of them or none. It then
-serves what it applied for KEEP_ROUNDS rounds, so a round's payloads spread without a hub.
+`RoundParticipant` signs and announces a payload, waits for the seal (`seal_wait`), fetches exactly the
+sealed payloads from any holder (their authors, replicas that applied the round, the sealer last:
+`payload_fetch`), checks their sha256 against the seal and their authors' signatures, and applies all of
+them or none. It then serves what it applied for KEEP_ROUNDS rounds, so a round's payloads spread without
+a hub.
 
 Who may seal (TRUST §1): the coordinator, or, while its record has expired, the lowest-id live stand-in
 the signed manifest lists (none unless the operator named some). A seal counts only as the next link of
@@ -21,31 +22,27 @@ import logging
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 from hetnode.config import Config
 from hetnode.daemon.payload_fetch import PayloadsUnavailable, fetch_sealed
+from hetnode.daemon.seal_wait import SealWaiter, read_head, read_seal
 from hetnode.daemon.sealing import Sealer
 from hetnode.daemon.view import PeerDirectory, SwarmView
 from hetnode.errors import HetnodeError, WireError
 from hetnode.net.node import SwarmNode
-from hetnode.net.records import check_head_record
 from hetnode.net.signing import open_payload, sign_payload
 from hetnode.net.streams import PeerRequestError
 from hetnode.planning.fetch import DEMOTED_ROUNDS, Holder, fetch_order, holders_of
-from hetnode.planning.rounds import Announcement, seal_now
 from hetnode.replica.global_model import ApplyError, GlobalModel, PayloadOpener, sha256_hex
-from hetnode.service.lifecycle import sleep_or_stop, sleep_or_wake
+from hetnode.service.lifecycle import sleep_or_stop
 from hetnode.service.metrics import PeerMetrics
 from hetnode.service.round_log import RoundRecord, append_round
-from hetnode.wire.seals import seal_digest, seal_verdict
+from hetnode.wire.seals import seal_digest
 
 log = logging.getLogger(__name__)
 
 STATE_FETCH_PARALLEL = 4  # state shards asked of the source at once (its budget: 8 streams per peer)
 
-ANNOUNCE_TTL_S = 300.0
-POLL_S = 1.0  # seals are nudged to us: polling is the fallback (a lost nudge, a stand-in sealer)
 KEEP_ROUNDS = 2  # rounds of applied payloads a replica keeps serving (peers a round behind still fetch)
 
 
@@ -57,37 +54,6 @@ def payload_opener(run: str, config: Config) -> PayloadOpener:
     """How daemons of `run` open sync payloads: the author's signature is checked before anything else."""
     max_bytes = int(config.network.max_frame_mb * 2**20)
     return lambda data: open_payload(run, data, max_bytes)
-
-
-async def read_seal(node: SwarmNode, sealer: str) -> dict[str, Any] | None:
-    entry = (await node.read_field("seal")).get(sealer)
-    return entry.value if entry is not None and isinstance(entry.value, dict) else None
-
-
-async def read_head(node: SwarmNode, coordinator: str) -> tuple[int, dict[str, str]] | None:
-    """The coordinator's θ as its `head` entry states it: (round, layer digests), or None when absent."""
-    entry = (await node.read_field("head")).get(coordinator)
-    if entry is None:
-        return None
-    try:
-        head = check_head_record(entry.value)
-    except ValueError as exc:  # a relay passed on something our schema refuses: read the peer records
-        log.info("ignoring the coordinator's head entry: %s", exc)
-        return None
-    return head["round"], head["layer_digests"]
-
-
-async def sealed_round(node: SwarmNode, coordinator: str, latest: bool) -> int | None:
-    """The newest round the coordinator sealed, as its `head` entry states it (None: no such entry, or one
-    our schema refuses). A poll for a seal reads this small entry instead of the seal, which grows with
-    the swarm and is the previous round's until the new one is out."""
-    entry = (await node.read_field("head", latest=latest)).get(coordinator)
-    if entry is None:
-        return None
-    try:
-        return check_head_record(entry.value).get("sealed")
-    except ValueError:
-        return None
 
 
 async def fetch_state(
@@ -154,14 +120,21 @@ class RoundParticipant:
         node.set_payloads(self.serve_payload)
         node.set_state(self.serve_state)
         self.unchecked: int | None = None  # the round applied last, until compared with the coordinator's
-        self._sealed = asyncio.Event()  # the sealer nudged us: a seal is in the DHT
-        self.nudges = 0
+        self.seals = SealWaiter(
+            config,
+            node,
+            coordinator,
+            global_model,
+            self.sealer,
+            self.view,
+            self.acting_stand_in,
+            self.may_stand_in,
+        )
         node.set_nudge_handler(self._on_nudge)
 
     def _on_nudge(self, peer: str, topic: str, round_: int) -> None:
         if topic == "seal":
-            self.nudges += 1
-            self._sealed.set()
+            self.seals.nudged()
 
     def keep(self, round_: int, messages: dict[str, bytes]) -> dict[str, bytes]:
         """Sign our payload messages of `round_` and hold them (and the round before's, which a late sealer
@@ -238,81 +211,9 @@ class RoundParticipant:
         seals that are not the next link after the one we hold, are not taken (`seal_verdict`)."""
         waiting_since = time.monotonic()
         try:
-            return await self._wait_for_seal(round_, announcement, stop, waiting_since)
+            return await self.seals.wait(round_, announcement, stop, waiting_since)
         finally:
             self.last_seal_wait_s = time.monotonic() - waiting_since
-
-    async def _wait_for_seal(
-        self, round_: int, announcement: dict, stop: asyncio.Event, waiting_since: float
-    ) -> tuple[str, dict] | None:
-        seen: dict[str, Announcement] = {}
-        announced_at = 0.0
-        polls = 0
-        nudged = True  # the first read looks everywhere, as does every read a nudge brings
-        woken = False  # by the sealer's nudge
-        while not stop.is_set():
-            if time.monotonic() - announced_at > ANNOUNCE_TTL_S / 3:  # (re)announce until sealed
-                await self.node.store_own("announce", announcement, ANNOUNCE_TTL_S)
-                announced_at = time.monotonic()
-                self.node.nudge([self.coordinator], "announce", round_)
-            view = await self.view.get()
-            stand_in = self.acting_stand_in(view)
-            allowed = [self.coordinator] + ([stand_in] if stand_in else [])
-            # unless the sealer nudged us, the coordinator's head says whether the seal is out yet
-            sealed = None
-            if stand_in is None and not woken:
-                sealed = await sealed_round(self.node, self.coordinator, latest=polls % 4 == 0)
-            if sealed is None or sealed >= round_:
-                # a timed poll (a lost nudge) takes the first copy it finds, not every replica's whole
-                # seal; when the head or a nudge says it is out, a stale first copy sends us everywhere
-                told = woken or sealed is not None  # that the seal is out: its first copy will do
-                found = self._seal_in(await self.node.read_field("seal", latest=nudged and not told), allowed)
-                if found is None and told:
-                    found = self._seal_in(await self.node.read_field("seal", latest=True), allowed)
-                if found is not None:
-                    return found
-            silent_for = time.monotonic() - waiting_since
-            if (
-                self.may_stand_in
-                and stand_in == self.peer_id
-                and silent_for > self.config.network.record_ttl_s
-            ):
-                expected = self.sealer.waiting_for(view.expected_contributors(round_))
-                await self.sealer.collect(round_, seen)
-                if seal_now(expected, seen, time.monotonic(), self.sealer.deadline.seconds):
-                    log.warning("round %d: the coordinator is silent; sealing in its place", round_)
-                    sealed = await self.sealer.seal(round_, seen)
-                    if sealed is not None:
-                        self.sealer.observe_arrivals(expected, seen)
-                        return self.peer_id, sealed.record
-            # the sealer nudges us; the poll is the fallback, and a long wait (slow peers) need not
-            # re-read the previous round's seal every second: it backs off to a heartbeat
-            poll_s = min(max(POLL_S, self.config.network.heartbeat_s), POLL_S * 2 ** (polls // 2))
-            if stand_in == self.peer_id:  # sealing in the coordinator's place: its deadline's resolution
-                poll_s = POLL_S
-            polls += 1
-            nudges = self.nudges
-            if await sleep_or_wake(stop, self._sealed, poll_s):
-                return None
-            woken = self.nudges != nudges
-            # every 4th timed poll looks everywhere too: a replica of the key that missed the seal's store
-            # must not hide it from us
-            nudged = woken or stand_in is not None or polls % 4 == 0
-        return None
-
-    def _seal_in(self, seals: dict[str, Any], allowed: list[str]) -> tuple[str, dict] | None:
-        """The first seal of an allowed sealer that is for us: the next link, or one to catch up to."""
-        for sealer in allowed:
-            entry = seals.get(sealer)
-            if entry is None or not isinstance(entry.value, dict):
-                continue
-            verdict = seal_verdict(
-                entry.value, sealer, allowed, self.global_model.params_round, self.global_model.seal_hash
-            )
-            # apply() takes the next link and catches up on "behind" or "fork"
-            if verdict in ("apply", "behind", "fork"):
-                return sealer, entry.value
-        return None
 
     async def apply(self, sealer: str, seal: dict) -> bool:
         """Apply a sealed round to θ; True when our own contribution is in it. RoundFailed otherwise."""

@@ -75,7 +75,7 @@ async def find_run(
             f"{coordinator}, pass --coordinator {coordinator} (check it against the coordinator's READY line "
             "or status page), or join through the coordinator's own address or http://HOST:PORT"
         )
-    joining = node.join_dht(info["run"], [peer_maddr], client_mode=client_mode)
+    joining = node.join_dht(info["run"], [peer_maddr], client_mode=client_mode, coordinator=coordinator)
     await unless_stopped(stop, joining, f"joining the DHT of run {info['run']}")
     while True:
         manifests = await unless_stopped(stop, node.read_field("manifest"), "reading the run's manifest")

@@ -196,15 +196,13 @@ async def coordinator_directory(node: SwarmNode, coordinator: str, fresh_s: floa
     copy found), or None when the entry is missing, refused by our schema, has no digest, or was stored more
     than `fresh_s` ago by the coordinator's clock (a coordinator that went silent must not vouch for a view
     it no longer reads)."""
-    entry = (await node.read_field("head", latest=False)).get(coordinator)
-    if entry is None:
-        return None
-    try:
-        head = check_head_record(entry.value)
-    except Exception as exc:  # a relay passed on something our schema refuses
-        log.debug("ignoring the coordinator's head entry: %s", exc)
-        return None
-    if head.get("directory") is None or head.get("at") is None or time.time() - head["at"] > fresh_s:
+    head = await node.read_entry("head", coordinator, check_head_record, latest=False)
+    if (
+        head is None
+        or head.get("directory") is None
+        or head.get("at") is None
+        or time.time() - head["at"] > fresh_s
+    ):
         return None
     return head["directory"]
 

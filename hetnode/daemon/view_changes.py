@@ -100,13 +100,8 @@ def apply_steps(
 async def coordinator_changes(node: SwarmNode, coordinator: str, fresh_s: float) -> list[Step] | None:
     """The steps of the coordinator's `changes` entry (the first copy found), or None when it is missing,
     refused by our schema, or was stored more than `fresh_s` ago by the coordinator's clock."""
-    entry = (await node.read_field("changes", latest=False)).get(coordinator)
-    if entry is None:
-        return None
-    try:
-        changes = check_changes_record(entry.value)
-    except Exception as exc:  # a relay passed on something our schema refuses
-        log.debug("ignoring the coordinator's changes entry: %s", exc)
+    changes = await node.read_entry("changes", coordinator, check_changes_record, latest=False)
+    if changes is None:
         return None
     if time.time() - changes["at"] > fresh_s:
         log.debug("ignoring the coordinator's changes entry: stored %.0f s ago", time.time() - changes["at"])

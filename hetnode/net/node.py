@@ -119,6 +119,7 @@ class SwarmNode:
         self._remembered: list[str] = []  # peer ids of recent DHT neighbours, newest first
         self._rejoin_waits = 0  # rejoin attempts since the routing table emptied
         self.run: str | None = None
+        self.coordinator: str | None = None  # the run's, whose `head` and `changes` alone we store
         self.budgets = Budgets(limits.budgets)
         self.refusals = RefusalLog(log)
         self._stage: StageAcceptor | None = None
@@ -408,18 +409,21 @@ class SwarmNode:
         initial_peers: Sequence[str],
         client_mode: bool = False,
         require_bootstrap: bool = True,
+        coordinator: str | None = None,
     ) -> None:
-        """Start the DHT node for `run`: records are checked against the run's schema and signatures.
+        """Start the DHT node for `run`: records are checked against the run's schema and signatures, and
+        the coordinator-only fields against `coordinator` (the run's, once known).
 
         `require_bootstrap=False`: initial peers are a best guess (remembered neighbours), some may be gone.
         """
         self.run = run
         self._dht_contacts = list(initial_peers)
+        self.coordinator = coordinator or self.coordinator
         validators = CompositeValidator(
             [
                 RSASignatureValidator(self.identity.private_key),
                 run_schema_validator(run),
-                RecordCapsValidator(run),
+                RecordCapsValidator(run, coordinator=self.coordinator),
             ]
         )
         try:
@@ -620,6 +624,22 @@ class SwarmNode:
                 continue
             entries[peer_id] = StoredValue(peer_id, item.value, item.expiration_time)
         return entries
+
+    async def read_entry(
+        self, field: str, author: str, check: Callable[[Any], dict], latest: bool = True
+    ) -> dict | None:
+        """`author`'s entry of `field` as `check` (a schema's parse) returns it; None when there is none or
+        `check` refuses it (a relay passed on something our schema refuses: logged, rate-limited)."""
+        entry = (await self.read_field(field, latest=latest)).get(author)
+        if entry is None:
+            return None
+        try:
+            return check(entry.value)
+        except Exception as exc:  # pydantic's errors, and whatever a hostile value makes a parser raise
+            self.refusals.warning(
+                author, f"record:{field}", "ignoring the %s entry of %s: %s", field, author, exc
+            )
+            return None
 
     def _require_dht(self) -> DHTNode:
         if self.dht is None or self.run is None:

@@ -30,6 +30,7 @@ peers fit in one reply; a real `1b` record (20 shard digests) is ~1.55 KB there,
 
 from __future__ import annotations
 
+import re
 import time
 from collections.abc import Callable
 from typing import Any
@@ -39,6 +40,8 @@ from hivemind.dht.routing import DHTID
 from hivemind.dht.schema import BytesWithPublicKey, SchemaValidator
 from hivemind.dht.validation import DHTRecord, RecordValidatorBase
 from hivemind.utils import MSGPackSerializer
+
+from hetnode.net.identity import peer_id_of_subkey
 
 MAX_NAME_CHARS = 64
 ShardName = pydantic.constr(strict=True, regex=r"^(embed|head|[0-9]{1,4})$")
@@ -71,6 +74,8 @@ MAX_RECORD_BYTES: dict[str, int] = {
     "changes": 64 * 1024,
 }
 TTL_SLACK_S = 30.0  # honest peers' clocks disagree by seconds
+COORDINATOR_FIELDS = ("head", "changes")  # entries only the run's coordinator writes
+OWNER = re.compile(rb"\[owner:(.+?)\]")  # hivemind's owner marker, inside the serialised subkey
 SIGNATURE_BYTES = 512  # RSASignatureValidator's "[signature:<base64>]" suffix: 356 bytes for RSA-2048
 MAX_SUBKEY_BYTES = 1024  # "[owner:<ssh-rsa key>]" in msgpack: 391 bytes for RSA-2048
 
@@ -252,16 +257,26 @@ def value_bytes(value: Any) -> int:
 
 
 class RecordCapsValidator(RecordValidatorBase):
-    """Refuses a record of `run` that would live longer, or weighs more, than its field's cap.
+    """Refuses a record of `run` that would live longer, or weighs more, than its field's cap, and an
+    entry of a coordinator-only field (`head`, `changes`) by anyone but `coordinator` (when known).
 
     It runs before the signature check (a higher priority), so an over-cap record costs a comparison, not
     an RSA verification and a msgpack decode. hivemind validates what it reads as well: a relay that
     holds an over-cap entry (it runs other code) has its whole answer for that key dropped, as it would
-    for a forged signature."""
+    for a forged signature.
 
-    def __init__(self, run: str, clock: Callable[[], float] = time.time) -> None:
+    Readers only ever take the coordinator's entry of `head` and `changes`, so strangers' entries there
+    are never useful; without this rule a thousand identities could each store one and push the key past
+    hivemind's reply limit (64 KiB `changes` entries: sixty-odd identities), which would cost every
+    replica the cheap refreshes and seal polls these keys exist for."""
+
+    def __init__(
+        self, run: str, clock: Callable[[], float] = time.time, coordinator: str | None = None
+    ) -> None:
         self.clock = clock
+        self.coordinator = coordinator  # None: not known yet (any writer, as for other fields)
         self._fields = {DHTID.generate(source=record_key(run, f)).to_bytes(): f for f in MAX_TTL_S}
+        self._writers: dict[bytes, str | None] = {}  # owner subkey -> its peer id (an RSA key to hash)
 
     def validate(self, record: DHTRecord) -> bool:
         field = self._fields.get(record.key)
@@ -271,7 +286,19 @@ class RecordCapsValidator(RecordValidatorBase):
             return False
         if len(record.subkey or b"") > MAX_SUBKEY_BYTES:
             return False
-        return len(record.value) <= MAX_RECORD_BYTES[field] + SIGNATURE_BYTES
+        if len(record.value) > MAX_RECORD_BYTES[field] + SIGNATURE_BYTES:
+            return False
+        return field not in COORDINATOR_FIELDS or self._by_coordinator(record.subkey or b"")
+
+    def _by_coordinator(self, subkey: bytes) -> bool:
+        if self.coordinator is None:
+            return True
+        if subkey not in self._writers:
+            if len(self._writers) > 1024:  # strangers' keys: each costs one hash, never unbounded memory
+                self._writers.clear()
+            owners = OWNER.findall(subkey)
+            self._writers[subkey] = peer_id_of_subkey(b"[owner:" + owners[0] + b"]") if owners else None
+        return self._writers[subkey] == self.coordinator
 
     @property
     def priority(self) -> int:

@@ -9,7 +9,8 @@ from collections.abc import Callable
 import pydantic.v1 as pydantic
 import pytest
 
-from hetnode.daemon.participant import RoundParticipant, read_head
+from hetnode.daemon.participant import RoundParticipant
+from hetnode.daemon.seal_wait import read_head
 from hetnode.daemon.view import PeerDirectory
 from hetnode.net import loop
 from hetnode.net.records import MAX_TTL_S, new_head_record, new_peer_record

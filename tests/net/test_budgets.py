@@ -13,6 +13,7 @@ from hivemind.utils import MSGPackSerializer
 
 from hetnode.config import load_config
 from hetnode.net.budgets import Budgets, ByteBudget, NodeBudgets, Refused, StreamScope
+from hetnode.net.identity import ephemeral_identity, owner_subkey
 from hetnode.net.log_limits import RefusalLog
 from hetnode.net.records import (
     MAX_RECORD_BYTES,
@@ -22,6 +23,7 @@ from hetnode.net.records import (
     PeerRecord,
     RecordCapsValidator,
     cap_problem,
+    new_head_record,
     record_key,
 )
 from hetnode.net.state_cache import StateCache
@@ -165,6 +167,24 @@ def test_caps_validator_refuses_long_lives_and_heavy_values_of_the_run_only():
     assert validator.priority > 10  # checked before the RSA signature: a refusal costs no verification
 
 
+def test_only_the_coordinator_may_store_head_and_changes_entries_once_it_is_known():
+    clock = FakeClock()
+    coordinator, stranger = ephemeral_identity(), ephemeral_identity()
+    head = new_head_record(3, {"embed": "0" * 16}, "0" * 16)
+
+    def by(identity, field="head", value=head):
+        return _record(field, value, 60.0, clock.now, subkey=owner_subkey(identity))
+
+    validator = RecordCapsValidator("run", clock=clock, coordinator=coordinator.peer_id)
+    assert validator.validate(by(coordinator))
+    assert not validator.validate(by(stranger))  # a thousand strangers cannot fill the key's reply
+    assert not validator.validate(by(stranger, "changes", {"at": 0.0, "steps": []}))
+    assert not validator.validate(_record("head", head, 600.0, clock.now, subkey=b"no owner"))
+    assert validator.validate(by(stranger, "peers", {"x": "y"}))  # other fields: anyone, own subkey
+    # before the coordinator is known (a node still joining), the field is open as the others are
+    assert RecordCapsValidator("run", clock=clock).validate(by(stranger))
+
+
 def test_cap_problem_on_read():
     now = 1000.0
     assert cap_problem("round", {"round": 1}, now + 100, now) is None
@@ -224,7 +244,7 @@ def test_real_records_fit_their_caps_with_room(config):
 
 def test_callers_ttls_stay_under_the_caps():
     from bootstrap.coordinator import MANIFEST_TTL_S
-    from hetnode.daemon.participant import ANNOUNCE_TTL_S
+    from hetnode.daemon.seal_wait import ANNOUNCE_TTL_S
     from hetnode.daemon.sealing import SEAL_TTL_S
 
     for field, ttl_s in {"seal": SEAL_TTL_S, "announce": ANNOUNCE_TTL_S, "manifest": MANIFEST_TTL_S}.items():

@@ -18,6 +18,8 @@ from typing import Any
 
 import msgpack
 import torch
+from hivemind.dht.routing import DHTID
+from hivemind.dht.storage import DictionaryDHTValue
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
@@ -25,9 +27,15 @@ from hetnode.algo.sparseloco import SparseLoCoCodec  # noqa: E402
 from hetnode.daemon.swarm import find_run  # noqa: E402
 from hetnode.daemon.view import SwarmView  # noqa: E402
 from hetnode.model.shards import layer_digests  # noqa: E402
-from hetnode.net.identity import ephemeral_identity  # noqa: E402
+from hetnode.net.identity import ephemeral_identity, owner_subkey  # noqa: E402
 from hetnode.net.node import CONTROL_HANDLER, DEFAULT_LIMITS, SwarmNode  # noqa: E402
-from hetnode.net.records import new_peer_record  # noqa: E402
+from hetnode.net.records import (  # noqa: E402
+    RecordCapsValidator,
+    new_changes_record,
+    new_head_record,
+    new_peer_record,
+    record_key,
+)
 from hetnode.net.signing import sign_payload  # noqa: E402
 from hetnode.net.streams import PeerRequestError, open_stream, request  # noqa: E402
 from hetnode.replica.global_model import GlobalModel, sha256_hex  # noqa: E402
@@ -167,9 +175,36 @@ async def hijack(a: Attacker) -> None:
         await asyncio.sleep(1.0)
 
 
+async def held_by_others(a: Attacker, field: str) -> tuple[int, int]:
+    """(honest DHT nodes asked, how many of them hold an entry of ours under `field`), asking each node
+    in our routing table directly (a plain get would also find our own copy)."""
+    dht = a.node.dht
+    key = DHTID.generate(source=record_key(a.node.run, field))
+    ours = owner_subkey(a.node.identity)
+    asked = held = 0
+    for peer in list(dht.protocol.routing_table.uid_to_peer_id.values()):
+        found = await dht.protocol.call_find(peer, [key])
+        if found is None:
+            continue
+        asked += 1
+        value = found[key][0]
+        if value is not None and isinstance(value.value, DictionaryDHTValue):
+            held += any(ours in subkey for subkey, _ in value.value.items())
+    return asked, held
+
+
 async def records(a: Attacker) -> None:
-    """hide the swarm: an oversized record, a record full of shards the model does not have, and a
-    stranger's claim on a chain name."""
+    """hide the swarm: an oversized record, a record full of shards the model does not have, a
+    stranger's claim on a chain name; and entries under the coordinator's own fields (`head`, `changes`),
+    which a thousand identities could otherwise use to push those keys past the DHT's reply limit."""
+    # an attacker runs code without the coordinator-only rule: only the honest nodes' copy of it refuses
+    for validator in a.node.dht.protocol.record_validator._validators:  # noqa: SLF001
+        if isinstance(validator, RecordCapsValidator):
+            validator.coordinator = None
+    await a.node.store_own("head", new_head_record(0, {}, "0" * 16), 600.0)
+    await a.node.store_own("changes", new_changes_record([]), 600.0)
+    for field in ("head", "changes"):
+        a.result[f"{field}_asked"], a.result[f"{field}_held"] = await held_by_others(a, field)
     huge = {str(i): "f" * 64 for i in range(1000)}
     a.result["huge_record_stored"] = await a.node.store_own("peers", a.record(layer_digests=huge), 60.0)
     foreign = {str(5000 + i): "f" * 64 for i in range(20)}

@@ -146,6 +146,8 @@ def test_hide_the_swarm_oversized_and_foreign_records_do_not_hide_peers(live):
     since = current_round(swarm)
     result = attack(swarm, "records", seconds=8)
     assert result["huge_record_stored"] is False  # record byte cap
+    for field in ("head", "changes"):  # only the coordinator's entries: no honest node keeps a stranger's
+        assert result[f"{field}_asked"] >= 2 and result[f"{field}_held"] == 0, result
     document = swarm.status(boot.maddr)  # a fresh reader, as a joining volunteer is
     names = {p["name"] for p in document["peers"]}
     assert names >= HONEST and "attacker-records" not in names

@@ -1,0 +1,151 @@
+"""The coordinator's catch-up after a restart: θ of rounds the swarm sealed without it, from a replica.
+
+A coordinator that returns after a crash between checkpoints, or after listed stand-ins sealed in its
+place while it was away, holds older θ than the swarm. Before it seals anything in this life
+(`RoundKeeper`), it takes θ of the newest such round from any replica that holds it, trusting only
+parameters whose layer digests match what that round's sealer signed: its own history for its rounds, the
+stand-in's signed peer record for the stand-in's rounds. Never a vote of replicas, which Sybils would win;
+and anyone else's seal is noise.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import deque
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from hetnode.config import Config
+from hetnode.daemon.participant import fetch_state
+from hetnode.daemon.view import SwarmView
+from hetnode.errors import WireError
+from hetnode.net.node import SwarmNode
+from hetnode.net.streams import PeerRequestError
+from hetnode.replica.global_model import GlobalModel
+from hetnode.wire.seals import seal_digest
+
+log = logging.getLogger(__name__)
+
+
+class CatchUp:
+    """Finds a trusted seal newer than the coordinator's θ and takes that round's θ from a replica. What
+    follows a catch-up is the keeper's: `checkpoint` θ, `sample` text from it, `publish` its round and
+    digests, `append_history` the round's entry (`history` is the keeper's, read for our own digests)."""
+
+    def __init__(
+        self,
+        config: Config,
+        node: SwarmNode,
+        global_model: GlobalModel,
+        stand_ins: tuple[str, ...],
+        history: deque[dict[str, Any]],
+        checkpoint: Callable[[], None],
+        sample: Callable[[int], Awaitable[dict[str, Any] | None]],
+        publish: Callable[[int, dict[str, str]], Awaitable[None]],
+        append_history: Callable[[dict[str, Any]], None],
+    ) -> None:
+        self.config = config
+        self.node = node
+        self.global_model = global_model
+        self.stand_ins = stand_ins
+        self.history = history
+        self.checkpoint = checkpoint
+        self.sample = sample
+        self.publish = publish
+        self.append_history = append_history
+        self._newer: tuple[str, dict[str, Any]] | None = None
+        self._checked_at = -float("inf")
+
+    async def due(self, sealed_in_this_life: bool) -> tuple[str, dict[str, Any]] | None:
+        """(sealer, seal) to catch up to before the next round, or None."""
+        # seals missed while away change rarely: look once per heartbeat, and only until we seal
+        if not sealed_in_this_life and time.monotonic() - self._checked_at >= self.config.network.heartbeat_s:
+            self._newer, self._checked_at = await self.newer_trusted_seal(), time.monotonic()
+        newer = self._newer
+        return newer if newer is not None and newer[1]["round"] > self.global_model.params_round else None
+
+    async def newer_trusted_seal(self) -> tuple[str, dict[str, Any]] | None:
+        """(sealer, seal) of the newest round sealed by us in an earlier life, or by a stand-in of the
+        manifest, that is newer than the θ we hold; None when there is none. Anyone else's seal is noise."""
+        held = self.global_model.params_round
+        best: tuple[str, dict[str, Any]] | None = None
+        seals = await self.node.read_field("seal")
+        for sealer in (self.node.identity.peer_id, *self.stand_ins):
+            entry = seals.get(sealer)
+            seal = entry.value if entry is not None and isinstance(entry.value, dict) else None
+            if seal is None or not isinstance(seal.get("round"), int) or seal["round"] <= held:
+                continue
+            if best is None or seal["round"] > best[1]["round"]:
+                best = (sealer, seal)
+        return best
+
+    def trusted_digests(self, sealer: str, round_: int, view: SwarmView) -> dict[str, str] | None:
+        """θ's layer digests after `round_` as its sealer signed them: our own history for our seals, the
+        stand-in's own record for its seals."""
+        if sealer == self.node.identity.peer_id:
+            entries = [h for h in self.history if h["round"] == round_ and h.get("layer_digests")]
+            return dict(entries[-1]["layer_digests"]) if entries else None
+        record = view.peers.get(sealer, {})
+        if record.get("params_round") == round_ and record.get("layer_digests"):
+            return dict(record["layer_digests"])
+        return None
+
+    async def from_replicas(
+        self, sealer: str, seal: dict[str, Any], evaluator: Callable[[GlobalModel], float]
+    ) -> bool:
+        """θ after `seal`'s round from any replica that holds it, checked against the sealer's digests."""
+        round_ = seal["round"]
+        view = await SwarmView.read(self.node, self.config)
+        digests = self.trusted_digests(sealer, round_, view)
+        if digests is None:
+            log.info("round %d was sealed by %s; waiting for its signed digests", round_, sealer[-8:])
+            return False
+        holders = sorted(
+            peer
+            for peer, record in view.peers.items()
+            if record["role"] in ("anchor", "stage")
+            and record["params_round"] == round_
+            and record["layer_digests"] == digests
+        )
+        if sealer in view.peers and sealer not in holders and sealer != self.node.identity.peer_id:
+            holders.insert(0, sealer)
+        for peer in holders:
+            try:  # all or nothing, and only θ whose layers match the sealer's digests
+                await fetch_state(self.node, peer, self.global_model, round_, digests)
+            except (PeerRequestError, WireError) as exc:
+                log.warning("catch-up from %s failed: %s", peer, exc)
+                continue
+            self.global_model.seal_hash = seal_digest(seal)
+            await asyncio.to_thread(self.checkpoint)
+            eval_loss = await asyncio.to_thread(evaluator, self.global_model)
+            sample = await self.sample(round_)
+            await self.publish(round_, digests)
+            self.append_history(
+                {
+                    "round": round_,
+                    "contributors": [],  # sealed without us: we took the result, not the contributions
+                    "excluded": [],
+                    "tokens": 0,
+                    "eval_loss": eval_loss,
+                    "seal_seconds": 0.0,
+                    "layer_digests": digests,
+                    "seal_hash": self.global_model.seal_hash,
+                    "time": time.time(),
+                    "caught_up_from": peer,
+                    "sealed_by": sealer,
+                    "sample": sample,
+                }
+            )
+            log.info(
+                "caught up to round %d from %s (sealed by %s), eval loss %.4f",
+                round_,
+                peer,
+                sealer,
+                eval_loss,
+            )
+            return True
+        if not holders:
+            log.info("round %d was sealed without us; waiting for a replica that holds it", round_)
+        return False
