@@ -68,6 +68,7 @@ class ScalePlan:
     modes: tuple[str, ...] = MODES
     anchor_share: float = 0.5  # of the R replicas; the rest are chains of `pipeline.stages` stages
     prefetch: bool = False  # any-holder and seeded: fetch announced payloads before the seal (docs/scale.md)
+    drop_tail: bool = False  # any-holder: slow holders' flows starved at full downlinks (`schedule`)
     links: Links = field(default_factory=Links)
     control: scale_control.ControlModel = field(default_factory=scale_control.ControlModel)
 
@@ -86,7 +87,7 @@ def plan_for(quick: bool, anchor_share: float = 0.5, prefetch: bool = False) -> 
 
 def simulate_round(mode: str, sizes: PayloadSizes, swarm: Swarm, plan: ScalePlan) -> dict:
     """One (config, R, mode) row: bytes per role, the round's sync time and its physical limit, control."""
-    groups, transfers = schedule(mode, sizes, swarm, plan.links, plan.prefetch)
+    groups, transfers = schedule(mode, sizes, swarm, plan.links, plan.prefetch, plan.drop_tail)
     timeline = simulate(groups, transfers)
     limits = link_seconds(groups, transfers)
     busiest = max(limits, key=limits.__getitem__)

@@ -72,20 +72,29 @@ def groups_of(swarm: Swarm, links: Links) -> dict[str, NodeGroup]:
 
 
 def schedule(
-    mode: str, sizes: PayloadSizes, swarm: Swarm, links: Links, prefetch: bool = False
+    mode: str,
+    sizes: PayloadSizes,
+    swarm: Swarm,
+    links: Links,
+    prefetch: bool = False,
+    drop_tail: bool = False,
 ) -> tuple[dict[str, NodeGroup], list[Transfer]]:
     """One round's groups of peers and transfers in `mode`, every replica having announced at t = 0.
 
     Every fetch starts one RTT after what it waits for (the request); the seal reaches peers half an RTT
     after the coordinator has validated the last payload (a nudge). CPU time (decode, check, aggregate) is
     left out: this is the network's share of a round. With `prefetch` (any-holder and seeded; the code has
-    none), replicas fetch what was announced without waiting for the seal, which still gates applying."""
+    none), replicas fetch what was announced without waiting for the seal, which still gates applying.
+
+    With `drop_tail` (any-holder), links do not share fairly: while the anchors' downlinks are full of each
+    other's payloads, the stages' flows into them are starved and start only when that exchange ends (TCP on
+    drop-tail queues, as the lab's link trace shows: docs/scale.md, "Link-bound runs")."""
     a, rtt = swarm.anchors, links.rtt_s
     out = [Transfer("validate:anchors", "anchors", "coordinator", a * sizes.payload_bytes, a, delay_s=rtt)]
     if mode == "hub":
         out += _hub(sizes, swarm, rtt)
     elif mode == "any-holder":
-        out += _any_holder(sizes, swarm, rtt, prefetch)
+        out += _any_holder(sizes, swarm, rtt, prefetch, drop_tail)
     elif mode == "seeded":
         out += _seeded(sizes, swarm, rtt, prefetch)
     elif mode == "tiles":
@@ -128,7 +137,9 @@ def _hub(sizes: PayloadSizes, swarm: Swarm, rtt: float) -> list[Transfer]:
     return out
 
 
-def _any_holder(sizes: PayloadSizes, swarm: Swarm, rtt: float, prefetch: bool) -> list[Transfer]:
+def _any_holder(
+    sizes: PayloadSizes, swarm: Swarm, rtt: float, prefetch: bool, drop_tail: bool = False
+) -> list[Transfer]:
     """What `RoundParticipant.apply` does in a fault-free round: the seal is read from the coordinator,
     then each sealed payload comes from its author, the only holder at seal time (a replica lists others
     once their records say they applied the round: too late for fetchers that all start at the seal)."""
@@ -148,12 +159,13 @@ def _any_holder(sizes: PayloadSizes, swarm: Swarm, rtt: float, prefetch: bool) -
         out.append(
             Transfer("fetch:anchors<-anchors", "anchors", "anchors", flows * p, flows, after("anchors"), rtt)
         )
+    # starved while the anchors' exchange fills their downlinks (drop-tail), or alongside it (fair)
+    starved = ("fetch:anchors<-anchors",) if drop_tail and a > 1 else ()
     for s in _stages(swarm):
         ps, stage = sizes.stage_bytes(s), f"stage{s}"
         # an anchor holds every shard: it fetches slice s from every stage-s author
-        out.append(
-            Transfer(f"fetch:anchors<-{stage}", stage, "anchors", a * c * ps, a * c, after("anchors"), rtt)
-        )
+        waits = after("anchors") + starved
+        out.append(Transfer(f"fetch:anchors<-{stage}", stage, "anchors", a * c * ps, a * c, waits, rtt))
         # stage s fetches its slice from every anchor and from stage s of every other chain
         out.append(
             Transfer(f"fetch:{stage}<-anchors", "anchors", stage, c * a * ps, c * a, after(stage), rtt)

@@ -105,6 +105,11 @@ def register(commands: argparse._SubParsersAction) -> None:
         help="--calibrate: the anchors' and the stages' link rates in Mbit/s (default 100 20); low rates "
         "make the round link-bound",
     )
+    sync.add_argument(
+        "--remodel",
+        action="store_true",
+        help="--calibrate: no lab; run the model again for the lab measurement in OUT/calibration.json",
+    )
     sync.add_argument("--no-progress", action="store_true")
     sync.set_defaults(handler=run_scale)
     for name, text, handler in (
@@ -225,7 +230,10 @@ def run_scale_calibration(args: argparse.Namespace) -> int:
                 f"needs 0 < STAGE < ANCHOR <= {plan.coordinator_mbit:g}",
             )
         plan = dataclasses.replace(plan, anchor_mbit=anchor, stage_mbit=stage)
-    report = scale_calibrate.run_calibration(config, args.out, plan, progress=not args.no_progress)
+    if args.remodel:
+        report = scale_calibrate.remodel(config, args.out)
+    else:
+        report = scale_calibrate.run_calibration(config, args.out, plan, progress=not args.no_progress)
     print(f"{'quantity':<46} {'model':>14} {'lab':>14} {'model/lab':>10}")
     for c in report["comparison"]:
         lab = "n/a" if c["lab"] is None else f"{c['lab']:,.3f}"

@@ -4,6 +4,7 @@ import json
 import math
 from pathlib import Path
 
+import msgpack
 import numpy as np
 import pytest
 import torch
@@ -11,15 +12,19 @@ import torch
 from hetnode.algo.sparseloco import SparseLoCoCodec
 from hetnode.bench import scale, scale_control
 from hetnode.bench.fluid import NodeGroup, Transfer, link_seconds, simulate
-from hetnode.bench.scale_calibrate import calibration_report, cores_of, lab_config
+from hetnode.bench.scale_calibrate import calibration_report, cores_of, lab_config, remodel
 from hetnode.bench.scale_cpu import RoundCpu, measure_round_cpu
+from hetnode.bench.scale_dht import SealTrip, measure_seal_trip
 from hetnode.bench.scale_fetch import QUANTUM_OF_LIMIT, daemon_fetch, fair_rates
 from hetnode.bench.scale_lab import CalibrationPlan
 from hetnode.bench.scale_sizes import ROUND, payload_sizes, seal_bytes, shard_shapes, signed_payload_bytes
 from hetnode.config import load_config
+from hetnode.errors import HetnodeError
 from hetnode.model import build_model
 from hetnode.model.shards import shard_names
 from hetnode.net.identity import ephemeral_identity
+from hetnode.net.records import SealRecord
+from hetnode.net.seal_trip import seal_of_size
 from hetnode.net.signing import sign_payload
 from hetnode.planning.fetch import STALL_TIMEOUT_S
 from hetnode.wire.sync_payload import SyncPayload, encode_payload
@@ -284,6 +289,7 @@ def test_cli_quick_writes_json_and_plot(tmp_path: Path):
     assert all(r.get("daemon") for r in report["rows"] if r["mode"] == "any-holder")
 
 
+TRIP = SealTrip(store_s=0.04, read_s=0.01)
 CPU = RoundCpu(
     seal_check_s=0.01, seal_prepare_s=0.2, anchor_apply_s=0.3, stage_apply_s=(0.1, 0.1), commit_s=0.05
 )
@@ -336,7 +342,7 @@ def test_calibration_table_puts_the_model_next_to_the_lab():
     config = lab_config(load_config(CONFIGS / "tiny.toml"), plan)
     assert config.pipeline.stages == 2 and config.outer.inner_steps == plan.inner_steps
     sizes = payload_sizes(config)
-    report = calibration_report(config, plan, _lab_fixture(sizes, plan), CPU)
+    report = calibration_report(config, plan, _lab_fixture(sizes, plan), CPU, TRIP)
     table = {c["quantity"]: c for c in report["comparison"]}
     for exact in (
         "payload p (an anchor's upload)",
@@ -354,11 +360,21 @@ def test_calibration_table_puts_the_model_next_to_the_lab():
     # 0.4 s measured against the 20 Mbit/s link's 7 × slice: the ratio is the model's over the lab's
     fetch = table["stage 1 fetch time"]
     assert fetch["model_over_lab"] == pytest.approx(fetch["model"] / 0.4)
-    # the CPU term: the sealer's check and aggregation, then 7 anchors applying on their one core
+    # the CPU term: the sealer's check and aggregation, the seal's DHT trip, then 7 anchors applying on
+    # their one core
     links_s = report["model"]["row"]["round_s"]
-    assert table["sync time (last announcement → all fetched)"]["model"] == pytest.approx(links_s + 0.21)
+    assert table["sync time (last announcement → all fetched)"]["model"] == pytest.approx(links_s + 0.26)
     applied = table["sync time (last announcement → all applied)"]
-    assert applied["model"] == pytest.approx(links_s + 0.21 + 7 * 0.3)
+    assert applied["model"] == pytest.approx(links_s + 0.26 + 7 * 0.3)
+    # with drop-tail queues the stages' slices reach the anchors after their exchange: a longer round
+    starved = table["sync time, drop-tail model (last announcement → all fetched)"]["model"]
+    assert starved > links_s + 0.26
+    # the trace's windows, when the lab traced its links
+    windows = {"2": {"announced": 10.0, "sealed": 11.0, "fetched": 14.0}}
+    traced = _lab_fixture(sizes, plan) | {"links": {"windows": windows}}
+    rows = {c["quantity"]: c for c in calibration_report(config, plan, traced, CPU, TRIP)["comparison"]}
+    assert rows["sealing (trace: last announcement → first replica holds the seal)"]["lab"] == 1.0
+    assert rows["fetching (trace: first seal held → last replica fetched)"]["lab"] == 3.0
     assert table["anchor checking and applying (fetched → applied)"]["model_over_lab"] == pytest.approx(1.0)
     assert set(report["within_25pct"]) | set(report["outside_25pct"]) == set(table)
     # the planner numbers the stages, not their names: stage 0 is the daemon that logged stage 0
@@ -366,14 +382,41 @@ def test_calibration_table_puts_the_model_next_to_the_lab():
     anchors, stages = plan.names()
     swapped["stage_layers"] = {stages[0]: [1, 2, 3], stages[1]: [0, 0, 1]}
     swapped["logs"][stages[1]]["download_bytes"] = 123
-    table = {c["quantity"]: c for c in calibration_report(config, plan, swapped, CPU)["comparison"]}
+    table = {c["quantity"]: c for c in calibration_report(config, plan, swapped, CPU, TRIP)["comparison"]}
     assert table["stage 0 sealed download (payloads)"]["lab"] == 123
     # the planner's split, as the lab logged it, is the model's: 3 layers and the embedding on stage 0
     uneven = _lab_fixture(sizes, plan) | {"stage_layers": {"a": [0, 0, 2], "b": [1, 3, 3]}}
-    model = calibration_report(config, plan, uneven, CPU)["model"]
+    model = calibration_report(config, plan, uneven, CPU, TRIP)["model"]
     assert model["stage_shards"] == (("embed", "0", "1", "2"), ("3", "head"))
     assert sum(model["stage_payload_bytes"]) == sizes.payload_bytes
     json.dumps(report)  # the report is JSON as written
+
+
+def test_remodel_runs_the_model_again_on_the_lab_measurement_on_file(tmp_path):
+    plan = CalibrationPlan()
+    config = load_config(CONFIGS / "tiny.toml")
+    sizes = payload_sizes(lab_config(config, plan))
+    with pytest.raises(HetnodeError, match="run the calibration with the lab first"):
+        remodel(config, tmp_path)
+    earlier = calibration_report(lab_config(config, plan), plan, _lab_fixture(sizes, plan), CPU, TRIP)
+    earlier["command"] = "the lab run"
+    earlier["model"] = {}  # a model of an older version: replaced
+    (tmp_path / "calibration.json").write_text(json.dumps(earlier))
+    report = json.loads((tmp_path / "calibration.json").read_text()) | remodel(config, tmp_path)
+    assert report["command"] == "the lab run" and report["remodelled"].endswith("--remodel")
+    assert report["measured"] == earlier["measured"] and report["model"]["row"]["round_s"] > 0
+
+
+def test_a_seal_of_a_given_size_is_one_the_schema_takes():
+    seal = seal_of_size(3, 6000)
+    assert 6000 <= len(msgpack.packb(seal, use_bin_type=True)) < 6400
+    SealRecord.parse_obj(seal)  # schema-valid: a store of it is what the DHT would accept
+
+
+@pytest.mark.slow
+def test_the_seals_dht_trip_is_measured_on_real_nodes():
+    trip = measure_seal_trip(6000, peers=3, tries=2)
+    assert 0 < trip.store_s < 10 and 0 < trip.read_s < 10 and trip.total_s == trip.store_s + trip.read_s
 
 
 def test_taskset_lists_count_their_cores():

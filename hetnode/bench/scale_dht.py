@@ -1,0 +1,38 @@
+"""The seal's way through the DHT, timed on this machine, for the calibration's model.
+
+Between the coordinator's check of the last payload and a replica's first fetch, the seal is stored in the
+DHT and read back (`Sealer`, `SealWaiter`): two DHT operations, each a few RPCs through hivemind and p2pd.
+On the lab's sub-millisecond links they cost what the software costs, which a link model with RTTs alone
+leaves out. `hetnode.net.seal_trip` measures both on loopback nodes in a process of its own, as
+`scale_cpu` measures the CPU term (docs/scale.md, "Link-bound runs").
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from dataclasses import dataclass
+
+from hetnode.errors import HetnodeError
+
+
+@dataclass(frozen=True)
+class SealTrip:
+    store_s: float  # the sealer's store of a seal-sized entry (median)
+    read_s: float  # a replica's read of its first copy (median)
+
+    @property
+    def total_s(self) -> float:
+        return self.store_s + self.read_s
+
+
+def measure_seal_trip(seal_bytes: int, peers: int = 10, tries: int = 5) -> SealTrip:
+    """Store a `seal_bytes` entry from one of `peers` loopback nodes and read it from another, `tries`
+    times (medians)."""
+    argv = [sys.executable, "-m", "hetnode.net.seal_trip", "--bytes", str(seal_bytes)]
+    argv += ["--peers", str(peers), "--tries", str(tries)]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=300)
+    if done.returncode != 0:
+        raise HetnodeError(f"measuring the seal's DHT trip failed: {done.stderr.strip()[-500:]}")
+    return SealTrip(**json.loads(done.stdout.strip().splitlines()[-1]))
