@@ -320,7 +320,7 @@ def compare(measured: dict[str, Any], model: dict[str, Any], plan: CalibrationPl
         "bytes/round",
         sync + row["control_bytes_per_peer"],
         wire,
-        "sync + today's control model, a peer's average (at the lab's heartbeat and round)",
+        "sync + the code's control model (vouched), a peer's average (at the lab's heartbeat and round)",
     )
     add(
         "anchor wire bytes, model's hot peer",
