@@ -102,9 +102,19 @@ class Verifier:
 
     # --- at seal time --------------------------------------------------------------------------------
 
-    def screen(self, round_: int, contributions: Sequence[Contribution]) -> dict[str, str]:
+    def screen(
+        self,
+        round_: int,
+        contributions: Sequence[Contribution],
+        seen_at: Mapping[str, float] | None = None,
+    ) -> dict[str, str]:
         """{peer: reason} for the contributions to leave out of this round's seal. `contributions` are in
-        announcement order (a copy can only come after its original: it needs the original's bytes)."""
+        announcement order (a copy can only come after its original: it needs the original's bytes).
+
+        `seen_at`: when the sealer first saw each announcement. Two that overlap but were first seen in the
+        same read have no order: which one is the copy cannot be told, and neither is refused for it
+        (honest work is never refused; a copier fast enough to land in its victim's read keeps that
+        round's weight, and is refused in every round it is seen later)."""
         reasons: dict[str, str] = {}
         for peer, decoded in contributions:
             if any(message.base != round_ - 1 for message in decoded):
@@ -116,6 +126,15 @@ class Verifier:
                 continue
             for earlier in order[:i]:
                 if index_overlap(updates[peer], updates[earlier]) >= COPY_OVERLAP:
+                    if seen_at is not None and seen_at.get(peer) == seen_at.get(earlier):
+                        log.warning(
+                            "round %d: %s and %s repeat each other's top-k positions, first seen in one "
+                            "read: which is the copy cannot be told, neither is left out",
+                            round_,
+                            peer,
+                            earlier,
+                        )
+                        continue
                     reasons[peer] = "copy"
                     log.warning("round %d: %s repeats %s's top-k positions: a copy", round_, peer, earlier)
                     break

@@ -47,7 +47,7 @@ MAX_CONCURRENT_FETCHES = 8  # authors whose payloads are in flight to the sealer
 
 Checked = tuple[Announcement, dict[str, bytes], list[DecodedPayload]]  # (claim, payloads, decoded)
 # (round, valid contributions in announcement order) -> {peer: reason} to leave out of the seal (TRUST §4)
-Screen = Callable[[int, list[tuple[str, list[DecodedPayload]]]], dict[str, str]]
+Screen = Callable[[int, list[tuple[str, list[DecodedPayload]]], dict[str, float]], dict[str, str]]
 # (round, contributions left out only for their author's score) -> the peers whose work helps on its own
 Rescue = Callable[[int, list[tuple[str, list[DecodedPayload]]]], Awaitable[set[str]]]
 
@@ -247,7 +247,11 @@ class Sealer:
             return {}
         by_arrival = sorted(good, key=lambda g: (g[0].seen_at, g[0].peer_id))
         try:
-            rejected = self.screen(round_, [(a.peer_id, decoded) for a, _, decoded in by_arrival])
+            rejected = self.screen(
+                round_,
+                [(a.peer_id, decoded) for a, _, decoded in by_arrival],
+                {a.peer_id: a.seen_at for a, _, _ in by_arrival},
+            )
         except Exception:  # a verifier bug must not stop sealing: seal unscreened and say so
             log.exception("round %d: screening failed; sealing without it", round_)
             return {}

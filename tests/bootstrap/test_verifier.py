@@ -57,6 +57,16 @@ def test_honest_work_passes_and_each_fault_is_caught(setup):
     verifier = Verifier(config, dataset, model)
     reasons = verifier.screen(0, contributions)
     assert reasons.get("copier-x") == "copy"
+    # seen in a later read than its original: a copy; seen in the same read: no order, nobody is refused
+    # for it (had the copier's id sorted first, the honest original would have been called the copy)
+    seen = {p: 1.0 for p, _ in contributions}
+    assert (
+        Verifier(config, dataset, model).screen(0, contributions, seen | {"copier-x": 2.0})["copier-x"]
+        == "copy"
+    )
+    copier_first = sorted(contributions, key=lambda c: c[0] != "copier-x")  # the copy ahead of its original
+    tied = Verifier(config, dataset, model).screen(0, copier_first, seen)
+    assert "copier-x" not in tied and not set(HONEST) & set(tied)
     assert reasons.get("scaled-x") == "norm" and reasons.get("freerider-x") == "norm"
     assert not set(HONEST) & set(reasons)
 
