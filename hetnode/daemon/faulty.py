@@ -1,6 +1,8 @@
 """Protocol-level fault modes of an anchor, for tests and benchmarks only (`hetnode join --fault`, hidden):
 `stale` trains from θ several rounds old (and says so in its header, as a slow honest peer would), `copy`
-re-labels another peer's payload of the round as its own (TRUST §4: what verification must catch)."""
+re-labels another peer's payload of the round as its own (TRUST §4: what verification must catch). Honest
+peers keep an unsealed payload from all but its sealers (`held_payloads`), so the copier asks its author and
+the coordinator and, refused by both, announces its own work."""
 
 from __future__ import annotations
 
@@ -62,17 +64,22 @@ async def copied_payloads(
             shards = list(announced[victim].value.get("shards", {}))
             if len(victim) != len(own) or not set(shards) <= set(global_model.shards):
                 continue
-            try:
-                found = await node.fetch_payloads(victim, round_, [(s, victim) for s in shards], max_bytes)
-            except PeerRequestError as exc:
-                log.info("copy: cannot fetch %s's payload: %s", victim, exc)
-                continue
-            messages = {}
-            for shard, data in zip(shards, found, strict=True):
-                _, body = open_payload(node.run or "", data, max_bytes)
-                messages[shard] = body.replace(victim.encode(), own.encode())
-            log.warning("fault injection: announcing %s's payload of round %d as ours", victim, round_)
-            return messages
+            for holder in dict.fromkeys([victim, node.coordinator or victim]):  # its author, the sealer
+                try:
+                    wanted = [(s, victim) for s in shards]
+                    found = await node.fetch_payloads(holder, round_, wanted, max_bytes)
+                except PeerRequestError as exc:
+                    log.info("copy: %s does not give us %s's payload: %s", holder, victim, exc)
+                    continue
+                messages = {}
+                for shard, data in zip(shards, found, strict=True):
+                    _, body = open_payload(node.run or "", data, max_bytes)
+                    messages[shard] = body.replace(victim.encode(), own.encode())
+                log.warning("fault injection: announcing %s's payload of round %d as ours", victim, round_)
+                return messages
+            # refused by both (the round is not sealed): asking the next victim would only make us late
+            log.warning("fault injection: no payload of round %d to copy; announcing our own", round_)
+            return None
         await asyncio.sleep(1.0)
         waited += 1.0
     return None

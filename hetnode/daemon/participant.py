@@ -24,6 +24,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from hetnode.config import Config
+from hetnode.daemon.held_payloads import KEEP_ROUNDS, HeldPayloads
 from hetnode.daemon.payload_fetch import PayloadsUnavailable, fetch_sealed
 from hetnode.daemon.seal_wait import SealWaiter, read_head, read_seal
 from hetnode.daemon.sealing import Sealer
@@ -42,8 +43,6 @@ from hetnode.wire.seals import seal_digest
 log = logging.getLogger(__name__)
 
 STATE_FETCH_PARALLEL = 4  # state shards asked of the source at once (its budget: 8 streams per peer)
-
-KEEP_ROUNDS = 2  # rounds of applied payloads a replica keeps serving (peers a round behind still fetch)
 
 
 class RoundFailed(HetnodeError):
@@ -81,7 +80,7 @@ async def fetch_state(
 
 class RoundParticipant:
     """One replica's side of the round protocol. `keep(round, payloads)` holds what it is about to announce,
-    served to the sealer (and, for a stand-in seal, to every replica) until the next round is sealed."""
+    served to the round's sealers, and to every replica once the round is sealed (`held_payloads`)."""
 
     def __init__(
         self,
@@ -102,9 +101,6 @@ class RoundParticipant:
         self.node = node
         self.coordinator = coordinator
         self.global_model = global_model
-        self.outbox: dict[int, dict[str, bytes]] = {}  # round -> shard -> our signed payload
-        # round -> (author, shard) -> the sealed payloads we applied, served to peers that fetch them
-        self.held: dict[int, dict[tuple[str, str], bytes]] = {}
         self.last_sources: dict[str, int] = {}  # peer -> bytes it served us in the last apply
         self.failed_us: dict[str, int] = {}  # holder -> the last round it failed to serve us
         self.stand_ins = tuple(sorted(set(stand_ins) - {coordinator}))
@@ -113,11 +109,18 @@ class RoundParticipant:
         self.metrics = metrics
         self.peer_id = node.identity.peer_id
         self.sealer = Sealer(config, node, global_model, self.own_payload)
+        self.held = HeldPayloads(
+            self.peer_id,
+            {coordinator, *self.stand_ins},
+            self.sealer.serve,
+            self._wake_seal_wait,
+            lambda: global_model.params_round,
+        )
         n = config.network
         self.view = directory or PeerDirectory(node, config, n.heartbeat_s, n.heartbeat_s)
         self.last_seal_wait_s = 0.0  # of the last wait_for_seal
         self.last_apply = (0.0, 0, 0.0)  # (seconds, bytes fetched, seconds fetching) of the last apply
-        node.set_payloads(self.serve_payload)
+        node.set_payloads(self.held.serve)
         node.set_state(self.serve_state)
         self.unchecked: int | None = None  # the round applied last, until compared with the coordinator's
         self.seals = SealWaiter(
@@ -141,26 +144,20 @@ class RoundParticipant:
         may still fetch); returns the signed payloads, whose sha256 we announce."""
         run = self.node.run or ""
         signed = {shard: sign_payload(self.node.identity, run, body) for shard, body in messages.items()}
-        self.outbox = {r: p for r, p in self.outbox.items() if r >= round_ - 1}
-        self.outbox[round_] = signed
+        self.held.keep_own(round_, signed)
         return signed
 
     def own_payload(self, round_: int, shard: str) -> bytes | None:
-        return self.outbox.get(round_, {}).get(shard)
+        return self.held.own_payload(round_, shard)
+
+    def _wake_seal_wait(self) -> None:
+        self.seals.nudged()
 
     def serve_state(self, round_: int, shard: str) -> bytes | None:
         """θ as we hold it, for a peer (the coordinator after a restart) catching up to `round_`."""
         if round_ != self.global_model.params_round or shard not in self.global_model.shards:
             return None
         return self.global_model.state_payload(shard)
-
-    def serve_payload(self, round_: int, shard: str, replica: str) -> bytes | None:
-        if replica == self.peer_id:
-            return self.own_payload(round_, shard)
-        applied = self.held.get(round_, {}).get((replica, shard))
-        if applied is not None and round_ <= self.global_model.params_round:
-            return applied  # sealed, checked and applied here: we are one of its holders
-        return self.sealer.serve(round_, shard, replica)  # a round this anchor sealed as the stand-in
 
     async def take_part(
         self, announcement: dict, stop: asyncio.Event, restore_unsent: Callable[[], None], record: RoundRecord
@@ -211,7 +208,10 @@ class RoundParticipant:
         seals that are not the next link after the one we hold, are not taken (`seal_verdict`)."""
         waiting_since = time.monotonic()
         try:
-            return await self.seals.wait(round_, announcement, stop, waiting_since)
+            sealed = await self.seals.wait(round_, announcement, stop, waiting_since)
+            if sealed is not None:
+                self.held.saw_seal(sealed[1]["round"])  # our payload of that round may go to anyone now
+            return sealed
         finally:
             self.last_seal_wait_s = time.monotonic() - waiting_since
 
@@ -239,7 +239,7 @@ class RoundParticipant:
             (peer, shard): data
             for peer, shard, _ in wanted
             if (peer == self.peer_id or sealer == self.peer_id)
-            and (data := self.serve_payload(round_, shard, peer)) is not None
+            and (data := self.held.local(round_, shard, peer)) is not None
         }
         remote = [(peer, shard) for peer, shard, _ in wanted if (peer, shard) not in held]
         fetched, fetch_s = 0, 0.0
@@ -272,13 +272,11 @@ class RoundParticipant:
                 raise RoundFailed(f"{peer[-8:]}'s shard {shard} does not match the sealed digest")
             by_peer.setdefault(peer, {})[shard] = data
         contributions = list(by_peer.items())
-        # what we applied we serve to others fetching the round (our own are in the outbox already)
-        self.held = {r: p for r, p in self.held.items() if r > round_ - KEEP_ROUNDS}
-        self.held[round_] = {key: data for key, data in held.items() if key[0] != self.peer_id}
         try:
             await asyncio.to_thread(self.global_model.apply, round_, contributions)
         except (WireError, ApplyError) as exc:  # θ is untouched: apply is all or nothing
             raise RoundFailed(f"a sealed payload cannot be applied: {exc}") from None
+        self.held.keep_applied(round_, held)  # what we applied we serve to others fetching the round
         self.global_model.seal_hash = seal_digest(seal)
         self.last_apply = (time.monotonic() - started, fetched, fetch_s)
         self.unchecked = round_

@@ -95,7 +95,8 @@ class Sealer:
             floor_s=max(1.0, n.heartbeat_s), ceiling_s=max(30.0, 10 * n.boundary_s)
         )
 
-    def serve(self, round_: int, shard: str, replica: str) -> bytes | None:
+    def serve(self, round_: int, shard: str, replica: str, asker: str = "") -> bytes | None:
+        """A payload of a round we sealed (held from the moment of sealing: never an unsealed one)."""
         return self.payloads.get((round_, replica, shard))
 
     async def collect(self, round_: int, seen: dict[str, Announcement]) -> None:

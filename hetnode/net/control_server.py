@@ -34,7 +34,8 @@ log = logging.getLogger(__name__)
 InfoProvider = Callable[[], dict[str, Any]]  # -> {"run", "protocol", "coordinator", "role", "name"}
 # (round, shard, replica) -> message or None; awaitable where serving waits on something (a test's holder
 # that stalls, as a hostile one would)
-PayloadProvider = Callable[[int, str, str], bytes | None | Awaitable[bytes | None]]
+# (round, shard, replica, asker) -> the encoded message or None; may raise Refused
+PayloadProvider = Callable[[int, str, str, str], bytes | None | Awaitable[bytes | None]]
 InclusionProvider = Callable[[int, str], bool | None]  # (round, replica) -> in that seal (None: unknown)
 NudgeHandler = Callable[[str, str, int], None]  # (peer, topic, round): look at the DHT now
 ProbePolicy = Callable[[str], bool]  # peer -> may it probe us (daemons: "it has a live record")
@@ -63,7 +64,7 @@ class ControlServer:
         self.budgets = budgets
         self.traffic = traffic  # shared with the node's metrics
         self.info = info
-        self.payloads: PayloadProvider = lambda round_, shard, replica: None
+        self.payloads: PayloadProvider = lambda round_, shard, replica, asker: None
         self.inclusion: InclusionProvider = lambda round_, replica: None
         self.state = StateCache(lambda round_, shard: None)
         self.nudged: NudgeHandler = lambda peer, topic, round_: None
@@ -139,7 +140,7 @@ class ControlServer:
     async def _serve_payloads(self, message: ControlMessage, stream: OpenStream) -> None:
         """Serve `message` and every further payload request on the stream, until the peer closes it."""
         for served in range(1, MAX_PAYLOADS_PER_STREAM + 1):
-            data = self.payloads(message["round"], message["shard"], message["replica"])
+            data = self.payloads(message["round"], message["shard"], message["replica"], stream.peer)
             if inspect.isawaitable(data):
                 data = await data
             if data is None:

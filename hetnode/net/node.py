@@ -237,7 +237,8 @@ class SwarmNode:
         self._server.info = provider
 
     def set_payloads(self, provider: PayloadProvider) -> None:
-        """Serve sync payloads: `provider(round, shard, replica)` returns the encoded message or None."""
+        """Serve sync payloads: `provider(round, shard, replica, asker)` returns the encoded message or None,
+        or raises `Refused` (an author keeps an unsealed round's payload from all but its sealers)."""
         self._server.payloads = provider
 
     def set_inclusion(self, provider: InclusionProvider) -> None:

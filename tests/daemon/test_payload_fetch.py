@@ -22,7 +22,7 @@ def test_liars_and_empty_holders_are_passed_over_until_someone_serves_the_sealed
             key = (author.identity.peer_id, "0")
 
             def serving(data):
-                return lambda round_, shard, replica: (
+                return lambda round_, shard, replica, asker: (
                     data if (replica, shard) == key and round_ == 0 else None
                 )
 
@@ -59,15 +59,15 @@ def test_holders_that_stall_are_passed_over_within_the_stall_timeout_and_the_res
             payloads = {(ids[a], shard): bytes([i]) * 4096 for i, a in enumerate(authors) for shard in "01"}
             never = asyncio.Event()
 
-            def honest(round_, shard, replica):
+            def honest(round_, shard, replica, asker):
                 return payloads.get((replica, shard))
 
-            async def stall(round_, shard, replica):
+            async def stall(round_, shard, replica, asker):
                 await never.wait()
 
             served_once: set = set()
 
-            async def trickle(round_, shard, replica):
+            async def trickle(round_, shard, replica, asker):
                 if served_once:
                     await never.wait()
                 served_once.add((replica, shard))

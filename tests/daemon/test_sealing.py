@@ -45,7 +45,7 @@ async def announce(
     for _ in range(warmup):
         training.run_round(0, model)
     payloads = training.run_round(0, model)
-    node.set_payloads(lambda round_, shard, replica: payloads.get(shard) if replica == peer else None)
+    node.set_payloads(lambda round_, shard, replica, asker: payloads.get(shard) if replica == peer else None)
     digests = {shard: sha256_hex((b"x" if lie else b"") + data) for shard, data in payloads.items()}
     record = {"round": 0, "shards": digests, "tokens": 100, "steps": 1}
     assert await node.store_own("announce", record, ttl_s=60.0)

@@ -229,7 +229,7 @@ def test_many_payloads_come_over_one_pipelined_stream_and_a_missing_one_fails_th
 
     async def scenario():
         async with swarm(2, limits=NodeLimits(4 * 2**20, 3.0, requests_per_min=3)) as (server, client):
-            server.set_payloads(lambda round_, shard, replica: held.get((round_, shard, replica)))
+            server.set_payloads(lambda round_, shard, replica, asker: held.get((round_, shard, replica)))
             peer = server.identity.peer_id
             wanted = [(shard, "r") for shard in sizes]
             got = await client.fetch_payloads(peer, 5, wanted, max_bytes=4 * 2**20)
@@ -247,7 +247,7 @@ def test_only_payload_requests_may_follow_a_payload_request():
 
     async def scenario():
         async with swarm(2) as (server, client):
-            server.set_payloads(lambda round_, shard, replica: b"x" * 10)
+            server.set_payloads(lambda round_, shard, replica, asker: b"x" * 10)
             requests = encode_request("payload", round=1, shard="a", replica="r")
             requests = frame_header(len(requests)) + requests
             probe = encode_request("probe_up", bytes=1024)

@@ -164,7 +164,7 @@ def test_the_payload_budget_refuses_inside_a_pipelined_fetch_with_its_reason():
 
     async def scenario():
         async with swarm(2, limits(payload_bytes_per_peer=250_000)) as (server, client):
-            server.set_payloads(lambda round_, shard, replica: held.get((round_, shard, replica)))
+            server.set_payloads(lambda round_, shard, replica, asker: held.get((round_, shard, replica)))
             peer = server.identity.peer_id
             assert len(await client.fetch_payloads(peer, 1, [("a", "r"), ("b", "r")], MiB)) == 2
             with pytest.raises(PeerRequestError, match="budget: payload budget"):

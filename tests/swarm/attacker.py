@@ -58,7 +58,7 @@ class Attacker:
         self.until = time.monotonic() + seconds
         self.served: dict[tuple[int, str], bytes] = {}
         self.result: dict[str, Any] = {"peer_id": node.identity.peer_id}
-        node.set_payloads(lambda round_, shard, replica: self.served.get((round_, shard)))
+        node.set_payloads(lambda round_, shard, replica, asker: self.served.get((round_, shard)))
 
     def record(self, **changes: Any) -> dict[str, Any]:
         """A schema-valid peer record claiming to be a fast anchor."""
