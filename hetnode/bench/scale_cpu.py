@@ -3,7 +3,10 @@ CPU term (docs/scale.md), which the flow model of the links leaves out.
 
 After the last announcement the sealer checks that replica's payload and aggregates every contribution
 before it seals; after the seal each replica checks every payload it holds shards of, aggregates and steps
-θ (`GlobalModel.apply`). Each is timed here alone on one thread, as a daemon pinned to one core runs it.
+θ (`GlobalModel.apply`); then it hashes θ's layers (the digests it advertises and checks against the
+coordinator's) and saves its local state for a restart. That last work comes after a replica's own apply,
+but on a shared core it delays the others'. Each is timed here alone on one thread, as a daemon pinned to
+one core runs it.
 The payloads are the codec's real messages of random pseudo-gradients: their sizes and the work of
 decoding them depend on the shapes, not on the values. Left out: the envelope's RSA-2048 signature check
 (tens of microseconds a payload, against milliseconds of decoding; it lives in `hetnode/net/`).
@@ -12,19 +15,25 @@ decoding them depend on the shapes, not on the values. Left out: the envelope's 
 from __future__ import annotations
 
 import statistics
+import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
 from hetnode.algo.sparseloco import SparseLoCoCodec
 from hetnode.config import Config
-from hetnode.model.shards import ModelPart
+from hetnode.model.shards import ModelPart, layer_digests
 from hetnode.replica.global_model import GlobalModel
 from hetnode.wire.sync_payload import SyncPayload, encode_payload
 
 DELTA_SCALE = 1e-3  # a pseudo-gradient's typical size: the outer step stays finite and small
+# tensors the size of θ (or of a stage's slice) in a replica's local state: θ, error feedback, and the
+# inner optimiser's state (an anchor's trainer: its weights and Adam's two moments; a stage: the moments)
+ANCHOR_STATE_COPIES = 5
+STAGE_STATE_COPIES = 4
 
 
 @dataclass(frozen=True)
@@ -36,13 +45,20 @@ class RoundCpu:
     anchor_apply_s: float  # a whole replica applying the seal: check every payload, aggregate, step
     stage_apply_s: tuple[float, ...]  # a chain stage doing the same for its own shards
     commit_s: float  # the sealer stepping its own θ after the seal (its aggregate is ready)
+    anchor_saving_s: float = 0.0  # an anchor after its apply: hashing θ's layers, saving its local state
+    stage_saving_s: tuple[float, ...] = ()  # a chain stage doing the same for its slice
+
+    def anchors_applied_s(self, anchors_per_core: int) -> float:
+        """From the payloads' arrival until the last of a core's anchors has applied the seal: all of their
+        applying, and the hashing and saving of all but that last one (which comes after its apply)."""
+        return anchors_per_core * self.anchor_apply_s + (anchors_per_core - 1) * self.anchor_saving_s
 
     def critical_path_s(self, anchors_per_core: int, stage_core_work_s: float) -> tuple[float, float]:
         """(before the seal, after the payloads arrived): the sealer's check and aggregation; then the
         busiest core's work. A core's processes all start applying when the seal's payloads arrive, so
         the core is done when all of its work is (it never idles while one of them has work)."""
         return self.seal_check_s + self.seal_prepare_s, max(
-            anchors_per_core * self.anchor_apply_s, stage_core_work_s
+            self.anchors_applied_s(anchors_per_core), stage_core_work_s
         )
 
 
@@ -130,4 +146,21 @@ def _measure(
         anchor_apply_s=_median_s(apply(GlobalModel(config)), repeats),
         stage_apply_s=tuple(_median_s(apply(model), repeats) for model in stage_models),
         commit_s=commit_s,
+        anchor_saving_s=_saving_s(whole.params, ANCHOR_STATE_COPIES, repeats),
+        stage_saving_s=tuple(_saving_s(m.params, STAGE_STATE_COPIES, repeats) for m in stage_models),
     )
+
+
+def _saving_s(params: Mapping[str, torch.Tensor], copies: int, repeats: int) -> float:
+    """Hash the layers of `params` and save a local state of `copies` tensors their size each, as a
+    replica does after every applied round (`AnchorTraining.save_local_state`: to a file, then renamed)."""
+    state = {f"copy{i}": {name: t.clone() for name, t in params.items()} for i in range(copies)}
+    with tempfile.TemporaryDirectory(prefix="hetnode-saving-") as folder:
+        path = Path(folder) / "state.pt"
+
+        def save() -> None:
+            layer_digests(params)
+            torch.save(state, path.with_suffix(".tmp"))
+            path.with_suffix(".tmp").replace(path)
+
+        return _median_s(save, repeats)

@@ -14,7 +14,7 @@ from hetnode.bench import scale, scale_control
 from hetnode.bench.fluid import NodeGroup, Transfer, link_seconds, simulate
 from hetnode.bench.scale_calibrate import calibration_report, cores_of, lab_config, remodel
 from hetnode.bench.scale_cpu import RoundCpu, measure_round_cpu
-from hetnode.bench.scale_dht import SealTrip, measure_seal_trip
+from hetnode.bench.scale_dht import SealTrip, measure_seal_trip, measure_transport_cpu
 from hetnode.bench.scale_fetch import QUANTUM_OF_LIMIT, daemon_fetch, fair_rates
 from hetnode.bench.scale_lab import CalibrationPlan
 from hetnode.bench.scale_sizes import ROUND, payload_sizes, seal_bytes, shard_shapes, signed_payload_bytes
@@ -290,6 +290,7 @@ def test_cli_quick_writes_json_and_plot(tmp_path: Path):
 
 
 TRIP = SealTrip(store_s=0.04, read_s=0.01)
+TRANSPORT = 1e-8  # CPU seconds per byte moved
 CPU = RoundCpu(
     seal_check_s=0.01, seal_prepare_s=0.2, anchor_apply_s=0.3, stage_apply_s=(0.1, 0.1), commit_s=0.05
 )
@@ -302,8 +303,10 @@ def test_a_rounds_cpu_is_measured_on_real_payloads_of_the_swarm():
     assert 0 < cpu.seal_check_s < cpu.anchor_apply_s  # one payload against all of them
     assert 0 < cpu.seal_prepare_s <= cpu.anchor_apply_s * 1.5
     assert len(cpu.stage_apply_s) == 2 and all(0 < s < cpu.anchor_apply_s * 1.5 for s in cpu.stage_apply_s)
+    assert cpu.anchor_saving_s > 0 and len(cpu.stage_saving_s) == 2 and all(s > 0 for s in cpu.stage_saving_s)
     before, after = cpu.critical_path_s(anchors_per_core=4, stage_core_work_s=0.0)
-    assert before == cpu.seal_check_s + cpu.seal_prepare_s and after == 4 * cpu.anchor_apply_s
+    assert before == cpu.seal_check_s + cpu.seal_prepare_s
+    assert after == 4 * cpu.anchor_apply_s + 3 * cpu.anchor_saving_s  # the last anchor saves after applying
 
 
 def _lab_fixture(sizes, plan) -> dict:
@@ -342,7 +345,7 @@ def test_calibration_table_puts_the_model_next_to_the_lab():
     config = lab_config(load_config(CONFIGS / "tiny.toml"), plan)
     assert config.pipeline.stages == 2 and config.outer.inner_steps == plan.inner_steps
     sizes = payload_sizes(config)
-    report = calibration_report(config, plan, _lab_fixture(sizes, plan), CPU, TRIP)
+    report = calibration_report(config, plan, _lab_fixture(sizes, plan), CPU, TRIP, TRANSPORT)
     table = {c["quantity"]: c for c in report["comparison"]}
     for exact in (
         "payload p (an anchor's upload)",
@@ -372,7 +375,9 @@ def test_calibration_table_puts_the_model_next_to_the_lab():
     # the trace's windows, when the lab traced its links
     windows = {"2": {"announced": 10.0, "sealed": 11.0, "fetched": 14.0}}
     traced = _lab_fixture(sizes, plan) | {"links": {"windows": windows}}
-    rows = {c["quantity"]: c for c in calibration_report(config, plan, traced, CPU, TRIP)["comparison"]}
+    rows = {
+        c["quantity"]: c for c in calibration_report(config, plan, traced, CPU, TRIP, TRANSPORT)["comparison"]
+    }
     assert rows["sealing (trace: last announcement → first replica holds the seal)"]["lab"] == 1.0
     assert rows["fetching (trace: first seal held → last replica fetched)"]["lab"] == 3.0
     assert table["anchor checking and applying (fetched → applied)"]["model_over_lab"] == pytest.approx(1.0)
@@ -382,11 +387,14 @@ def test_calibration_table_puts_the_model_next_to_the_lab():
     anchors, stages = plan.names()
     swapped["stage_layers"] = {stages[0]: [1, 2, 3], stages[1]: [0, 0, 1]}
     swapped["logs"][stages[1]]["download_bytes"] = 123
-    table = {c["quantity"]: c for c in calibration_report(config, plan, swapped, CPU, TRIP)["comparison"]}
+    table = {
+        c["quantity"]: c
+        for c in calibration_report(config, plan, swapped, CPU, TRIP, TRANSPORT)["comparison"]
+    }
     assert table["stage 0 sealed download (payloads)"]["lab"] == 123
     # the planner's split, as the lab logged it, is the model's: 3 layers and the embedding on stage 0
     uneven = _lab_fixture(sizes, plan) | {"stage_layers": {"a": [0, 0, 2], "b": [1, 3, 3]}}
-    model = calibration_report(config, plan, uneven, CPU, TRIP)["model"]
+    model = calibration_report(config, plan, uneven, CPU, TRIP, TRANSPORT)["model"]
     assert model["stage_shards"] == (("embed", "0", "1", "2"), ("3", "head"))
     assert sum(model["stage_payload_bytes"]) == sizes.payload_bytes
     json.dumps(report)  # the report is JSON as written
@@ -398,7 +406,9 @@ def test_remodel_runs_the_model_again_on_the_lab_measurement_on_file(tmp_path):
     sizes = payload_sizes(lab_config(config, plan))
     with pytest.raises(HetnodeError, match="run the calibration with the lab first"):
         remodel(config, tmp_path)
-    earlier = calibration_report(lab_config(config, plan), plan, _lab_fixture(sizes, plan), CPU, TRIP)
+    earlier = calibration_report(
+        lab_config(config, plan), plan, _lab_fixture(sizes, plan), CPU, TRIP, TRANSPORT
+    )
     earlier["command"] = "the lab run"
     earlier["model"] = {}  # a model of an older version: replaced
     (tmp_path / "calibration.json").write_text(json.dumps(earlier))
@@ -417,6 +427,14 @@ def test_a_seal_of_a_given_size_is_one_the_schema_takes():
 def test_the_seals_dht_trip_is_measured_on_real_nodes():
     trip = measure_seal_trip(6000, peers=3, tries=2)
     assert 0 < trip.store_s < 10 and 0 < trip.read_s < 10 and trip.total_s == trip.store_s + trip.read_s
+
+
+@pytest.mark.slow
+def test_moving_payloads_costs_cpu_in_proportion_to_the_bytes_measured_on_real_nodes():
+    """Both daemons and both p2pds count: a payload moved through two p2pds costs some CPU per byte, and
+    not the millisecond per kilobyte a broken measurement (wall time, or a missed fetch) would show."""
+    per_byte = measure_transport_cpu(256 * 1024, payloads=4, rounds=3)
+    assert 1e-11 < per_byte < 1e-6
 
 
 def test_taskset_lists_count_their_cores():

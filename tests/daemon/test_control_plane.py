@@ -166,8 +166,12 @@ def test_a_store_no_node_accepted_is_retried_soon_and_does_not_stretch_the_heart
             presence = Presence(peer, record("p"), heartbeat_s=1.0, ttl_s=3.0, stable_heartbeat_s=30.0)
             stop = asyncio.Event()
             beating = asyncio.create_task(presence.heartbeat(stop))
-            while not attempts:
+            # once the first store is done, the heartbeat sleeps its base period (set before a slow store
+            # ended, the stretch would already apply to that first sleep, and nothing come for 30 s)
+            deadline = time.monotonic() + 10
+            while not presence.stored and time.monotonic() < deadline:
                 await asyncio.sleep(0.05)
+            assert presence.stored, attempts
             presence.cadence.unchanged = 100  # a long-stable swarm: the heartbeat is stretched to 30 s
             refusals["left"] = 1  # and the next store is refused
             deadline = time.monotonic() + 10
