@@ -32,9 +32,8 @@ from hetnode.wire.control import (
 log = logging.getLogger(__name__)
 
 InfoProvider = Callable[[], dict[str, Any]]  # -> {"run", "protocol", "coordinator", "role", "name"}
-# (round, shard, replica) -> message or None; awaitable where serving waits on something (a test's holder
-# that stalls, as a hostile one would)
-# (round, shard, replica, asker) -> the encoded message or None; may raise Refused
+# (round, shard, replica, asker) -> the encoded message or None, or Refused (an author's unsealed payload
+# asked for by anyone but its sealers); awaitable where serving waits on something (the seal reaching us)
 PayloadProvider = Callable[[int, str, str, str], bytes | None | Awaitable[bytes | None]]
 InclusionProvider = Callable[[int, str], bool | None]  # (round, replica) -> in that seal (None: unknown)
 NudgeHandler = Callable[[str, str, int], None]  # (peer, topic, round): look at the DHT now
