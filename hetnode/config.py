@@ -124,6 +124,10 @@ class OuterConfig:
     # capped at the median peer's largest |value|, then "selectors". "trimmed": the top and bottom 20 % of a
     # coordinate's N values dropped. The manifest carries it, so every replica uses the same rule.
     aggregation: Literal["selectors", "mean", "pooled", "clip", "trimmed"] = "mean"
+    # A replica that has announced round t trains round t+1 at once from its own working weights and
+    # rebases onto θ^t when the seal lands, keeping its progress since announcing (docs/sync.md,
+    # "Overlap"); at most one unapplied round ahead. false: the lockstep round (train, wait, apply).
+    overlap: bool = False
 
 
 @dataclass(frozen=True)

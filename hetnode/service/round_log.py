@@ -36,6 +36,14 @@ class RoundRecord:
     compute_s: float | None = None
     send_s: float | None = None
     time: float = field(default_factory=time.time)  # when the record was made: just before announcing
+    # wall clock (time.time()) when the round's first inner step began; with `outer.overlap` rounds overlap
+    # the previous round's sync, so a replica's compute utilisation over rounds a..b is
+    # Σ train_s / (time_b − started_at_a)
+    started_at: float = 0.0
+    # seconds the training thread stood still in this round: waiting for the round before to be applied
+    # (overlap: at most one unapplied round ahead) or, in lockstep, for the seal and apply of the last one
+    train_wait_s: float = 0.0
+    overlap: bool = False  # trained under `outer.overlap`
 
     @property
     def tokens_per_s(self) -> float:
