@@ -1,20 +1,24 @@
 """The anchor role over the network: train H inner steps, announce the payload digests, wait for the seal,
 fetch exactly the sealed payloads, check their digests, apply the same outer step as every replica.
 
-Round t of an anchor (DESIGN §3.5):
-1. train from θ^t in a worker thread (the event loop keeps serving handlers and the heartbeat);
+Round t of an anchor (DESIGN §3.5, docs/sync.md "Overlap"):
+1. train in a worker thread from its working weights (the event loop keeps serving handlers and the
+   heartbeat);
 2. keep the encoded payload per shard in memory, serve it, announce `{round, shards: sha256, tokens}`;
+   with `outer.overlap` the worker thread goes straight on with round t+1;
 3. wait for the coordinator's seal of round t;
-4. fetch every sealed contribution (its own from memory, others from the coordinator, which validated them
-   before sealing), verify each sha256 against the seal, then apply all of them or none;
-5. publish `params_round` and `layer_digests` in its record: the check that replicas agree.
+4. fetch every sealed contribution (its own from memory, others from any holder), verify each sha256
+   against the seal, then apply all of them or none;
+5. hand θ^t to the worker thread, which rebases onto it between two inner steps (keeping what it learned
+   since announcing) and saves a consistent local state off the thread; in lockstep the next round only
+   starts now;
+6. publish `params_round` and `layer_digests` in its record: the check that replicas agree.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from pathlib import Path
 
 import msgpack
@@ -23,7 +27,7 @@ import torch
 from hetnode.config import Config
 from hetnode.daemon.faulty import StaleTheta, copied_payloads
 from hetnode.daemon.participant import RoundParticipant, payload_opener
-from hetnode.daemon.rounds import AnchorTraining
+from hetnode.daemon.rounds import AnchorTraining, TrainedRound, write_state
 from hetnode.daemon.view import PeerDirectory
 from hetnode.data.dataset import TokenDataset
 from hetnode.net.node import SwarmNode
@@ -31,6 +35,8 @@ from hetnode.replica.global_model import GlobalModel, sha256_hex
 from hetnode.service.metrics import PeerMetrics
 from hetnode.service.presence import Presence
 from hetnode.service.round_log import RoundRecord
+from hetnode.service.state_writer import LatestStateWriter
+from hetnode.training.local_rounds import Rebase, RebaseInbox, TrainingStopped
 
 log = logging.getLogger(__name__)
 
@@ -87,54 +93,94 @@ class AnchorLoop:
                 training.feedback_norm(),
             )
         await self.rounds.catch_up(stop)
-        while not stop.is_set():
-            round_ = self.global_model.params_round + 1
-            started, tokens_before = time.monotonic(), training.tokens
-            theta = stale.train_from(self.global_model) if stale is not None else self.global_model
-            payloads = await asyncio.to_thread(training.run_round, round_, theta)
-            if self.fault == "copy":
-                payloads = await copied_payloads(self.node, self.global_model, round_, stop) or payloads
-            payloads = self.rounds.keep(round_, self._maybe_corrupt(payloads))
-            digests = {shard: sha256_hex(data) for shard, data in payloads.items()}
-            if self.fault == "digest":
-                digests = {shard: sha256_hex(b"not " + data) for shard, data in payloads.items()}
-            announcement = {
-                "round": round_,
-                "shards": digests,
-                "tokens": training.tokens - tokens_before,  # this round's: what the ledger will credit
-                "steps": self.config.outer.inner_steps,
-            }
-            log.info(
-                "round %d trained in %.1f s (loss %.3f): announcing",
-                round_,
-                time.monotonic() - started,
-                training.last_loss,
-            )
-            upload = sum(len(data) for data in payloads.values())
-            record = RoundRecord(
-                round_,
-                "anchor",
-                round(time.monotonic() - started, 3),
-                announcement["tokens"],
-                upload,
-                steps=announcement["steps"],
-                loss=training.last_loss,
-            )
-            if self.metrics is not None and upload:
-                self.metrics.set_compression("sparseloco", self.global_model.dense_bytes(payloads) / upload)
-            applied = await self.rounds.take_part(announcement, stop, training.restore_unsent, record)
-            if applied is None:
-                return
-            if not applied:
-                continue
-            self._maybe_drift()
-            await asyncio.to_thread(training.save_local_state, self.state_path, self.global_model)
-            await self.presence.update(
-                params_round=self.global_model.params_round,
-                layer_digests=self.global_model.digests(),
-                tokens=training.tokens,
-                outer_step=self.global_model.params_round,
-            )
+        writer = LatestStateWriter(lambda state: write_state(self.state_path, state))
+        training.on_rebased = writer.submit  # a consistent copy, taken in the training thread
+        inbox = RebaseInbox()
+        inbox.post(await asyncio.to_thread(self._rebase, training, stale, ()))
+        task = self._train(training, self.global_model.params_round + 1, inbox)
+        try:
+            while not stop.is_set():
+                trained = await task
+                if self.fault == "copy":
+                    await self._copy_instead(trained, stop)
+                announcement, record = self._announce(trained)
+                if self.config.outer.overlap:  # round t+1 trains while round t syncs
+                    task = self._train(training, trained.round + 1, inbox)
+                outcome = await self.rounds.take_part(announcement, stop, record)
+                if outcome is None:
+                    return
+                self._maybe_drift()
+                left_out = (trained.round,) if outcome.left_out else ()
+                inbox.post(await asyncio.to_thread(self._rebase, training, stale, left_out))
+                if not self.config.outer.overlap:  # lockstep: the next round starts from the new θ
+                    task = self._train(training, self.global_model.params_round + 1, inbox)
+                await self.presence.update(
+                    params_round=self.global_model.params_round,
+                    layer_digests=self.global_model.digests(),
+                    tokens=training.tokens,
+                    outer_step=self.global_model.params_round,
+                )
+        except TrainingStopped:
+            return
+        finally:
+            inbox.close()
+            await asyncio.gather(task, return_exceptions=True)  # the thread stops at its next step
+            for rebase in inbox.drain():  # θ applied but not yet stood on: its state is the newest
+                training.rebase(rebase)
+            await asyncio.to_thread(writer.close)
+
+    def _train(self, training: AnchorTraining, round_: int, inbox: RebaseInbox) -> asyncio.Future:
+        return asyncio.ensure_future(asyncio.to_thread(training.train_round, round_, inbox))
+
+    def _rebase(
+        self, training: AnchorTraining, stale: StaleTheta | None, left_out: tuple[int, ...]
+    ) -> Rebase:
+        """θ as we hold it now, for the training thread to stand on (a test's stale peer: older θ)."""
+        theta = stale.train_from(self.global_model) if stale is not None else self.global_model
+        return training.rebase_from(theta, self.global_model.params_round + 1, left_out)
+
+    def _announce(self, trained: TrainedRound) -> tuple[dict, RoundRecord]:
+        """Sign and hold the round's payload; the announcement and the round's log line (sync to come)."""
+        payloads = self.rounds.keep(trained.round, self._maybe_corrupt(trained.payloads))
+        digests = {shard: sha256_hex(data) for shard, data in payloads.items()}
+        if self.fault == "digest":
+            digests = {shard: sha256_hex(b"not " + data) for shard, data in payloads.items()}
+        announcement = {
+            "round": trained.round,
+            "shards": digests,
+            "tokens": trained.tokens,  # this round's: what the ledger will credit
+            "steps": self.config.outer.inner_steps,
+        }
+        timing = trained.timing
+        log.info(
+            "round %d trained in %.1f s (loss %.3f, %.1f s waiting for the round before): announcing",
+            trained.round,
+            timing.train_s,
+            trained.loss,
+            timing.wait_s,
+        )
+        upload = sum(len(data) for data in payloads.values())
+        record = RoundRecord(
+            trained.round,
+            "anchor",
+            round(timing.train_s, 3),
+            trained.tokens,
+            upload,
+            steps=announcement["steps"],
+            loss=trained.loss,
+            started_at=timing.started_at,
+            train_wait_s=round(timing.wait_s, 3),
+            overlap=self.config.outer.overlap,
+        )
+        if self.metrics is not None and upload:
+            self.metrics.set_compression("sparseloco", self.global_model.dense_bytes(payloads) / upload)
+        return announcement, record
+
+    async def _copy_instead(self, trained: TrainedRound, stop: asyncio.Event) -> None:
+        """Tests only ("copy"): announce another peer's payload of the round as ours, if we can get it."""
+        copied = await copied_payloads(self.node, self.global_model, trained.round, stop)
+        if copied:
+            trained.payloads = copied
 
     def _maybe_drift(self) -> None:
         """Tests only ("drift"): after round 1, flip the lowest bit of one weight, as a silent fault in

@@ -339,10 +339,12 @@ class ChainLoop:
                 send_s=round(self.send_s - send_before, 3),
             )
             self._report_compression(record, payloads)
-            applied = await self.rounds.take_part(announcement, stop, training.restore_unsent, record)
-            if applied is None:
+            outcome = await self.rounds.take_part(announcement, stop, record)
+            if outcome is None:
                 return
-            if applied:
+            if outcome.left_out:
+                training.restore_unsent()
+            if outcome.applied:
                 await asyncio.to_thread(training.save_local_state, self.state_path, self.global_model)
             await self._publish()
 

@@ -20,7 +20,6 @@ import asyncio
 import dataclasses
 import logging
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 from hetnode.config import Config
@@ -43,6 +42,19 @@ from hetnode.wire.seals import seal_digest
 log = logging.getLogger(__name__)
 
 STATE_FETCH_PARALLEL = 4  # state shards asked of the source at once (its budget: 8 streams per peer)
+
+
+@dataclasses.dataclass(frozen=True)
+class Outcome:
+    """How a round we announced ended here. `applied`: we applied its seal (else θ was downloaded);
+    `included`: our payload is in θ (False: it goes back into error feedback; None: unknown, dropped)."""
+
+    applied: bool
+    included: bool | None
+
+    @property
+    def left_out(self) -> bool:
+        return self.included is False
 
 
 class RoundFailed(HetnodeError):
@@ -159,16 +171,15 @@ class RoundParticipant:
             return None
         return self.global_model.state_payload(shard)
 
-    async def take_part(
-        self, announcement: dict, stop: asyncio.Event, restore_unsent: Callable[[], None], record: RoundRecord
-    ) -> bool | None:
+    async def take_part(self, announcement: dict, stop: asyncio.Event, record: RoundRecord) -> Outcome | None:
         """Announce, wait for the seal, apply it, and log the round (`record` completed with the sync).
 
-        True: applied. False: it could not be applied here and θ was downloaded instead. None: stopped."""
+        The outcome says whether the seal was applied here (else θ was downloaded) and what became of our
+        payload; the caller settles its error feedback by it. None: stopped."""
         round_ = announcement["round"]
         if await self.verify_agreement(stop) and self.global_model.params_round >= round_:
-            await self.settle_unsent(round_, None, restore_unsent)  # θ came with the seal of our round
-            return False
+            # θ came with the seal of our round
+            return Outcome(False, await self.settle_unsent(round_, None))
         sealed = await self.wait_for_seal(round_, announcement, stop)
         if sealed is None:
             return None
@@ -177,11 +188,9 @@ class RoundParticipant:
         except RoundFailed as exc:
             log.warning("round %d: %s; catching up from the sealer", round_, exc)
             await self.catch_up(stop)
-            await self.settle_unsent(round_, sealed[1], restore_unsent)
-            return False
+            return Outcome(False, await self.settle_unsent(round_, sealed[1]))
         if not included:
             # Left out of the seal: what we sent never reached θ, so it goes back into error feedback.
-            restore_unsent()
             log.info("round %d sealed without us: our payload is kept in error feedback", round_)
         apply_s, fetched, fetch_s = self.last_apply
         synced = dataclasses.replace(
@@ -196,7 +205,7 @@ class RoundParticipant:
         if self.metrics is not None:
             self.metrics.add_round(synced)
         await self.verify_agreement(stop)  # else at the start of the next round
-        return True
+        return Outcome(True, included)
 
     async def wait_for_seal(
         self, round_: int, announcement: dict, stop: asyncio.Event
@@ -283,10 +292,10 @@ class RoundParticipant:
         log.info("round %d applied: %d contributions, %d bytes fetched", round_, len(contributions), fetched)
         return any(c["peer"] == self.peer_id for c in seal["contributions"])
 
-    async def settle_unsent(self, round_: int, seal: dict | None, restore_unsent: Callable[[], None]) -> None:
-        """Our payload of `round_` did not reach θ through an apply of ours (θ was downloaded instead).
-        If the seal of `round_` left it out it goes back into error feedback; if the seal took it, the
-        downloaded θ carries it. When we never saw that seal, the coordinator says which."""
+    async def settle_unsent(self, round_: int, seal: dict | None) -> bool | None:
+        """Whether our payload of `round_` reached θ, when θ was downloaded instead of applied: the seal of
+        `round_` says so, or, when we never saw that seal, the coordinator. False: it goes back into error
+        feedback; True: the downloaded θ carries it; None (unknown): dropped, never applied twice."""
         if seal is not None and seal.get("round") == round_:
             included: bool | None = any(c["peer"] == self.peer_id for c in seal["contributions"])
         else:
@@ -296,12 +305,12 @@ class RoundParticipant:
                 log.info("round %d: cannot ask the coordinator about our payload: %s", round_, exc)
                 included = None
         if included is False:
-            restore_unsent()
             log.info("round %d was sealed without us: our payload is kept in error feedback", round_)
         elif included:
             log.info("round %d was sealed with our payload: the downloaded θ carries it", round_)
-        else:  # never applied twice: a payload whose fate is unknown is dropped, not restored
+        else:
             log.warning("round %d: whether the seal took our payload is unknown; it is dropped", round_)
+        return included
 
     async def verify_agreement(self, stop: asyncio.Event) -> bool:
         """Compare our layer digests after the round we last applied with the coordinator's for that round

@@ -6,23 +6,32 @@ from __future__ import annotations
 import hashlib
 import logging
 import pickle
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
-from hetnode.algo.sparseloco import CompressedTensor, ErrorFeedback, SparseLoCoCodec, pseudo_gradient
+from hetnode.algo.sparseloco import ErrorFeedback, SparseLoCoCodec
 from hetnode.config import Config
 from hetnode.data.dataset import TokenDataset
 from hetnode.errors import CheckpointError
 from hetnode.model.decoder import build_model
+from hetnode.model.shards import shard_names
 from hetnode.model.subspace import SubspaceConstraint
 from hetnode.planning.layer_split import split_layers
 from hetnode.planning.rounds import assigned_batches
 from hetnode.replica.global_model import GlobalModel, base_fixed_embedding
 from hetnode.training.faults import PSEUDO_GRADIENT_FAULTS, corrupt
+from hetnode.training.local_rounds import LocalRounds, Rebase, RebaseInbox, RoundTiming
 from hetnode.training.trainer import InnerTrainer
 from hetnode.training.working_copy import WorkingCopy
 from hetnode.wire.sync_payload import SyncPayload, encode_payload
+
+if TYPE_CHECKING:
+    from hetnode.daemon.faulty import OldTheta
 
 log = logging.getLogger(__name__)
 
@@ -39,12 +48,32 @@ def anchor_constraint(config: Config) -> SubspaceConstraint | None:
     )
 
 
+def write_state(path: Path, state: dict) -> None:
+    """torch.save to a temporary file, then renamed: a crash never leaves half a state."""
+    tmp = path.with_suffix(".tmp")
+    torch.save(state, tmp)
+    tmp.replace(path)
+
+
 def data_slot(peer_id: str) -> int:
     return int.from_bytes(hashlib.sha256(peer_id.encode()).digest()[:4], "big") % NUM_DATA_SLOTS
 
 
+@dataclass
+class TrainedRound:
+    """One round's training, ready to announce. `round` may be later than the round asked for: θ of a newer
+    round landed while it trained (a catch-up), and the work goes on as that round's."""
+
+    round: int
+    payloads: dict[str, bytes]
+    timing: RoundTiming
+    tokens: int
+    loss: float
+
+
 class AnchorTraining:
-    """A full replica: from θ, train H steps on its data slot, compress Δ with error feedback."""
+    """A full replica: working weights trained round after round on its data slot (`LocalRounds`: the
+    rebase onto each new θ, Δ with error feedback per round), its payload encoded per shard."""
 
     def __init__(
         self,
@@ -53,8 +82,10 @@ class AnchorTraining:
         peer_id: str,
         device: str = "cpu",
         fault: str | None = None,
+        continue_from_local: bool = True,
     ) -> None:
-        """`fault`: tests and benchmarks only, a pseudo-gradient fault (`hetnode.training.faults`)."""
+        """`fault`: tests and benchmarks only, a pseudo-gradient fault (`hetnode.training.faults`);
+        `continue_from_local`: False for the naive one-round delay (measured in `bench overlap`)."""
         self.config = config
         self.peer_id = peer_id
         self.fault = fault if fault in PSEUDO_GRADIENT_FAULTS else None
@@ -72,62 +103,111 @@ class AnchorTraining:
         )
         o = config.outer
         self.feedback = ErrorFeedback(SparseLoCoCodec(o.topk, o.tile), o.error_feedback)
+        self.local = LocalRounds(dict(self.model.named_parameters()), self.feedback, continue_from_local)
+        self.shards = shard_names(self.local.params)
         self.last_loss = float("nan")
-        self._unsent: dict[str, CompressedTensor] = {}  # the last round's payload, until it is sealed
+        self.on_rebased: Callable[[dict], None] | None = None  # gets the local state to save, per rebase
 
-    def run_round(self, round_: int, global_model: GlobalModel) -> dict[str, bytes]:
-        """Train one round (blocking: run it in a worker thread) and return the encoded payload per shard."""
-        reference, fixed = self.working.prepare(global_model.params)
-        with torch.no_grad():
-            for name, param in self.model.named_parameters():
-                param.copy_(reference[name])
-        if fixed is not None:
-            self.model.fixed_embedding = fixed.to(self.trainer.device)
+    def rebase_from(
+        self, theta: GlobalModel | OldTheta, next_round: int | None = None, left_out: tuple[int, ...] = ()
+    ) -> Rebase:
+        """θ as this replica trains it (blocking: the projection costs a few matrix products). Call it while
+        nothing steps θ; the rebase holds copies, so a later apply cannot change what it carries."""
+        reference, fixed = self.working.prepare(theta.params)
+        projected = self.working.constraint is not None
+        copies = {n: t.clone() for n, t in theta.params.items()} if projected else reference
+        return Rebase(
+            theta.params_round,
+            theta.params_round + 1 if next_round is None else next_round,
+            reference,
+            fixed,
+            copies,
+            getattr(theta, "seal_hash", None),
+            tuple(left_out),
+        )
+
+    def run_round(self, round_: int, theta: GlobalModel | OldTheta) -> dict[str, bytes]:
+        """Lockstep in one call (blocking): stand on `theta`, train round `round_`, return its payload."""
+        self.rebase(self.rebase_from(theta, next_round=round_))
+        return self.train_round(round_).payloads
+
+    def rebase(self, rebase: Rebase) -> None:
+        """Stand on a new θ now (the training thread idle, or from inside it)."""
+        self.local.rebase(rebase)
+        self._rebased()
+
+    def _rebased(self) -> None:
+        if self.local.fixed is not None:
+            self.model.fixed_embedding = self.local.fixed.to(self.trainer.device)
+        if self.on_rebased is not None:
+            self.on_rebased(self.local_state())
+
+    def train_round(self, round_: int, inbox: RebaseInbox | None = None) -> TrainedRound:
+        """Train round `round_` from the working weights (blocking: run it in a worker thread), taking the
+        rebases `inbox` delivers between inner steps; compress only once θ of the round before is here."""
+        H = self.config.outer.inner_steps
+        timing = RoundTiming(started_at=time.time())
+        tokens_before = self.trainer.tokens
+        round_ = max(round_, self.local.next_round)
         # a late joiner trains at the swarm's point of the schedule, not in a warmup of its own
-        self.trainer.schedule_offset = max(0, round_ * self.config.outer.inner_steps - self.trainer.step)
-        for batch in assigned_batches(self.peer_id, round_, self.config.outer.inner_steps):
+        self.trainer.schedule_offset = max(0, round_ * H - self.trainer.step)
+        for step in range(H):
+            if self.local.take_rebases(inbox, timing, step):
+                self._rebased()
+                round_ = max(round_, self.local.next_round)
+            began = time.monotonic()
+            batch = assigned_batches(self.peer_id, round_, H)[step]
             self.last_loss = self.trainer.train_step(batch_index=batch).loss
-        local = {n: p.detach().cpu() for n, p in self.model.named_parameters()}
-        delta = pseudo_gradient(reference, local)
+            timing.train_s += time.monotonic() - began
+        before = len(timing.rebased_at_step)
+        self.local.wait_for_base(inbox, round_, timing)
+        if len(timing.rebased_at_step) > before:
+            self._rebased()
+        round_ = max(round_, self.local.next_round)
         if self.fault is None:
-            compressed = self.feedback.compress(delta)
+            compressed = self.local.compress(round_)
         else:  # a faulty peer keeps no error feedback: what it sends is exactly its fault, round after round
             seed = round_ * NUM_DATA_SLOTS + data_slot(self.peer_id)  # each faulty peer its own noise
-            delta = corrupt(self.fault, delta, self.config.outer.max_value, seed=seed)
+            delta = corrupt(self.fault, self.local.pseudo_gradient(), self.config.outer.max_value, seed=seed)
             o = self.config.outer
             compressed = ErrorFeedback(SparseLoCoCodec(o.topk, o.tile), o.error_feedback).compress(delta)
-        self._unsent = compressed if self.fault is None else {}  # a faulty peer has nothing to restore
-        base = global_model.params_round  # the θ we trained from: round − 1 unless we are stale
-        return {
+            self.local.keep_progress()  # and has nothing to restore
+        base = self.local.base  # the θ we trained from: round − 1 unless we are stale
+        payloads = {
             shard: encode_payload(
                 SyncPayload(
                     self.peer_id, round_, shard, "sparseloco", {n: compressed[n] for n in names}, base=base
                 )
             )
-            for shard, names in global_model.shards.items()
+            for shard, names in self.shards.items()
         }
+        return TrainedRound(round_, payloads, timing, self.trainer.tokens - tokens_before, self.last_loss)
 
     def restore_unsent(self) -> None:
-        """The last payload was not sealed: add it back to the error-feedback buffers (nothing is lost)."""
-        self.feedback.restore(self._unsent)
-        self._unsent = {}
+        """Every payload not yet settled was not sealed: back into the error-feedback buffers."""
+        self.local.restore(list(self.local.unsent))
 
     @property
     def tokens(self) -> int:
         return self.trainer.tokens
 
-    def save_local_state(self, path: Path, global_model: GlobalModel) -> None:
-        """What a restart needs to go on: θ and its round, error feedback, inner optimiser."""
-        state = {
-            "params_round": global_model.params_round,
-            "seal_hash": global_model.seal_hash,
-            "global_params": global_model.params,
+    def local_state(self) -> dict:
+        """What a restart needs to go on, as of the last rebase: θ and its round, the error feedback with
+        every earlier payload settled, the inner optimiser (copies: the training thread goes on at once).
+        Not the working weights: a restart stands on θ again (3N + optimiser floats, not 5N)."""
+        return {
+            "params_round": self.local.base,
+            "seal_hash": self.local.base_seal,
+            "global_params": self.local.theta,
             "feedback": self.feedback.state_dict(),
-            "trainer": self.trainer.state_dict(),
+            "trainer": self.trainer.state_dict(weights=False),
         }
-        tmp = path.with_suffix(".tmp")
-        torch.save(state, tmp)
-        tmp.replace(path)
+
+    def save_local_state(self, path: Path, global_model: GlobalModel) -> None:
+        """Write the state of `global_model` (stood on first) to `path` (tests, and a stop)."""
+        if self.local.base != global_model.params_round:
+            self.rebase(self.rebase_from(global_model))
+        write_state(path, self.local_state())
 
     def load_local_state(self, path: Path, global_model: GlobalModel) -> bool:
         """Restore a saved state (False when there is none); θ is taken only if it fits the model."""
@@ -140,7 +220,7 @@ class AnchorTraining:
                 n: tuple(t.shape) for n, t in global_model.params.items()
             }:
                 raise CheckpointError(f"{path} was saved for another model")
-            self.trainer.load_state_dict(state["trainer"])
+            self.trainer.load_state_dict(state["trainer"])  # its weights, if saved, are replaced below
             self.feedback.load_state_dict(state["feedback"])
         except (OSError, KeyError, RuntimeError, ValueError, pickle.UnpicklingError) as exc:
             raise CheckpointError(f"{path} is unreadable ({exc}); move it away to start fresh") from None
@@ -151,6 +231,7 @@ class AnchorTraining:
         global_model.changed()
         seal_hash = state.get("seal_hash")  # absent in states saved before seals were chained
         global_model.seal_hash = seal_hash if isinstance(seal_hash, str) else None
+        self.rebase(self.rebase_from(global_model))
         return True
 
     def feedback_norm(self) -> float:

@@ -6,6 +6,7 @@ outer round and then syncs. It knows nothing about networks.
 
 from __future__ import annotations
 
+import copy
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -118,7 +119,16 @@ class InnerTrainer:
                 total += self.model.loss(inputs.to(self.device), targets.to(self.device)).item()
         return total / len(batches)
 
-    def state_dict(self) -> dict[str, Any]:
+    def state_dict(self, weights: bool = True) -> dict[str, Any]:
+        """`weights=False`: without the model's weights (a replica stands on θ after a restart), and with
+        copies of the optimiser's tensors, so the state can be written while training goes on."""
+        if not weights:
+            return {
+                "optimizer": copy.deepcopy(self.optimizer.state_dict()),
+                "step": self.step,
+                "tokens": self.tokens,
+                "model_config": self.config.model.__dict__.copy(),
+            }
         return {
             "model": self.model.state_dict(),
             "optimizer": self.optimizer.state_dict(),
@@ -131,7 +141,8 @@ class InnerTrainer:
         if state.get("model_config") != self.config.model.__dict__:
             written, wanted = state.get("model_config"), self.config.model.__dict__
             raise CheckpointError(f"checkpoint was written for model {written}, not {wanted}")
-        self.model.load_state_dict(state["model"])
+        if "model" in state:
+            self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.step = int(state["step"])
         self.tokens = int(state["tokens"])

@@ -8,11 +8,11 @@ import pytest
 import torch
 
 from hetnode.config import Config, replace
-from hetnode.daemon import rounds
 from hetnode.daemon.rounds import AnchorTraining
 from hetnode.data import TokenDataset
 from hetnode.model import build_model
 from hetnode.replica.global_model import GlobalModel
+from hetnode.training.local_rounds import LocalRounds
 from hetnode.training.precision import autocast_dtype, autocast_for
 from hetnode.training.trainer import InnerTrainer
 
@@ -68,13 +68,14 @@ def test_anchor_payload_is_computed_on_cpu_fp32_from_a_bf16_trained_replica(
 ):
     config = replace(tiny_config, "outer", inner_steps=3)
     seen: list[torch.Tensor] = []
-    original = rounds.pseudo_gradient
+    original = LocalRounds.pseudo_gradient
 
-    def spy(reference, local):
-        seen.extend([*reference.values(), *local.values()])
-        return original(reference, local)
+    def spy(self):
+        delta = original(self)
+        seen.extend([*self.start.values(), *delta.values()])
+        return delta
 
-    monkeypatch.setattr(rounds, "pseudo_gradient", spy)
+    monkeypatch.setattr(LocalRounds, "pseudo_gradient", spy)
     coordinator, replica = GlobalModel(config), GlobalModel(config)
     anchor = AnchorTraining(config, dataset, "peer-gpu-like")
     payload = anchor.run_round(0, replica)

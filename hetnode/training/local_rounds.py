@@ -1,0 +1,193 @@
+"""A replica's local half of the outer loop (docs/sync.md, "Overlap"): working weights that keep training
+across rounds, the pseudo-gradient counted from where each round began, error feedback per round, and the
+rebase onto every new θ. Pure torch; anchors and chain stages (and the in-process benchmarks) share it.
+
+The one rule, on every path (an applied seal, a seal that left us out, θ downloaded after a failed apply
+or a catch-up, a restart): when θ^t is known here, the working weights w become
+
+    w ← P(θ^t) + (w − s),   s ← P(θ^t)
+
+where s is the point the current round's progress counts from: the working weights when the previous
+round was compressed (the *eager* rule: a replica runs on from its own fresh weights until the seal lands,
+and keeps what it learned since announcing). A round's pseudo-gradient is Δ = s − w. In lockstep the rebase
+lands before the round's first step, w = s, and this is exactly the classic reset w ← P(θ^t).
+
+A round's Δ is compressed only once the round before is applied (at most one unapplied round ahead), so its
+payload names the θ it was trained from. What a seal left out goes back into error feedback by the round it
+belongs to, never by "the last one".
+"""
+
+from __future__ import annotations
+
+import copy
+import threading
+import time
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+import torch
+
+from hetnode.algo.sparseloco import CompressedTensor, ErrorFeedback
+
+Params = dict[str, torch.Tensor]
+
+
+class TrainingStopped(Exception):
+    """The daemon is stopping: the training thread leaves its round unfinished."""
+
+
+@dataclass(frozen=True)
+class Rebase:
+    """θ after `round` as this replica trains it, and what became of its earlier payloads.
+
+    `reference` is the working copy P(θ) (clones: never the global model's own tensors, which the next
+    apply steps in place); `theta` is θ itself (for the local-state save; the same dict as `reference`
+    when nothing is projected). `next_round`: the round to train from here (`round` + 1, except for a
+    test's stale peer, which trains the current round from old θ). `left_out`: rounds whose payload did
+    not reach θ (back into error feedback)."""
+
+    round: int
+    next_round: int
+    reference: Params
+    fixed: torch.Tensor | None
+    theta: Params
+    seal_hash: str | None = None
+    left_out: tuple[int, ...] = ()
+
+
+class RebaseInbox:
+    """From the event loop (θ applied) to the training thread, which takes rebases between inner steps."""
+
+    def __init__(self) -> None:
+        self._items: deque[Rebase] = deque()
+        self._cond = threading.Condition()
+        self._closed = False
+
+    def post(self, rebase: Rebase) -> None:
+        with self._cond:
+            self._items.append(rebase)
+            self._cond.notify_all()
+
+    def close(self) -> None:
+        """Stop: a waiting or later `take` raises TrainingStopped."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+
+    def drain(self) -> list[Rebase]:
+        """What was posted and never taken (after a stop)."""
+        with self._cond:
+            items = list(self._items)
+            self._items.clear()
+            return items
+
+    def take(self, timeout: float | None = 0.0) -> list[Rebase]:
+        """Every posted rebase, oldest first; waits up to `timeout` (None: forever) for one if none is
+        there. TrainingStopped once closed."""
+        with self._cond:
+            if timeout != 0.0:
+                self._cond.wait_for(lambda: self._items or self._closed, timeout)
+            if self._closed:
+                raise TrainingStopped
+            items = list(self._items)
+            self._items.clear()
+            return items
+
+
+@dataclass
+class RoundTiming:
+    """Where a round's wall time went in the training thread."""
+
+    started_at: float = 0.0  # time.time() at its first inner step
+    train_s: float = 0.0  # in inner steps
+    wait_s: float = 0.0  # waiting for the round before to be applied
+    rebased_at_step: list[int] = field(default_factory=list)  # inner steps done when each rebase landed
+
+
+class LocalRounds:
+    """The working weights `params` (the trainer's own tensors, on any device) between rounds.
+
+    `continue_from_local=False` is the naive one-round delay, kept to be measured against (docs/sync.md):
+    after compressing, w goes back to the last θ it was rebased on, so the steps before the seal lands are
+    taken from θ^{t−1} instead of from the replica's fresh weights."""
+
+    def __init__(self, params: Params, feedback: ErrorFeedback, continue_from_local: bool = True) -> None:
+        self.params = params
+        self.feedback = feedback
+        self.continue_from_local = continue_from_local
+        self.start: Params = {n: p.detach().cpu().clone() for n, p in params.items()}
+        self.base = -2  # the θ round the working weights stand on (−2: none yet; −1 is θ⁰)
+        self.next_round = -1  # the round they train next: nothing before it may be compressed
+        self.base_seal: str | None = None
+        self.unsent: dict[int, dict[str, CompressedTensor]] = {}  # round -> payload not yet settled
+        self.theta: Params | None = None  # θ of `base` (what a local-state save writes)
+        self.fixed: torch.Tensor | None = None
+
+    @torch.no_grad()
+    def rebase(self, rebase: Rebase) -> None:
+        """Stand on θ after `rebase.round`, keeping the progress since the current round began. Every
+        payload of a round up to the next one to train is settled: restored when left out, else in θ or
+        dropped (its fate unknown: never sent twice)."""
+        self.restore(rebase.left_out)
+        self.unsent = {r: sent for r, sent in self.unsent.items() if r >= rebase.next_round}
+        for name, param in self.params.items():
+            reference = rebase.reference[name]
+            progress = param.detach().cpu() - self.start[name]  # exactly 0 when no step was taken
+            param.copy_((reference + progress).to(param.device))
+            self.start[name] = reference  # never written in place: `theta` may share it
+        self.base, self.base_seal, self.next_round = rebase.round, rebase.seal_hash, rebase.next_round
+        self.theta, self.fixed = rebase.theta, rebase.fixed
+
+    def pseudo_gradient(self) -> Params:
+        """Δ = s − w in float32 on CPU: what this round's inner steps moved, sign-flipped."""
+        return {n: (self.start[n] - p.detach().cpu()).to(torch.float32) for n, p in self.params.items()}
+
+    @torch.no_grad()
+    def compress(self, round_: int, delta: Params | None = None) -> dict[str, CompressedTensor]:
+        """Compress this round's Δ (or `delta`, a faulty peer's) with error feedback, keep the payload
+        until its round is settled, and start the next round's count here."""
+        compressed = self.feedback.compress(self.pseudo_gradient() if delta is None else delta)
+        self.unsent[round_] = compressed
+        self.keep_progress()
+        return compressed
+
+    @torch.no_grad()
+    def keep_progress(self) -> None:
+        """The next round counts from here: from the current weights (eager), or back on θ (naive)."""
+        if self.continue_from_local:
+            self.start = {n: p.detach().cpu().clone() for n, p in self.params.items()}
+        else:
+            for name, param in self.params.items():
+                param.copy_(self.start[name].to(param.device))
+
+    def restore(self, rounds: Iterable[int]) -> None:
+        """These rounds' payloads did not reach θ: back into error feedback (nothing is lost)."""
+        for round_ in rounds:
+            sent = self.unsent.pop(round_, None)
+            if sent:
+                self.feedback.restore(sent)
+
+    def take_rebases(self, inbox: RebaseInbox | None, timing: RoundTiming, steps_done: int) -> bool:
+        """Apply whatever rebases have arrived (between two inner steps: never blocks); True if any."""
+        rebases = inbox.take(0.0) if inbox is not None else []
+        for rebase in rebases:
+            self.rebase(rebase)
+            timing.rebased_at_step.append(steps_done)
+        return bool(rebases)
+
+    def wait_for_base(self, inbox: RebaseInbox | None, round_: int, timing: RoundTiming) -> None:
+        """Block until the θ that `round_` is trained from is here: at most one unapplied round ahead."""
+        waited = time.monotonic()
+        while self.next_round < round_:
+            if inbox is None:
+                raise RuntimeError(f"round {round_} needs θ after round {round_ - 1}, holding {self.base}")
+            for rebase in inbox.take(None):
+                self.rebase(rebase)
+                timing.rebased_at_step.append(-1)  # after the last step
+        timing.wait_s += time.monotonic() - waited
+
+
+def snapshot_optimizer(optimizer: torch.optim.Optimizer) -> dict:
+    """A copy of the optimiser's state that later steps cannot change (for a save off the thread)."""
+    return copy.deepcopy(optimizer.state_dict())
