@@ -45,7 +45,8 @@ from hetnode.bench.lab_guard import (  # noqa: E402
     shielded,
     stalled_reason,
 )
-from hetnode.bench.lab_process import HETNODE, LabProcess, stop_all  # noqa: E402
+from hetnode.bench.lab_process import LabProcess, stop_all  # noqa: E402
+from hetnode.bench.lab_swarm import Member, read_jsonl, running_swarm  # noqa: E402
 from hetnode.bench.netlab import NetLab, check_lab_possible  # noqa: E402
 from hetnode.config import Config, dump_config, replace  # noqa: E402
 from hetnode.data import TokenDataset  # noqa: E402
@@ -192,44 +193,16 @@ def run_swarm(
     work.mkdir(parents=True, exist_ok=True)
     config_path = work / "swarm.toml"
     config_path.write_text(dump_config(config))
-    processes: list[LabProcess] = []
-    with lab_session(NetLab(lab_rates(plan, anchors, stages))) as lab:
-        try:
-            coordinator = lab.hosts["coordinator"]
-            boot = LabProcess(
-                "coordinator",
-                [*HETNODE, "bootstrap", "--config", str(config_path)]
-                + ["--listen", f"/ip4/{coordinator.address}/tcp/0", "--data-dir", str(work / "coordinator")],
-                work / "coordinator.log",
-                coordinator.prefix + _pinned("coordinator", pin),
-            )
-            processes.append(boot)
-            boot.wait_ready()
-            _say(progress, f"lab {lab.tag}: coordinator up; starting {', '.join((*anchors, *stages))}")
-            for name in (*anchors, *stages):
-                host = lab.hosts[name]
-                role, declared = ("anchor", ANCHOR_MBIT) if name in anchors else ("stage", plan.slow_mbit)
-                argv = [*HETNODE, "join", "--peer", boot.maddr, "--name", name, "--role", role]
-                argv += ["--bandwidth", f"{declared:g}", "--listen", f"/ip4/{host.address}/tcp/0"]
-                prefix = host.prefix + _pinned(name, pin)
-                processes.append(
-                    LabProcess(
-                        name,
-                        argv + ["--data-dir", str(work / name)],
-                        work / f"{name}.log",
-                        prefix,
-                        detach=True,
-                    )
-                )
-            ids = {p.name: p.wait_ready()["peer_id"] for p in processes[1:]}
-            wire_before = {name: lab.interface_bytes(name) for name in lab.hosts}
-            members = {ids[s] for s in stages} if stages else {ids[anchors[0]]}
-            history = _wait_for_rounds(work / "coordinator", members, plan, progress, processes)
-            wire_after = {name: lab.interface_bytes(name) for name in lab.hosts}
-        finally:
-            with shielded():  # a second signal must not cut this short; leaving the lab removes it after
-                stop_all(processes[1:], STOP_GRACE_S)  # replicas at once, then the coordinator
-                stop_all(processes[:1], STOP_GRACE_S / 2)
+    members = [Member(a, "anchor", ANCHOR_MBIT) for a in anchors]
+    members += [Member(s, "stage", plan.slow_mbit) for s in stages]
+    links = lab_rates(plan, anchors, stages)
+    say = lambda text: _say(progress, text)  # noqa: E731 - a local shorthand
+    with running_swarm(config_path, work, links, members, say, lambda name: _pinned(name, pin)) as swarm:
+        lab, processes, ids = swarm.lab, swarm.processes, swarm.ids
+        wire_before = {name: lab.interface_bytes(name) for name in lab.hosts}
+        watched = {ids[s] for s in stages} if stages else {ids[anchors[0]]}
+        history = _wait_for_rounds(work / "coordinator", watched, plan, progress, processes)
+        wire_after = {name: lab.interface_bytes(name) for name in lab.hosts}
     wire = {
         name: {
             "rx": wire_after[name][0] - wire_before[name][0],
@@ -240,7 +213,7 @@ def run_swarm(
     return {
         "peer_ids": ids,
         "history": history,
-        "round_logs": {name: _read_jsonl(work / name / ROUND_LOG) for name in (*anchors, *stages)},
+        "round_logs": {name: read_jsonl(work / name / ROUND_LOG) for name in (*anchors, *stages)},
         "wire_bytes": wire,
     }
 
@@ -260,7 +233,7 @@ def _wait_for_rounds(
     shown = 0
     while time.monotonic() < deadline:
         check_running(processes)
-        history = _read_jsonl(coordinator_dir / HISTORY)
+        history = read_jsonl(coordinator_dir / HISTORY)
         for entry in history[shown:]:
             if progress:
                 mark = "with the watched peers" if chain <= set(entry["contributors"]) else "without them"
@@ -345,12 +318,6 @@ def ok_allreduce_rounds(path: Path) -> list[dict]:
         return [r for r in json.loads(path.read_text())["rounds"] if r.get("ok")]
     except (OSError, ValueError, KeyError, TypeError):
         return []
-
-
-def _read_jsonl(path: Path) -> list[dict]:
-    if not path.exists():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
 # --- the report -------------------------------------------------------------------------------------
