@@ -8,7 +8,7 @@ from pathlib import Path
 
 from hetnode.algo.aggregate import AGGREGATION_RULES
 from hetnode.bench import influence, network, scale, scale_calibrate, sparseloco, staleness, subspace
-from hetnode.cli import bench_soak, bench_wan
+from hetnode.cli import bench_soak, bench_utilization, bench_wan
 from hetnode.config import load_config
 from hetnode.errors import ConfigError
 
@@ -20,6 +20,7 @@ def register(commands: argparse._SubParsersAction) -> None:
     benches = parser.add_subparsers(dest="bench", metavar="BENCH", required=True)
     bench_soak.register(benches)
     bench_wan.register(benches)
+    bench_utilization.register(benches)
     sparse = benches.add_parser("sparseloco", help="DDP vs DiLoCo vs SparseLoCo: loss against bytes")
     sparse.add_argument("--quick", action="store_true", help="tiny config, 2 replicas (a few minutes)")
     sparse.add_argument(

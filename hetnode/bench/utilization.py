@@ -1,0 +1,306 @@
+"""`hetnode bench utilization`: how much of the wall time a replica trains, lockstep against overlapped
+rounds, side by side in one run (issue 31; root, the netns lab, real daemons).
+
+The lab: a coordinator, two anchors on 50 Mbit/s links and a chain of two stages on 8 Mbit/s links, every
+host 10 ms one way from the lab's core (the user-space WAN emulator, `hetnode/bench/wan_emulator.py`), so
+any two of them are 40 ms RTT apart. Each daemon runs under a CPU quota of its own
+(`hetnode/bench/cpu_quota.py`): while it waits for the network nobody else can use its share.
+
+Three swarm runs, each a fresh swarm: `outer.overlap = false` (lockstep) and `true` (overlap) for the same
+wall-clock budget, counted from the first sealed round with all four replicas in it; then a shorter run of
+the overlap rule with `outer.verify = false`, for the coordinator's seal-to-seal time without verification.
+The figures come from each daemon's own `rounds-local.jsonl` and the coordinator's `rounds.jsonl`
+(`hetnode/bench/utilization_figures.py`); each replica's layer digests are checked against the
+coordinator's at the end of each run. Results: `utilization.json` and `utilization.png`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from hetnode.bench import soak_checks
+from hetnode.bench.cpu_quota import CpuQuotas, check_quotas_possible
+from hetnode.bench.lab_guard import (
+    STALL_ROUNDS,
+    LabStalled,
+    check_chain_possible,
+    check_roles_possible,
+    check_running,
+    interruptible,
+    stalled_reason,
+)
+from hetnode.bench.lab_process import HETNODE
+from hetnode.bench.lab_swarm import Member, RunningSwarm, running_swarm
+from hetnode.bench.netlab import check_lab_possible
+from hetnode.bench.network import rounds_without
+from hetnode.bench.utilization_figures import measured, utilization
+from hetnode.bench.utilization_report import plot, summarise
+from hetnode.bench.wan import LinkProfile
+from hetnode.config import Config, dump_config, replace
+from hetnode.errors import ConfigError, HetnodeError
+
+ANCHORS = ("anchor-1", "anchor-2")
+STAGES = ("stage-1", "stage-2")
+RULES = {"lockstep": False, "overlap": True}  # label -> outer.overlap
+NO_VERIFY_RULE = "overlap"  # the rule of the third run (verification off): the targets' configuration
+ONE_THREAD = ["env", "OMP_NUM_THREADS=1"]  # a fraction of a core: one torch thread, not one per core
+# the soak's control-plane timings: heartbeats every 2 s cost five quota-bound daemons little CPU
+LAB_NETWORK = {"heartbeat_s": 2.0, "record_ttl_s": 8.0, "stable_heartbeat_s": 8.0, "boundary_s": 4.0}
+MISMATCH_LINE = "layer digests differ from the coordinator's"  # hetnode/daemon/participant.py
+HEADROOM_CORES = 0.3  # left outside every quota: the WAN emulator, p2pd's start-up, this process
+
+
+@dataclass(frozen=True)
+class UtilizationPlan:
+    # H. On tiny with batch 8 x 128 at 0.3 of a core, an inner step takes ~0.6 s and a lockstep sync on
+    # these links ~4-6 s (the coordinator's fetch, checks, verification and seal, the replicas' fetch and
+    # apply, all on quota-bound cores): H = 10 puts a lockstep round's sync at 30-60 % of its wall time,
+    # as in a low-bandwidth swarm (BENCHMARKS.md has the measured share, `lockstep_sync_share`).
+    inner_steps: int = 10
+    budget_s: float = 600.0  # per rule, from the first sealed round with every replica in it
+    no_verify_budget_s: float = 240.0
+    warmup_rounds: int = 2  # after that first round, before rounds are measured
+    anchor_mbit: float = 50.0
+    stage_mbit: float = 8.0
+    rtt_ms: float = 40.0  # between any two hosts
+    replica_cpu: float = 0.3  # of a core, each anchor and stage (its p2pd included)
+    coordinator_cpu: float = 0.4
+    batch_size: int = 8
+    seq_len: int = 128
+    start_timeout_s: float = 300.0  # from the daemons' READY to the first round with every replica
+    ready_timeout_s: float = 240.0  # per daemon, to its READY line (start-up under a quota is slow)
+
+
+def plan_for(quick: bool) -> UtilizationPlan:
+    # three swarms in ten minutes on two cores: each ~40 s to its first full round, then its budget, ~30 s
+    # to read the digests (not for the third) and 5 s to stop
+    if quick:
+        return UtilizationPlan(budget_s=120.0, no_verify_budget_s=45.0, start_timeout_s=180.0)
+    return UtilizationPlan()
+
+
+def check_plan(config: Config, plan: UtilizationPlan, cores: int | None = None) -> None:
+    """Refuse a plan that cannot measure what it says, naming the flag or key and what would work."""
+    check_roles_possible(
+        lab_config(config, plan, overlap=False, verify=True),
+        {a: ("anchor", plan.anchor_mbit) for a in ANCHORS} | {s: ("stage", plan.stage_mbit) for s in STAGES},
+        "bench utilization",
+    )
+    check_chain_possible(replace(config, "pipeline", stages=len(STAGES)), len(STAGES), "bench utilization")
+    if plan.inner_steps < 1:
+        raise ConfigError("--inner-steps", "outer.inner_steps", f"must be at least 1, got {plan.inner_steps}")
+    if plan.budget_s < 30 or plan.no_verify_budget_s < 20:
+        raise ConfigError(
+            "--budget",
+            "bench utilization",
+            f"{plan.budget_s:g} s per rule ({plan.no_verify_budget_s:g} s without verification) leaves no "
+            "measured rounds after the warm-up: use --budget 30 or more",
+        )
+    cores = cores or os.cpu_count() or 1
+    wanted = plan.replica_cpu * (len(ANCHORS) + len(STAGES)) + plan.coordinator_cpu
+    if wanted > cores - HEADROOM_CORES:
+        raise HetnodeError(
+            f"the quotas add up to {wanted:.2f} cores; this machine has {cores}, and "
+            f"{HEADROOM_CORES:g} must stay free for the WAN emulator: lower the per-replica share"
+        )
+
+
+def lab_config(config: Config, plan: UtilizationPlan, overlap: bool, verify: bool) -> Config:
+    config = replace(config, "outer", inner_steps=plan.inner_steps, overlap=overlap, verify=verify)
+    config = replace(config, "pipeline", stages=len(STAGES))
+    config = replace(config, "data", batch_size=plan.batch_size, seq_len=plan.seq_len)
+    floor = plan.anchor_mbit / 2  # the anchors' 50 Mbit/s is an anchor's link here
+    return replace(config, "network", anchor_min_up_mbps=floor, anchor_min_down_mbps=floor, **LAB_NETWORK)
+
+
+def lab_links(plan: UtilizationPlan) -> dict[str, LinkProfile]:
+    """Every host a quarter of the RTT from the core each way: any two hosts are `rtt_ms` apart."""
+    delay = plan.rtt_ms / 4
+    rates = {"coordinator": None} | dict.fromkeys(ANCHORS, plan.anchor_mbit)
+    rates |= dict.fromkeys(STAGES, plan.stage_mbit)
+    return {name: LinkProfile(down_mbit=r, up_mbit=r, delay_ms=delay) for name, r in rates.items()}
+
+
+def shares(plan: UtilizationPlan) -> dict[str, float]:
+    return {"coordinator": plan.coordinator_cpu} | dict.fromkeys((*ANCHORS, *STAGES), plan.replica_cpu)
+
+
+# --- one run -----------------------------------------------------------------------------------------
+
+
+def run_rule(
+    config: Config,
+    plan: UtilizationPlan,
+    work: Path,
+    label: str,
+    budget_s: float,
+    say: Callable[[str], None],
+    check: bool = True,
+) -> dict[str, Any]:
+    """A fresh swarm under `config` for `budget_s` after its first round with every replica; what it
+    logged, with the digests checked at its end when `check`."""
+    shutil.rmtree(work, ignore_errors=True)  # no identities, checkpoints or logs from before
+    work.mkdir(parents=True)
+    config_path = work / "swarm.toml"
+    config_path.write_text(dump_config(config))
+    members = [Member(a, "anchor", plan.anchor_mbit) for a in ANCHORS]
+    members += [Member(s, "stage", plan.stage_mbit) for s in STAGES]
+    load_before = os.getloadavg()
+    with CpuQuotas(shares(plan)) as quotas:
+        prefix = lambda name: quotas.prefix(name) + ONE_THREAD  # noqa: E731 - a local shorthand
+        links = lab_links(plan)
+        with running_swarm(
+            config_path, work, links, members, say, prefix, plan.ready_timeout_s, lab_seed=0
+        ) as swarm:
+            first = _wait_for_full_round(swarm, plan, label, say)
+            end = float(first["time"]) + budget_s
+            _follow(swarm, label, first, end, plan, say)
+            if check:
+                say(f"{label}: budget spent; checking every replica's digests against the coordinator's")
+            digests = check_digests(swarm) if check else []
+            throttling = {name: quotas.throttling(name) for name in quotas.folders}
+    names = (*ANCHORS, *STAGES)
+    return {
+        "label": label,
+        "overlap": config.outer.overlap,
+        "verify": config.outer.verify,
+        "budget_s": budget_s,
+        "peer_ids": swarm.ids,
+        "first_full_round": first["round"],
+        "t0": float(first["time"]),
+        "end": end,
+        "history": swarm.history(),
+        "round_logs": {name: swarm.round_log(name) for name in names},
+        "digest_checks": digests,
+        "digest_mismatches_logged": {name: logged_mismatches(work / f"{name}.log") for name in names},
+        "throttling": throttling,
+        "load_average": {"before": load_before, "after": os.getloadavg()},
+    }
+
+
+def _wait_for_full_round(
+    swarm: RunningSwarm, plan: UtilizationPlan, label: str, say: Callable[[str], None]
+) -> dict[str, Any]:
+    """The first sealed round with all four replicas; ends with the daemons' roles when it does not come."""
+    ids = set(swarm.ids.values())
+    deadline = time.monotonic() + plan.start_timeout_s
+    say(f"{label}: waiting for a round with both anchors and the chain")
+    while time.monotonic() < deadline:
+        check_running(swarm.processes)
+        history = swarm.history()
+        full = next((e for e in history if ids <= set(e["contributors"])), None)
+        if full is not None:
+            say(f"{label}: round {full['round']} had every replica; measuring from here")
+            return full
+        if rounds_without(history, ids) >= STALL_ROUNDS:
+            break
+        time.sleep(1.0)
+    raise LabStalled(
+        f"{label}: no sealed round had every replica within {plan.start_timeout_s:.0f} s; the daemons' "
+        "roles:\n" + stalled_reason(swarm.processes, swarm.logs())
+    )
+
+
+def _follow(
+    swarm: RunningSwarm,
+    label: str,
+    first: dict[str, Any],
+    end: float,
+    plan: UtilizationPlan,
+    say: Callable[[str], None],
+) -> None:
+    """Until `end`: a line per sealed round (contributors, eval loss, each replica's utilisation so far)."""
+    shown, t0, budget = first["round"], float(first["time"]), end - float(first["time"])
+    while time.time() < end:
+        check_running(swarm.processes)
+        history = swarm.history()
+        evaluated = [e for e in history if isinstance(e.get("eval_loss"), int | float)]
+        loss = f"{evaluated[-1]['eval_loss']:.3f} (r{evaluated[-1]['round']})" if evaluated else "-"
+        for entry in history:
+            if entry["round"] <= shown:
+                continue
+            shown = entry["round"]
+            util = []
+            for name in (*ANCHORS, *STAGES):
+                rounds = measured(swarm.round_log(name), first["round"] + plan.warmup_rounds, end)
+                value = utilization(rounds)
+                util.append(f"{name[0]}{name[-1]} {'  - ' if value is None else f'{value:.2f}'}")
+            say(
+                f"{label:<9} {entry['time'] - t0:5.0f}/{budget:.0f} s  round {entry['round']:>3}  "
+                f"{len(entry['contributors'])} in seal  eval loss {loss}  "
+                f"utilisation {' '.join(util)}"
+            )
+        time.sleep(1.0)
+
+
+def status_document(swarm: RunningSwarm) -> dict[str, Any] | None:
+    """`hetnode status --json` from inside the coordinator's namespace (None if it failed)."""
+    host = swarm.lab.hosts["coordinator"]
+    argv = [*host.prefix, *HETNODE, "status", "--peer", swarm.coordinator.maddr, "--json", "--timeout", "20"]
+    result = subprocess.run(argv, capture_output=True, text=True, timeout=60)
+    try:
+        return json.loads(result.stdout) if result.returncode == 0 else None
+    except ValueError:
+        return None
+
+
+def check_digests(swarm: RunningSwarm, tries: int = 2) -> list[dict[str, Any]]:
+    """Every replica's digests against the coordinator's for the round it holds (as the soak checks
+    them); asked again while some replica holds a round the coordinator has not written down yet."""
+    checks: list[dict[str, Any]] = []
+    for _ in range(tries):
+        document = status_document(swarm)
+        if document is not None:
+            found = soak_checks.check_digests(document.get("peers", []), swarm.history())
+            checks = [asdict(c) for c in found]
+            if checks and all(c["verdict"] != "unknown-round" for c in checks):
+                break
+        time.sleep(2.0)
+    return checks
+
+
+def logged_mismatches(log: Path) -> int:
+    """Rounds after which a replica found its digests differ from the coordinator's (it downloaded θ)."""
+    if not log.exists():
+        return 0
+    return len(re.findall(re.escape(MISMATCH_LINE), log.read_text(errors="replace")))
+
+
+# --- the benchmark --------------------------------------------------------------------------------------
+
+
+def run_benchmark(config: Config, plan: UtilizationPlan, out: Path, progress: bool = True) -> dict[str, Any]:
+    """The three runs, `utilization.json` and `utilization.png` in `out`."""
+    check_plan(config, plan)  # before root: a plan is a plan
+    check_lab_possible()
+    check_quotas_possible()
+    say = (lambda text: print(f"[bench utilization] {text}", flush=True)) if progress else (lambda text: None)
+    out.mkdir(parents=True, exist_ok=True)
+    work = out / "work"
+    runs = {}
+    with interruptible():  # SIGTERM unwinds as Ctrl+C does: every lab and cgroup below is removed
+        for label, overlap in RULES.items():
+            say(
+                f"{label}: outer.overlap = {str(overlap).lower()}, H = {plan.inner_steps}, "
+                f"{plan.budget_s:g} s"
+            )
+            rule_config = lab_config(config, plan, overlap=overlap, verify=True)
+            runs[label] = run_rule(rule_config, plan, work / label, label, plan.budget_s, say)
+        label = f"{NO_VERIFY_RULE}-no-verify"
+        say(f"{label}: outer.verify = false, {plan.no_verify_budget_s:g} s")
+        quiet = lab_config(config, plan, overlap=RULES[NO_VERIFY_RULE], verify=False)
+        # only its seal-to-seal time is read: its digests go unchecked (a status read costs ~30 s here)
+        runs[label] = run_rule(quiet, plan, work / label, label, plan.no_verify_budget_s, say, check=False)
+    report = summarise(config, plan, runs)
+    (out / "utilization.json").write_text(json.dumps(report, indent=2))
+    plot(report, out / "utilization.png")
+    return report

@@ -1,0 +1,194 @@
+"""What `hetnode bench utilization` concludes from the logs its daemons left: pure functions over each
+replica's `rounds-local.jsonl` lines and the coordinator's `rounds.jsonl` (tested without a lab).
+
+Definitions (BENCHMARKS.md says the same):
+- a replica's **compute utilisation** over its measured rounds a..b is Σ train_s / (time_b − start_a):
+  seconds in inner steps over the wall seconds from the first measured round's first inner step to the
+  last one's announcement. `start` is the round's `started_at`, or `time − train_s` in a log written
+  before daemons filled `started_at` (in lockstep both are the same moment);
+- its **tokens/s** is Σ tokens / the same wall seconds: what it trained per second of the run, waiting
+  included (the round log's own `tokens_per_s` is per second of training);
+- the **swarm's tokens/s** is the tokens of the sealed rounds after the first measured seal, over the time
+  between that seal and the last: tokens the global model took in, each counted once;
+- **eval loss at equal tokens / wall** is each rule's eval loss interpolated (linearly, between sealed
+  rounds) at the largest token count / wall time both rules reached; wall time counts from each run's first
+  round with every replica in it;
+- **seal to seal** is the p50 of the seconds between consecutive measured seals.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+Record = Mapping[str, Any]
+
+
+def round_start(record: Record) -> float:
+    """Wall clock at the round's first inner step (`started_at`; `time − train_s` when it is unset)."""
+    started = record.get("started_at") or 0.0
+    return float(started) if started > 0 else float(record["time"]) - float(record["train_s"])
+
+
+def utilization(records: Sequence[Record]) -> float | None:
+    """Σ train_s / (time_b − start_a) over `records` (one replica's, any order); None below 2 rounds or
+    with no wall time between them. At most 1: rounds of one replica never train at the same time."""
+    if len(records) < 2:
+        return None
+    ordered = sorted(records, key=lambda r: r["round"])
+    wall = float(ordered[-1]["time"]) - round_start(ordered[0])
+    if wall <= 0:
+        return None
+    return min(1.0, sum(float(r["train_s"]) for r in ordered) / wall)
+
+
+def measured(records: Iterable[Record], first_round: int, until: float) -> list[Record]:
+    """A replica's rounds from `first_round` (the warm-up before it skipped) that it announced by `until`."""
+    return sorted(
+        (r for r in records if r["round"] >= first_round and float(r["time"]) <= until),
+        key=lambda r: r["round"],
+    )
+
+
+def replica_figures(name: str, role: str, records: Sequence[Record]) -> dict[str, Any]:
+    """The `replicas[]` entry of utilization.json for one replica's measured rounds."""
+    wall = float(records[-1]["time"]) - round_start(records[0]) if len(records) >= 2 else 0.0
+    tokens = sum(int(r.get("tokens") or 0) for r in records)
+    return {
+        "name": name,
+        "role": role,
+        "compute_utilization": utilization(records),
+        "tokens_per_s": tokens / wall if wall > 0 else None,
+        "rounds_included": sum(bool(r.get("included")) for r in records),
+        "rounds": len(records),
+        "train_s": sum(float(r["train_s"]) for r in records),
+        "train_wait_s": sum(float(r.get("train_wait_s") or 0.0) for r in records),
+        "wall_s": wall,
+        "overlap_logged": any(bool(r.get("overlap")) for r in records),
+    }
+
+
+def sync_share(records: Sequence[Record]) -> float | None:
+    """Share of a lockstep round's wall time in sync: seal wait and apply over train + seal wait + apply
+    (median over rounds); what H is chosen by."""
+    shares = [
+        (r["seal_wait_s"] + r["apply_s"]) / total
+        for r in records
+        if (total := r["train_s"] + r["seal_wait_s"] + r["apply_s"]) > 0
+    ]
+    return statistics.median(shares) if shares else None
+
+
+# --- the coordinator's history ---------------------------------------------------------------------------
+
+
+def first_full_round(history: Sequence[Record], peer_ids: Iterable[str]) -> Record | None:
+    """The first sealed round with every one of `peer_ids` among its contributors."""
+    wanted = set(peer_ids)
+    return next((e for e in history if wanted <= set(e["contributors"])), None)
+
+
+def measured_seals(history: Sequence[Record], first_round: int, until: float) -> list[Record]:
+    return [e for e in history if e["round"] >= first_round and float(e["time"]) <= until]
+
+
+def seal_intervals(seals: Sequence[Record]) -> list[float]:
+    times = [float(e["time"]) for e in seals]
+    return [b - a for a, b in zip(times, times[1:], strict=False)]
+
+
+def p50(values: Sequence[float]) -> float | None:
+    return statistics.median(values) if values else None
+
+
+def swarm_tokens_per_s(seals: Sequence[Record]) -> float | None:
+    """Tokens of the seals after the first, over the seconds from the first seal to the last."""
+    if len(seals) < 2:
+        return None
+    wall = float(seals[-1]["time"]) - float(seals[0]["time"])
+    return sum(int(e.get("tokens") or 0) for e in seals[1:]) / wall if wall > 0 else None
+
+
+def loss_curve(history: Sequence[Record], t0: float) -> list[dict[str, float]]:
+    """Per sealed round with an eval loss: wall seconds since `t0`, tokens sealed so far, the loss."""
+    out, tokens = [], 0
+    for entry in history:
+        tokens += int(entry.get("tokens") or 0)
+        loss = entry.get("eval_loss")
+        if isinstance(loss, int | float):
+            out.append({"wall_s": float(entry["time"]) - t0, "tokens": float(tokens), "loss": float(loss)})
+    return out
+
+
+def interpolate(points: Sequence[tuple[float, float]], x: float) -> float | None:
+    """y at `x` on the polyline through `points` (sorted by x); None outside their range."""
+    if not points or x < points[0][0] or x > points[-1][0]:
+        return None
+    for (x1, y1), (x2, y2) in zip(points, points[1:], strict=False):
+        if x1 <= x <= x2:
+            return y1 if x2 == x1 else y1 + (y2 - y1) * (x - x1) / (x2 - x1)
+    return points[-1][1]
+
+
+def loss_at_equal(curves: Mapping[str, Sequence[Mapping[str, float]]], axis: str) -> dict[str, Any]:
+    """Each rule's eval loss at the same `axis` value ("tokens" or "wall_s"): the largest one every rule
+    reached. {"at": x, "loss": {rule: loss}}; "at" None when the rules share no stretch of the axis."""
+    lines = {rule: sorted((p[axis], p["loss"]) for p in points) for rule, points in curves.items() if points}
+    if len(lines) < len(curves) or not lines:
+        return {"at": None, "loss": dict.fromkeys(curves)}
+    at = min(line[-1][0] for line in lines.values())
+    if at < max(line[0][0] for line in lines.values()):
+        return {"at": None, "loss": dict.fromkeys(curves)}
+    return {"at": at, "loss": {rule: interpolate(line, at) for rule, line in lines.items()}}
+
+
+def ratio(a: float | None, b: float | None) -> float | None:
+    return a / b if a is not None and b else None
+
+
+def target(value: float | None, limit: float, holds: bool | None) -> dict[str, Any]:
+    """One target's verdict; `holds` None when the value could not be measured."""
+    return {"value": value, "limit": limit, "met": None if value is None else bool(holds)}
+
+
+def judge(rules: Mapping[str, Mapping[str, Any]]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(ratios, targets) of overlap against lockstep, as the issue states the targets."""
+    lock, over = rules["lockstep"], rules["overlap"]
+
+    def anchors(rule: Mapping[str, Any]) -> float | None:
+        values = [r["compute_utilization"] for r in rule["replicas"] if r["role"] == "anchor"]
+        return min(values) if values and None not in values else None
+
+    tokens = lock["eval_loss_at_equal_tokens"], over["eval_loss_at_equal_tokens"]
+    wall = lock["eval_loss_at_equal_wall"], over["eval_loss_at_equal_wall"]
+    seal = over["seal_to_seal_s"], over["seal_to_seal_s_no_verify"]
+    ratios = {
+        "swarm_tokens_per_s": ratio(over["swarm_tokens_per_s"], lock["swarm_tokens_per_s"]),
+        "anchor_utilization": ratio(anchors(over), anchors(lock)),
+        "eval_loss_at_equal_tokens": ratio(tokens[1], tokens[0]),
+        "eval_loss_at_equal_wall": ratio(wall[1], wall[0]),
+        "seal_to_seal_verify_over_no_verify": ratio(*seal),
+    }
+    digests = sum(int(rule["digest_disagreements"] or 0) for rule in rules.values())
+    targets = {
+        "anchor_utilization_overlap": target(anchors(over), 0.90, (anchors(over) or 0) >= 0.90),
+        "swarm_tokens_per_s_ratio": target(
+            ratios["swarm_tokens_per_s"], 1.5, (ratios["swarm_tokens_per_s"] or 0) >= 1.5
+        ),
+        "eval_loss_at_equal_tokens_ratio": target(
+            ratios["eval_loss_at_equal_tokens"],
+            1.02,
+            abs((ratios["eval_loss_at_equal_tokens"] or 0) - 1) <= 0.02,
+        ),
+        "eval_loss_at_equal_wall_ratio": target(
+            ratios["eval_loss_at_equal_wall"], 1.0, (ratios["eval_loss_at_equal_wall"] or 1) < 1.0
+        ),
+        "seal_to_seal_verify_ratio": target(
+            ratios["seal_to_seal_verify_over_no_verify"],
+            1.10,
+            (ratios["seal_to_seal_verify_over_no_verify"] or 0) <= 1.10,
+        ),
+        "digest_disagreements": target(float(digests), 0.0, digests == 0),
+    }
+    return ratios, targets

@@ -1,0 +1,157 @@
+"""`utilization.json` and `utilization.png` of `hetnode bench utilization` from its runs' logs (the
+arithmetic is in `hetnode/bench/utilization_figures.py`)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+from hetnode.bench.utilization_figures import (  # noqa: E402
+    judge,
+    loss_at_equal,
+    loss_curve,
+    measured,
+    measured_seals,
+    p50,
+    replica_figures,
+    seal_intervals,
+    swarm_tokens_per_s,
+    sync_share,
+)
+from hetnode.config import Config  # noqa: E402
+from hetnode.model import count_parameters  # noqa: E402
+
+DISAGREES = ("disagrees", "half-applied")
+COMMAND = "sudo .venv/bin/hetnode bench utilization"
+
+
+def rule_summary(run: Mapping[str, Any], warmup_rounds: int) -> dict[str, Any]:
+    """One run's `R`: each replica's figures over its measured rounds, the swarm's, the seals'."""
+    first = run["first_full_round"] + warmup_rounds
+    replicas, sync = [], []
+    for name, records in run["round_logs"].items():
+        rounds = measured(records, first, run["end"])
+        role = next((r["role"] for r in records), "stage" if name.startswith("stage") else "anchor")
+        replicas.append(replica_figures(name, role, rounds))
+        if role == "anchor" and (share := sync_share(rounds)) is not None:
+            sync.append(share)
+    seals = measured_seals(run["history"], first, run["end"])
+    checks = run["digest_checks"]
+    logged = sum(run["digest_mismatches_logged"].values())
+    return {
+        "replicas": replicas,
+        "swarm_tokens_per_s": swarm_tokens_per_s(seals),
+        "eval_loss_at_equal_tokens": None,  # filled in against the other rule (`summarise`)
+        "eval_loss_at_equal_wall": None,
+        "seal_to_seal_s": p50(seal_intervals(seals)),
+        "seal_to_seal_s_no_verify": None,
+        "digest_disagreements": sum(c["verdict"] in DISAGREES for c in checks) + logged,
+        "digest_checks": len(checks),
+        "digest_checks_unknown_round": sum(c["verdict"] == "unknown-round" for c in checks),
+        "digest_mismatches_logged": logged,
+        # share of an anchor's round in sync (seal wait + apply), median over anchors: 30-60 % is the plan
+        "anchor_sync_share": p50(sync),
+        "verify_s": p50([float(e.get("verify_seconds") or 0.0) for e in seals]),
+        "measured_seals": len(seals),
+        "first_full_round": run["first_full_round"],
+        "first_measured_round": first,
+        "budget_s": run["budget_s"],
+        "overlap_configured": run["overlap"],
+        "overlap_logged": any(r["overlap_logged"] for r in replicas),
+        "cpu_throttling": run.get("throttling"),
+        "load_average": run.get("load_average"),
+        "eval_loss_curve": loss_curve(run["history"], run["t0"]),
+    }
+
+
+def summarise(config: Config, plan: Any, runs: Mapping[str, Mapping[str, Any]]) -> dict[str, Any]:
+    """The whole `utilization.json`: `{"rules": {"lockstep": R, "overlap": R}}`, the run without
+    verification, the ratios overlap / lockstep and each target's verdict."""
+    rules = {label: rule_summary(runs[label], plan.warmup_rounds) for label in ("lockstep", "overlap")}
+    quiet_label = next((label for label in runs if label.endswith("-no-verify")), None)
+    quiet = rule_summary(runs[quiet_label], plan.warmup_rounds) if quiet_label else None
+    if quiet is not None:
+        rules[quiet_label.removesuffix("-no-verify")]["seal_to_seal_s_no_verify"] = quiet["seal_to_seal_s"]
+    curves = {label: rule["eval_loss_curve"] for label, rule in rules.items()}
+    equal = {"tokens": loss_at_equal(curves, "tokens"), "wall_s": loss_at_equal(curves, "wall_s")}
+    for label, rule in rules.items():
+        rule["eval_loss_at_equal_tokens"] = equal["tokens"]["loss"][label]
+        rule["eval_loss_at_equal_wall"] = equal["wall_s"]["loss"][label]
+    ratios, targets = judge(rules)
+    real = rules["overlap"]["overlap_logged"]
+    return {
+        "command": COMMAND,
+        "config": {
+            "run": config.run.name,
+            "parameters": count_parameters(config.model),
+            "H": plan.inner_steps,
+            "batch_size": plan.batch_size,
+            "seq_len": plan.seq_len,
+        },
+        "plan": asdict(plan),
+        "equal_tokens_at": equal["tokens"]["at"],
+        "equal_wall_s_at": equal["wall_s"]["at"],
+        "rules": rules,
+        "no_verify": None
+        if quiet is None
+        else {"rule": quiet_label.removesuffix("-no-verify"), **{k: quiet[k] for k in _QUIET_KEYS}},
+        "overlap_is_real": real,
+        "note": None
+        if real
+        else (
+            "the overlap run's daemons logged no overlapped round (outer.overlap is not implemented in this "
+            "tree yet): both rules ran lockstep, so the ratios measure run-to-run noise, not the overlap"
+        ),
+        "ratios": ratios,
+        "targets": targets,
+    }
+
+
+_QUIET_KEYS = ("seal_to_seal_s", "swarm_tokens_per_s", "verify_s", "measured_seals", "digest_disagreements")
+
+
+def plot(report: Mapping[str, Any], path: Path) -> None:
+    """Eval loss against wall time and against tokens for both rules; each replica's utilisation."""
+    fig, axes = plt.subplots(1, 3, figsize=(17, 4.8))
+    colours = {"lockstep": "tab:blue", "overlap": "tab:orange"}
+    for label, rule in report["rules"].items():
+        curve = rule["eval_loss_curve"]
+        for ax, axis in ((axes[0], "wall_s"), (axes[1], "tokens")):
+            ax.plot(
+                [p[axis] for p in curve], [p["loss"] for p in curve], ".-", color=colours[label], label=label
+            )
+    for ax, at, xlabel in (
+        (axes[0], report["equal_wall_s_at"], "seconds since the first round with every replica"),
+        (axes[1], report["equal_tokens_at"], "tokens sealed"),
+    ):
+        if at is not None:
+            ax.axvline(at, color="grey", linestyle=":", label="compared here")
+        ax.set(xlabel=xlabel, ylabel="eval loss")
+        ax.legend(fontsize=8)
+    axes[0].set_title("eval loss against wall time")
+    axes[1].set_title("eval loss against tokens")
+    names = [r["name"] for r in report["rules"]["lockstep"]["replicas"]]
+    width = 0.38
+    for i, (label, rule) in enumerate(report["rules"].items()):
+        values = [r["compute_utilization"] or 0.0 for r in rule["replicas"]]
+        xs = [j + (i - 0.5) * width for j in range(len(values))]
+        axes[2].bar(xs, values, width, color=colours[label], label=label)
+    axes[2].axhline(0.9, color="grey", linestyle=":", label="target (overlap, anchors)")
+    axes[2].set_xticks(range(len(names)), names)
+    axes[2].set(ylim=(0, 1.05), title="compute utilisation (inner-step s / wall s)")
+    axes[2].legend(fontsize=8)
+    c = report["config"]
+    real = "" if report["overlap_is_real"] else " — overlap NOT implemented yet: both runs are lockstep"
+    fig.suptitle(
+        f"hetnode bench utilization: {c['run']} ({c['parameters'] / 1e6:.2f} M params), H={c['H']}{real}"
+    )
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

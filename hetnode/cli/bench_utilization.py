@@ -1,0 +1,84 @@
+"""`hetnode bench utilization`: lockstep against overlapped rounds, side by side in the netns lab (root)."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+from hetnode.bench import utilization
+from hetnode.config import load_config
+
+CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs"
+
+
+def register(benches: argparse._SubParsersAction) -> None:
+    parser = benches.add_parser(
+        "utilization",
+        help="compute utilisation of lockstep vs overlapped rounds on slow links, a CPU quota each (root)",
+    )
+    parser.add_argument(
+        "--quick", action="store_true", help="120 s per rule, 45 s without verification (about 8 minutes)"
+    )
+    parser.add_argument("--config", type=Path, default=None, help="run config (default tiny)")
+    parser.add_argument(
+        "--out", type=Path, default=Path("benchmarks/results/utilization"), help="output folder"
+    )
+    parser.add_argument("--inner-steps", type=int, default=None, help="H (default: the plan's, 10)")
+    parser.add_argument(
+        "--budget",
+        type=float,
+        default=None,
+        help="wall seconds per rule from its first round with every replica (default 600, --quick 120)",
+    )
+    parser.add_argument("--no-progress", action="store_true")
+    parser.set_defaults(handler=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    config = load_config(args.config or CONFIG_DIR / "tiny.toml")
+    plan = utilization.plan_for(args.quick)
+    if args.inner_steps is not None:
+        plan = dataclasses.replace(plan, inner_steps=args.inner_steps)
+    if args.budget is not None:
+        plan = dataclasses.replace(
+            plan, budget_s=args.budget, no_verify_budget_s=max(20.0, args.budget / 2.5)
+        )
+    report = utilization.run_benchmark(config, plan, args.out, progress=not args.no_progress)
+    print_summary(report)
+    print(f"wrote {args.out / 'utilization.json'} and {args.out / 'utilization.png'}")
+    return 0
+
+
+def _show(value: Any, digits: int = 2) -> str:
+    return "n/a" if value is None else f"{value:,.{digits}f}"
+
+
+def print_summary(report: dict[str, Any]) -> None:
+    rules = report["rules"]
+    print(
+        f"{'replica':<10} {'role':<7} " + " ".join(f"{label + ' util':>14} {'tok/s':>8}" for label in rules)
+    )
+    for i, replica in enumerate(rules["lockstep"]["replicas"]):
+        cells = []
+        for rule in rules.values():
+            r = rule["replicas"][i]
+            cells.append(f"{_show(r['compute_utilization']):>14} {_show(r['tokens_per_s'], 0):>8}")
+        print(f"{replica['name']:<10} {replica['role']:<7} " + " ".join(cells))
+    for key in (
+        "swarm_tokens_per_s",
+        "eval_loss_at_equal_tokens",
+        "eval_loss_at_equal_wall",
+        "seal_to_seal_s",
+    ):
+        print(f"{key:<28} " + "  ".join(f"{label} {_show(rule[key], 3)}" for label, rule in rules.items()))
+    quiet = report.get("no_verify") or {}
+    print(
+        f"seal to seal without verification ({quiet.get('rule')}): {_show(quiet.get('seal_to_seal_s'), 3)} s"
+    )
+    for name, t in report["targets"].items():
+        verdict = {True: "met", False: "NOT met", None: "not measured"}[t["met"]]
+        print(f"  {name:<34} {_show(t['value'], 3):>8} (limit {t['limit']:g}) {verdict}")
+    if report.get("note"):
+        print(f"note: {report['note']}")
