@@ -102,6 +102,12 @@ def _fmt_bytes(value: Any) -> str:
     return "–"  # unreachable
 
 
+def _fmt_share(value: Any) -> str:
+    """A share in [0, 1] (a replica's compute utilisation) as "93 %"; "–" when unknown or out of range."""
+    x = _number(value)
+    return "–" if x is None or not 0 <= x <= 1 else f"{100 * x:.0f} %"
+
+
 def _ago(then: Any, now: float) -> str:
     x = _number(then)
     return "–" if x is None else f"{max(0.0, now - x):.0f} s ago"
@@ -245,7 +251,7 @@ def render_page(
         return "–" if chain is None else f"{chain} / {_text(p.get('stage'))}"
 
     live = _table(
-        ["name", "role", "class", "chain / stage", "round held", "link", "last seen"],
+        ["name", "role", "class", "chain / stage", "round held", "utilisation", "link", "last seen"],
         [
             _cells(
                 (p.get("name") or p.get("peer") or "–", False),
@@ -253,6 +259,7 @@ def render_page(
                 (_text(p.get("link_class")), False),
                 (chain_stage(p), False),
                 (_fmt_int(p.get("params_round")), True),
+                (_fmt_share(p.get("utilization")), True),
                 (link(p), False),
                 (_ago(p.get("last_seen"), now), False),
             )

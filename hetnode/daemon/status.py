@@ -124,6 +124,13 @@ def format_mbit(value: Any) -> str:
     return "<0.01"
 
 
+def format_share(value: Any) -> str:
+    """A share in [0, 1] as a whole percentage ("93%"); "-" when unknown or not a share."""
+    if not isinstance(value, int | float) or isinstance(value, bool) or not 0 <= value <= 1:
+        return "-"
+    return f"{100 * value:.0f}%"
+
+
 def render_table(document: dict[str, Any]) -> str:
     """The swarm as a table; every string from the DHT goes through `printable` first."""
     now = document.get("time", time.time())
@@ -134,7 +141,7 @@ def render_table(document: dict[str, Any]) -> str:
         f"coordinator {_cell(str(document.get('coordinator', ''))[-8:], 8)}",
         "",
         f"{'name':<16} {'peer':<10} {'class':<6} {'role':<12} {'chain':<16} {'stage':>5} {'layers':>7} "
-        f"{'up Mb/s':>8} {'down Mb/s':>9} {'holds':>5} {'embed digest':<16} {'seen':>6}",
+        f"{'up Mb/s':>8} {'down Mb/s':>9} {'holds':>5} {'util':>5} {'embed digest':<16} {'seen':>6}",
     ]
     for p in peers:
         layers = p.get("layers")
@@ -152,7 +159,7 @@ def render_table(document: dict[str, Any]) -> str:
             f"{_cell(p.get('class'), 6):<6} {_cell(p.get('role'), 12):<12} {_cell(p.get('chain'), 32):<16} "
             f"{_cell(p.get('stage'), 5):>5} {span:>7} {format_mbit(p.get('up_mbps')):>8} "
             f"{format_mbit(p.get('down_mbps')):>9} {_cell(p.get('params_round'), 5):>5} "
-            f"{_cell(digest, 16):<16} {seen:>6}"
+            f"{format_share(p.get('utilization')):>5} {_cell(digest, 16):<16} {seen:>6}"
         )
     lines.append("")
     if not chains:

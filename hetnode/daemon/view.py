@@ -159,6 +159,7 @@ class SwarmView:
                 "params_round": r["params_round"],
                 "layer_digests": r["layer_digests"],
                 "tokens": r["tokens"],
+                "utilization": r.get("utilization"),
             }
             for peer_id, r in self.peers.items()
         ]

@@ -24,6 +24,7 @@ from hetnode.demo.rounds import (
     round_bytes,
     seconds_per_round,
 )
+from hetnode.service.round_log import log_utilization
 
 
 @dataclass
@@ -143,6 +144,7 @@ def _traffic(logs: Mapping[str, list[dict[str, Any]]], processes: list[dict[str,
                     int(number(e.get("activation_bytes_sent")) or 0) for e in entries
                 ),
                 "tokens_per_s": _mean([v for e in entries if (v := number(e.get("tokens_per_s")))]),
+                "compute_utilization": log_utilization(entries),  # the whole run
             }
         )
     return rows
@@ -333,6 +335,7 @@ def render_markdown(summary: Mapping[str, Any]) -> str:
                 human_bytes(t["upload_bytes"]),
                 human_bytes(t["download_bytes"]),
                 human_bytes(t["activation_bytes_sent"]),
+                _percent(t.get("compute_utilization")),
             ]
             for t in summary["peer_traffic"]
         ]
@@ -344,13 +347,23 @@ def render_markdown(summary: Mapping[str, Any]) -> str:
             "payload up",
             "sealed down",
             "activations sent",
+            "compute utilisation",
         ]
-        parts += ["## Each peer's own round log", "", table(headers, traffic, "llrrrrr"), ""]
+        parts += ["## Each peer's own round log", "", table(headers, traffic, "llrrrrrr"), ""]
+        parts += [
+            "Compute utilisation: seconds in inner steps over wall seconds, from the first round's first "
+            "inner step to the last round's announcement.",
+            "",
+        ]
     parts += ["## Plots", ""]
     parts += [f"- [{name}]({path})" for name, path in summary["plots"].items()]
     parts += ["", "## Logs", ""]
     parts += [f"- {p['name']}: [{p['log']}]({p['log']})" for p in summary["processes"]]
     return "\n".join(parts) + "\n"
+
+
+def _percent(share: float | None) -> str:
+    return "–" if share is None else f"{100 * share:.0f} %"
 
 
 def _link(process: Mapping[str, Any]) -> str:

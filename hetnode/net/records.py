@@ -142,6 +142,9 @@ class PeerRecord(pydantic.BaseModel):
     params_round: pydantic.conint(strict=True, ge=-1) | None  # type: ignore[valid-type]
     layer_digests: dict[ShardName, Digest] | None  # type: ignore[valid-type]
     tokens: pydantic.conint(strict=True, ge=0, le=MAX_TOKENS) | None  # type: ignore[valid-type]
+    # a replica's compute utilisation over its last rounds (seconds in inner steps / wall seconds,
+    # `hetnode.service.round_log.rolling_utilization`): advice for people, nothing decides on it
+    utilization: pydantic.confloat(strict=True, ge=0, le=1) | None = None  # type: ignore[valid-type]
 
     _cap_digests = pydantic.validator("layer_digests", pre=True, allow_reuse=True)(_at_most_shards)
 
@@ -365,5 +368,6 @@ def new_peer_record(name: str, **fields: Any) -> dict[str, Any]:
         "layer_digests": None,
         "tokens": None,
         "admission": None,
+        "utilization": None,
     }
     return record | fields

@@ -3,12 +3,16 @@ and the bytes went. The network benchmark reads it; an operator can `tail -f` it
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 ROUND_LOG = "rounds-local.jsonl"
+UTILIZATION_ROUNDS = 8  # the rounds over which a replica's published compute utilisation is read
 
 
 @dataclass
@@ -61,3 +65,36 @@ def read_rounds(data_dir: Path) -> list[dict]:
     if not path.exists():
         return []
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def record_from_log(entry: Mapping[str, Any]) -> RoundRecord:
+    """A round log line back as a RoundRecord (keys it does not know, e.g. `tokens_per_s`, are dropped)."""
+    known = {f.name for f in dataclasses.fields(RoundRecord)}
+    return RoundRecord(**{k: v for k, v in entry.items() if k in known})
+
+
+def rolling_utilization(records: Sequence[RoundRecord], last: int = UTILIZATION_ROUNDS) -> float | None:
+    """Compute utilisation over the newest `last` of `records` (one replica's): Σ train_s / (time_b −
+    start_a), seconds in inner steps over the wall seconds from the first one's first inner step
+    (`started_at`, or `time − train_s` where it was not filled) to the last one's announcement. In
+    [0, 1], 3 digits, for the peer record (advice shown to people: nothing decides on it); None below two
+    rounds. A gap of rounds the replica did not train (a catch-up) counts as waiting, as it was."""
+    window = sorted(records, key=lambda r: r.round)[-last:] if last > 0 else []
+    if len(window) < 2:
+        return None
+    first = window[0]
+    start = first.started_at if first.started_at > 0 else first.time - first.train_s
+    wall = window[-1].time - start
+    if wall <= 0:
+        return None
+    return round(min(1.0, max(0.0, sum(r.train_s for r in window) / wall)), 3)
+
+
+def log_utilization(entries: Sequence[Mapping[str, Any]], last: int | None = None) -> float | None:
+    """`rolling_utilization` of round log lines (all of them unless `last`); None for lines it cannot
+    be read from (written by other code, or without their times)."""
+    try:
+        records = [record_from_log(entry) for entry in entries]
+        return rolling_utilization(records, len(records) if last is None else last)
+    except (TypeError, ValueError, AttributeError):
+        return None

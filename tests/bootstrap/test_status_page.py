@@ -99,6 +99,7 @@ def snapshot(**overrides) -> dict:
                 "up_mbps": 12.5,
                 "down_mbps": None,
                 "last_seen": NOW - 3,
+                "utilization": 0.934,
             },
             {
                 "peer": "peer-a",
@@ -213,6 +214,9 @@ def test_html_escapes_peer_chosen_text(server: HttpServer, board: StatusBoard):
     assert "3,000" in page and "46.2 %" in page and "10 s ago" in page
     assert page.index("&lt;script&gt;") < page.index("bob") < page.index("alice")
     assert "↑ 1000 / ↓ 1000 Mbit/s" in page and "↑ 12.5 / ↓ - Mbit/s" in page and "e+03" not in page
+    # each replica's compute utilisation, as it reports it ("–" where it reports none)
+    assert "<th>utilisation</th>" in page and '<td class="n">93 %</td>' in page
+    assert '<td class="n">–</td><td>↑ 1000 / ↓ 1000 Mbit/s' in page
 
 
 def test_unknown_path_is_404(server: HttpServer):

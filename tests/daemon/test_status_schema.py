@@ -107,6 +107,7 @@ def swarm_records(n_layers: int, digests: dict[str, str]) -> dict[str, dict[str,
             layer_digests=digests,
             tokens=40960,
             tflops=0.25,
+            utilization=0.93,
         ),
         ids["idle"]: new_peer_record("idle-1"),
     }

@@ -88,7 +88,22 @@ def record(tmp_path: Path, rounds: int, **extra) -> DemoRecord:
             "rounds": [rounds - 1],
             "peers": [{"name": "anchor-1", "params_round": rounds - 1, "agree": True, "reason": None}],
         },
-        "round_logs": {"anchor-1": [{"round": 0, "tokens": 20480, "upload_bytes": 50000, "included": True}]},
+        "round_logs": {
+            "anchor-1": [{"round": 0, "tokens": 20480, "upload_bytes": 50000, "included": True}],
+            "edge_1": [  # trained 6 s of every 10 s round
+                {
+                    "round": r,
+                    "role": "stage",
+                    "train_s": 6.0,
+                    "tokens": 2048,
+                    "upload_bytes": 1000,
+                    "time": 100.0 + 10 * r + 6,
+                    "started_at": 100.0 + 10 * r,
+                    "tokens_per_s": 341.3,
+                }
+                for r in range(3)
+            ],
+        },
     }
     return DemoRecord(**(fields | extra))
 
@@ -124,6 +139,9 @@ def test_summary_counts_rounds_losses_bytes_and_names(tmp_path):
     assert summary["digests_agree"] is True
     assert [c["name"] for c in summary["contributions"]] == ["anchor-1", "edge_1"]
     assert summary["processes"][1]["log"] == "/x/a1.log"  # outside OUT: kept absolute
+    traffic = {t["name"]: t for t in summary["peer_traffic"]}
+    assert traffic["edge_1"]["compute_utilization"] == pytest.approx(round(18 / 26, 3))
+    assert traffic["anchor-1"]["compute_utilization"] is None  # a log line without its times
     json.dumps(summary)  # summary.json must serialise
 
 

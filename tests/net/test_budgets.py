@@ -215,6 +215,7 @@ def _peer_record(n_shards: int, digest_chars: int = 16, stages: int = 0) -> dict
         "params_round": 10**6,
         "layer_digests": {s: "a" * digest_chars for s in shards},
         "tokens": 2**40,
+        "utilization": 1.0,
     }
 
 
