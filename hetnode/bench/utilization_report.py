@@ -67,7 +67,8 @@ def rule_summary(run: Mapping[str, Any], warmup_rounds: int) -> dict[str, Any]:
         "overlap_logged": any(r["overlap_logged"] for r in replicas),
         "cpu_throttling": run.get("throttling"),
         "load_average": run.get("load_average"),
-        "eval_loss_curve": loss_curve(run["history"], run["t0"]),
+        # the rounds sealed within the budget: the swarm runs on while its digests are read
+        "eval_loss_curve": loss_curve([e for e in run["history"] if e["time"] <= run["end"]], run["t0"]),
     }
 
 
@@ -86,6 +87,7 @@ def summarise(config: Config, plan: Any, runs: Mapping[str, Mapping[str, Any]]) 
         rule["eval_loss_at_equal_wall"] = equal["wall_s"]["loss"][label]
     ratios, targets = judge(rules)
     real = rules["overlap"]["overlap_logged"]
+    share = rules["lockstep"]["anchor_sync_share"]
     return {
         "command": COMMAND,
         "config": {
@@ -94,6 +96,12 @@ def summarise(config: Config, plan: Any, runs: Mapping[str, Mapping[str, Any]]) 
             "H": plan.inner_steps,
             "batch_size": plan.batch_size,
             "seq_len": plan.seq_len,
+        },
+        # H is chosen so that a lockstep round spends 30-60 % of its wall time in sync, as on slow links
+        "H_check": {
+            "lockstep_anchor_sync_share": share,
+            "range": [0.3, 0.6],
+            "met": None if share is None else 0.3 <= share <= 0.6,
         },
         "plan": asdict(plan),
         "equal_tokens_at": equal["tokens"]["at"],

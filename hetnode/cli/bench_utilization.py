@@ -77,6 +77,12 @@ def print_summary(report: dict[str, Any]) -> None:
     print(
         f"seal to seal without verification ({quiet.get('rule')}): {_show(quiet.get('seal_to_seal_s'), 3)} s"
     )
+    h = report["H_check"]
+    share = _show(h["lockstep_anchor_sync_share"])
+    print(
+        f"H = {report['config']['H']}: a lockstep anchor round spends {share} of its wall time in sync "
+        f"(planned 0.30-0.60: {'yes' if h['met'] else 'no'})"
+    )
     for name, t in report["targets"].items():
         verdict = {True: "met", False: "NOT met", None: "not measured"}[t["met"]]
         print(f"  {name:<34} {_show(t['value'], 3):>8} (limit {t['limit']:g}) {verdict}")

@@ -17,6 +17,7 @@ from hetnode.bench import utilization_figures as fig
 from hetnode.bench.cpu_quota import CPU_ROOT, CpuQuotas, parse_cpu_stat, quota_us, stray_folders
 from hetnode.bench.lab_swarm import merged_history
 from hetnode.bench.utilization_report import summarise
+from hetnode.cli.bench_utilization import print_summary
 from hetnode.cli.main import build_parser
 from hetnode.config import load_config
 from hetnode.errors import ConfigError, HetnodeError
@@ -156,7 +157,9 @@ def _run(label: str, overlap: bool, logged_overlap: bool, shift: float) -> dict:
             "digest_mismatches_logged": dict.fromkeys(logs, 0)}  # fmt: skip
 
 
-def test_the_report_holds_both_rules_the_run_without_verification_and_says_when_overlap_was_not_real():
+def test_the_report_holds_both_rules_the_run_without_verification_and_says_when_overlap_was_not_real(
+    capsys: pytest.CaptureFixture,
+):
     plan = utilization.plan_for(quick=True)
     runs = {"lockstep": _run("lockstep", False, False, 0.0), "overlap": _run("overlap", True, False, 1.0)}
     runs["overlap-no-verify"] = _run("overlap-no-verify", True, False, 2.0)
@@ -177,6 +180,9 @@ def test_the_report_holds_both_rules_the_run_without_verification_and_says_when_
     assert report["ratios"]["eval_loss_at_equal_tokens"] == pytest.approx(1.0)
     assert lock["digest_disagreements"] == 0 and report["targets"]["digest_disagreements"]["met"]
     assert not report["overlap_is_real"] and "lockstep" in report["note"]
+    assert report["H_check"]["lockstep_anchor_sync_share"] == 0.0  # these hand-made rounds never wait
+    print_summary(report)  # the command's table reads every field it needs
+    assert "anchor-1" in capsys.readouterr().out
     runs["overlap"] = _run("overlap", True, True, 1.0)
     assert summarise(load_config(TINY), plan, runs)["note"] is None
 
