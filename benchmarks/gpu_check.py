@@ -39,6 +39,7 @@ from hetnode.demo.swarm import alive, descendants, process_name, read_jsonl, sta
 from hetnode.model import build_model, count_parameters
 from hetnode.training.precision import autocast_dtype
 from hetnode.training.trainer import InnerTrainer
+from hetnode.wire.round_history import merge_history
 
 ROOT = Path(__file__).resolve().parents[1]
 LOOPBACK = "/ip4/127.0.0.1/tcp/0"
@@ -245,7 +246,7 @@ def _watch_rounds(
     names = {peer: name for name, peer in ids.items()}
     history: list[dict[str, Any]] = []
     while deadline.left() > 0:
-        history = read_jsonl(work / "bootstrap" / "rounds.jsonl")
+        history = merge_history(read_jsonl(work / "bootstrap" / "rounds.jsonl"))
         if sum(set(ids.values()) <= set(h.get("contributors", [])) for h in history) >= rounds:
             break
         if boot.proc.poll() is not None:
@@ -268,7 +269,7 @@ def _watch_rounds(
         if document and hold_round(document.get("peers", []), ids, joint[-1]):
             break
         time.sleep(1.0)
-    history = read_jsonl(work / "bootstrap" / "rounds.jsonl")  # may have grown while we waited
+    history = merge_history(read_jsonl(work / "bootstrap" / "rounds.jsonl"))  # may have grown while we waited
     verdict = compare_digests((document or {}).get("peers", []), history, ids)
     held = {row["name"]: row["params_round"] for row in verdict["peers"]}
     same_round = len(set(held.values())) == 1

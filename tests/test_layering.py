@@ -35,7 +35,7 @@ ALLOWED = {
         "export",
     },
     "bench": {"algo", "model", "data", "training", "wire", "replica", "sim", "planning"},
-    "demo": {"bench", "daemon", "service"},
+    "demo": {"bench", "daemon", "service", "wire"},
     "export": {"model", "data", "replica"},
 }
 SHARED = {"config", "errors", "__init__"}

@@ -46,7 +46,7 @@ from hetnode.bench.lab_guard import (  # noqa: E402
     stalled_reason,
 )
 from hetnode.bench.lab_process import LabProcess, stop_all  # noqa: E402
-from hetnode.bench.lab_swarm import Member, read_jsonl, running_swarm  # noqa: E402
+from hetnode.bench.lab_swarm import Member, merged_history, read_jsonl, running_swarm  # noqa: E402
 from hetnode.bench.netlab import NetLab, check_lab_possible  # noqa: E402
 from hetnode.config import Config, dump_config, replace  # noqa: E402
 from hetnode.data import TokenDataset  # noqa: E402
@@ -233,13 +233,14 @@ def _wait_for_rounds(
     shown = 0
     while time.monotonic() < deadline:
         check_running(processes)
-        history = read_jsonl(coordinator_dir / HISTORY)
+        history = merged_history(read_jsonl(coordinator_dir / HISTORY))
         for entry in history[shown:]:
-            if progress:
+            if progress:  # the eval loss comes later, beside the next seals: shown when it is there
                 mark = "with the watched peers" if chain <= set(entry["contributors"]) else "without them"
+                loss = entry.get("eval_loss")
                 print(
                     f"  round {entry['round']:>3}  {len(entry['contributors'])} contributions ({mark})"
-                    f"  eval loss {entry['eval_loss']:.3f}",
+                    + (f"  eval loss {loss:.3f}" if loss is not None else ""),
                     flush=True,
                 )
         shown = len(history)

@@ -47,6 +47,7 @@ from hetnode.bench.sync_windows import (
 )
 from hetnode.config import Config, dump_config
 from hetnode.errors import HetnodeError
+from hetnode.wire.round_history import merge_history
 
 ROUND_LOG = "rounds-local.jsonl"  # what every daemon writes per round (hetnode/service/round_log.py)
 
@@ -269,7 +270,7 @@ def _history(coordinator_dir: Path) -> list[dict]:
             out.append(json.loads(line))
         except ValueError:  # a line being written
             break
-    return out
+    return merge_history(out)  # each round's evaluated line, written beside the next seals
 
 
 def _follow(

@@ -40,6 +40,7 @@ from hetnode.bench.scale_lab import ONE_THREAD, kill_leftovers, read_rounds
 from hetnode.bench.wan import LinkProfile, describe, link_profile
 from hetnode.config import Config, dump_config, replace
 from hetnode.errors import HetnodeError
+from hetnode.wire.round_history import merge_history
 
 COORDINATOR_PORT = 41000  # fixed, so that a restarted coordinator has the address the peers were given
 LINK_DOWN_S = 30.0
@@ -267,7 +268,7 @@ class Soak:
                 out.append(json.loads(line))
             except ValueError:  # a line being written
                 break
-        return out
+        return merge_history(out)  # each round's evaluated line, written beside the next seals
 
     def sealed(self) -> int:
         history = self.history()

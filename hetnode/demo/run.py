@@ -33,6 +33,7 @@ log = logging.getLogger(__name__)
 
 QUICK_INNER_STEPS = 10  # H for --quick: a round every few seconds on two cores
 DIGEST_WAIT_S = 90.0  # for every replica to apply the last round
+EVAL_WAIT_S = 60.0  # for the coordinator to evaluate the last round (beside the seal, after it)
 EXIT_CODES = {"finished": 0, "interrupted": 130, "failed": 1}
 
 
@@ -138,6 +139,7 @@ def run_demo(options: DemoOptions) -> int:
                 digests = check_digests(swarm)
                 outcome = "interrupted" if stop.is_set() else outcome
                 print(digest_line(digests), flush=True)
+                wait_for_evaluation(swarm, options.rounds)
         except Interrupted:
             outcome = "interrupted"
         except HetnodeError as exc:
@@ -205,6 +207,17 @@ def note_chains(
         seen = chains.setdefault(chain["chain"], {"chain": chain["chain"], "first_seen": next_round})
         seen["members"] = [str(names.get(m) or m) for m in chain.get("members") or []]
         seen["live"] = bool(chain.get("live"))
+
+
+def wait_for_evaluation(swarm: DemoSwarm, total: int) -> None:
+    """Give the coordinator up to EVAL_WAIT_S to evaluate the rounds the report shows: it evaluates each
+    round beside the next seals, and a stop before that leaves the last ones without an eval loss."""
+    deadline = time.monotonic() + EVAL_WAIT_S
+    while time.monotonic() < deadline and not swarm.stop.is_set():
+        history = swarm.history()[:total]
+        if all(entry.get("evaluated", True) for entry in history):
+            return
+        swarm.stop.wait(0.5)
 
 
 def check_digests(swarm: DemoSwarm) -> dict[str, Any] | None:

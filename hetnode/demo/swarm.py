@@ -25,6 +25,7 @@ from typing import Any
 from hetnode.bench.lab_process import HETNODE, LabProcess
 from hetnode.bench.netlab import NetLab
 from hetnode.errors import HetnodeError
+from hetnode.wire.round_history import merge_history
 
 log = logging.getLogger(__name__)
 
@@ -176,8 +177,8 @@ class DemoSwarm:
             return None
 
     def history(self) -> list[dict[str, Any]]:
-        """The coordinator's sealed rounds, from its `rounds.jsonl`."""
-        return read_jsonl(self.work / "bootstrap" / HISTORY)
+        """The coordinator's sealed rounds, from its `rounds.jsonl` (evaluated lines merged in)."""
+        return merge_history(read_jsonl(self.work / "bootstrap" / HISTORY))
 
     def peer_status(self, timeout_s: float = 20.0) -> dict[str, Any] | None:
         """`hetnode status --json` through the coordinator: every peer's params_round and layer digests."""

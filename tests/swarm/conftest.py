@@ -17,7 +17,8 @@ from pathlib import Path
 import pytest
 
 from hetnode.config import dump_config, load_config, replace
-from hetnode.demo.swarm import alive, descendants, process_name
+from hetnode.demo.swarm import alive, descendants, process_name, read_jsonl
+from hetnode.wire.round_history import merge_history
 
 ROOT = Path(__file__).resolve().parents[2]
 LOOPBACK = "/ip4/127.0.0.1/tcp/0"
@@ -25,13 +26,20 @@ HETNODE = [sys.executable, "-m", "hetnode.cli.main"]
 
 
 class Daemon:
-    def __init__(self, name: str, args: list[str], log_path: Path, prefix: list[str]) -> None:
+    def __init__(
+        self, name: str, args: list[str], log_path: Path, prefix: list[str], command: list[str] | None = None
+    ) -> None:
         self.name = name
         self.log_path = log_path
         self.log = open(log_path, "w")  # noqa: SIM115 - closed in stop()
         env = dict(os.environ, PYTHONUNBUFFERED="1")
         self.proc = subprocess.Popen(
-            prefix + HETNODE + args, stdout=subprocess.PIPE, stderr=self.log, text=True, cwd=ROOT, env=env
+            prefix + (command or HETNODE) + args,
+            stdout=subprocess.PIPE,
+            stderr=self.log,
+            text=True,
+            cwd=ROOT,
+            env=env,
         )
         self.lines: list[str] = []
         self.ready: dict[str, str] | None = None
@@ -86,11 +94,18 @@ class Daemon:
         return self.proc.returncode
 
 
+def all_evaluated(history: list[dict], upto: int | None = None) -> bool:
+    """Every round (up to `upto`) has its evaluated line (a skipped evaluation has no eval loss)."""
+    return all(e.get("evaluated", True) for e in history if upto is None or e["round"] <= upto)
+
+
 class Swarm:
     def __init__(self, tmp_path: Path, data_dir: Path) -> None:
         self.tmp_path = tmp_path
         self.data_dir = data_dir  # the session's token cache: every daemon reads the corpus from here
         self.daemons: list[Daemon] = []
+
+    all_evaluated = staticmethod(all_evaluated)
 
     def config(
         self, pipeline: dict | None = None, network: dict | None = None, outer: dict | None = None
@@ -103,19 +118,22 @@ class Swarm:
         path.write_text(dump_config(config))
         return path
 
-    def start(self, name: str, args: list[str], prefix: list[str] | None = None) -> Daemon:
-        daemon = Daemon(name, args, self.tmp_path / f"{name}.log", prefix or [])
+    def start(
+        self, name: str, args: list[str], prefix: list[str] | None = None, command: list[str] | None = None
+    ) -> Daemon:
+        """`command`: what runs instead of `hetnode` (a test's hook script that then runs the CLI)."""
+        daemon = Daemon(name, args, self.tmp_path / f"{name}.log", prefix or [], command)
         self.daemons.append(daemon)
         return daemon
 
     def bootstrap(
-        self, config: Path, data_dir: Path | None = None, listen: str = LOOPBACK, extra=()
+        self, config: Path, data_dir: Path | None = None, listen: str = LOOPBACK, extra=(), command=None
     ) -> Daemon:
         data_dir = data_dir or self.tmp_path / "bootstrap"
         args = ["bootstrap", "--config", str(config), "--listen", listen, "--data-dir", str(data_dir)]
         if "--http-port" not in extra:
             args += ["--http-port", "0"]  # any free port: the READY line says which (http=...)
-        return self.start("bootstrap", [*args, *extra])
+        return self.start("bootstrap", [*args, *extra], command=command)
 
     def join(
         self, name: str, peer: str, bandwidth: str = "auto", listen: str = LOOPBACK, extra=(), prefix=None
@@ -172,18 +190,16 @@ class Swarm:
         return {d.name: d.stop(sig=None) for d in self.daemons}
 
     def history(self, data_dir: Path | None = None) -> list[dict]:
-        """The coordinator's sealed rounds (one JSON line per round)."""
-        path = (data_dir or self.tmp_path / "bootstrap") / "rounds.jsonl"
-        if not path.exists():
-            return []
-        return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        """The coordinator's sealed rounds: one entry per seal line, its evaluated line (scores, credit,
+        eval loss, sample: written later, beside the next seals) merged in."""
+        return merge_history(read_jsonl((data_dir or self.tmp_path / "bootstrap") / "rounds.jsonl"))
 
     def agree_with_coordinator(self, document: dict, names: set[str]) -> dict[str, int]:
         """Every named replica's (params_round, layer_digests) equals the coordinator's record of that
         round (a chain stage's: for the layers it holds); returns each one's params_round.
 
         A replica applies a round as soon as it has the seal; the coordinator writes the round to its
-        history after applying, evaluating, sampling and checkpointing it: so wait for its history."""
+        history right after committing it and before publishing its digests: wait for its history."""
         wanted = {
             p["params_round"]
             for p in document["peers"]
@@ -220,11 +236,17 @@ class Swarm:
         assert set(rounds) == names, rounds
         return rounds
 
-    def wait_for_round(self, round_: int, timeout: float) -> list[dict]:
+    def wait_for_round(self, round_: int, timeout: float, evaluated: bool = False) -> list[dict]:
+        """The history once `round_` is sealed (with `evaluated`: once every round up to it is evaluated
+        too, which the coordinator does beside the next seals)."""
         return self.wait_for_history(
-            lambda history: bool(history) and history[-1]["round"] >= round_,
+            lambda history: (
+                bool(history)
+                and history[-1]["round"] >= round_
+                and (not evaluated or all_evaluated(history, round_))
+            ),
             timeout,
-            f"round {round_} sealed",
+            f"round {round_} sealed{' and evaluated' if evaluated else ''}",
         )
 
     def wait_for_history(self, check: Callable[[list[dict]], bool], timeout: float, what: str) -> list[dict]:
