@@ -2,12 +2,13 @@
 θ download size (what docs/operations.md and docs/swarm.md quote).
 
 Measured for the configs in --measure, each in a fresh process (so its peak RSS is its own), in the
-coordinator's order: the global θ (`GlobalModel`), the evaluator as `RoundKeeper._build_evaluator` builds it
-(the corpus, the eval batches, a second copy of the model), two sealed rounds of 2 contributors (decode,
-verification with `bootstrap/verifier.py`, aggregate and outer step; the second is timed), the evaluation of
-θ, and the checkpoint as `RoundKeeper._checkpoint` writes it. For every config the sizes come from the shapes
-alone (`hetnode/bench/scale_sizes.py`); for --estimate configs memory and times are extrapolated from the
-measured ones (`estimate` says how; the arithmetic is in the JSON and in docs/operations.md), not measured.
+coordinator's order: the global θ (`GlobalModel`), the bookkeeping worker as `Bookkeeper.build` builds it
+(the corpus, the eval batches, a second copy of the model: the worker's copy of θ), two sealed rounds of 2
+contributors (decode, verification with `bootstrap/verifier.py`, aggregate and outer step; the second is
+timed), the evaluation of θ, and the checkpoint as `checkpoint_store.store` writes it. For every config
+the sizes come from the shapes alone (`hetnode/bench/scale_sizes.py`); for --estimate configs memory and
+times are extrapolated from the measured ones (`estimate` says how; the arithmetic is in the JSON and in
+docs/operations.md), not measured.
 
     nice -n 19 .venv/bin/python benchmarks/coordinator_resources.py            # tiny, small; 178m, 1b
 """
@@ -25,7 +26,6 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from types import SimpleNamespace
 
 ROOT = Path(__file__).resolve().parents[1]
 OUT = ROOT / "benchmarks" / "results" / "resources" / "resources.json"
@@ -75,7 +75,8 @@ def measure(name: str) -> dict:
     """One config, in this process (run it in a fresh one)."""
     import torch
 
-    from bootstrap.round_keeper import RoundKeeper
+    from bootstrap.bookkeeping import Bookkeeper
+    from bootstrap.checkpoint_store import checkpoints_root, store
     from bootstrap.verifier import Verifier, replica_of
     from hetnode.algo.sparseloco import SparseLoCoCodec
     from hetnode.config import load_config
@@ -90,15 +91,19 @@ def measure(name: str) -> dict:
     result["theta_build_s"] = time.perf_counter() - started
     result["rss_with_theta_mb"] = rss_mb()[0]
 
-    keeper = SimpleNamespace(config=config)  # what _build_evaluator reads and sets
+    books = Bookkeeper(config, None, Path(tempfile.gettempdir()), "bench", lambda line: None)  # no ledger use
     started = time.perf_counter()
-    evaluate = RoundKeeper._build_evaluator(keeper)
+    books.build(theta.params, theta.params_round)
     result["evaluator_build_s"] = time.perf_counter() - started  # corpus, eval batches, model copy
     result["rss_with_evaluator_mb"] = rss_mb()[0]
 
+    def evaluate(global_model: GlobalModel) -> float:
+        books._load(global_model.params, global_model.params_round)  # the worker steps its copy instead
+        return books.evaluate()
+
     # sealed rounds of CONTRIBUTORS replicas, as bare payload messages (signatures are not checked here),
     # in the coordinator's order: decode (the sealer's validation), score (verification), step θ
-    verifier = Verifier(config, keeper._dataset, keeper._model)
+    verifier = Verifier(config, books.dataset, books.model)
     replicas = {f"replica-{i}": replica_of(f"replica-{i}", None) for i in range(CONTRIBUTORS)}
     codec = SparseLoCoCodec(config.outer.topk, config.outer.tile)
     generator = torch.Generator().manual_seed(0)
@@ -139,14 +144,8 @@ def measure(name: str) -> dict:
     result["eval_loss"] = loss
 
     with tempfile.TemporaryDirectory() as folder:
-        writer = SimpleNamespace(  # what _checkpoint reads
-            data_dir=SimpleNamespace(path=Path(folder)),
-            global_model=theta,
-            config=config,
-            node=SimpleNamespace(run="bench"),
-        )
         started = time.perf_counter()
-        RoundKeeper._checkpoint(writer)
+        store(checkpoints_root(Path(folder)), theta, config, "bench")
         result["checkpoint_s"] = time.perf_counter() - started
         result["checkpoint_bytes"] = sum(p.stat().st_size for p in Path(folder).rglob("*") if p.is_file())
     current, peak = rss_mb()

@@ -10,7 +10,6 @@ and anyone else's seal is noise.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 from collections import deque
@@ -31,8 +30,9 @@ log = logging.getLogger(__name__)
 
 class CatchUp:
     """Finds a trusted seal newer than the coordinator's θ and takes that round's θ from a replica. What
-    follows a catch-up is the keeper's: `checkpoint` θ, `sample` text from it, `publish` its round and
-    digests, `append_history` the round's entry (`history` is the keeper's, read for our own digests)."""
+    follows a catch-up is the keeper's: `append_history` the round's entry (`history` is the keeper's, read
+    for our own digests), `publish` its round and digests, and `settled`: evaluate, sample and checkpoint
+    it beside the next rounds (`bootstrap/bookkeeping.py`)."""
 
     def __init__(
         self,
@@ -41,20 +41,18 @@ class CatchUp:
         global_model: GlobalModel,
         stand_ins: tuple[str, ...],
         history: deque[dict[str, Any]],
-        checkpoint: Callable[[], None],
-        sample: Callable[[int], Awaitable[dict[str, Any] | None]],
         publish: Callable[[int, dict[str, str]], Awaitable[None]],
         append_history: Callable[[dict[str, Any]], None],
+        settled: Callable[[int, dict[str, str]], Awaitable[None]],
     ) -> None:
         self.config = config
         self.node = node
         self.global_model = global_model
         self.stand_ins = stand_ins
         self.history = history
-        self.checkpoint = checkpoint
-        self.sample = sample
         self.publish = publish
         self.append_history = append_history
+        self.settled = settled
         self._newer: tuple[str, dict[str, Any]] | None = None
         self._checked_at = -float("inf")
 
@@ -92,9 +90,7 @@ class CatchUp:
             return dict(record["layer_digests"])
         return None
 
-    async def from_replicas(
-        self, sealer: str, seal: dict[str, Any], evaluator: Callable[[GlobalModel], float]
-    ) -> bool:
+    async def from_replicas(self, sealer: str, seal: dict[str, Any]) -> bool:
         """θ after `seal`'s round from any replica that holds it, checked against the sealer's digests."""
         round_ = seal["round"]
         view = await SwarmView.read(self.node, self.config)
@@ -118,33 +114,25 @@ class CatchUp:
                 log.warning("catch-up from %s failed: %s", peer, exc)
                 continue
             self.global_model.seal_hash = seal_digest(seal)
-            await asyncio.to_thread(self.checkpoint)
-            eval_loss = await asyncio.to_thread(evaluator, self.global_model)
-            sample = await self.sample(round_)
-            await self.publish(round_, digests)
             self.append_history(
                 {
                     "round": round_,
                     "contributors": [],  # sealed without us: we took the result, not the contributions
                     "excluded": [],
                     "tokens": 0,
-                    "eval_loss": eval_loss,
+                    "eval_loss": None,  # the evaluated line brings it
                     "seal_seconds": 0.0,
                     "layer_digests": digests,
                     "seal_hash": self.global_model.seal_hash,
                     "time": time.time(),
                     "caught_up_from": peer,
                     "sealed_by": sealer,
-                    "sample": sample,
+                    "sample": None,
                 }
             )
-            log.info(
-                "caught up to round %d from %s (sealed by %s), eval loss %.4f",
-                round_,
-                peer,
-                sealer,
-                eval_loss,
-            )
+            await self.publish(round_, digests)
+            await self.settled(round_, digests)  # evaluated, sampled and checkpointed beside the rounds
+            log.info("caught up to round %d from %s (sealed by %s)", round_, peer, sealer)
             return True
         if not holders:
             log.info("round %d was sealed without us; waiting for a replica that holds it", round_)

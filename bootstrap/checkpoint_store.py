@@ -218,11 +218,28 @@ def _read_legacy(path: Path, config: Config) -> tuple[dict[str, torch.Tensor], i
 def store(root: Path, model: GlobalModel, config: Config, run: str | None) -> Path | None:
     """Write θ as `root/round-NNNNNN/` and keep the newest `outer.keep_checkpoints`; the folder, or None
     when the newest checkpoint holds this θ already (a stop right after a checkpoint round)."""
-    manifest = CheckpointManifest.of(config, model.params_round, model.seal_hash, model.digests(), run)
+    return store_params(root, model.params, model.params_round, model.seal_hash, model.digests(), config, run)
+
+
+def store_params(
+    root: Path,
+    params: dict[str, torch.Tensor],
+    round_: int,
+    seal_hash: str | None,
+    digests: dict[str, str],
+    config: Config,
+    run: str | None,
+) -> Path | None:
+    """`store` for θ held outside a `GlobalModel` (the bookkeeping worker's snapshot of a round):
+    `digests` must be those of `params`, as the caller checked."""
+    manifest = CheckpointManifest.of(config, round_, seal_hash, digests, run)
     found = list_checkpoints(root)
     if found and _describes(found[-1][1]) == _key(manifest):
         return None
-    folder = save_checkpoint(root / folder_name(model.params_round), model.params, manifest)
+    if found and found[-1][0] > round_:
+        log.info("round %d: the checkpoint of round %d is newer; not writing this one", round_, found[-1][0])
+        return None
+    folder = save_checkpoint(root / folder_name(round_), params, manifest)
     for gone in prune_checkpoints(root, config.outer.keep_checkpoints):
         log.debug("removed checkpoint %s (keeping the newest %d)", gone.name, config.outer.keep_checkpoints)
     return folder

@@ -1,6 +1,7 @@
 """The coordinator's half of a sync round: collect announcements, seal (`hetnode/daemon/sealing.py`), apply
-the same aggregate to its own copy of θ, evaluate, checkpoint every K rounds, and serve sealed payloads
-and state.
+the same aggregate to its own copy of θ, write the round's seal line (with θ's digests) to the history,
+publish the digests, and serve sealed payloads and state. Then it goes straight back to collecting the next
+round: scoring, credit, evaluation, samples and checkpoints run beside it (`bootstrap/bookkeeping.py`).
 
 After a restart (or a crash between checkpoints) the swarm may hold rounds the coordinator does not: its
 own last seal is newer than its checkpoint, or a stand-in listed in the manifest sealed in its place while
@@ -10,8 +11,8 @@ signed record (the stand-in's rounds), never a vote of replicas. Once it has sea
 or θ is ever adopted (TRUST §1): the swarm follows the coordinator's chain.
 
 Credit follows from the protocol, not from claims: a sealed contribution earns the manifest's schedule
-(H × batch × sequence tokens per replica, split over a chain's stages by the shards each delivered). A
-ledger failure is logged and never stops sealing or applying.
+(H × batch × sequence tokens per replica, split over a chain's stages by the shards each delivered), written
+by the worker once the round's score is known. A ledger failure is logged and never stops sealing or applying.
 """
 
 from __future__ import annotations
@@ -26,27 +27,26 @@ from typing import Any
 
 import torch
 
+from bootstrap.bookkeeping import Bookkeeper, RoundWork, credit_rows, snapshot
 from bootstrap.catch_up import CatchUp
 from bootstrap.checkpoint_store import Restored, checkpoints_root, store
-from bootstrap.ledger import Contribution, Ledger, Verdict
+from bootstrap.ledger import Contribution, Ledger
 from bootstrap.run_state import HISTORY
-from bootstrap.samples import RoundSampler
 from bootstrap.swarm_metrics import REPLICA_ROLES, SwarmMetrics
-from bootstrap.verifier import Verifier, replica_of
+from bootstrap.verifier import replica_of
 from hetnode.config import Config
 from hetnode.daemon.participant import payload_opener
 from hetnode.daemon.sealing import SealedRound, Sealer
 from hetnode.daemon.view import PeerDirectory, SwarmView
 from hetnode.daemon.view_changes import ChangeLog
-from hetnode.data.dataset import TokenDataset
-from hetnode.model.decoder import build_model
 from hetnode.net.node import SwarmNode
 from hetnode.net.records import new_head_record
 from hetnode.planning.rounds import Announcement, replica_tokens, seal_now, shard_order
-from hetnode.replica.global_model import GlobalModel, base_fixed_embedding
+from hetnode.replica.global_model import GlobalModel
 from hetnode.service.datadir import DataDir
 from hetnode.service.lifecycle import sleep_or_stop, sleep_or_wake
 from hetnode.service.presence import Presence
+from hetnode.wire.round_history import merge_history
 from hetnode.wire.sync_payload import DecodedPayload
 
 log = logging.getLogger(__name__)
@@ -57,17 +57,18 @@ HEAD_TTL_S = 3600.0  # rewritten every round; it outlives long rounds, and repli
 
 
 def read_history(data_dir: Path) -> list[dict[str, Any]]:
-    """The sealed rounds in `DATA_DIR/rounds.jsonl` (a torn last line after a crash is skipped)."""
+    """The sealed rounds in `DATA_DIR/rounds.jsonl`, each seal line with its round's evaluated line merged
+    in (`hetnode/wire/round_history.py`; a torn last line after a crash is skipped)."""
     path = data_dir / HISTORY
     if not path.exists():
         return []
-    entries = []
+    rows = []
     for line in path.read_text().splitlines():
         try:
-            entries.append(json.loads(line))
+            rows.append(json.loads(line))
         except json.JSONDecodeError:
             log.warning("skipping a damaged line in %s", path)
-    return entries[-HISTORY_KEPT:]
+    return merge_history(rows)[-HISTORY_KEPT:]
 
 
 class RoundKeeper:
@@ -96,19 +97,12 @@ class RoundKeeper:
         self.global_model = GlobalModel(config, opener=payload_opener(node.run or "", config))
         self.sealer = Sealer(config, node, self.global_model)
         self.sealed_in_this_life = False  # from then on, no other seal or θ is ever adopted
-        self.catch_up = CatchUp(
-            config,
-            node,
-            self.global_model,
-            self.stand_ins,
-            self.history,
-            self._checkpoint,
-            self._sample,
-            self._publish_theta,
-            self._append_history,
+        after = (self._publish_theta, self._append_history, self._caught_up)
+        self.catch_up = CatchUp(config, node, self.global_model, self.stand_ins, self.history, *after)
+        # scores, credit, evaluation, samples and checkpoints, beside the seal, on a copy of θ of its own
+        self.bookkeeping = Bookkeeper(
+            config, ledger, checkpoints_root(data_dir.path), node.run, self._evaluated, metrics
         )
-        self.verifier: Verifier | None = None  # set up with the evaluator when `outer.verify` is on
-        self.sampler: RoundSampler | None = None  # set up with the evaluator (it samples on that model)
         self._rescued: dict[tuple[int, tuple[str, ...]], set[str]] = {}  # the last `_rescue` verdict
         self._names: dict[str, str] = {}  # display names from peer records, as last seen
         n = config.network
@@ -172,14 +166,14 @@ class RoundKeeper:
     async def run(self, stop: asyncio.Event) -> None:
         digests = await asyncio.to_thread(self.global_model.digests)
         await self._store_head(self.global_model.params_round, digests)
-        evaluator = await asyncio.to_thread(self._build_evaluator)
-        self.sampler = RoundSampler(
-            self.config.samples, self.config.run.seed, self._dataset.tokenizer, self._model
-        )
-        if self.config.outer.verify:
-            self.verifier = Verifier(self.config, self._dataset, self._model)
-            self.sealer.screen = self.verifier.screen
+        books = self.bookkeeping
+        await asyncio.to_thread(books.build, self.global_model.params, self.global_model.params_round)
+        for line in await asyncio.to_thread(books.recover, list(self.history)):
+            self._evaluated(line)  # rounds a crash left sealed and never credited
+        if books.verifier is not None:
+            self.sealer.screen = books.verifier.screen
             self.sealer.rescue = self._rescue
+        books.start()
         seen: dict[str, Announcement] = {}
         round_ = self.global_model.params_round + 1
         try:
@@ -187,22 +181,23 @@ class RoundKeeper:
                 # rounds the swarm sealed without us (`catch_up`): taken before we seal anything
                 newer = await self.catch_up.due(self.sealed_in_this_life)
                 if newer is not None:
-                    if not await self.catch_up.from_replicas(*newer, evaluator):
+                    if not await self.catch_up.from_replicas(*newer):
                         await sleep_or_stop(stop, 1.0)
                     continue
                 round_ = self.global_model.params_round + 1
                 if any(a.round != round_ for a in seen.values()):
                     seen = {}
                 try:
-                    await self._poll(round_, seen, evaluator)
+                    await self._poll(round_, seen)
                 except Exception:  # a round that fails here must not end the coordinator; θ is untouched
                     log.exception("round %d: sealing failed; the round stays open", round_)
                     seen.clear()
                     await sleep_or_stop(stop, 1.0)
         finally:
-            await asyncio.to_thread(self._checkpoint)  # a clean stop loses no round
+            await books.close()  # the rounds waiting are credited; the phase in hand ends
+            await asyncio.to_thread(self._checkpoint)  # a clean stop loses no round: the newest θ
 
-    async def _poll(self, round_: int, seen: dict[str, Announcement], evaluator: Any) -> None:
+    async def _poll(self, round_: int, seen: dict[str, Announcement]) -> None:
         """One look at the announcements of `round_`; seal it when it is time."""
         await self.sealer.collect(round_, seen)
         if not seen:
@@ -218,15 +213,20 @@ class RoundKeeper:
         if self._head is not None:  # replicas poll the head for this, not the (O(R)-byte) seal
             await self._store_head(*self._head)
         self.sealer.observe_arrivals(expected, seen)
-        await self._record(sealed, started, evaluator)
+        await self._settle(sealed, started)
 
-    async def _record(self, sealed: SealedRound, started: float, evaluator: Any) -> None:
-        """Score the round's contributions (on θ before the step), apply the sealed round to the
-        coordinator's θ, credit the verified contributions, evaluate, checkpoint, append to the history.
-        The step was aggregated and checked before the seal was published: it cannot fail here."""
+    async def _settle(self, sealed: SealedRound, started: float) -> None:
+        """Commit the sealed round to θ, write its seal line (digests in it: a crash from here on leaves
+        them in the history, where `CatchUp.trusted_digests` reads them), publish the digests, and hand the
+        round to the bookkeeping worker. The step was aggregated and checked before the seal was published:
+        it cannot fail here. Nothing here waits for scoring, evaluation, sampling or a checkpoint."""
         round_ = sealed.record["round"]
         peers = (await self.view.get()).peers
-        verdicts = await self._verify(sealed, peers)
+        books = self.bookkeeping
+        # the worker scores on θ before the step: a snapshot only when its own copy will not hold it
+        base = (
+            await asyncio.to_thread(snapshot, self.global_model.params) if books.needs_base(round_) else None
+        )
         await asyncio.to_thread(self.global_model.commit, sealed.prepared)
         self.global_model.seal_hash = sealed.digest
         self.sealed_in_this_life = True
@@ -234,30 +234,19 @@ class RoundKeeper:
         if len(self._names) > 100_000:
             self._names.clear()
         self._names.update({peer: record["name"] for peer, record in peers.items()})
-        names = self._names
-        refused = {v.peer for v in verdicts if v.reason is not None}
-        credits = [c for c in self.credits(sealed, names) if c.peer not in refused]
-        try:
-            await asyncio.to_thread(self.ledger.record_round, round_, sealed.record["sealed_at"], credits)
-            await asyncio.to_thread(self.ledger.record_verdicts, verdicts)
-        except Exception:  # the ledger is a view of the rounds: its failure must not stop them
-            log.exception("round %d: the ledger refused the round's credits", round_)
-        eval_loss = await asyncio.to_thread(evaluator, self.global_model)
-        sample = await self._sample(round_)
-        if round_ % self.config.outer.checkpoint_every_rounds == 0:
-            await asyncio.to_thread(self._checkpoint)
-        digests = self.global_model.digests()
-        await self._publish_theta(round_, digests)
+        credits = self.credits(sealed, self._names)
+        digests = await asyncio.to_thread(self.global_model.digests)
         entry = {
             "round": round_,
             "contributors": [peer for peer, _ in sealed.contributions],
             "excluded": sealed.excluded,
-            "rejected": {v.peer: v.reason for v in verdicts if v.reason is not None},
-            "scores": {v.peer: round(v.score, 4) for v in verdicts if v.score is not None},
-            "verify_seconds": round(self.verifier.last_seconds, 3) if self.verifier else 0.0,
+            "rejected": dict(sealed.rejected),  # the seal's screens; the verdicts come with the evaluation
+            "scores": {},
+            "verify_seconds": 0.0,  # the evaluated line says how long its scoring took
             # tokens trained by the schedule: a replica's worth per anchor, a chain's split over its stages
+            # (the evaluated line says what was credited)
             "tokens": sum(c.tokens for c in credits),
-            "eval_loss": eval_loss,
+            "eval_loss": None,  # the evaluated line brings it
             "seal_seconds": round(time.monotonic() - started, 3),
             "layer_digests": digests,
             "seal_hash": sealed.digest,
@@ -266,58 +255,80 @@ class RoundKeeper:
                 role: sum(c.bytes_sent for c in credits if c.role == role) for role in REPLICA_ROLES
             },
             "dense_bytes": sum(self.global_model.dense_bytes(p) for _, p in sealed.contributions),
-            "sample": sample,  # a few tokens from θ after this round, for people to read
+            "sample": None,
+            "credits": credit_rows(credits),  # for a crash before the worker credits them
+            "evaluated": False,
         }
         self._append_history(entry)
+        await self._publish_theta(round_, digests)
         if self.metrics is not None:
-            self.metrics.observe_round(
-                entry["payload_bytes"], entry["dense_bytes"], len(credits), eval_loss, entry["seal_seconds"]
+            self.metrics.observe_seal(
+                entry["payload_bytes"], entry["dense_bytes"], len(credits), entry["seal_seconds"]
             )
+        scorable = [(p, d) for p, d in sealed.valid if sealed.rejected.get(p) not in ("stale", "copy")]
+        books.submit(
+            RoundWork(
+                round_,
+                step=sealed.prepared,
+                base=base,
+                base_round=round_ - 1,
+                sealed=entry["contributors"],
+                rejected=dict(sealed.rejected),
+                scorable=scorable,
+                replicas={peer: replica_of(peer, peers.get(peer)) for peer, _ in scorable},
+                credits=credits,
+                sealed_at=sealed.record["sealed_at"],
+                digests=digests,
+                seal_hash=sealed.digest,
+            )
+        )
         log.info(
-            "round %d sealed: %d contributions, %d excluded, eval loss %.4f",
+            "round %d sealed: %d contributions, %d excluded, %.3f s",
             round_,
             len(sealed.contributions),
             len(sealed.excluded),
-            eval_loss,
+            entry["seal_seconds"],
         )
+
+    async def _caught_up(self, round_: int, digests: dict[str, str]) -> None:
+        """θ of `round_` was taken from a replica: the worker takes a snapshot of it, evaluates, samples and
+        checkpoints it (it has no contributions to score or credit)."""
+        base = await asyncio.to_thread(snapshot, self.global_model.params)
+        self.bookkeeping.submit(
+            RoundWork(
+                round_,
+                base=base,
+                base_round=round_,
+                digests=digests,
+                seal_hash=self.global_model.seal_hash,
+                catch_up=True,
+            )
+        )
+
+    def _evaluated(self, line: dict[str, Any]) -> None:
+        """The worker's evaluated line for a round: appended to the history file, merged into our entry."""
+        with open(self.data_dir.path / HISTORY, "a") as history:
+            history.write(json.dumps(line) + "\n")
+        entry = next((h for h in reversed(self.history) if h["round"] == line["round"]), None)
+        if entry is not None:
+            entry.update({k: v for k, v in line.items() if k != "round"})
 
     async def _rescue(self, round_: int, contributions: list[tuple[str, list[DecodedPayload]]]) -> set[str]:
         """The peers among `contributions` whose work helps on its own (once per round and set of peers:
         the sealer asks again at every poll while the round stays open)."""
         key = (round_, tuple(sorted(peer for peer, _ in contributions)))
-        if self.verifier is None:
+        verifier = self.bookkeeping.verifier
+        if verifier is None:
             return set()
         if key not in self._rescued:
             peers = (await self.view.get()).peers
             replicas = {peer: replica_of(peer, peers.get(peer)) for peer, _ in contributions}
             self._rescued = {
                 key: await asyncio.to_thread(
-                    self.verifier.helps, round_, self.global_model.params, contributions, replicas
+                    verifier.helps, round_, self.global_model.params, contributions, replicas
                 )
             }
         return self._rescued[key]
-
-    async def _verify(self, sealed: SealedRound, peers: dict[str, dict]) -> list[Verdict]:
-        """Score the round's valid contributions (stale and copied ones have their reason already) and
-        judge each: what the ledger keeps and what it credits."""
-        if self.verifier is None:
-            return []
-        round_ = sealed.record["round"]
-        replicas = {peer: replica_of(peer, peers.get(peer)) for peer, _ in sealed.valid}
-        scorable = [(p, d) for p, d in sealed.valid if sealed.rejected.get(p) not in ("stale", "copy")]
-        try:
-            scores = await asyncio.to_thread(
-                self.verifier.score, round_, self.global_model.params, scorable, replicas
-            )
-        except Exception:  # scoring must not stop the round: its contributions stay unscored
-            log.exception("round %d: scoring failed", round_)
-            scores = {}
-        sealed_peers = [peer for peer, _ in sealed.contributions]
-        verdicts = self.verifier.verdicts(round_, sealed_peers, sealed.rejected, scores)
-        for v in verdicts:
-            if v.reason is not None:
-                log.info("round %d: no credit for %s (%s, average %s)", round_, v.peer, v.reason, v.average)
-        return verdicts
 
     def credits(self, sealed: SealedRound, names: dict[str, str]) -> list[Contribution]:
         """The ledger rows of a sealed round, from the protocol: every contribution was validated, so its
@@ -348,42 +359,19 @@ class RoundKeeper:
             history.write(json.dumps(entry) + "\n")
         self.history.append(entry)
 
-    async def _sample(self, round_: int) -> dict[str, Any] | None:
-        """A short text from θ after `round_` (off the event loop, like evaluation); its failure is logged
-        and never stops the round."""
-        if self.sampler is None or not self.sampler.enabled:
-            return None
-        try:
-            return await asyncio.to_thread(self.sampler.sample, self.global_model.params, round_)
-        except Exception:
-            log.exception("round %d: sampling failed", round_)
-            return None
-
     @property
     def eval_loss(self) -> float | None:
-        """Of the global θ after the newest round in the history."""
-        return self.history[-1]["eval_loss"] if self.history else None
+        """Of the global θ after the newest evaluated round in the history."""
+        return next((h["eval_loss"] for h in reversed(self.history) if h.get("eval_loss") is not None), None)
 
-    # --- evaluation and checkpoints -----------------------------------------------------------------
-
-    def _build_evaluator(self):
-        dataset = TokenDataset.build(self.config.data, self.config.model.vocab_size, self.config.run.seed)
-        model = build_model(self.config.model, seed=self.config.run.seed)
-        model.fixed_embedding = base_fixed_embedding(self.config)  # the architecture anchors train
-        self._dataset, self._model = dataset, model  # the verifier scores with them (never at once)
-        batches = dataset.eval_batches(self.config.train.eval_batches)
-
-        @torch.no_grad()
-        def evaluate(global_model: GlobalModel) -> float:
-            for name, param in model.named_parameters():
-                param.copy_(global_model.params[name])
-            model.eval()
-            return sum(model.loss(x, y).item() for x, y in batches) / len(batches)
-
-        return evaluate
+    # --- checkpoints -----------------------------------------------------------------
 
     def _checkpoint(self) -> None:
-        folder = store(checkpoints_root(self.data_dir.path), self.global_model, self.config, self.node.run)
+        """θ as we hold it now (on stop; the worker writes the rounds' checkpoints)."""
+        with self.bookkeeping.checkpoint_lock:
+            folder = store(
+                checkpoints_root(self.data_dir.path), self.global_model, self.config, self.node.run
+            )
         if folder is not None:
             log.info("round %d: θ written to %s", self.global_model.params_round, folder)
 

@@ -1,10 +1,11 @@
 """Short samples of text from the global θ, one per evaluated round, so people watching the status page see
 the model learn (a loss curve says less to most of them).
 
-The coordinator samples on the evaluator's model (a CPU copy of the whole model) right after evaluating,
-in a worker thread like the evaluation. Each sample is seeded by run seed + round, so anyone holding θ of
-that round and the config gets the same text. A sample is a dict kept in the round's `rounds.jsonl` entry
-(`"sample"`), so a restarted coordinator shows the ones it had.
+The coordinator samples on the evaluator's model (a CPU copy of the whole model, which holds θ of the
+round) right after evaluating, in its bookkeeping worker beside the seal (`bootstrap/bookkeeping.py`). Each
+sample is seeded by run seed + round, so anyone holding θ of that round and the config gets the same text.
+A sample is kept in the round's evaluated line of `rounds.jsonl` (`"sample"`), so a restarted coordinator
+shows the ones it had.
 """
 
 from __future__ import annotations
@@ -48,7 +49,8 @@ class RoundSampler:
             return None
         started = time.perf_counter()
         for name, param in self.model.named_parameters():
-            param.copy_(params[name])
+            if params[name].data_ptr() != param.data_ptr():  # the worker passes the model's own weights
+                param.copy_(params[name])
         seed = self.run_seed + round_
         ids = sample_tokens(
             self.model,

@@ -1,6 +1,7 @@
 """The coordinator's swarm-level series (DESIGN §4), added to its own peer registry: peers by role and
-class, live chains, sealed rounds, global eval loss, the bytes of each sealed round, and the contribution
-ledger (per-peer labels live only here)."""
+class, live chains, sealed rounds, global eval loss, the bytes of each sealed round, how far the
+bookkeeping worker beside the seal is behind (`bootstrap/bookkeeping.py`), and the contribution ledger
+(per-peer labels live only here)."""
 
 from __future__ import annotations
 
@@ -47,6 +48,16 @@ class SwarmMetrics:
             "The last round's contributions as dense fp32 pseudo-gradients",
             registry=r,
         )
+        self.bookkeeping_lag = Gauge(
+            "hetnode_bookkeeping_lag_rounds",
+            "Sealed rounds the bookkeeping worker (scores, credit, evaluation, checkpoints) has not finished",
+            registry=r,
+        )
+        self.bookkeeping_skipped = Counter(
+            "hetnode_bookkeeping_skipped_rounds",
+            "Sealed rounds whose scoring and evaluation the worker skipped, behind or stopping",
+            registry=r,
+        )
         for role in ROLES:  # every combination exists, zeros included, so a panel never goes blank
             for link_class in CLASSES:
                 self.peers.labels(role=role, **{"class": link_class}).set(0)
@@ -55,6 +66,7 @@ class SwarmMetrics:
         self.chains.set(0)
         self.contributors.set(0)
         self.dense_bytes.set(0)
+        self.bookkeeping_lag.set(0)
         r.register(LedgerCollector(ledger))
 
     def observe_view(self, peers: Mapping[str, Mapping[str, Any]], live_chains: int) -> None:
@@ -67,19 +79,17 @@ class SwarmMetrics:
             self.peers.labels(role=role, **{"class": link_class}).set(n)
         self.chains.set(live_chains)
 
-    def observe_round(
-        self,
-        payload_bytes: Mapping[str, int],
-        dense_bytes: int,
-        contributors: int,
-        eval_loss: float,
-        seconds: float,
+    def observe_seal(
+        self, payload_bytes: Mapping[str, int], dense_bytes: int, contributors: int, seconds: float
     ) -> None:
         self.rounds_sealed.inc()
         self.contributors.set(contributors)
         for role in REPLICA_ROLES:
             self.payload_bytes.labels(role=role).set(payload_bytes.get(role, 0))
         self.dense_bytes.set(dense_bytes)
+        self.round_seconds.observe(seconds)
+
+    def observe_eval(self, eval_loss: float) -> None:
+        """From the bookkeeping worker's thread (prometheus_client is thread-safe)."""
         if math.isfinite(eval_loss):
             self.eval_loss.set(eval_loss)
-        self.round_seconds.observe(seconds)

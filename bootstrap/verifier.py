@@ -5,12 +5,14 @@ Two passes per round:
   out of the seal when its header says it was trained from an older θ (`stale`), when its top-k positions
   repeat an earlier announcement's (`copy`), when its norm is far outside the round's (`norm`: free riders
   and payloads scaled to the bounds), or when its author's score average is negative (`score`).
-- `score`, after sealing and before the coordinator steps θ: each replica's update (a chain's stages
-  together) is applied alone at a reduced step, clipped to the round's median norm, and the loss change is
-  measured on the batches that replica was assigned this round and on a held-out batch the replicas cannot
-  know in advance. Improvements become relative scores (`hetnode.algo.scoring`) and an exponential average
-  per peer; a peer whose average is negative is screened out of later seals until it recovers (it is still
-  scored while it is out, so honest work comes back).
+- `score`, beside the seal (the coordinator's bookkeeping worker, `bootstrap/bookkeeping.py`), on θ before
+  the round's step: each replica's update (a chain's stages together) is applied alone at a reduced step,
+  clipped to the round's median norm, and the loss change is measured on the batches that replica was
+  assigned this round and on a held-out batch the replicas cannot know in advance. Improvements become
+  relative scores (`hetnode.algo.scoring`) and an exponential average per peer; a peer whose average is
+  negative is screened out of later seals until it recovers (it is still scored while it is out, so honest
+  work comes back). The score of round t reaches the average when the worker is done with it: usually before
+  round t+1 is sealed, at worst a round or two later (the trust bench measures the bound with one round).
 
 A peer is judged on MIN_SCORES scores or more (one round on a few sequences is noisy, and a newcomer's first
 round, from a fresh optimiser, helps less than its later ones), and its average starts from 0. When every
@@ -24,11 +26,18 @@ recently scored first, so verification stays a bounded share of a round and ever
 every ceil(R / verify_sample) rounds (an unsampled round leaves its average as it was).
 
 The coordinator credits a contribution only when it was sealed and its author's average is not negative.
+
+Threads: `score` runs in the worker's thread and is the only writer of the averages; `screen` and `helps`
+run for the seal meanwhile and only read them (single dict reads and writes, atomic in CPython). `score`
+runs the model it was given; `helps` runs a twin of it (the same tensors, its own module objects), since
+`functional_call` swaps a module's parameters while it runs.
 """
 
 from __future__ import annotations
 
+import copy
 import hashlib
+import itertools
 import logging
 import os
 import time
@@ -93,6 +102,7 @@ class Verifier:
         self.config = config
         self.dataset = dataset
         self.model = model
+        self._seal_model = _twin(model)  # for `helps`, which runs at the seal while `score` may run
         self.averages: dict[str, float] = {}
         self.counts: dict[str, int] = {}  # scores behind each average
         self.last_scored: dict[str, int] = {}  # replica key -> the last round it was scored in
@@ -181,7 +191,9 @@ class Verifier:
         """Score every contribution's replica on θ (`params`, before this round's step); update the
         averages of their peers and return {peer: score}. Blocking: run it in a worker thread."""
         started = time.perf_counter()
-        improvements, members = self._improvements(round_, params, contributions, replicas, sample=True)
+        improvements, members = self._improvements(
+            self.model, round_, params, contributions, replicas, sample=True
+        )
         scores = relative_scores(improvements)
         if improvements:
             self.recent_scale = improvement_scale(improvements)
@@ -211,7 +223,7 @@ class Verifier:
         scored round's yardstick (no other work to measure it against: for a round nobody else is left in;
         before any round was scored, any improvement counts). Averages are not touched: the round's score
         comes after sealing, as for any round. Blocking: run it in a worker thread."""
-        improvements, members = self._improvements(round_, params, contributions, replicas)
+        improvements, members = self._improvements(self._seal_model, round_, params, contributions, replicas)
         scale = self.recent_scale
         passed = (
             {key for key, value in improvements.items() if value > 0}
@@ -222,6 +234,7 @@ class Verifier:
 
     def _improvements(
         self,
+        model: nn.Module,
         round_: int,
         params: Mapping[str, torch.Tensor],
         contributions: Sequence[Contribution],
@@ -248,7 +261,7 @@ class Verifier:
             members = {key: members[key] for key in picked}
         step = self.config.outer.lr * TRIAL_STEP
         held_out = self._held_out(round_)
-        held_out_before = batch_loss(self.model, params, held_out)
+        held_out_before = batch_loss(model, params, held_out)
         improvements = {}
         for key, update in merged.items():
             norm = update_norm(update)
@@ -256,8 +269,8 @@ class Verifier:
             if norm > median > 0:  # as aggregation does: never scaled up, clipped to the median
                 delta = {name: t * (median / norm) for name, t in delta.items()}
             own = self._assigned(round_, replicas[members[key][0]])
-            improvements[key] = loss_improvement(self.model, params, delta, step, own) + loss_improvement(
-                self.model, params, delta, step, held_out, before=held_out_before
+            improvements[key] = loss_improvement(model, params, delta, step, own) + loss_improvement(
+                model, params, delta, step, held_out, before=held_out_before
             )
         return improvements, members
 
@@ -307,6 +320,13 @@ class Verifier:
                 reason = "score"  # sealed on its earlier record (or alone), but its average is negative
             out.append(Verdict(peer, round_, reason, scores.get(peer), average))
         return out
+
+
+def _twin(model: nn.Module) -> nn.Module:
+    """A copy of `model`'s module objects that shares its tensors (parameters, buffers, T_fix): no memory
+    for weights, and `functional_call` on one never touches the other's attributes."""
+    shared = itertools.chain(model.parameters(), model.buffers(), [getattr(model, "fixed_embedding", None)])
+    return copy.deepcopy(model, memo={id(t): t for t in shared if t is not None})
 
 
 def _sparse_of(decoded: Sequence[DecodedPayload]) -> dict[str, tuple]:

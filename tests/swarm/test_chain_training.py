@@ -35,7 +35,9 @@ def test_an_anchor_and_a_chain_of_two_train_one_model(swarm):
         return [entry for entry in history if chain <= set(entry["contributors"])]
 
     history = swarm.wait_for_history(
-        lambda h: len(with_chain(h)) >= 3, timeout=300, what="3 rounds sealed with the chain in them"
+        lambda h: len(with_chain(h)) >= 3 and swarm.all_evaluated(h),
+        timeout=300,
+        what="3 rounds sealed with the chain in them, and evaluated",
     )
     for entry in with_chain(history):
         assert anchor.peer_id in entry["contributors"]

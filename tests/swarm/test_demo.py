@@ -118,8 +118,8 @@ def test_quick_demo_trains_checks_digests_and_writes_its_report(run_demo, tmp_pa
         assert (demo.out / name).stat().st_size > 0, name
     summary = json.loads((demo.out / "summary.json").read_text())
     assert summary["outcome"] == "finished" and summary["sealed_rounds"] >= 3
-    losses = summary["eval_loss"]
-    assert losses[-1] < losses[0], losses
+    losses = [loss for loss in summary["eval_loss"] if loss is not None]  # the newest may have none
+    assert losses[-1] < losses[0], summary["eval_loss"]
     assert summary["digests_agree"] is True, summary["digests"]
     assert {p["name"] for p in summary["digests"]["peers"]} == {"anchor-1", "edge-1", "edge-2"}
     assert summary["bytes"]["ratio"] > 50  # SparseLoCo against dense fp32

@@ -150,7 +150,9 @@ def test_every_dashboard_query_returns_data_and_the_ledger_credits_sealed_rounds
         time.sleep(0.5)
         status = get_json(f"{status_url}/api/status")
     assert {p["name"] for p in status["leaderboard"]} == {"anchor-1", "anchor-2"}
-    assert status["params_round"] >= 2 and status["history"][-1]["eval_loss"] > 0
+    # the eval loss of a round comes beside the next seals: the newest rounds may not have it yet
+    losses = [h["eval_loss"] for h in status["history"] if h["eval_loss"] is not None]
+    assert status["params_round"] >= 2 and losses and losses[-1] > 0
     with urllib.request.urlopen(f"{status_url}/healthz", timeout=10) as response:
         assert response.status == 200
     with urllib.request.urlopen(f"{status_url}/", timeout=10) as response:

@@ -26,7 +26,7 @@ def test_anchors_train_together_with_identical_digests(swarm):
     ]
     for anchor in anchors:
         anchor.wait_ready()
-    history = swarm.wait_for_round(3, timeout=180)
+    history = swarm.wait_for_round(3, timeout=180, evaluated=True)  # eval loss: beside the next seals
     assert all(len(entry["contributors"]) == 2 for entry in history[1:4])  # both anchors in each seal
     assert all(
         entry["tokens"] == 2 * TOKENS_PER_ROUND for entry in history[1:4]
@@ -70,7 +70,7 @@ def test_hostile_payloads_are_excluded_and_honest_replicas_agree(swarm):
     bad = {nan.peer_id, liar.peer_id}
     # a hostile peer that started late on a loaded machine may first announce after round 3: wait for both
     history = swarm.wait_for_history(
-        lambda h: len(h) >= 4 and bad <= {p for e in h for p in e["excluded"]},
+        lambda h: len(h) >= 4 and bad <= {p for e in h for p in e["excluded"]} and swarm.all_evaluated(h),
         timeout=240,
         what="four sealed rounds, with both hostile peers excluded from a seal",
     )

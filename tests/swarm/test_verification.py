@@ -49,7 +49,9 @@ def test_useless_or_harmful_work_loses_weight_and_credit_and_honest_work_never_d
         daemon.wait_ready(timeout=180)
     history = swarm.wait_for_history(
         lambda h: (
-            all(settled(h, d.peer_id) for d in faulty.values()) and copier.peer_id in h[-1]["contributors"]
+            all(settled(h, d.peer_id) for d in faulty.values())
+            and copier.peer_id in h[-1]["contributors"]
+            and swarm.all_evaluated(h)  # scores and credit verdicts come beside the next seals
         ),
         timeout=600,
         what="every faulty anchor rejected from 3 rounds after it first contributed",
@@ -96,13 +98,16 @@ def test_useless_or_harmful_work_loses_weight_and_credit_and_honest_work_never_d
         lambda h: (
             sum(honest_ids <= set(e["contributors"]) for e in h) >= HONEST_ROUNDS
             and h[-1]["round"] >= stopped_at + 4
+            and swarm.all_evaluated(h)
         ),
         timeout=600,
         what=f"{HONEST_ROUNDS} rounds with all three honest anchors, 3 of them alone",
     )
     with_all = [e for e in history if honest_ids <= set(e["contributors"])]
     assert not [e for e in history if honest_ids & set(e.get("rejected", {}))]
-    assert all(honest_ids <= set(e["scores"]) for e in with_all)  # every honest contribution was scored
+    # every honest contribution was scored, but in rounds the coordinator's worker skipped when behind
+    assert all(honest_ids <= set(e["scores"]) for e in with_all if not e.get("skipped"))
+    assert sum(1 for e in with_all if e.get("skipped")) <= len(with_all) // 4, with_all
     alone = [e for e in history if e["round"] > stopped_at + 1]
     assert all(set(e["contributors"]) == honest_ids and not e["rejected"] for e in alone), alone
     ledger = swarm.contributions(boot)

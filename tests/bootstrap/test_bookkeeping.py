@@ -1,0 +1,226 @@
+"""The coordinator's bookkeeping worker beside the seal (`bootstrap/bookkeeping.py`), on real parts: the
+tiny model, real payloads and the verifier, a SQLite ledger, checkpoints on disk, the Prometheus registry.
+Slow evaluations are made by a hook in the test (a subclass), never by a flag in the code."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+
+from bootstrap.bookkeeping import Bookkeeper, RoundWork, Stopped, credit_rows, snapshot
+from bootstrap.ledger import Contribution, Ledger
+from bootstrap.swarm_metrics import SwarmMetrics
+from bootstrap.verifier import replica_of
+from hetnode.config import Config, replace
+from hetnode.daemon.rounds import AnchorTraining
+from hetnode.data.dataset import TokenDataset
+from hetnode.model.shards import layer_digests
+from hetnode.replica.checkpoint import list_checkpoints, load_checkpoint
+from hetnode.replica.global_model import GlobalModel, PreparedRound
+from hetnode.service.metrics import PeerMetrics
+from hetnode.wire.round_history import merge_history
+
+LAG = "hetnode_bookkeeping_lag_rounds"
+SKIPPED = "hetnode_bookkeeping_skipped_rounds_total"
+
+
+class SlowBooks(Bookkeeper):
+    """The hook: each evaluation waits for the test to release it (and ends if the coordinator stops)."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.evaluating = threading.Event()
+        self.release = threading.Event()
+        self.fail_next = False
+
+    def evaluate(self) -> float:
+        self.evaluating.set()
+        while not self.release.wait(0.01):
+            if self._stopping.is_set():
+                raise Stopped
+        if self.fail_next:
+            self.fail_next = False
+            raise RuntimeError("the evaluation hook failed on purpose")
+        return super().evaluate()
+
+
+@pytest.fixture
+def parts(tiny_config: Config, tmp_path: Path):
+    ledger = Ledger(tmp_path / "ledger.sqlite")
+    peer_metrics = PeerMetrics(trains=False)
+    metrics = SwarmMetrics(peer_metrics, ledger)
+    metrics.sample = lambda name: peer_metrics.registry.get_sample_value(name) or 0.0  # for the tests
+    yield tiny_config, ledger, metrics, tmp_path
+    ledger.close()
+
+
+def books_for(cls, config: Config, ledger: Ledger, metrics: SwarmMetrics, folder: Path, theta: GlobalModel):
+    lines: list[dict] = []
+    books = cls(config, ledger, folder / "checkpoints", "run-x", lines.append, metrics)
+    books.build(theta.params, theta.params_round)
+    return books, lines
+
+
+def synthetic_round(theta: GlobalModel, peer: str = "peer-a") -> RoundWork:
+    """A checked step of θ (small, seeded) as a sealed round of one contributor, without payloads."""
+    round_ = theta.params_round + 1
+    generator = torch.Generator().manual_seed(round_)
+    delta = {n: 1e-3 * torch.randn(t.shape, generator=generator) for n, t in theta.params.items()}
+    credit = Contribution(peer, peer, "anchor", 100, 2, 10)
+    return RoundWork(
+        round_, step=PreparedRound(round_, delta), sealed=[peer], credits=[credit], sealed_at=1.0
+    )
+
+
+def seal(books: Bookkeeper, theta: GlobalModel, work: RoundWork) -> None:
+    """What the keeper does: a snapshot only if asked for, commit, digests, hand over."""
+    if books.needs_base(work.round):
+        work.base, work.base_round = snapshot(theta.params), work.round - 1
+    theta.commit(work.step)
+    work.digests = theta.digests()
+    books.submit(work)
+
+
+async def until(check, timeout: float = 60.0) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not check():
+        assert asyncio.get_running_loop().time() < deadline, "not in time"
+        await asyncio.sleep(0.01)
+
+
+def test_real_rounds_are_scored_credited_evaluated_and_checkpointed_on_a_bit_exact_copy(parts):
+    config, ledger, metrics, folder = parts
+    config = replace(config, "outer", inner_steps=2, checkpoint_every_rounds=2)
+    theta = GlobalModel(config)
+    books, lines = books_for(Bookkeeper, config, ledger, metrics, folder, theta)
+    dataset = TokenDataset.build(config.data, config.model.vocab_size, config.run.seed)
+    peers = ["honest-a", "honest-b", "honest-c"]
+    trainers = {p: AnchorTraining(config, dataset, p) for p in peers}
+
+    async def main() -> None:
+        books.start()
+        for round_ in range(3):
+            payloads = {p: trainers[p].run_round(round_, theta) for p in peers}
+            decoded = [(p, theta.decode_contribution(p, round_, payloads[p])) for p in peers]
+            credits = [Contribution(p, p, "anchor", 1000, 2, 1) for p in peers]
+            work = RoundWork(
+                round_,
+                step=theta.prepare(round_, decoded),
+                sealed=peers,
+                scorable=decoded,
+                replicas={p: replica_of(p, None) for p in peers},
+                credits=credits,
+                sealed_at=float(round_),
+            )
+            seal(books, theta, work)
+            await until(lambda: books.lag == 0)  # one at a time: each round in full
+        await books.close()
+
+    asyncio.run(main())
+    assert [line["round"] for line in lines] == [0, 1, 2] and not any(line["skipped"] for line in lines)
+    for line in lines:
+        assert set(line["scores"]) == set(peers) and line["eval_loss"] > 0 and line["tokens"] == 3000
+    assert books.held == 2 and layer_digests(books.theta) == theta.digests()  # bit for bit
+    assert ledger.totals().rounds == 3 and len(ledger.recent_verdicts()) == 9
+    written = {round_: folder for round_, folder in list_checkpoints(folder / "checkpoints")}
+    assert set(written) == {0, 2}  # every 2 rounds, from the worker's copy of the round it names
+    params, manifest = load_checkpoint(written[2])  # loads only if its bytes hash to its digests
+    assert manifest.layer_digests == theta.digests()
+
+
+def test_behind_it_takes_the_newest_first_skips_the_older_and_says_how_far_behind(parts):
+    config, ledger, metrics, folder = parts
+    config = replace(config, "outer", verify=False)
+    theta = GlobalModel(config)
+    books, lines = books_for(SlowBooks, config, ledger, metrics, folder, theta)
+    sample = metrics.sample
+
+    async def main() -> None:
+        books.start()
+        seal(books, theta, synthetic_round(theta))  # round 0: the worker takes it and waits in evaluate
+        await until(books.evaluating.is_set)
+        seal(books, theta, synthetic_round(theta))  # round 1 waits
+        assert not books._pending[-1].base  # one round may wait with its step alone
+        third = synthetic_round(theta)
+        assert books.needs_base(third.round)  # a second one brings a snapshot and supersedes round 1
+        seal(books, theta, third)
+        assert sample(LAG) == 3 and books.lag == 3
+        books.release.set()
+        await until(lambda: books.lag == 0)
+        await books.close()
+
+    asyncio.run(main())
+    by_round = {line["round"]: line for line in lines}
+    assert by_round[0]["eval_loss"] > 0 and not by_round[0]["skipped"]
+    assert by_round[1]["skipped"] and "eval_loss" not in by_round[1]  # superseded: credited only
+    assert by_round[2]["eval_loss"] > 0 and not by_round[2]["skipped"]  # the newest, in full
+    assert sample(LAG) == 0 and sample(SKIPPED) == 1
+    assert ledger.totals().rounds == 3  # every sealed round is credited, skipped or not
+    assert books.held == 2 and layer_digests(books.theta) == theta.digests()
+
+
+def test_a_failing_evaluation_is_logged_and_the_next_round_goes_on(parts, caplog):
+    config, ledger, metrics, folder = parts
+    config = replace(config, "outer", verify=False)
+    theta = GlobalModel(config)
+    books, lines = books_for(SlowBooks, config, ledger, metrics, folder, theta)
+    books.release.set()
+    books.fail_next = True
+
+    async def main() -> None:
+        books.start()
+        for _ in range(2):
+            seal(books, theta, synthetic_round(theta))
+            await until(lambda: books.lag == 0)
+        await books.close()
+
+    with caplog.at_level(logging.ERROR, logger="bootstrap.bookkeeping"):
+        asyncio.run(main())
+    assert "round 0: evaluation failed" in caplog.text and "on purpose" in caplog.text
+    assert "eval_loss" not in lines[0] and lines[0]["tokens"] == 100  # credited all the same
+    assert lines[1]["eval_loss"] > 0 and ledger.totals().rounds == 2
+
+
+def test_a_clean_stop_ends_the_phase_in_hand_and_credits_the_rounds_waiting(parts):
+    config, ledger, metrics, folder = parts
+    config = replace(config, "outer", verify=False)
+    theta = GlobalModel(config)
+    books, lines = books_for(SlowBooks, config, ledger, metrics, folder, theta)
+
+    async def main() -> float:
+        books.start()
+        seal(books, theta, synthetic_round(theta))
+        await until(books.evaluating.is_set)  # it never gets released: the stop ends it
+        seal(books, theta, synthetic_round(theta))
+        started = asyncio.get_running_loop().time()
+        await books.close(timeout_s=10)
+        return asyncio.get_running_loop().time() - started
+
+    took = asyncio.run(main())
+    assert took < 5
+    assert [line["round"] for line in lines] == [0, 1] and all(line["skipped"] for line in lines)
+    assert ledger.totals().rounds == 2
+
+
+def test_a_round_sealed_before_a_crash_is_credited_by_the_next_life(parts):
+    config, ledger, metrics, folder = parts
+    theta = GlobalModel(config)
+    books, _ = books_for(Bookkeeper, config, ledger, metrics, folder, theta)
+    credits = [Contribution("peer-a", "a", "anchor", 100, 2, 10)]
+    seal_line = {"round": 4, "contributors": ["peer-a"], "time": 9.0, "evaluated": False}
+    history = merge_history(
+        [
+            {"round": 3, "contributors": ["peer-a"], "time": 8.0, "eval_loss": 4.0},  # before this change
+            seal_line | {"credits": credit_rows(credits)},
+        ]
+    )
+    [line] = books.recover(history)
+    assert line["round"] == 4 and line["recovered"] and line["tokens"] == 100
+    assert ledger.totals().rounds == 1 and ledger.standings()[0].tokens == 100
+    merged = merge_history([*history, line])
+    assert merged[1]["evaluated"] is True and merged[1]["contributors"] == ["peer-a"]
