@@ -137,7 +137,8 @@ class AnchorLoop:
     ) -> Rebase:
         """θ as we hold it now, for the training thread to stand on (a test's stale peer: older θ)."""
         theta = stale.train_from(self.global_model) if stale is not None else self.global_model
-        return training.rebase_from(theta, self.global_model.params_round + 1, left_out)
+        next_round = self.global_model.params_round + 1
+        return training.rebase_from(theta, next_round, left_out, self.rounds.last_contributors)
 
     def _announce(self, trained: TrainedRound) -> tuple[dict, RoundRecord]:
         """Sign and hold the round's payload; the announcement and the round's log line (sync to come)."""

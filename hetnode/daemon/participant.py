@@ -17,6 +17,7 @@ every round the replica compares its own digests with the coordinator's head.
 from __future__ import annotations
 
 import asyncio
+import collections
 import dataclasses
 import logging
 import time
@@ -132,6 +133,7 @@ class RoundParticipant:
         self.view = directory or PeerDirectory(node, config, n.heartbeat_s, n.heartbeat_s)
         self.last_seal_wait_s = 0.0  # of the last wait_for_seal
         self.last_apply = (0.0, 0, 0.0)  # (seconds, bytes fetched, seconds fetching) of the last apply
+        self.last_contributors = 1  # in the last seal we applied
         node.set_payloads(self.held.serve)
         node.set_state(self.serve_state)
         self.unchecked: int | None = None  # the round applied last, until compared with the coordinator's
@@ -288,6 +290,9 @@ class RoundParticipant:
         self.held.keep_applied(round_, held)  # what we applied we serve to others fetching the round
         self.global_model.seal_hash = seal_digest(seal)
         self.last_apply = (time.monotonic() - started, fetched, fetch_s)
+        # our weight in a shard's aggregate is about 1 / its senders (a chain's stages each send a part)
+        senders = collections.Counter(shard for _, shard, _ in wanted)
+        self.last_contributors = max(senders.values(), default=1)
         self.unchecked = round_
         log.info("round %d applied: %d contributions, %d bytes fetched", round_, len(contributions), fetched)
         return any(c["peer"] == self.peer_id for c in seal["contributions"])

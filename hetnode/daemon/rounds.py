@@ -25,7 +25,7 @@ from hetnode.planning.layer_split import split_layers
 from hetnode.planning.rounds import assigned_batches
 from hetnode.replica.global_model import GlobalModel, base_fixed_embedding
 from hetnode.training.faults import PSEUDO_GRADIENT_FAULTS, corrupt
-from hetnode.training.local_rounds import LocalRounds, Rebase, RebaseInbox, RoundTiming
+from hetnode.training.local_rounds import AheadFrom, LocalRounds, Rebase, RebaseInbox, RoundTiming
 from hetnode.training.trainer import InnerTrainer
 from hetnode.training.working_copy import WorkingCopy
 from hetnode.wire.sync_payload import SyncPayload, encode_payload
@@ -82,10 +82,11 @@ class AnchorTraining:
         peer_id: str,
         device: str = "cpu",
         fault: str | None = None,
-        continue_from_local: bool = True,
+        ahead_from: AheadFrom = "eager",
     ) -> None:
         """`fault`: tests and benchmarks only, a pseudo-gradient fault (`hetnode.training.faults`);
-        `continue_from_local`: False for the naive one-round delay (measured in `bench overlap`)."""
+        `ahead_from`: where a round ahead trains from until θ lands (`LocalRounds`; the others are measured
+        in `benchmarks/overlap_rule.py`)."""
         self.config = config
         self.peer_id = peer_id
         self.fault = fault if fault in PSEUDO_GRADIENT_FAULTS else None
@@ -103,13 +104,18 @@ class AnchorTraining:
         )
         o = config.outer
         self.feedback = ErrorFeedback(SparseLoCoCodec(o.topk, o.tile), o.error_feedback)
-        self.local = LocalRounds(dict(self.model.named_parameters()), self.feedback, continue_from_local)
+        params = dict(self.model.named_parameters())
+        self.local = LocalRounds(params, self.feedback, ahead_from, config.outer.lr)
         self.shards = shard_names(self.local.params)
         self.last_loss = float("nan")
         self.on_rebased: Callable[[dict], None] | None = None  # gets the local state to save, per rebase
 
     def rebase_from(
-        self, theta: GlobalModel | OldTheta, next_round: int | None = None, left_out: tuple[int, ...] = ()
+        self,
+        theta: GlobalModel | OldTheta,
+        next_round: int | None = None,
+        left_out: tuple[int, ...] = (),
+        contributors: int = 1,
     ) -> Rebase:
         """θ as this replica trains it (blocking: the projection costs a few matrix products). Call it while
         nothing steps θ; the rebase holds copies, so a later apply cannot change what it carries."""
@@ -124,6 +130,7 @@ class AnchorTraining:
             copies,
             getattr(theta, "seal_hash", None),
             tuple(left_out),
+            1.0 / max(1, contributors),
         )
 
     def run_round(self, round_: int, theta: GlobalModel | OldTheta) -> dict[str, bytes]:

@@ -7,10 +7,11 @@ or a catch-up, a restart): when θ^t is known here, the working weights w become
 
     w ← P(θ^t) + (w − s),   s ← P(θ^t)
 
-where s is the point the current round's progress counts from: the working weights when the previous
-round was compressed (the *eager* rule: a replica runs on from its own fresh weights until the seal lands,
-and keeps what it learned since announcing). A round's pseudo-gradient is Δ = s − w. In lockstep the rebase
-lands before the round's first step, w = s, and this is exactly the classic reset w ← P(θ^t).
+where s is the point the current round's progress counts from. A round's pseudo-gradient is Δ = s − w. In
+lockstep the rebase lands before the round's first step, w = s, and this is exactly the classic reset
+w ← P(θ^t). With overlap, after compressing round t the replica trains round t+1 at once, from s moved by its
+own sent update at the weight the aggregate will give it (the *eager* rule, `ahead_from`), and the rebase
+swaps that guess for θ^t when the seal lands, keeping what it learned since.
 
 A round's Δ is compressed only once the round before is applied (at most one unapplied round ahead), so its
 payload names the θ it was trained from. What a seal left out goes back into error feedback by the round it
@@ -25,6 +26,7 @@ import time
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import Literal
 
 import torch
 
@@ -54,6 +56,7 @@ class Rebase:
     theta: Params
     seal_hash: str | None = None
     left_out: tuple[int, ...] = ()
+    share: float = 1.0  # our weight in the aggregate that made θ (1 / its contributors), for "eager"
 
 
 class RebaseInbox:
@@ -105,17 +108,28 @@ class RoundTiming:
     rebased_at_step: list[int] = field(default_factory=list)  # inner steps done when each rebase landed
 
 
+AheadFrom = Literal["eager", "local", "theta"]
+
+
 class LocalRounds:
     """The working weights `params` (the trainer's own tensors, on any device) between rounds.
 
-    `continue_from_local=False` is the naive one-round delay, kept to be measured against (docs/sync.md):
-    after compressing, w goes back to the last θ it was rebased on, so the steps before the seal lands are
-    taken from θ^{t−1} instead of from the replica's fresh weights."""
+    `ahead_from`: where a replica trains from between compressing round t and the arrival of θ^t
+    (docs/sync.md, "Overlap", with the measurement that chose it):
+    - "eager" (default): θ^{t−1} moved by our own sent update at the weight the aggregate gives it,
+      s − α·share·deq(Δ̂_t): the best guess of θ^t we hold;
+    - "local": our own fresh weights (all of Δ_t, far more than the aggregate moves θ under top-k);
+    - "theta": θ^{t−1} itself, the naive one-round delay.
+    `outer_lr` is α; `share` (set by each rebase) our weight in the last aggregate, 1/contributors."""
 
-    def __init__(self, params: Params, feedback: ErrorFeedback, continue_from_local: bool = True) -> None:
+    def __init__(
+        self, params: Params, feedback: ErrorFeedback, ahead_from: AheadFrom = "eager", outer_lr: float = 1.0
+    ) -> None:
         self.params = params
         self.feedback = feedback
-        self.continue_from_local = continue_from_local
+        self.ahead_from = ahead_from
+        self.outer_lr = outer_lr
+        self.share = 1.0
         self.start: Params = {n: p.detach().cpu().clone() for n, p in params.items()}
         self.base = -2  # the θ round the working weights stand on (−2: none yet; −1 is θ⁰)
         self.next_round = -1  # the round they train next: nothing before it may be compressed
@@ -137,6 +151,7 @@ class LocalRounds:
             param.copy_((reference + progress).to(param.device))
             self.start[name] = reference  # never written in place: `theta` may share it
         self.base, self.base_seal, self.next_round = rebase.round, rebase.seal_hash, rebase.next_round
+        self.share = rebase.share
         self.theta, self.fixed = rebase.theta, rebase.fixed
 
     def pseudo_gradient(self) -> Params:
@@ -149,17 +164,22 @@ class LocalRounds:
         until its round is settled, and start the next round's count here."""
         compressed = self.feedback.compress(self.pseudo_gradient() if delta is None else delta)
         self.unsent[round_] = compressed
-        self.keep_progress()
+        self.keep_progress(compressed)
         return compressed
 
     @torch.no_grad()
-    def keep_progress(self) -> None:
-        """The next round counts from here: from the current weights (eager), or back on θ (naive)."""
-        if self.continue_from_local:
+    def keep_progress(self, sent: dict[str, CompressedTensor] | None = None) -> None:
+        """Where the next round starts, and counts from, until θ of this one lands (`ahead_from`)."""
+        if self.ahead_from == "local":
             self.start = {n: p.detach().cpu().clone() for n, p in self.params.items()}
-        else:
-            for name, param in self.params.items():
-                param.copy_(self.start[name].to(param.device))
+            return
+        if self.ahead_from == "eager" and sent:
+            weight, codec = self.outer_lr * self.share, self.feedback.codec
+            self.start = {
+                n: s - weight * codec.decompress(sent[n]) if n in sent else s for n, s in self.start.items()
+            }
+        for name, param in self.params.items():
+            param.copy_(self.start[name].to(param.device))
 
     def restore(self, rounds: Iterable[int]) -> None:
         """These rounds' payloads did not reach θ: back into error feedback (nothing is lost)."""

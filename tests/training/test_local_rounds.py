@@ -80,12 +80,24 @@ def test_a_rebase_settles_every_earlier_round_and_restores_only_the_left_out():
 
 def test_the_naive_rule_goes_back_to_theta_after_compressing():
     params = {"w": torch.nn.Parameter(torch.tensor([1.0, 2.0]))}
-    local = LocalRounds(params, ErrorFeedback(SparseLoCoCodec(64, 64), 0.95), continue_from_local=False)
+    local = LocalRounds(params, ErrorFeedback(SparseLoCoCodec(64, 64), 0.95), ahead_from="theta")
     local.rebase(_rebase(0, {"w": torch.tensor([1.0, 2.0])}))
     with torch.no_grad():
         params["w"].sub_(1.0)
     local.compress(1)
     assert torch.equal(params["w"].detach(), torch.tensor([1.0, 2.0]))
+
+
+def test_the_eager_rule_runs_ahead_from_theta_moved_by_our_own_update_at_its_weight():
+    params = {"w": torch.nn.Parameter(torch.zeros(64))}
+    local = LocalRounds(params, ErrorFeedback(SparseLoCoCodec(64, 64), 0.95), "eager", outer_lr=2.0)
+    rebase = Rebase(0, 1, {"w": torch.zeros(64)}, None, {"w": torch.zeros(64)}, None, (), share=0.25)
+    local.rebase(rebase)
+    with torch.no_grad():
+        params["w"].sub_(torch.linspace(0.1, 1.0, 64))
+    sent = local.compress(1)["w"]
+    guess = -2.0 * 0.25 * SparseLoCoCodec(64, 64).decompress(sent)  # θ⁰ − α·share·deq(Δ̂)
+    assert torch.allclose(params["w"].detach(), guess) and torch.equal(local.start["w"], params["w"].detach())
 
 
 @pytest.fixture
