@@ -119,6 +119,7 @@ class AnchorLoop:
                     layer_digests=self.global_model.digests(),
                     tokens=training.tokens,
                     outer_step=self.global_model.params_round,
+                    utilization=self.rounds.utilization,
                 )
         except TrainingStopped:
             return

@@ -291,6 +291,7 @@ class ChainLoop:
         while not stop.is_set():
             round_ = await self._next_round(stop)
             started, tokens_before = time.monotonic(), training.tokens
+            started_at = time.time()  # wall clock, for compute utilisation (round_log)
             sent_before, received_before = self.bytes_sent, self.bytes_received
             compute_before, send_before = self.compute_s, self.send_s
             async with self.compute:
@@ -337,6 +338,7 @@ class ChainLoop:
                 **training.weight_delays(since=delays_before),
                 compute_s=round(self.compute_s - compute_before, 3),
                 send_s=round(self.send_s - send_before, 3),
+                started_at=started_at,
             )
             self._report_compression(record, payloads)
             outcome = await self.rounds.take_part(announcement, stop, record)
@@ -385,6 +387,7 @@ class ChainLoop:
             layer_digests=self.global_model.digests(),
             tokens=self.training.tokens if self.training is not None else None,
             outer_step=max(self.global_model.params_round, 0),
+            utilization=self.rounds.utilization,
         )
 
     async def _until(self, event: asyncio.Event) -> None:

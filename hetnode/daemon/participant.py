@@ -37,7 +37,7 @@ from hetnode.planning.fetch import DEMOTED_ROUNDS, Holder, fetch_order, holders_
 from hetnode.replica.global_model import ApplyError, GlobalModel, PayloadOpener, sha256_hex
 from hetnode.service.lifecycle import sleep_or_stop
 from hetnode.service.metrics import PeerMetrics
-from hetnode.service.round_log import RoundRecord, append_round
+from hetnode.service.round_log import UTILIZATION_ROUNDS, RoundRecord, append_round, rolling_utilization
 from hetnode.wire.seals import seal_digest
 
 log = logging.getLogger(__name__)
@@ -134,6 +134,7 @@ class RoundParticipant:
         self.last_seal_wait_s = 0.0  # of the last wait_for_seal
         self.last_apply = (0.0, 0, 0.0)  # (seconds, bytes fetched, seconds fetching) of the last apply
         self.last_contributors = 1  # in the last seal we applied
+        self.recent_rounds: collections.deque[RoundRecord] = collections.deque(maxlen=UTILIZATION_ROUNDS)
         node.set_payloads(self.held.serve)
         node.set_state(self.serve_state)
         self.unchecked: int | None = None  # the round applied last, until compared with the coordinator's
@@ -148,6 +149,11 @@ class RoundParticipant:
             self.may_stand_in,
         )
         node.set_nudge_handler(self._on_nudge)
+
+    @property
+    def utilization(self) -> float | None:
+        """Our compute utilisation over the last rounds we synced (advice for people, in our record)."""
+        return rolling_utilization(self.recent_rounds)
 
     def _on_nudge(self, peer: str, topic: str, round_: int) -> None:
         if topic == "seal":
@@ -204,6 +210,7 @@ class RoundParticipant:
             included=included,
         )
         append_round(self.data_dir, synced)
+        self.recent_rounds.append(synced)
         if self.metrics is not None:
             self.metrics.add_round(synced)
         await self.verify_agreement(stop)  # else at the start of the next round

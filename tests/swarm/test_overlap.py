@@ -46,6 +46,8 @@ def test_overlapped_anchors_train_ahead_agree_and_rebase_after_a_freeze(swarm):
 
     document = swarm.wait_for(boot.maddr, both_hold, timeout=60, what="both anchors past the freeze")
     swarm.agree_with_coordinator(document, {"steady", "flaky"})
+    published = {p["name"]: p.get("utilization") for p in document["peers"]}
+    assert published["steady"] is not None and 0 < published["steady"] <= 1, published  # in its record
     assert "layer digests differ" not in steady.tail(400)
 
     logged = {r["round"]: r for r in read_rounds(swarm.tmp_path / "steady")}
