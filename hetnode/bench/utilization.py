@@ -41,8 +41,7 @@ from hetnode.bench.lab_guard import (
 from hetnode.bench.lab_process import HETNODE
 from hetnode.bench.lab_swarm import Member, RunningSwarm, running_swarm
 from hetnode.bench.netlab import check_lab_possible
-from hetnode.bench.network import rounds_without
-from hetnode.bench.utilization_figures import measured, utilization
+from hetnode.bench.utilization_figures import first_full_round, measured, rounds_without, utilization
 from hetnode.bench.utilization_report import plot, summarise
 from hetnode.bench.wan import LinkProfile
 from hetnode.config import Config, dump_config, replace
@@ -61,11 +60,12 @@ HEADROOM_CORES = 0.3  # left outside every quota: the WAN emulator, p2pd's start
 
 @dataclass(frozen=True)
 class UtilizationPlan:
-    # H. On tiny with batch 8 x 128 at 0.3 of a core, an inner step takes ~0.6 s and a lockstep sync on
-    # these links ~4-6 s (the coordinator's fetch, checks, verification and seal, the replicas' fetch and
-    # apply, all on quota-bound cores): H = 10 puts a lockstep round's sync at 30-60 % of its wall time,
-    # as in a low-bandwidth swarm (BENCHMARKS.md has the measured share, `lockstep_sync_share`).
-    inner_steps: int = 10
+    # H, chosen so that a lockstep round spends 30-60 % of its wall time outside inner steps, as on slow
+    # links. Measured here at H = 10 (tiny, batch 8 x 128, 0.3 of a core each, idle machine): an anchor's
+    # 10 steps took 3.5 s and the rest of its round (announce, seal, fetch, apply, save) ~0.9 s, i.e.
+    # 21 %; that rest does not shrink with H, so H = 5 puts it near 35-45 %. Each report checks the share
+    # it measured (`H_check`).
+    inner_steps: int = 5
     budget_s: float = 600.0  # per rule, from the first sealed round with every replica in it
     no_verify_budget_s: float = 240.0
     warmup_rounds: int = 2  # after that first round, before rounds are measured
@@ -190,14 +190,15 @@ def run_rule(
 def _wait_for_full_round(
     swarm: RunningSwarm, plan: UtilizationPlan, label: str, say: Callable[[str], None]
 ) -> dict[str, Any]:
-    """The first sealed round with all four replicas; ends with the daemons' roles when it does not come."""
+    """The first sealed round all four replicas took part in (accepted or left out by verification); ends
+    with the daemons' roles when it does not come."""
     ids = set(swarm.ids.values())
     deadline = time.monotonic() + plan.start_timeout_s
     say(f"{label}: waiting for a round with both anchors and the chain")
     while time.monotonic() < deadline:
         check_running(swarm.processes)
         history = swarm.history()
-        full = next((e for e in history if ids <= set(e["contributors"])), None)
+        full = first_full_round(history, ids)
         if full is not None:
             say(f"{label}: round {full['round']} had every replica; measuring from here")
             return full
@@ -236,7 +237,8 @@ def _follow(
                 util.append(f"{name[0]}{name[-1]} {'  - ' if value is None else f'{value:.2f}'}")
             say(
                 f"{label:<9} {entry['time'] - t0:5.0f}/{budget:.0f} s  round {entry['round']:>3}  "
-                f"{len(entry['contributors'])} in seal  eval loss {loss}  "
+                f"{len(entry['contributors'])} in seal, {len(entry.get('excluded') or ())} left out  "
+                f"eval loss {loss}  "
                 f"utilisation {' '.join(util)}"
             )
         time.sleep(1.0)

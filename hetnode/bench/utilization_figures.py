@@ -69,24 +69,39 @@ def replica_figures(name: str, role: str, records: Sequence[Record]) -> dict[str
     }
 
 
-def sync_share(records: Sequence[Record]) -> float | None:
-    """Share of a lockstep round's wall time in sync: seal wait and apply over train + seal wait + apply
-    (median over rounds); what H is chosen by."""
-    shares = [
-        (r["seal_wait_s"] + r["apply_s"]) / total
-        for r in records
-        if (total := r["train_s"] + r["seal_wait_s"] + r["apply_s"]) > 0
-    ]
-    return statistics.median(shares) if shares else None
+def outside_share(figures: Sequence[Mapping[str, Any]], role: str = "anchor") -> float | None:
+    """1 − the median compute utilisation of the replicas of `role`: the share of a round spent outside
+    inner steps (in lockstep: announcing, the seal, fetching and applying it, saving the local state);
+    what H is chosen by."""
+    values = [f["compute_utilization"] for f in figures if f["role"] == role]
+    if not values or None in values:
+        return None
+    return 1.0 - statistics.median(values)
 
 
 # --- the coordinator's history ---------------------------------------------------------------------------
 
 
+def took_part(entry: Record) -> set[str]:
+    """The peers whose payload a sealed round had: its contributors and those its screens left out
+    (verification may refuse a replica's work; the replica trained the round all the same)."""
+    return set(entry.get("contributors") or ()) | set(entry.get("excluded") or ())
+
+
 def first_full_round(history: Sequence[Record], peer_ids: Iterable[str]) -> Record | None:
-    """The first sealed round with every one of `peer_ids` among its contributors."""
+    """The first sealed round that every one of `peer_ids` took part in."""
     wanted = set(peer_ids)
-    return next((e for e in history if wanted <= set(e["contributors"])), None)
+    return next((e for e in history if wanted <= took_part(e)), None)
+
+
+def rounds_without(history: Sequence[Record], peer_ids: Iterable[str]) -> int:
+    """Sealed rounds since the last one every one of `peer_ids` took part in (all of them if none)."""
+    wanted, count = set(peer_ids), 0
+    for entry in reversed(history):
+        if wanted <= took_part(entry):
+            break
+        count += 1
+    return count
 
 
 def measured_seals(history: Sequence[Record], first_round: int, until: float) -> list[Record]:

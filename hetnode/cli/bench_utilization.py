@@ -25,7 +25,7 @@ def register(benches: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--out", type=Path, default=Path("benchmarks/results/utilization"), help="output folder"
     )
-    parser.add_argument("--inner-steps", type=int, default=None, help="H (default: the plan's, 10)")
+    parser.add_argument("--inner-steps", type=int, default=None, help="H (default: the plan's, 5)")
     parser.add_argument(
         "--budget",
         type=float,

@@ -57,8 +57,9 @@ def test_a_replicas_figures_skip_the_warm_up_and_what_came_after_the_budget():
     assert figures["rounds_included"] == 3 and figures["rounds"] == 4 and not figures["overlap_logged"]
     empty = fig.replica_figures("stage-2", "stage", [])
     assert empty["compute_utilization"] is None and empty["tokens_per_s"] is None and empty["rounds"] == 0
-    synced = [rec(r, 0, 6.0, 0, seal_wait_s=3.0, apply_s=1.0) for r in range(3)]
-    assert fig.sync_share(synced) == pytest.approx(0.4)
+    anchors = [{"role": "anchor", "compute_utilization": u} for u in (0.6, 0.7, 0.8)]
+    assert fig.outside_share([*anchors, empty]) == pytest.approx(0.3)  # the stage does not count
+    assert fig.outside_share([empty], role="stage") is None
 
 
 HISTORY = [
@@ -73,6 +74,10 @@ HISTORY = [
 def test_the_swarm_is_measured_from_its_first_round_with_every_replica():
     first = fig.first_full_round(HISTORY, ["a1", "a2", "s1", "s2"])
     assert first["round"] == 2 and fig.first_full_round(HISTORY, ["nobody"]) is None
+    refused = [{**HISTORY[0], "excluded": ["s1", "s2"]}, *HISTORY[1:]]  # verification left the chain out
+    assert fig.first_full_round(refused, ["a1", "a2", "s1", "s2"])["round"] == 1
+    assert fig.rounds_without(HISTORY, ["s1", "s2", "a2"]) == 0 and fig.rounds_without(HISTORY, ["x"]) == 5
+    assert fig.rounds_without(HISTORY[:4], ["a2"]) == 1
     seals = fig.measured_seals(HISTORY, first_round=3, until=130.0)
     assert [e["round"] for e in seals] == [3, 4]
     assert fig.seal_intervals(seals) == [10.0] and fig.p50([10.0, 2.0, 6.0]) == 6.0
@@ -180,7 +185,7 @@ def test_the_report_holds_both_rules_the_run_without_verification_and_says_when_
     assert report["ratios"]["eval_loss_at_equal_tokens"] == pytest.approx(1.0)
     assert lock["digest_disagreements"] == 0 and report["targets"]["digest_disagreements"]["met"]
     assert not report["overlap_is_real"] and "lockstep" in report["note"]
-    assert report["H_check"]["lockstep_anchor_sync_share"] == 0.0  # these hand-made rounds never wait
+    assert report["H_check"]["lockstep_anchor_sync_share"] == pytest.approx(1 - 24 / 36)  # train 6 s of 10
     print_summary(report)  # the command's table reads every field it needs
     assert "anchor-1" in capsys.readouterr().out
     runs["overlap"] = _run("overlap", True, True, 1.0)
