@@ -15,7 +15,8 @@ Snapshot schema (every key may be missing and every value None; the page shows "
                 "down_mbps": float | None, "last_seen": float,
                 "utilization": float | None (0..1, the replica's own figure over its last rounds)}],
      "chains": [{"chain": str, "members": [str (peer ids)], "live": bool}],
-     "history": [{"round": int, "contributors": int, "excluded": int, "tokens": int, "eval_loss": float,
+     "history": [{"round": int, "contributors": int, "excluded": int, "tokens": int,
+                  "eval_loss": float | None (None until the bookkeeping worker evaluated the round),
                   "seal_seconds": float, "time": float, "payload_bytes": {"anchor": int, "stage": int}}],
      "samples": [{"round": int, "prompt": str, "text": str, "temperature": float, "seed": int,
                   "tokens": int, "seconds": float}]}  (newest first; `bootstrap/samples.py`)

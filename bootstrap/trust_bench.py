@@ -8,9 +8,15 @@ without the coordinator's verifier (`bootstrap/verifier.py`, the code the coordi
 (honest anchors only, verified) is the yardstick. Each round goes as in the swarm: every replica trains H
 steps from θ, the verifier screens the contributions in arrival order (the attacker last: a copier needs its
 victim's payload first), the rest are aggregated and stepped all or nothing (`GlobalModel`), and the
-verifier scores the round's contributions on θ before the step. Reported per mode: eval loss per round,
-rounds until the attacker got no weight, false exclusions of honest replicas, and the verifier's time as a
-share of the round (a replica's training time: replicas train in parallel, the verifier while they do).
+verifier scores the round's contributions on θ before the step (a copy of it, kept for the purpose).
+
+The coordinator scores beside the seal (`bootstrap/bookkeeping.py`): a round's score reaches the
+averages that the screens read only once its worker is done with it. The bench models that lag as
+`score_lag` sealed rounds (default 1: round t is scored after round t+1 was sealed, so the screen of round
+t+2 is the first to know it; 0 is the order of before the worker). Reported per mode: eval loss per round,
+rounds until the attacker had no weight (out of every later seal), until it had no credit either, the
+rounds it had weight in, false exclusions of honest replicas, and the verifier's time as a share of the
+round (a replica's training time: replicas train in parallel, the verifier while they do).
 """
 
 from __future__ import annotations
@@ -18,7 +24,8 @@ from __future__ import annotations
 import json
 import logging
 import time
-from dataclasses import dataclass
+from collections import deque
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import matplotlib
@@ -40,6 +47,7 @@ from hetnode.training.faults import WORK_FAULTS  # noqa: E402
 log = logging.getLogger(__name__)
 
 ATTACKER = "peer-xx"  # the same length as the honest ids: a copier re-labels bytes in place
+SCORE_LAG = 1  # sealed rounds between a round's seal and its score reaching the averages
 
 
 @dataclass(frozen=True)
@@ -49,27 +57,46 @@ class TrustPlan:
     inner_steps: int | None  # None: the config's H
     modes: tuple[str, ...]
     batch_size: int | None = None  # None: the config's
+    score_lag: int = SCORE_LAG
 
 
 def plan_for(
-    quick: bool, rounds: int | None = None, modes: tuple[str, ...] = (), inner_steps: int | None = None
+    quick: bool,
+    rounds: int | None = None,
+    modes: tuple[str, ...] = (),
+    inner_steps: int | None = None,
+    score_lag: int = SCORE_LAG,
 ) -> TrustPlan:
     unknown = sorted(set(modes) - set(WORK_FAULTS))
     if unknown:
         raise ValueError(f"unknown fault modes {unknown}; choose from {list(WORK_FAULTS)}")
     if inner_steps is not None and inner_steps < 1:
         raise ValueError(f"--inner-steps must be >= 1, got {inner_steps}")
+    if score_lag < 0:
+        raise ValueError(f"--score-lag must be >= 0, got {score_lag}")
     if quick:  # 13 runs of 5 replicas: small batches keep it to minutes on two cores
-        return TrustPlan(4, rounds or 6, inner_steps or 5, modes or WORK_FAULTS, batch_size=4)
-    return TrustPlan(4, rounds or 10, inner_steps, modes or WORK_FAULTS)
+        return TrustPlan(4, rounds or 6, inner_steps or 5, modes or WORK_FAULTS, 4, score_lag)
+    return TrustPlan(4, rounds or 10, inner_steps, modes or WORK_FAULTS, score_lag=score_lag)
 
 
 @dataclass
 class RunResult:
     losses: list[float]
-    rejected: list[dict[str, str]]  # per round: peer -> reason (weight refused)
+    rejected: list[dict[str, str]]  # per round: peer -> reason (weight refused: left out of the seal)
     verify_seconds: list[float]
     train_seconds: list[float]  # per round: the slowest replica's training
+    uncredited: list[dict[str, str]] = field(default_factory=list)  # per round: sealed, credit refused
+
+
+@dataclass
+class _Unscored:
+    """A sealed round waiting for its score, with θ before its step (the worker's copy)."""
+
+    round: int
+    theta_before: dict[str, torch.Tensor]
+    scorable: list
+    sealed: list[str]
+    rejected: dict[str, str]
 
 
 def run_one(
@@ -88,7 +115,20 @@ def run_one(
     verifier = Verifier(config, dataset, model) if verify else None
     replicas = {p: Replica(p, data_slot(p)) for p in peers}
     eval_batches = dataset.eval_batches(config.train.eval_batches)
-    result = RunResult([], [], [], [])
+    result = RunResult([], [], [], [], [])
+    waiting: deque[_Unscored] = deque()
+
+    def score_next() -> float:
+        """Score the oldest round waiting, as the worker does: on θ before its step; its seconds."""
+        work = waiting.popleft()
+        started = time.perf_counter()
+        scores = verifier.score(work.round, work.theta_before, work.scorable, replicas)
+        seconds = time.perf_counter() - started
+        for v in verifier.verdicts(work.round, work.sealed, work.rejected, scores):
+            if v.reason is not None and v.peer not in work.rejected:
+                result.uncredited[work.round][v.peer] = v.reason
+        return seconds
+
     for round_ in range(plan.rounds):
         payloads, slowest = {}, 0.0
         for peer in peers:
@@ -118,22 +158,23 @@ def run_one(
             rejected |= dict.fromkeys(culprits, "finite")
             sealed = [(p, d) for p, d in sealed if p not in culprits]
             prepared = theta.prepare(round_, sealed)
+        result.uncredited.append({})
         if verifier:
-            started = time.perf_counter()
             scorable = [(p, d) for p, d in contributions if rejected.get(p) not in ("stale", "copy")]
-            verifier.score(round_, theta.params, scorable, replicas)
-            verify_s += time.perf_counter() - started
-            for v in verifier.verdicts(round_, [p for p, _ in sealed], rejected, {}):
-                if v.reason is not None:
-                    rejected.setdefault(v.peer, v.reason)
+            before = {name: t.clone() for name, t in theta.params.items()}
+            waiting.append(_Unscored(round_, before, scorable, [p for p, _ in sealed], dict(rejected)))
         theta.commit(prepared)
         for peer in peers:
             if peer not in {p for p, _ in sealed}:
                 trainers[peer].restore_unsent()
+        while verifier and waiting and waiting[0].round <= round_ - plan.score_lag:
+            verify_s += score_next()  # the rounds whose score the next seal knows
         result.losses.append(_eval_loss(model, theta, eval_batches))
         result.rejected.append(rejected)
         result.verify_seconds.append(verify_s if verifier else 0.0)
         result.train_seconds.append(slowest)
+    while verifier and waiting:  # the last rounds' scores, for their credit
+        result.verify_seconds[-1] += score_next()
     return result
 
 
@@ -146,15 +187,33 @@ def _eval_loss(model: torch.nn.Module, theta: GlobalModel, batches: list) -> flo
 
 
 def rounds_to_exclusion(run: RunResult) -> int | None:
-    """Rounds (1-based) until the attacker got no weight in every later round; None if it kept weight."""
+    """The round (1-based) from which the attacker had no weight in any seal; None if it kept weight."""
     for start in range(len(run.rejected)):
         if all(ATTACKER in r for r in run.rejected[start:]):
             return start + 1
     return None
 
 
+def rounds_to_no_credit(run: RunResult) -> int | None:
+    """The round (1-based) from which the attacker was credited for nothing; None if it kept credit."""
+    refused = [
+        {**r, **u} for r, u in zip(run.rejected, run.uncredited or [{}] * len(run.rejected), strict=True)
+    ]
+    for start in range(len(refused)):
+        if all(ATTACKER in r for r in refused[start:]):
+            return start + 1
+    return None
+
+
+def rounds_with_weight(run: RunResult) -> int:
+    """Rounds whose seal held the attacker's work."""
+    return sum(1 for r in run.rejected if ATTACKER not in r)
+
+
 def false_exclusions(run: RunResult) -> int:
-    return sum(1 for r in run.rejected for peer in r if peer != ATTACKER)
+    """Honest contributions left out of a seal or refused credit."""
+    refused = [*run.rejected, *run.uncredited]
+    return sum(1 for r in refused for peer in r if peer != ATTACKER)
 
 
 def run_benchmark(config: Config, plan: TrustPlan, out_dir: Path, progress: bool = True) -> dict:
@@ -181,6 +240,7 @@ def run_benchmark(config: Config, plan: TrustPlan, out_dir: Path, progress: bool
         "honest": plan.honest,
         "rounds": plan.rounds,
         "inner_steps": config.outer.inner_steps,
+        "score_lag": plan.score_lag,
         "final_eval_loss_clean": clean.losses[-1],
         "false_exclusions_clean": false_exclusions(clean),
         "verify_share_clean": _share(clean),
@@ -191,6 +251,8 @@ def run_benchmark(config: Config, plan: TrustPlan, out_dir: Path, progress: bool
         verified, unverified = results[f"{mode}-verified"], results[f"{mode}-unverified"]
         report["modes"][mode] = {
             "rounds_to_exclusion": rounds_to_exclusion(verified),
+            "rounds_to_no_credit": rounds_to_no_credit(verified),
+            "rounds_with_weight": rounds_with_weight(verified),
             "final_eval_loss": verified.losses[-1],
             "final_eval_loss_unverified": unverified.losses[-1],
             "final_eval_loss_clean": clean.losses[-1],
@@ -198,7 +260,9 @@ def run_benchmark(config: Config, plan: TrustPlan, out_dir: Path, progress: bool
             "loss_vs_clean_unverified": unverified.losses[-1] / clean.losses[-1] - 1,
             "false_exclusions": false_exclusions(verified),
             "verify_share": _share(verified),
-            "reasons": sorted({r[ATTACKER] for r in verified.rejected if ATTACKER in r}),
+            "reasons": sorted(
+                {r[ATTACKER] for r in [*verified.rejected, *verified.uncredited] if ATTACKER in r}
+            ),
         }
     (out_dir / "trust.json").write_text(json.dumps(report, indent=2))
     plot(report, out_dir / "trust.png")
@@ -219,8 +283,9 @@ def plot(report: dict, path: Path) -> None:
         ax.plot(curves["clean"], "k-", label="clean")
         ax.plot(curves[f"{mode}-unverified"], "r--", label="attacked, unverified")
         ax.plot(curves[f"{mode}-verified"], "g-", label="attacked, verified")
-        excluded = report["modes"][mode]["rounds_to_exclusion"]
-        ax.set_title(f"{mode} (out after {excluded if excluded else '–'} rounds)", fontsize=9)
+        r = report["modes"][mode]
+        out = f"out from round {r['rounds_to_exclusion']}" if r["rounds_to_exclusion"] else "never out"
+        ax.set_title(f"{mode} (weight in {r['rounds_with_weight']} rounds, {out})", fontsize=9)
         ax.set_xlabel("round")
         ax.set_ylabel("eval loss")
         ax.grid(alpha=0.3)
@@ -228,7 +293,9 @@ def plot(report: dict, path: Path) -> None:
         ax.axis("off")
     axes.flat[0].legend(fontsize=7)
     fig.suptitle(
-        f"{report['config']}: {report['honest']} honest + 1 attacker, H={report['inner_steps']}", fontsize=10
+        f"{report['config']}: {report['honest']} honest + 1 attacker, H={report['inner_steps']}, "
+        f"scores {report['score_lag']} round(s) behind the seal",
+        fontsize=10,
     )
     fig.tight_layout()
     fig.savefig(path, dpi=110)

@@ -65,6 +65,12 @@ def register(commands: argparse._SubParsersAction) -> None:
         "--inner-steps", type=int, default=None, help="H per round (default: 5 / the config's)"
     )
     trust.add_argument("--modes", default="", help="comma-separated fault modes (default: all)")
+    trust.add_argument(
+        "--score-lag",
+        type=int,
+        default=1,
+        help="sealed rounds before a round's score reaches the screens (default 1: the coordinator's worker)",
+    )
     trust.add_argument("--no-progress", action="store_true")
     trust.set_defaults(handler=run_trust)
     network = benches.add_parser(
@@ -323,20 +329,27 @@ def run_staleness(args: argparse.Namespace) -> int:
 def run_trust(args: argparse.Namespace) -> int:
     from bootstrap import trust_bench  # the coordinator's verifier, measured in process
 
-    plan = trust_bench.plan_for(args.quick, args.rounds, _names(args.modes), args.inner_steps)
+    try:
+        plan = trust_bench.plan_for(
+            args.quick, args.rounds, _names(args.modes), args.inner_steps, args.score_lag
+        )
+    except ValueError as exc:
+        raise ConfigError("--modes/--inner-steps/--score-lag", "bench trust", str(exc)) from None
     report = trust_bench.run_benchmark(_config(args), plan, args.out, progress=not args.no_progress)
     print(
         f"clean: final eval loss {report['final_eval_loss_clean']:.4f}, "
         f"false exclusions {report['false_exclusions_clean']}, "
-        f"verify share {report['verify_share_clean']:.1%}"
+        f"verify share {report['verify_share_clean']:.1%}; scores {plan.score_lag} round(s) behind the seal"
     )
-    header = ("mode", "out after", "loss verified", "unverified", "vs clean", "false excl.", "verify")
-    print("{:<10} {:>9} {:>13} {:>10} {:>9} {:>11} {:>7}".format(*header))
+    header = ("mode", "weight", "out from", "no credit", "loss verified", "unverified", "vs clean", "false")
+    print("{:<10} {:>6} {:>8} {:>9} {:>13} {:>10} {:>9} {:>5} {:>7}".format(*header, "verify"))
     for mode, r in report["modes"].items():
-        out = "never" if r["rounds_to_exclusion"] is None else f"{r['rounds_to_exclusion']} rounds"
+        out = "never" if r["rounds_to_exclusion"] is None else f"round {r['rounds_to_exclusion']}"
+        credit = "never" if r["rounds_to_no_credit"] is None else f"round {r['rounds_to_no_credit']}"
         print(
-            f"{mode:<10} {out:>9} {r['final_eval_loss']:>13.4f} {r['final_eval_loss_unverified']:>10.4f} "
-            f"{r['loss_vs_clean']:>+9.2%} {r['false_exclusions']:>11} {r['verify_share']:>7.1%}"
+            f"{mode:<10} {r['rounds_with_weight']:>6} {out:>8} {credit:>9} {r['final_eval_loss']:>13.4f} "
+            f"{r['final_eval_loss_unverified']:>10.4f} {r['loss_vs_clean']:>+9.2%} "
+            f"{r['false_exclusions']:>5} {r['verify_share']:>7.1%}"
         )
     print(f"wrote {args.out / 'trust.json'} and {args.out / 'trust.png'}")
     return 0

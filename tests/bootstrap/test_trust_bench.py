@@ -19,6 +19,8 @@ def test_trust_bench_runs_and_reports_each_mode(tiny_config: Config, tmp_path: P
     assert saved["modes"].keys() == {"signflip", "copy"} and (tmp_path / "trust.png").stat().st_size > 1000
     copy = report["modes"]["copy"]
     assert copy["rounds_to_exclusion"] == 1 and copy["reasons"] == ["copy"]  # refused from its first round
+    assert copy["rounds_with_weight"] == 0 and copy["rounds_to_no_credit"] == 1
+    assert report["score_lag"] == 1  # scores reach the screens a sealed round late, as the worker's do
     for mode in report["modes"].values():  # (false exclusions are measured by the bench, at its own scale)
         # verify_share is scoring time over training time: at 2 steps of 2 sequences scoring costs more than
         # training (it is measured against the target at the bench's scale, not here)
@@ -31,5 +33,25 @@ def test_trust_bench_runs_and_reports_each_mode(tiny_config: Config, tmp_path: P
 def test_rounds_to_exclusion_counts_until_the_attacker_stays_out():
     run = trust_bench.RunResult([], [{}, {"peer-xx": "score"}, {}, {"peer-xx": "score"}], [], [])
     assert trust_bench.rounds_to_exclusion(run) == 4
+    assert trust_bench.rounds_with_weight(run) == 2
     assert trust_bench.rounds_to_exclusion(trust_bench.RunResult([], [{}, {}], [], [])) is None
     assert trust_bench.false_exclusions(trust_bench.RunResult([], [{"peer-h1": "norm"}], [], [])) == 1
+
+
+def test_credit_refused_after_a_late_score_counts_apart_from_weight():
+    """Sealed in rounds 1-3, its credit refused from round 2 (its score came late), out of the seal from 4."""
+    weight = [{}, {}, {}, {"peer-xx": "score"}, {"peer-xx": "score"}]
+    credit = [{}, {"peer-xx": "score"}, {"peer-xx": "score"}, {}, {}]
+    run = trust_bench.RunResult([], weight, [], [], credit)
+    assert trust_bench.rounds_to_exclusion(run) == 4 and trust_bench.rounds_with_weight(run) == 3
+    assert trust_bench.rounds_to_no_credit(run) == 2
+    honest = trust_bench.RunResult([], [{}, {}], [], [], [{"peer-h0": "score"}, {}])
+    assert trust_bench.false_exclusions(honest) == 1  # credit refused to honest work counts too
+
+
+def test_the_score_lag_is_checked():
+    with pytest.raises(ValueError, match="score-lag"):
+        trust_bench.plan_for(True, score_lag=-1)
+    assert (
+        trust_bench.plan_for(True).score_lag == 1 and trust_bench.plan_for(True, score_lag=0).score_lag == 0
+    )
