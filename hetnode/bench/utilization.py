@@ -7,7 +7,8 @@ any two of them are 40 ms RTT apart. Each daemon runs under a CPU quota of its o
 (`hetnode/bench/cpu_quota.py`): while it waits for the network nobody else can use its share.
 
 Three swarm runs, each a fresh swarm: `outer.overlap = false` (lockstep) and `true` (overlap) for the same
-wall-clock budget, counted from the first sealed round with all four replicas in it; then a shorter run of
+wall-clock budget, counted from the first seal once all four replicas trained and synced a round (a chain
+slower than the anchors is not in every seal); then a shorter run of
 the overlap rule with `outer.verify = false`, for the coordinator's seal-to-seal time without verification.
 The figures come from each daemon's own `rounds-local.jsonl` and the coordinator's `rounds.jsonl`
 (`hetnode/bench/utilization_figures.py`); each replica's layer digests are checked against the
@@ -30,7 +31,6 @@ from typing import Any
 from hetnode.bench import soak_checks
 from hetnode.bench.cpu_quota import CpuQuotas, check_quotas_possible
 from hetnode.bench.lab_guard import (
-    STALL_ROUNDS,
     LabStalled,
     check_chain_possible,
     check_roles_possible,
@@ -41,7 +41,7 @@ from hetnode.bench.lab_guard import (
 from hetnode.bench.lab_process import HETNODE
 from hetnode.bench.lab_swarm import Member, RunningSwarm, running_swarm
 from hetnode.bench.netlab import check_lab_possible
-from hetnode.bench.utilization_figures import first_full_round, measured, rounds_without, utilization
+from hetnode.bench.utilization_figures import measured, start_seal, utilization
 from hetnode.bench.utilization_report import plot, summarise
 from hetnode.bench.wan import LinkProfile
 from hetnode.config import Config, dump_config, replace
@@ -66,9 +66,9 @@ class UtilizationPlan:
     # 21 %; that rest does not shrink with H, so H = 5 puts it near 35-45 %. Each report checks the share
     # it measured (`H_check`).
     inner_steps: int = 5
-    budget_s: float = 600.0  # per rule, from the first sealed round with every replica in it
+    budget_s: float = 600.0  # per rule, from the first seal once every replica trained and synced a round
     no_verify_budget_s: float = 240.0
-    warmup_rounds: int = 2  # after that first round, before rounds are measured
+    warmup_rounds: int = 2  # after that start seal, before rounds are measured
     anchor_mbit: float = 50.0
     stage_mbit: float = 8.0
     rtt_ms: float = 40.0  # between any two hosts
@@ -76,12 +76,12 @@ class UtilizationPlan:
     coordinator_cpu: float = 0.4
     batch_size: int = 8
     seq_len: int = 128
-    start_timeout_s: float = 300.0  # from the daemons' READY to the first round with every replica
+    start_timeout_s: float = 300.0  # from the daemons' READY until every replica trained and synced a round
     ready_timeout_s: float = 240.0  # per daemon, to its READY line (start-up under a quota is slow)
 
 
 def plan_for(quick: bool) -> UtilizationPlan:
-    # three swarms in ten minutes on two cores: each ~40 s to its first full round, then its budget, ~30 s
+    # three swarms in ten minutes on two cores: each ~40 s to its start seal, then its budget, ~30 s
     # to read the digests (not for the third) and 5 s to stop
     if quick:
         return UtilizationPlan(budget_s=120.0, no_verify_budget_s=45.0, start_timeout_s=180.0)
@@ -146,7 +146,7 @@ def run_rule(
     say: Callable[[str], None],
     check: bool = True,
 ) -> dict[str, Any]:
-    """A fresh swarm under `config` for `budget_s` after its first round with every replica; what it
+    """A fresh swarm under `config` for `budget_s` after its start seal (`start_seal`); what it
     logged, with the digests checked at its end when `check`."""
     shutil.rmtree(work, ignore_errors=True)  # no identities, checkpoints or logs from before
     work.mkdir(parents=True)
@@ -161,7 +161,7 @@ def run_rule(
         with running_swarm(
             config_path, work, links, members, say, prefix, plan.ready_timeout_s, lab_seed=0
         ) as swarm:
-            first = _wait_for_full_round(swarm, plan, label, say)
+            first = _wait_for_start(swarm, plan, label, say)
             end = float(first["time"]) + budget_s
             _follow(swarm, label, first, end, plan, say)
             if check:
@@ -175,7 +175,7 @@ def run_rule(
         "verify": config.outer.verify,
         "budget_s": budget_s,
         "peer_ids": swarm.ids,
-        "first_full_round": first["round"],
+        "start_round": first["round"],
         "t0": float(first["time"]),
         "end": end,
         "history": swarm.history(),
@@ -187,27 +187,24 @@ def run_rule(
     }
 
 
-def _wait_for_full_round(
+def _wait_for_start(
     swarm: RunningSwarm, plan: UtilizationPlan, label: str, say: Callable[[str], None]
 ) -> dict[str, Any]:
-    """The first sealed round all four replicas took part in (accepted or left out by verification); ends
-    with the daemons' roles when it does not come."""
-    ids = set(swarm.ids.values())
+    """The start seal: the first once every replica has trained and synced a round (`start_seal`); ends
+    with the daemons' roles when that does not happen within the plan's start timeout."""
     deadline = time.monotonic() + plan.start_timeout_s
-    say(f"{label}: waiting for a round with both anchors and the chain")
+    say(f"{label}: waiting for both anchors and the chain to train and sync a round")
     while time.monotonic() < deadline:
         check_running(swarm.processes)
-        history = swarm.history()
-        full = first_full_round(history, ids)
-        if full is not None:
-            say(f"{label}: round {full['round']} had every replica; measuring from here")
-            return full
-        if rounds_without(history, ids) >= STALL_ROUNDS:
-            break
+        logs = {name: swarm.round_log(name) for name in (*ANCHORS, *STAGES)}
+        first = start_seal(swarm.history(), logs)
+        if first is not None:
+            say(f"{label}: every replica runs; measuring from round {first['round']}'s seal")
+            return first
         time.sleep(1.0)
     raise LabStalled(
-        f"{label}: no sealed round had every replica within {plan.start_timeout_s:.0f} s; the daemons' "
-        "roles:\n" + stalled_reason(swarm.processes, swarm.logs())
+        f"{label}: not every replica trained and synced a round within {plan.start_timeout_s:.0f} s; the "
+        "daemons' roles:\n" + stalled_reason(swarm.processes, swarm.logs())
     )
 
 

@@ -11,8 +11,8 @@ Definitions (BENCHMARKS.md says the same):
 - the **swarm's tokens/s** is the tokens of the sealed rounds after the first measured seal, over the time
   between that seal and the last: tokens the global model took in, each counted once;
 - **eval loss at equal tokens / wall** is each rule's eval loss interpolated (linearly, between sealed
-  rounds) at the largest token count / wall time both rules reached; wall time counts from each run's first
-  round with every replica in it;
+  rounds) at the largest token count / wall time both rules reached; wall time counts from each run's
+  start seal (the first once every replica had trained and synced a round);
 - **seal to seal** is the p50 of the seconds between consecutive measured seals.
 """
 
@@ -82,26 +82,14 @@ def outside_share(figures: Sequence[Mapping[str, Any]], role: str = "anchor") ->
 # --- the coordinator's history ---------------------------------------------------------------------------
 
 
-def took_part(entry: Record) -> set[str]:
-    """The peers whose payload a sealed round had: its contributors and those its screens left out
-    (verification may refuse a replica's work; the replica trained the round all the same)."""
-    return set(entry.get("contributors") or ()) | set(entry.get("excluded") or ())
-
-
-def first_full_round(history: Sequence[Record], peer_ids: Iterable[str]) -> Record | None:
-    """The first sealed round that every one of `peer_ids` took part in."""
-    wanted = set(peer_ids)
-    return next((e for e in history if wanted <= took_part(e)), None)
-
-
-def rounds_without(history: Sequence[Record], peer_ids: Iterable[str]) -> int:
-    """Sealed rounds since the last one every one of `peer_ids` took part in (all of them if none)."""
-    wanted, count = set(peer_ids), 0
-    for entry in reversed(history):
-        if wanted <= took_part(entry):
-            break
-        count += 1
-    return count
+def start_seal(history: Sequence[Record], logs: Mapping[str, Sequence[Record]]) -> Record | None:
+    """The first seal once every replica has trained and synced a round (its first round log line): from
+    there all of them run, whether or not each is in every seal (a chain slower than the anchors misses
+    seals and catches up; verification may leave work out). None until then."""
+    if not logs or not all(logs.values()):
+        return None
+    ready = max(min(float(r["time"]) for r in records) for records in logs.values())
+    return next((e for e in history if float(e["time"]) >= ready), None)
 
 
 def measured_seals(history: Sequence[Record], first_round: int, until: float) -> list[Record]:

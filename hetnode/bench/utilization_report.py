@@ -34,7 +34,7 @@ COMMAND = "sudo .venv/bin/hetnode bench utilization"
 
 def rule_summary(run: Mapping[str, Any], warmup_rounds: int) -> dict[str, Any]:
     """One run's `R`: each replica's figures over its measured rounds, the swarm's, the seals'."""
-    first = run["first_full_round"] + warmup_rounds
+    first = run["start_round"] + warmup_rounds
     replicas = []
     for name, records in run["round_logs"].items():
         rounds = measured(records, first, run["end"])
@@ -59,7 +59,7 @@ def rule_summary(run: Mapping[str, Any], warmup_rounds: int) -> dict[str, Any]:
         "anchor_sync_share": outside_share(replicas),
         "verify_s": p50([float(e.get("verify_seconds") or 0.0) for e in seals]),
         "measured_seals": len(seals),
-        "first_full_round": run["first_full_round"],
+        "start_round": run["start_round"],
         "first_measured_round": first,
         "budget_s": run["budget_s"],
         "overlap_configured": run["overlap"],
@@ -135,7 +135,7 @@ def plot(report: Mapping[str, Any], path: Path) -> None:
                 [p[axis] for p in curve], [p["loss"] for p in curve], ".-", color=colours[label], label=label
             )
     for ax, at, xlabel in (
-        (axes[0], report["equal_wall_s_at"], "seconds since the first round with every replica"),
+        (axes[0], report["equal_wall_s_at"], "seconds since the start seal (every replica running)"),
         (axes[1], report["equal_tokens_at"], "tokens sealed"),
     ):
         if at is not None:

@@ -30,7 +30,7 @@ def register(benches: argparse._SubParsersAction) -> None:
         "--budget",
         type=float,
         default=None,
-        help="wall seconds per rule from its first round with every replica (default 600, --quick 120)",
+        help="wall seconds per rule once every replica runs (default 600, --quick 120)",
     )
     parser.add_argument("--no-progress", action="store_true")
     parser.set_defaults(handler=run)

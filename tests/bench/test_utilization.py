@@ -71,13 +71,10 @@ HISTORY = [
 ]
 
 
-def test_the_swarm_is_measured_from_its_first_round_with_every_replica():
-    first = fig.first_full_round(HISTORY, ["a1", "a2", "s1", "s2"])
-    assert first["round"] == 2 and fig.first_full_round(HISTORY, ["nobody"]) is None
-    refused = [{**HISTORY[0], "excluded": ["s1", "s2"]}, *HISTORY[1:]]  # verification left the chain out
-    assert fig.first_full_round(refused, ["a1", "a2", "s1", "s2"])["round"] == 1
-    assert fig.rounds_without(HISTORY, ["s1", "s2", "a2"]) == 0 and fig.rounds_without(HISTORY, ["x"]) == 5
-    assert fig.rounds_without(HISTORY[:4], ["a2"]) == 1
+def test_the_swarm_is_measured_from_the_first_seal_once_every_replica_runs():
+    logs = {"a1": [rec(1, 95.0, 4.0, 99.0), rec(2, 101.0, 4.0, 105.0)], "s1": [rec(2, 103.0, 4.0, 107.0)]}
+    assert fig.start_seal(HISTORY, logs)["round"] == 2  # the first seal (110 s) once s1 had announced (107 s)
+    assert fig.start_seal(HISTORY, {**logs, "s2": []}) is None and fig.start_seal(HISTORY, {}) is None
     seals = fig.measured_seals(HISTORY, first_round=3, until=130.0)
     assert [e["round"] for e in seals] == [3, 4]
     assert fig.seal_intervals(seals) == [10.0] and fig.p50([10.0, 2.0, 6.0]) == 6.0
@@ -156,7 +153,7 @@ def _run(label: str, overlap: bool, logged_overlap: bool, shift: float) -> dict:
     }
     history = [{"round": r, "contributors": ["x"], "tokens": 4000, "time": 10.0 * r + 8 + shift,
                 "eval_loss": 5.0 - 0.1 * r, "verify_seconds": 0.5} for r in range(1, 7)]  # fmt: skip
-    return {"label": label, "overlap": overlap, "verify": True, "budget_s": 50.0, "first_full_round": 1,
+    return {"label": label, "overlap": overlap, "verify": True, "budget_s": 50.0, "start_round": 1,
             "t0": 18.0 + shift, "end": 68.0 + shift, "history": history, "round_logs": logs,
             "digest_checks": [{"replica": "anchor-1", "params_round": 6, "verdict": "agrees"}],
             "digest_mismatches_logged": dict.fromkeys(logs, 0)}  # fmt: skip
