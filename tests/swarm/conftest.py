@@ -236,6 +236,20 @@ class Swarm:
         assert set(rounds) == names, rounds
         return rounds
 
+    def freeze_past_seals(self, daemon: Daemon, seals: int = 2, timeout: float = 120) -> int:
+        """Freeze `daemon` (SIGSTOP: a laptop asleep) while `seals` rounds are sealed without it, wake it, and
+        wait until it says what became of the payload it had announced. Returns the round it froze at."""
+        daemon.proc.send_signal(signal.SIGSTOP)
+        frozen_at = self.history()[-1]["round"]
+        self.wait_for_round(frozen_at + seals, timeout=timeout)
+        daemon.proc.send_signal(signal.SIGCONT)
+        settled = ("sealed without us: our payload is kept in error feedback", "sealed with our payload")
+        deadline = time.monotonic() + timeout
+        while not any(line in daemon.tail(300) for line in settled) and time.monotonic() < deadline:
+            time.sleep(1)
+        assert any(line in daemon.tail(300) for line in settled), daemon.tail(40)
+        return frozen_at
+
     def wait_for_round(self, round_: int, timeout: float, evaluated: bool = False) -> list[dict]:
         """The history once `round_` is sealed (with `evaluated`: once every round up to it is evaluated
         too, which the coordinator does beside the next seals)."""

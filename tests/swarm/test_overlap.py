@@ -1,9 +1,6 @@
 """Overlapped rounds over real daemons (docs/sync.md, "Overlap"): anchors train round t+1 while round t syncs,
 hold the coordinator's θ bit for bit, and a replica frozen past two seals rebases onto the downloaded θ."""
 
-import signal
-import time
-
 import pytest
 
 from hetnode.service.round_log import read_rounds
@@ -24,15 +21,7 @@ def test_overlapped_anchors_train_ahead_agree_and_rebase_after_a_freeze(swarm):
 
     # frozen past two seals: on waking it downloads θ, settles the payload it had announced, and its
     # training thread rebases onto the downloaded θ and goes on as the swarm's next round
-    flaky.proc.send_signal(signal.SIGSTOP)
-    frozen_at = swarm.history()[-1]["round"]
-    swarm.wait_for_round(frozen_at + 2, timeout=120)
-    flaky.proc.send_signal(signal.SIGCONT)
-    settled = ("sealed without us: our payload is kept in error feedback", "sealed with our payload")
-    deadline = time.monotonic() + 120
-    while not any(line in flaky.tail(300) for line in settled) and time.monotonic() < deadline:
-        time.sleep(1)
-    assert any(line in flaky.tail(300) for line in settled), flaky.tail(40)
+    frozen_at = swarm.freeze_past_seals(flaky)
 
     history = swarm.wait_for_history(
         lambda h: any(flaky.peer_id in e["contributors"] for e in h if e["round"] > frozen_at + 2),

@@ -4,7 +4,6 @@ excluded, a killed anchor left out of the seal and caught up after a restart (re
 from __future__ import annotations
 
 import signal
-import time
 
 import pytest
 
@@ -102,15 +101,7 @@ def test_a_killed_anchor_is_left_out_and_catches_up_after_restart(swarm, tmp_pat
 
     # frozen (a laptop asleep) while two rounds are sealed without it: on waking it is two rounds behind,
     # downloads θ, and asks the coordinator whether the payload it had announced made it into a seal
-    flaky.proc.send_signal(signal.SIGSTOP)
-    frozen_at = swarm.history()[-1]["round"]
-    swarm.wait_for_round(frozen_at + 2, timeout=120)
-    flaky.proc.send_signal(signal.SIGCONT)
-    settled = ("sealed without us: our payload is kept in error feedback", "sealed with our payload")
-    deadline = time.monotonic() + 120
-    while not any(line in flaky.tail(200) for line in settled) and time.monotonic() < deadline:
-        time.sleep(1)
-    assert any(line in flaky.tail(200) for line in settled), flaky.tail(40)
+    swarm.freeze_past_seals(flaky)
     assert "is unknown" not in flaky.tail(200) and "cannot ask the coordinator" not in flaky.tail(200)
 
     flaky.proc.send_signal(signal.SIGKILL)
