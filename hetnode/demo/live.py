@@ -40,12 +40,25 @@ def _t(value: Any) -> Text:
     return Text("–" if value is None else str(value))
 
 
-def plain_line(entry: Mapping[str, Any], sealed: int, total: int, eta: float | None) -> str:
-    """One line per sealed round, for logs: `round 3/8 (#2) contributors 4 ... ETA 40 s`."""
+def plain_line(
+    entry: Mapping[str, Any],
+    sealed: int,
+    total: int,
+    eta: float | None,
+    earlier: Sequence[Mapping[str, Any]] = (),
+) -> str:
+    """One line per sealed round, for logs: `round 3/8 (#2) contributors 4 ... ETA 40 s`. The coordinator
+    evaluates beside the next seals, so a round just sealed may have no eval loss yet: the line then shows
+    the newest one of the `earlier` rounds."""
     b = round_bytes(entry)
+    loss = loss_text(entry.get("eval_loss"))
+    if entry.get("eval_loss") is None:
+        known = next((e for e in reversed(earlier) if e.get("eval_loss") is not None), None)
+        if known is not None:
+            loss += f" (#{known.get('round')}: {loss_text(known.get('eval_loss'))})"
     return (
         f"round {sealed}/{total} (#{entry.get('round')})  contributors {contributor_count(entry)}  "
-        f"tokens {entry.get('tokens') or 0:,}  eval loss {loss_text(entry.get('eval_loss'))}  "
+        f"tokens {entry.get('tokens') or 0:,}  eval loss {loss}  "
         f"bytes anchors {human_bytes(b.anchor)}, stages {human_bytes(b.stage)}, "
         f"dense fp32 {human_bytes(b.dense)} ({human_ratio(b.ratio)} smaller)  ETA {human_seconds(eta)}"
     )
@@ -154,5 +167,6 @@ class LiveView:
             return
         for index in range(self._printed, len(history)):
             eta = eta_s(history[: index + 1], self.total)
-            print(plain_line(history[index], index + 1, self.total, eta), file=self.stream, flush=True)
+            line = plain_line(history[index], index + 1, self.total, eta, history[:index])
+            print(line, file=self.stream, flush=True)
         self._printed = max(self._printed, len(history))

@@ -242,6 +242,8 @@ def test_the_live_view_renders_peer_names_as_text_and_prints_plain_lines_off_a_t
 
     line = plain_line(entry(1, 4.0), 2, 8, 60.0)
     assert line.startswith("round 2/8 (#1)  contributors 3") and "eval loss 4.000" in line and "1:00" in line
+    unevaluated = {**entry(2, 4.0), "eval_loss": None}  # sealed, evaluated beside the next seals
+    assert "eval loss – (#1: 4.000)" in plain_line(unevaluated, 3, 8, 30.0, [entry(0, 5.0), entry(1, 4.0)])
     out = io.StringIO()
     with LiveView(8, None, console=Console(file=io.StringIO(), force_terminal=False), stream=out) as view:
         view.update(None, [entry(0, 5.0)])
