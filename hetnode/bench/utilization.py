@@ -76,7 +76,8 @@ class UtilizationPlan:
     coordinator_cpu: float = 0.4
     batch_size: int = 8
     seq_len: int = 128
-    start_timeout_s: float = 300.0  # from the daemons' READY until every replica trained and synced a round
+    start_timeout_s: float = 300.0  # from the daemons' READY until the anchors trained and synced a round
+    chain_wait_s: float = 90.0  # then for the chain to, before the budget starts without it
     ready_timeout_s: float = 240.0  # per daemon, to its READY line (start-up under a quota is slow)
 
 
@@ -84,7 +85,9 @@ def plan_for(quick: bool) -> UtilizationPlan:
     # three swarms in ten minutes on two cores: each ~40 s to its start seal, then its budget, ~30 s
     # to read the digests (not for the third) and 5 s to stop
     if quick:
-        return UtilizationPlan(budget_s=120.0, no_verify_budget_s=45.0, start_timeout_s=180.0)
+        return UtilizationPlan(
+            budget_s=120.0, no_verify_budget_s=40.0, start_timeout_s=180.0, chain_wait_s=30.0
+        )
     return UtilizationPlan()
 
 
@@ -161,7 +164,7 @@ def run_rule(
         with running_swarm(
             config_path, work, links, members, say, prefix, plan.ready_timeout_s, lab_seed=0
         ) as swarm:
-            first = _wait_for_start(swarm, plan, label, say)
+            first, running = _wait_for_start(swarm, plan, label, say)
             end = float(first["time"]) + budget_s
             _follow(swarm, label, first, end, plan, say)
             if check:
@@ -176,6 +179,7 @@ def run_rule(
         "budget_s": budget_s,
         "peer_ids": swarm.ids,
         "start_round": first["round"],
+        "running_at_start": running,
         "t0": float(first["time"]),
         "end": end,
         "history": swarm.history(),
@@ -189,21 +193,33 @@ def run_rule(
 
 def _wait_for_start(
     swarm: RunningSwarm, plan: UtilizationPlan, label: str, say: Callable[[str], None]
-) -> dict[str, Any]:
-    """The start seal: the first once every replica has trained and synced a round (`start_seal`); ends
-    with the daemons' roles when that does not happen within the plan's start timeout."""
+) -> tuple[dict[str, Any], str]:
+    """(the start seal, who ran at it): the first seal once every replica has trained and synced a
+    round (`start_seal`); if the chain has not `chain_wait_s` after the anchors did (it cannot keep up
+    with them), the newest seal then, without it. Ends with the daemons' roles when not even the anchors
+    sync a round within the plan's start timeout."""
     deadline = time.monotonic() + plan.start_timeout_s
+    anchors_at: float | None = None
     say(f"{label}: waiting for both anchors and the chain to train and sync a round")
     while time.monotonic() < deadline:
         check_running(swarm.processes)
+        history = swarm.history()
         logs = {name: swarm.round_log(name) for name in (*ANCHORS, *STAGES)}
-        first = start_seal(swarm.history(), logs)
+        first = start_seal(history, logs)
         if first is not None:
             say(f"{label}: every replica runs; measuring from round {first['round']}'s seal")
-            return first
+            return first, "every replica"
+        if anchors_at is None and start_seal(history, {a: logs[a] for a in ANCHORS}) is not None:
+            anchors_at = time.monotonic()
+        if anchors_at is not None and time.monotonic() - anchors_at >= plan.chain_wait_s:
+            say(
+                f"{label}: the chain synced no round in {plan.chain_wait_s:g} s after the anchors did; "
+                f"measuring from round {history[-1]['round']}'s seal all the same"
+            )
+            return history[-1], "anchors only: the chain had synced no round"
         time.sleep(1.0)
     raise LabStalled(
-        f"{label}: not every replica trained and synced a round within {plan.start_timeout_s:.0f} s; the "
+        f"{label}: the anchors trained and synced no round within {plan.start_timeout_s:.0f} s; the "
         "daemons' roles:\n" + stalled_reason(swarm.processes, swarm.logs())
     )
 
@@ -285,20 +301,25 @@ def run_benchmark(config: Config, plan: UtilizationPlan, out: Path, progress: bo
     say = (lambda text: print(f"[bench utilization] {text}", flush=True)) if progress else (lambda text: None)
     out.mkdir(parents=True, exist_ok=True)
     work = out / "work"
-    runs = {}
+    runs: dict[str, dict[str, Any]] = {}
+    quiet = lab_config(config, plan, overlap=RULES[NO_VERIFY_RULE], verify=False)
+    schedule = [
+        (label, lab_config(config, plan, overlap=overlap, verify=True), plan.budget_s, True)
+        for label, overlap in RULES.items()
+    ]
+    # the third run reads only its seal-to-seal time: its digests go unchecked (a status read costs ~30 s)
+    schedule.append((f"{NO_VERIFY_RULE}-no-verify", quiet, plan.no_verify_budget_s, False))
     with interruptible():  # SIGTERM unwinds as Ctrl+C does: every lab and cgroup below is removed
-        for label, overlap in RULES.items():
+        for label, rule_config, budget_s, check in schedule:
             say(
-                f"{label}: outer.overlap = {str(overlap).lower()}, H = {plan.inner_steps}, "
-                f"{plan.budget_s:g} s"
+                f"{label}: outer.overlap = {str(rule_config.outer.overlap).lower()}, outer.verify = "
+                f"{str(rule_config.outer.verify).lower()}, H = {plan.inner_steps}, {budget_s:g} s"
             )
-            rule_config = lab_config(config, plan, overlap=overlap, verify=True)
-            runs[label] = run_rule(rule_config, plan, work / label, label, plan.budget_s, say)
-        label = f"{NO_VERIFY_RULE}-no-verify"
-        say(f"{label}: outer.verify = false, {plan.no_verify_budget_s:g} s")
-        quiet = lab_config(config, plan, overlap=RULES[NO_VERIFY_RULE], verify=False)
-        # only its seal-to-seal time is read: its digests go unchecked (a status read costs ~30 s here)
-        runs[label] = run_rule(quiet, plan, work / label, label, plan.no_verify_budget_s, say, check=False)
+            try:
+                runs[label] = run_rule(rule_config, plan, work / label, label, budget_s, say, check)
+            except LabStalled as exc:  # reported with the runs that worked, not instead of them
+                say(f"{label}: {exc}")
+                runs[label] = {"label": label, "error": str(exc)}
     report = summarise(config, plan, runs)
     (out / "utilization.json").write_text(json.dumps(report, indent=2))
     plot(report, out / "utilization.png")

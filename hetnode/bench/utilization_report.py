@@ -33,7 +33,10 @@ COMMAND = "sudo .venv/bin/hetnode bench utilization"
 
 
 def rule_summary(run: Mapping[str, Any], warmup_rounds: int) -> dict[str, Any]:
-    """One run's `R`: each replica's figures over its measured rounds, the swarm's, the seals'."""
+    """One run's `R`: each replica's figures over its measured rounds, the swarm's, the seals'; for a run
+    that stalled, its reason and nothing measured."""
+    if "error" in run:
+        return dict.fromkeys(_R_KEYS) | {"replicas": [], "eval_loss_curve": [], "error": run["error"]}
     first = run["start_round"] + warmup_rounds
     replicas = []
     for name, records in run["round_logs"].items():
@@ -60,6 +63,7 @@ def rule_summary(run: Mapping[str, Any], warmup_rounds: int) -> dict[str, Any]:
         "verify_s": p50([float(e.get("verify_seconds") or 0.0) for e in seals]),
         "measured_seals": len(seals),
         "start_round": run["start_round"],
+        "running_at_start": run.get("running_at_start"),
         "first_measured_round": first,
         "budget_s": run["budget_s"],
         "overlap_configured": run["overlap"],
@@ -68,7 +72,17 @@ def rule_summary(run: Mapping[str, Any], warmup_rounds: int) -> dict[str, Any]:
         "load_average": run.get("load_average"),
         # the rounds sealed within the budget: the swarm runs on while its digests are read
         "eval_loss_curve": loss_curve([e for e in run["history"] if e["time"] <= run["end"]], run["t0"]),
+        "error": None,
     }
+
+
+_R_KEYS = (
+    "swarm_tokens_per_s", "eval_loss_at_equal_tokens", "eval_loss_at_equal_wall", "seal_to_seal_s",
+    "seal_to_seal_s_no_verify", "digest_disagreements", "digest_checks", "digest_checks_unknown_round",
+    "digest_mismatches_logged", "anchor_sync_share", "verify_s", "measured_seals", "start_round",
+    "running_at_start", "first_measured_round", "budget_s", "overlap_configured", "overlap_logged",
+    "cpu_throttling", "load_average",
+)  # fmt: skip
 
 
 def summarise(config: Config, plan: Any, runs: Mapping[str, Mapping[str, Any]]) -> dict[str, Any]:
@@ -144,10 +158,11 @@ def plot(report: Mapping[str, Any], path: Path) -> None:
         ax.legend(fontsize=8)
     axes[0].set_title("eval loss against wall time")
     axes[1].set_title("eval loss against tokens")
-    names = [r["name"] for r in report["rules"]["lockstep"]["replicas"]]
+    names = max(([r["name"] for r in rule["replicas"]] for rule in report["rules"].values()), key=len)
     width = 0.38
     for i, (label, rule) in enumerate(report["rules"].items()):
-        values = [r["compute_utilization"] or 0.0 for r in rule["replicas"]]
+        by_name = {r["name"]: r["compute_utilization"] for r in rule["replicas"]}
+        values = [by_name.get(name) or 0.0 for name in names]
         xs = [j + (i - 0.5) * width for j in range(len(values))]
         axes[2].bar(xs, values, width, color=colours[label], label=label)
     axes[2].axhline(0.9, color="grey", linestyle=":", label="target (overlap, anchors)")

@@ -60,12 +60,16 @@ def print_summary(report: dict[str, Any]) -> None:
     print(
         f"{'replica':<10} {'role':<7} " + " ".join(f"{label + ' util':>14} {'tok/s':>8}" for label in rules)
     )
-    for i, replica in enumerate(rules["lockstep"]["replicas"]):
+    names = max(([(r["name"], r["role"]) for r in rule["replicas"]] for rule in rules.values()), key=len)
+    for name, role in names:
         cells = []
         for rule in rules.values():
-            r = rule["replicas"][i]
-            cells.append(f"{_show(r['compute_utilization']):>14} {_show(r['tokens_per_s'], 0):>8}")
-        print(f"{replica['name']:<10} {replica['role']:<7} " + " ".join(cells))
+            r = next((r for r in rule["replicas"] if r["name"] == name), {})
+            cells.append(f"{_show(r.get('compute_utilization')):>14} {_show(r.get('tokens_per_s'), 0):>8}")
+        print(f"{name:<10} {role:<7} " + " ".join(cells))
+    for label, rule in rules.items():
+        if rule.get("error"):
+            print(f"{label}: not measured: {rule['error'].splitlines()[0]}")
     for key in (
         "swarm_tokens_per_s",
         "eval_loss_at_equal_tokens",

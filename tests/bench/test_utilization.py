@@ -16,7 +16,7 @@ from hetnode.bench import utilization
 from hetnode.bench import utilization_figures as fig
 from hetnode.bench.cpu_quota import CPU_ROOT, CpuQuotas, parse_cpu_stat, quota_us, stray_folders
 from hetnode.bench.lab_swarm import merged_history
-from hetnode.bench.utilization_report import summarise
+from hetnode.bench.utilization_report import plot, summarise
 from hetnode.cli.bench_utilization import print_summary
 from hetnode.cli.main import build_parser
 from hetnode.config import load_config
@@ -247,3 +247,20 @@ def test_a_process_under_a_quota_gets_its_share_and_the_folder_goes_with_the_lab
     # held back in most periods, unless a loaded machine gave it less than its quota anyway
     assert throttled is not None and (throttled["throttled_share"] > 0.5 or cpu < 0.2 * wall)
     assert not folder.exists() and folder not in stray_folders()
+
+
+def test_a_run_that_stalled_is_reported_beside_the_ones_that_worked(tmp_path: Path, capsys):
+    runs = {
+        "lockstep": _run("lockstep", False, False, 0.0),
+        "overlap": {"label": "overlap", "error": "overlap: the anchors trained and synced no round\n  ..."},
+        "overlap-no-verify": {"label": "overlap-no-verify", "error": "stalled"},
+    }
+    report = summarise(load_config(TINY), utilization.plan_for(quick=True), runs)
+    assert report["rules"]["overlap"]["error"].startswith("overlap:")
+    assert report["rules"]["lockstep"]["replicas"][0]["rounds"] == 4 and report["equal_tokens_at"] is None
+    assert report["targets"]["swarm_tokens_per_s_ratio"]["met"] is None
+    assert report["no_verify"]["seal_to_seal_s"] is None
+    print_summary(report)
+    assert "overlap: not measured" in capsys.readouterr().out
+    plot(report, tmp_path / "u.png")
+    assert (tmp_path / "u.png").stat().st_size > 0
