@@ -109,7 +109,9 @@ class AnchorLoop:
                 outcome = await self.rounds.take_part(announcement, stop, record)
                 if outcome is None:
                     return
-                self._maybe_drift()
+                if self._maybe_drift():  # checked at once: the next step could round the flipped bit away
+                    self.rounds.unchecked = self.global_model.params_round
+                    await self.rounds.verify_agreement(stop)
                 left_out = (trained.round,) if outcome.left_out else ()
                 inbox.post(await asyncio.to_thread(self._rebase, training, stale, left_out))
                 if not self.config.outer.overlap:  # lockstep: the next round starts from the new θ
@@ -184,16 +186,17 @@ class AnchorLoop:
         if copied:
             trained.payloads = copied
 
-    def _maybe_drift(self) -> None:
+    def _maybe_drift(self) -> bool:
         """Tests only ("drift"): after round 1, flip the lowest bit of one weight, as a silent fault in
         memory or a diverging kernel would; the digest check must notice and repair it."""
         if self.fault != "drift" or self.global_model.params_round != 1:
-            return
+            return False
         name = sorted(self.global_model.params)[0]
         bits = self.global_model.params[name].view(-1).view(torch.int32)
         bits[0] ^= 1
         self.global_model.changed()
         log.warning("fault injection: flipped one bit of %s", name)
+        return True
 
     def _maybe_corrupt(self, payloads: dict[str, bytes]) -> dict[str, bytes]:
         if self.fault != "nan":
