@@ -293,8 +293,11 @@ def logged_mismatches(log: Path) -> int:
 # --- the benchmark --------------------------------------------------------------------------------------
 
 
-def run_benchmark(config: Config, plan: UtilizationPlan, out: Path, progress: bool = True) -> dict[str, Any]:
-    """The three runs, `utilization.json` and `utilization.png` in `out`."""
+def run_benchmark(
+    config: Config, plan: UtilizationPlan, out: Path, progress: bool = True, command: str | None = None
+) -> dict[str, Any]:
+    """The three runs, `utilization.json` and `utilization.png` in `out`; `command`: the command line, for
+    the record."""
     check_plan(config, plan)  # before root: a plan is a plan
     check_lab_possible()
     check_quotas_possible()
@@ -320,7 +323,7 @@ def run_benchmark(config: Config, plan: UtilizationPlan, out: Path, progress: bo
             except LabStalled as exc:  # reported with the runs that worked, not instead of them
                 say(f"{label}: {exc}")
                 runs[label] = {"label": label, "error": str(exc)}
-    report = summarise(config, plan, runs)
+    report = summarise(config, plan, runs, command or "hetnode bench utilization")
     (out / "utilization.json").write_text(json.dumps(report, indent=2))
     plot(report, out / "utilization.png")
     return report

@@ -85,7 +85,9 @@ _R_KEYS = (
 )  # fmt: skip
 
 
-def summarise(config: Config, plan: Any, runs: Mapping[str, Mapping[str, Any]]) -> dict[str, Any]:
+def summarise(
+    config: Config, plan: Any, runs: Mapping[str, Mapping[str, Any]], command: str = COMMAND
+) -> dict[str, Any]:
     """The whole `utilization.json`: `{"rules": {"lockstep": R, "overlap": R}}`, the run without
     verification, the ratios overlap / lockstep and each target's verdict."""
     rules = {label: rule_summary(runs[label], plan.warmup_rounds) for label in ("lockstep", "overlap")}
@@ -102,7 +104,7 @@ def summarise(config: Config, plan: Any, runs: Mapping[str, Mapping[str, Any]]) 
     real = rules["overlap"]["overlap_logged"]
     share = rules["lockstep"]["anchor_sync_share"]
     return {
-        "command": COMMAND,
+        "command": command,
         "config": {
             "run": config.run.name,
             "parameters": count_parameters(config.model),
@@ -162,9 +164,12 @@ def plot(report: Mapping[str, Any], path: Path) -> None:
     width = 0.38
     for i, (label, rule) in enumerate(report["rules"].items()):
         by_name = {r["name"]: r["compute_utilization"] for r in rule["replicas"]}
-        values = [by_name.get(name) or 0.0 for name in names]
+        values = [by_name.get(name) for name in names]
         xs = [j + (i - 0.5) * width for j in range(len(values))]
-        axes[2].bar(xs, values, width, color=colours[label], label=label)
+        axes[2].bar(xs, [v or 0.0 for v in values], width, color=colours[label], label=label)
+        for x, value in zip(xs, values, strict=True):
+            if value is None:  # no measured rounds (a chain that could not keep up, a run that stalled)
+                axes[2].text(x, 0.02, "no rounds", rotation=90, ha="center", va="bottom", fontsize=7)
     axes[2].axhline(0.9, color="grey", linestyle=":", label="target (overlap, anchors)")
     axes[2].set_xticks(range(len(names)), names)
     axes[2].set(ylim=(0, 1.05), title="compute utilisation (inner-step s / wall s)")

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import shlex
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -45,7 +47,8 @@ def run(args: argparse.Namespace) -> int:
         plan = dataclasses.replace(
             plan, budget_s=args.budget, no_verify_budget_s=max(20.0, args.budget / 2.5)
         )
-    report = utilization.run_benchmark(config, plan, args.out, progress=not args.no_progress)
+    command = "hetnode " + " ".join(shlex.quote(a) for a in sys.argv[1:])
+    report = utilization.run_benchmark(config, plan, args.out, not args.no_progress, command)
     print_summary(report)
     print(f"wrote {args.out / 'utilization.json'} and {args.out / 'utilization.png'}")
     return 0
