@@ -1,11 +1,11 @@
 """The coordinator's bookkeeping beside the seal, never in front of it: the verifier's loss-delta scores,
 credit in the ledger, evaluation, a text sample and every K rounds a checkpoint, in one worker.
 
-The keeper (`bootstrap/round_keeper.py`) seals round t, commits it to θ, writes the round's seal line (with
-its digests) and publishes the digests; then it hands the round to this worker and goes back to collecting
-round t+1. The worker (an asyncio task whose heavy part runs in a thread) works on a model of its own, the
-evaluator's, whose weights are its own copy of θ: it scores round t on that copy while it still holds
-θ^{t-1}, steps it by the same checked aggregate (`outer_sgd_step`, bit for bit the coordinator's step),
+The keeper (`bootstrap/round_keeper.py`) decides round t, commits it to θ, writes the round's seal line (with
+its digests), stores the seal and publishes the digests; then it hands the round to this worker and goes back
+to collecting round t+1. The worker (an asyncio task whose heavy part runs in a thread) works on a model of
+its own, the evaluator's, whose weights are its own copy of θ: it scores round t on that copy while it still
+holds θ^{t-1}, steps it by the same checked aggregate (`outer_sgd_step`, bit for bit the coordinator's step),
 credits the verified contributions, evaluates, samples and checkpoints θ^t from it, and appends the round's
 evaluated line to the history (`hetnode/wire/round_history.py`). Memory: one copy of θ beyond the
 coordinator's own (the evaluator's model, which it always had), plus the step of each round queued.

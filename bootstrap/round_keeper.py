@@ -1,6 +1,7 @@
-"""The coordinator's half of a sync round: collect announcements, seal (`hetnode/daemon/sealing.py`), apply
-the same aggregate to its own copy of θ, write the round's seal line (with θ's digests) to the history,
-publish the digests, and serve sealed payloads and state. Then it goes straight back to collecting the next
+"""The coordinator's half of a sync round: collect announcements, decide the seal
+(`hetnode/daemon/sealing.py`), apply the same aggregate to its own copy of θ, write the round's seal line
+(with θ's digests) to the history, and only then store the seal and publish the digests; serve sealed
+payloads and state. Then it goes straight back to collecting the next
 round: scoring, credit, evaluation, samples and checkpoints run beside it (`bootstrap/bookkeeping.py`).
 
 After a restart (or a crash between checkpoints) the swarm may hold rounds the coordinator does not: its
@@ -20,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
 import time
 from collections import deque
 from pathlib import Path
@@ -206,20 +208,34 @@ class RoundKeeper:
         if not seal_now(expected, seen, time.monotonic(), self.sealer.deadline.seconds):
             return
         started = time.monotonic()
-        sealed = await self.sealer.seal(round_, seen)
+        sealed = await self.sealer.decide(round_, seen)
         if sealed is None:
             return
+        entry, work = await self._commit(sealed, started)
+        # only now the seal goes out: a crash at any instant leaves the history holding the digests of
+        # every round a replica can have applied (`CatchUp.trusted_digests` reads them after a restart)
+        await self.sealer.publish(sealed, seen)
         self._sealed = round_
-        if self._head is not None:  # replicas poll the head for this, not the (O(R)-byte) seal
-            await self._store_head(*self._head)
+        await self._publish_theta(round_, entry["layer_digests"])  # the head: replicas poll it, not the seal
         self.sealer.observe_arrivals(expected, seen)
-        await self._settle(sealed, started)
+        if self.metrics is not None:
+            self.metrics.observe_seal(
+                entry["payload_bytes"], entry["dense_bytes"], len(work.credits), entry["seal_seconds"]
+            )
+        self.bookkeeping.submit(work)
+        log.info(
+            "round %d sealed: %d contributions, %d excluded, %.3f s",
+            round_,
+            len(sealed.contributions),
+            len(sealed.excluded),
+            entry["seal_seconds"],
+        )
 
-    async def _settle(self, sealed: SealedRound, started: float) -> None:
-        """Commit the sealed round to θ, write its seal line (digests in it: a crash from here on leaves
-        them in the history, where `CatchUp.trusted_digests` reads them), publish the digests, and hand the
-        round to the bookkeeping worker. The step was aggregated and checked before the seal was published:
-        it cannot fail here. Nothing here waits for scoring, evaluation, sampling or a checkpoint."""
+    async def _commit(self, sealed: SealedRound, started: float) -> tuple[dict[str, Any], RoundWork]:
+        """Commit the decided round to θ and write its seal line, digests in it, to disk (fsynced), before
+        the seal is stored; returns the line and the bookkeeping worker's share of the round. The step
+        was aggregated and checked when the round was decided: it cannot fail here. Nothing here waits for
+        scoring, evaluation, sampling or a checkpoint."""
         round_ = sealed.record["round"]
         peers = (await self.view.get()).peers
         books = self.bookkeeping
@@ -259,36 +275,23 @@ class RoundKeeper:
             "credits": credit_rows(credits),  # for a crash before the worker credits them
             "evaluated": False,
         }
-        self._append_history(entry)
-        await self._publish_theta(round_, digests)
-        if self.metrics is not None:
-            self.metrics.observe_seal(
-                entry["payload_bytes"], entry["dense_bytes"], len(credits), entry["seal_seconds"]
-            )
+        self._append_history(entry, durable=True)
         scorable = [(p, d) for p, d in sealed.valid if sealed.rejected.get(p) not in ("stale", "copy")]
-        books.submit(
-            RoundWork(
-                round_,
-                step=sealed.prepared,
-                base=base,
-                base_round=round_ - 1,
-                sealed=entry["contributors"],
-                rejected=dict(sealed.rejected),
-                scorable=scorable,
-                replicas={peer: replica_of(peer, peers.get(peer)) for peer, _ in scorable},
-                credits=credits,
-                sealed_at=sealed.record["sealed_at"],
-                digests=digests,
-                seal_hash=sealed.digest,
-            )
-        )
-        log.info(
-            "round %d sealed: %d contributions, %d excluded, %.3f s",
+        work = RoundWork(
             round_,
-            len(sealed.contributions),
-            len(sealed.excluded),
-            entry["seal_seconds"],
+            step=sealed.prepared,
+            base=base,
+            base_round=round_ - 1,
+            sealed=entry["contributors"],
+            rejected=dict(sealed.rejected),
+            scorable=scorable,
+            replicas={peer: replica_of(peer, peers.get(peer)) for peer, _ in scorable},
+            credits=credits,
+            sealed_at=sealed.record["sealed_at"],
+            digests=digests,
+            seal_hash=sealed.digest,
         )
+        return entry, work
 
     async def _caught_up(self, round_: int, digests: dict[str, str]) -> None:
         """θ of `round_` was taken from a replica: the worker takes a snapshot of it, evaluates, samples and
@@ -354,9 +357,13 @@ class RoundKeeper:
             )
         return credits
 
-    def _append_history(self, entry: dict[str, Any]) -> None:
+    def _append_history(self, entry: dict[str, Any], durable: bool = False) -> None:
+        """`durable`: on disk before this returns, power cut included (a seal line, ahead of its seal)."""
         with open(self.data_dir.path / HISTORY, "a") as history:
             history.write(json.dumps(entry) + "\n")
+            if durable:
+                history.flush()
+                os.fsync(history.fileno())
         self.history.append(entry)
 
     @property

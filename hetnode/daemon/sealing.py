@@ -177,7 +177,16 @@ class Sealer:
         self._last_first = first
 
     async def seal(self, round_: int, seen: dict[str, Announcement]) -> SealedRound | None:
-        """Validate every announced contribution, store the seal, keep the payloads to serve.
+        """Decide the round (`decide`) and store its seal at once (`publish`): the stand-in's way."""
+        sealed = await self.decide(round_, seen)
+        if sealed is not None:
+            await self.publish(sealed, seen)
+        return sealed
+
+    async def decide(self, round_: int, seen: dict[str, Announcement]) -> SealedRound | None:
+        """Validate every announced contribution, aggregate the valid ones, keep their payloads to serve
+        and write the seal record; nothing is stored yet (the coordinator first puts on disk what its
+        catch-up needs after a crash, then calls `publish`).
 
         None when no contribution was valid: nothing is sealed, and the excluded announcements are dropped
         from `seen` so the round stays open for whoever announces next."""
@@ -236,10 +245,14 @@ class Sealer:
             "sealed_at": time.time(),
             "prev": self.global_model.seal_hash or "",
         }
-        if not await self.node.store_own("seal", record, ttl_s=SEAL_TTL_S):
-            log.warning("round %d: no DHT node accepted the seal yet", round_)
-        self.node.nudge(sorted(seen), "seal", round_)  # announcers look now instead of at their next poll
         return SealedRound(record, [(a.peer_id, p) for a, p, _ in good], excluded, prepared, rejected, valid)
+
+    async def publish(self, sealed: SealedRound, seen: dict[str, Announcement]) -> None:
+        """Store the seal and nudge its announcers (they look now instead of at their next poll)."""
+        round_ = sealed.record["round"]
+        if not await self.node.store_own("seal", sealed.record, ttl_s=SEAL_TTL_S):
+            log.warning("round %d: no DHT node accepted the seal yet", round_)
+        self.node.nudge(sorted(seen), "seal", round_)
 
     def _screened(self, round_: int, good: list[Checked]) -> dict[str, str]:
         """The screen's verdicts on the valid contributions (they are left out, not banned: the verifier

@@ -1,12 +1,12 @@
 """The coordinator's bookkeeping beside the seal, over real processes on loopback: with every evaluation made
-slow by a test hook (`tests/swarm/slow_bookkeeping.py`), the coordinator goes on sealing while an earlier
-round is still being evaluated; a kill -9 right after a seal leaves that round's seal line in the history,
-digests included; and the coordinator restarted on its data dir takes that round's θ back from the
-replicas against those digests, credits the rounds it never evaluated, and seals on."""
+slow by a test hook (`tests/swarm/coordinator_hooks.py`), the coordinator goes on sealing while an earlier
+round is still being evaluated; killed (SIGKILL, by the same hook) at the last instant before a seal goes
+out, its history holds the digests of every round it published; and the coordinator restarted on its data
+dir takes θ of its newest published round back from the replicas against those digests, seals the round it
+never published again, credits the rounds it never evaluated, and seals on."""
 
 from __future__ import annotations
 
-import signal
 import sys
 from pathlib import Path
 
@@ -16,13 +16,14 @@ pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[2]
 SLOW_EVAL_S = 20.0  # each evaluation, on top of its own time: several rounds are sealed meanwhile
-SLOW = [sys.executable, str(ROOT / "tests" / "swarm" / "slow_bookkeeping.py"), str(SLOW_EVAL_S)]
+HOOKS = ROOT / "tests" / "swarm" / "coordinator_hooks.py"
 FAST_ROUNDS = {"inner_steps": 5}
 
 
-def test_seals_go_on_while_a_round_is_evaluated_and_a_crash_after_a_seal_keeps_its_digests(swarm):
+def test_seals_go_on_while_a_round_is_evaluated_and_a_crash_before_a_seal_goes_out_recovers(swarm, tmp_path):
     config = swarm.config(outer=FAST_ROUNDS)
-    boot = swarm.bootstrap(config, command=SLOW)
+    crash = tmp_path / "crash-now"
+    boot = swarm.bootstrap(config, command=[sys.executable, str(HOOKS), str(SLOW_EVAL_S), str(crash)])
     boot.wait_ready()
     anchors = [swarm.join(f"anchor-{i}", boot.maddr, "1000") for i in (1, 2)]
     for anchor in anchors:
@@ -38,25 +39,31 @@ def test_seals_go_on_while_a_round_is_evaluated_and_a_crash_after_a_seal_keeps_i
     assert history[1]["time"] < history[0]["evaluated_at"]  # round 1 was sealed before 0 was evaluated
     assert history[0]["eval_loss"] > 0 and set(history[0]["scores"]) == {a.peer_id for a in anchors}
 
-    # kill -9 while the newest rounds wait for their evaluation: their seal lines hold the digests
-    boot.proc.send_signal(signal.SIGKILL)
-    boot.proc.wait(10)
+    # SIGKILL at the next seal, between its line on disk and its store, while the rounds before it wait for
+    # their evaluation: every round a replica can have applied has its digests in the history
+    crash.touch()
+    boot.proc.wait(30)
+    assert "crash before storing the seal" in boot.tail(5)
     before = swarm.history()
     unevaluated = [e for e in before if e.get("evaluated") is False]
     assert unevaluated and unevaluated[-1] is before[-1], [(e["round"], e.get("evaluated")) for e in before]
-    last = before[-1]
-    assert last["layer_digests"] and set(last["credits"]) == set(last["contributors"])
+    unpublished, published = before[-1], before[-2]
+    assert published["round"] == unpublished["round"] - 1
+    assert published["layer_digests"] and set(published["credits"]) == set(published["contributors"])
 
-    # back on its data dir, with no stand-in: the round's θ from the replicas, checked against those digests
+    # back on its data dir, with no stand-in: θ of the newest published round from the replicas, checked
+    # against its digests; the round never published is sealed again
     again = swarm.bootstrap(config)
     again.wait_ready()
     history = swarm.wait_for_history(
-        lambda h: any(e["round"] > last["round"] and len(e["contributors"]) == 2 for e in h),
+        lambda h: any(e["round"] > unpublished["round"] and len(e["contributors"]) == 2 for e in h),
         180,
         "the restarted coordinator seals rounds with both anchors again",
     )
-    assert any(e["round"] == last["round"] and e.get("caught_up_from") for e in history), history[-3:]
-    assert f"round {last['round']}: credited after a restart" in again.tail(400)
+    assert any(e["round"] == published["round"] and e.get("caught_up_from") for e in history), history[-3:]
+    resealed = [e for e in history if e["round"] == unpublished["round"]]
+    assert len(resealed) == 2 and resealed[-1]["seal_hash"] != unpublished["seal_hash"], resealed
+    assert f"round {published['round']}: credited after a restart" in again.tail(400)
     swarm.replicas_agree_at(again.maddr, history[-1]["round"], {"anchor-1", "anchor-2"})
     standings = {s["peer"]: s for s in swarm.contributions(again)["standings"]}
     for anchor in anchors:  # every round sealed before the kill is credited, evaluated or not
