@@ -9,8 +9,13 @@ holds a new one back until a gradient came back. Weight stashing in `StageWorker
 asynchronous without changing the math; each round's log records the weight delays the stage saw.
 
 A round is H micro-batches: the first stage stops feeding after H, every stage finishes its H backward
-passes (the drain), encodes Δ of its own shards, announces, waits for the seal and applies it. Frames
-carry their round; a stage holds frames of the next round until it applied the seal of this one.
+passes (the drain), encodes Δ of its own shards and announces. In lockstep it then waits for the seal and
+applies it before the next round; with `outer.overlap` the round syncs in a task of its own while the
+first stage feeds the next round's micro-batches and later stages accept them (docs/sync.md "Overlap").
+Each stage stands on the new θ when its own apply is done, between two micro-batches, keeping its progress;
+the round's T_fix' (the drift frame) stays the first stage's for every stage until the next round. Frames
+carry their round; at most one round is unapplied: a round is compressed only once θ of the round before
+is stood on (else the stage waits, and that wait is what utilisation counts).
 
 Anything wrong with a neighbour (a frame that fails validation, a stream that breaks, a member whose
 record expired) breaks the chain: in-flight work is dropped, θ is untouched, and the peer daemon
@@ -31,6 +36,7 @@ import torch
 
 from hetnode.config import Config
 from hetnode.daemon.participant import RoundParticipant, payload_opener
+from hetnode.daemon.rounds import write_state
 from hetnode.daemon.stage_training import StageTraining
 from hetnode.daemon.view import PeerDirectory, SwarmView
 from hetnode.data.dataset import TokenDataset
@@ -43,6 +49,8 @@ from hetnode.service.lifecycle import sleep_or_stop
 from hetnode.service.metrics import PeerMetrics
 from hetnode.service.presence import Presence
 from hetnode.service.round_log import RoundRecord
+from hetnode.service.state_writer import LatestStateWriter
+from hetnode.training.local_rounds import Rebase
 from hetnode.training.schedule import stage_window
 from hetnode.training.stage_worker import Frame
 from hetnode.wire.activation_frame import FrameKind, decode_frame, encode_frame, frame_size_limit
@@ -139,6 +147,9 @@ class ChainLoop:
             directory=directory,
         )
         self.training: StageTraining | None = None
+        self.syncing: asyncio.Task[bool] | None = None  # the round announced last, while the next trains
+        self.last_round = -1  # the newest round this stage trained (announced, or sealed before its end)
+        self.writer = LatestStateWriter(lambda state: write_state(self.state_path, state))
         self.compute = asyncio.Lock()  # one forward or backward at a time on this stage
         self.round_ = -1  # the round being trained; frames of other rounds wait or break the chain
         self.round_open = asyncio.Event()
@@ -180,7 +191,7 @@ class ChainLoop:
         tasks: list[asyncio.Task] = []
         try:
             await self.rounds.catch_up(stop)
-            await self._publish()
+            await self._rebase(())
             await self._connect(stop)
             tasks = [asyncio.create_task(self._watch_members(stop), name="chain-watch")]
             if not layout.last:
@@ -213,6 +224,7 @@ class ChainLoop:
                     stream.close()
             if self.training is not None:
                 self.training.worker.drop_in_flight()
+            await asyncio.to_thread(self.writer.close)
         reason = self.failed.result() if self.failed.done() else "stopped"
         if reason != "stopped":
             log.warning("chain %s: %s; in-flight work dropped, θ untouched", layout.chain, reason)
@@ -286,69 +298,142 @@ class ChainLoop:
     # --- rounds ------------------------------------------------------------------------------------
 
     async def _run_rounds(self, stop: asyncio.Event) -> None:
+        try:
+            while not stop.is_set():
+                if not await self._one_round(stop):
+                    return
+        finally:
+            if self.syncing is not None:
+                self.syncing.cancel()
+                await asyncio.gather(self.syncing, return_exceptions=True)
+
+    async def _one_round(self, stop: asyncio.Event) -> bool:
+        """Train a round, compress and announce it, and sync it (in lockstep before returning, with overlap
+        beside the next round). False when stopped."""
         training = self.training
         assert training is not None
-        while not stop.is_set():
-            round_ = await self._next_round(stop)
-            started, tokens_before = time.monotonic(), training.tokens
-            started_at = time.time()  # wall clock, for compute utilisation (round_log)
-            sent_before, received_before = self.bytes_sent, self.bytes_received
-            compute_before, send_before = self.compute_s, self.send_s
-            async with self.compute:
-                await asyncio.to_thread(training.begin_round, self.global_model, self._drift_of(round_))
-            self.backwards = 0
-            self.round_done.clear()
-            self.window = asyncio.Semaphore(
-                stage_window(len(self.layout.members), self.layout.index, self.config.pipeline.max_in_flight)
-            )
-            delays_before = len(training.worker.staleness)
-            self.round_ = round_
-            self.round_open.set()
-            if self.layout.first:
-                await self._feed(round_)
-            await self._until(self.round_done)
-            trained_s = time.monotonic() - started
-            self.round_open.clear()
+        round_ = await self._next_round(stop)
+        if round_ is None:
+            return False
+        started, tokens_before = time.monotonic(), training.tokens
+        started_at = time.time()  # wall clock, for compute utilisation (round_log)
+        sent_before, received_before = self.bytes_sent, self.bytes_received
+        compute_before, send_before = self.compute_s, self.send_s
+        async with self.compute:
+            await asyncio.to_thread(training.begin_round, round_, self._drift_of(round_))
+        self.backwards = 0
+        self.round_done.clear()
+        self.window = asyncio.Semaphore(
+            stage_window(len(self.layout.members), self.layout.index, self.config.pipeline.max_in_flight)
+        )
+        delays_before = len(training.worker.staleness)
+        self.round_ = round_
+        self.last_round = round_
+        self.round_open.set()
+        if self.layout.first:
+            await self._feed(round_)
+        await self._until(self.round_done)
+        trained_s = time.monotonic() - started
+        # at most one unapplied round: this one is compressed on θ of the round before
+        waited = time.monotonic()
+        if not await self._settle_sync(stop) or not await self._stand_on(round_ - 1, stop):
+            return False
+        wait_s = time.monotonic() - waited
+        if training.base >= round_:  # sealed without us meanwhile: the progress goes into the next round
+            log.info("round %d was sealed before this stage finished it; its work goes on", round_)
+            training.skip_round(round_)
+            return True
+        async with self.compute:
             messages = await asyncio.to_thread(training.end_round, round_, self.peer_id)
-            payloads = self.rounds.keep(round_, messages)
-            announcement = {
-                "round": round_,
-                "shards": {shard: sha256_hex(data) for shard, data in payloads.items()},
-                "tokens": training.tokens - tokens_before,
-                "steps": self.config.outer.inner_steps,
-            }
-            log.info(
-                "round %d: stage %d trained in %.1f s%s: announcing shards %s",
-                round_,
-                self.layout.index,
-                time.monotonic() - started,
-                f" (loss {training.worker.last_loss:.3f})" if self.layout.last else "",
-                sorted(payloads),
-            )
-            record = RoundRecord(
-                round_,
-                "stage",
-                round(trained_s, 3),
-                announcement["tokens"],
-                sum(len(data) for data in payloads.values()),
-                activation_bytes_sent=self.bytes_sent - sent_before,
-                activation_bytes_received=self.bytes_received - received_before,
-                steps=announcement["steps"],
-                loss=training.worker.last_loss if self.layout.last else None,
-                **training.weight_delays(since=delays_before),
-                compute_s=round(self.compute_s - compute_before, 3),
-                send_s=round(self.send_s - send_before, 3),
-                started_at=started_at,
-            )
-            self._report_compression(record, payloads)
-            outcome = await self.rounds.take_part(announcement, stop, record)
-            if outcome is None:
-                return
-            if outcome.left_out:
-                training.restore_unsent()
-            if outcome.applied:
-                await asyncio.to_thread(training.save_local_state, self.state_path, self.global_model)
-            await self._publish()
+        payloads = self.rounds.keep(round_, messages)
+        announcement = {
+            "round": round_,
+            "shards": {shard: sha256_hex(data) for shard, data in payloads.items()},
+            "tokens": training.tokens - tokens_before,
+            "steps": self.config.outer.inner_steps,
+        }
+        log.info(
+            "round %d: stage %d trained in %.1f s%s (%.1f s waiting for the round before): "
+            "announcing shards %s",
+            round_,
+            self.layout.index,
+            trained_s,
+            f" (loss {training.worker.last_loss:.3f})" if self.layout.last else "",
+            wait_s,
+            sorted(payloads),
+        )
+        record = RoundRecord(
+            round_,
+            "stage",
+            round(trained_s, 3),
+            announcement["tokens"],
+            sum(len(data) for data in payloads.values()),
+            activation_bytes_sent=self.bytes_sent - sent_before,
+            activation_bytes_received=self.bytes_received - received_before,
+            steps=announcement["steps"],
+            loss=training.worker.last_loss if self.layout.last else None,
+            **training.weight_delays(since=delays_before),
+            compute_s=round(self.compute_s - compute_before, 3),
+            send_s=round(self.send_s - send_before, 3),
+            started_at=started_at,
+            train_wait_s=round(wait_s, 3),
+            overlap=self.config.outer.overlap,
+        )
+        self._report_compression(record, payloads)
+        self.syncing = asyncio.create_task(self._sync(announcement, record, stop), name=f"sync-{round_}")
+        if not self.config.outer.overlap:  # lockstep: the next round starts from the new θ
+            return await self._settle_sync(stop)
+        return True
+
+    async def _sync(self, announcement: dict, record: RoundRecord, stop: asyncio.Event) -> bool:
+        """Take part in the announced round and stand on the θ it ends with; False when stopped."""
+        outcome = await self.rounds.take_part(announcement, stop, record)
+        if outcome is None:
+            return False
+        await self._rebase((announcement["round"],) if outcome.left_out else ())
+        return True
+
+    async def _settle_sync(self, stop: asyncio.Event) -> bool:
+        """Wait for the round syncing (if any) to end; False when stopped."""
+        syncing, self.syncing = self.syncing, None
+        if syncing is None:
+            return True
+        try:
+            await asyncio.wait([syncing, self.failed], return_when=asyncio.FIRST_COMPLETED)
+        except asyncio.CancelledError:
+            syncing.cancel()
+            raise
+        if not syncing.done():
+            syncing.cancel()
+            await asyncio.gather(syncing, return_exceptions=True)
+            raise ChainBroken(self.failed.result())
+        return syncing.result() and not stop.is_set()
+
+    async def _stand_on(self, round_: int, stop: asyncio.Event) -> bool:
+        """Stand on θ after `round_` or later: a round we did not sync (it was sealed before we trained
+        it, or we trained it from older θ) comes from the sealer (`catch_up`). False when stopped."""
+        while self.training.base < round_:
+            if self.global_model.params_round < round_ and not await self.rounds.catch_up(stop):
+                if await sleep_or_stop(stop, 1.0):
+                    return False
+                continue
+            await self._rebase(())
+        return True
+
+    async def _rebase(self, left_out: tuple[int, ...]) -> None:
+        """Stand on the θ we hold now, between two micro-batches, settling our payloads (`left_out`: back
+        into error feedback); save the local state as of it off the loop; publish the round we hold."""
+        training = self.training
+        contributors = self.rounds.last_contributors
+        async with self.compute:  # nothing steps θ here: the apply that made it is done
+            rebase = await asyncio.to_thread(training.rebase_from, self.global_model, left_out, contributors)
+            state = await asyncio.to_thread(self._rebased_state, rebase)
+        self.writer.submit(state)
+        await self._publish()
+
+    def _rebased_state(self, rebase: Rebase) -> dict:
+        self.training.rebase(rebase)
+        return self.training.local_state()  # copies, taken with the rebase: consistent
 
     def _report_compression(self, record: RoundRecord, payloads: dict[str, bytes]) -> None:
         """Measured ratios: our payload against dense fp32, our frames against dense bf16 activations."""
@@ -363,20 +448,27 @@ class ChainLoop:
         if record.activation_bytes_sent and dense_activations:
             self.metrics.set_compression("subspace", dense_activations / record.activation_bytes_sent)
 
-    async def _next_round(self, stop: asyncio.Event) -> int:
-        """The round to train next. The first stage decides: θ after the newest seal, plus one (it catches
-        up first if the swarm moved on). The others train the round the first stage's frames carry, and
-        catch up to it when they are behind; a first stage behind them breaks the chain."""
+    async def _next_round(self, stop: asyncio.Event) -> int | None:
+        """The round to train next (None: stopped). The first stage decides: the round after the one it
+        syncs (overlap), or θ after the newest seal, plus one (it catches up first if the swarm moved on).
+        The others train the round the first stage's frames carry: the round after the one they sync, or
+        else one they catch up to; a first stage behind them breaks the chain."""
         if self.layout.first:
+            if self.syncing is not None:
+                return self.last_round + 1
             if await self.rounds.catch_up(stop):
-                await self._publish()
-            return self.global_model.params_round + 1
+                await self._rebase(())
+            return max(self.last_round + 1, self.training.base + 1)
         await self._until(self._round_requested)
         self._round_requested.clear()
-        wanted, held = self._requested_round, self.global_model.params_round
-        if wanted > held + 1 and await self.rounds.catch_up(stop):
-            await self._publish()
-            held = self.global_model.params_round
+        wanted = self._requested_round
+        if self.syncing is not None and wanted == self.last_round + 1:
+            return wanted  # trained while our last round syncs
+        if not await self._settle_sync(stop):
+            return None
+        if wanted > self.global_model.params_round + 1 and await self.rounds.catch_up(stop):
+            await self._rebase(())
+        held = self.global_model.params_round
         if wanted != held + 1:
             raise ChainBroken(f"the first stage trains round {wanted}, this stage holds θ after round {held}")
         return wanted
@@ -443,9 +535,9 @@ class ChainLoop:
                 out = await self._computed(training.forward, frame.mb, incoming)
                 if self.layout.last:
                     grad = await self._computed(training.backward, frame.mb)
-            if self.layout.last:
-                await self._send(self.upstream, encode_frame("grad", frame.round, frame.mb, grad))
+            if self.layout.last:  # counted first: the next round's frames may follow this gradient at once
                 self._count_backward()
+                await self._send(self.upstream, encode_frame("grad", frame.round, frame.mb, grad))
             else:
                 await self._send(
                     self.downstream, encode_frame("act", frame.round, frame.mb, *_frame_parts(out))
@@ -473,11 +565,11 @@ class ChainLoop:
                 if not training.in_flight(frame.mb):
                     raise ChainBroken(f"a gradient for micro-batch {frame.mb}, which is not in flight")
                 grad = await self._computed(training.backward, frame.mb, frame.tensor)
-            if grad is not None:
-                await self._send(self.upstream, encode_frame("grad", frame.round, frame.mb, grad))
             if self.window is not None:
                 self.window.release()
-            self._count_backward()
+            self._count_backward()  # first: the next round's frames may follow this gradient at once
+            if grad is not None:
+                await self._send(self.upstream, encode_frame("grad", frame.round, frame.mb, grad))
 
     async def _enter_window(self) -> None:
         """Wait for room in this stage's in-flight window (a gradient coming back makes room)."""
@@ -491,6 +583,7 @@ class ChainLoop:
     def _count_backward(self) -> None:
         self.backwards += 1
         if self.backwards >= self.config.outer.inner_steps:
+            self.round_open.clear()  # at once: a frame of the next round asks for it, it is no stray
             self.round_done.set()
 
     async def _wait_for_round(self, round_: int) -> None:

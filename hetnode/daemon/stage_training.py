@@ -1,11 +1,13 @@
-"""One stage of a chain as compute: its layers' working copy of θ, the stage worker, and the SparseLoCo
+"""One stage of a chain as compute: its layers' working weights, the stage worker, and the SparseLoCo
 payload of its own shards. Blocking methods (run them in a worker thread); no networking here.
 
-A round: `begin_round` copies θ (projected into the chain's subspace where the constraint applies, with
-the drift-corrected T_fix' — DESIGN §2.3) into the stage; the chain pushes micro-batches through
-`forward`/`backward`; `end_round` compresses Δ = reference − local of this stage's parameters with error
-feedback and encodes one message per shard it owns ("embed" on the first stage, its blocks, "head" on the
-last).
+The stage's working weights live across rounds (`LocalRounds`, docs/sync.md "Overlap"), as an anchor's do:
+`rebase` stands them on each new θ (its slice, projected into the chain's subspace where the constraint
+applies — DESIGN §2.3) keeping the progress since the round began, between two micro-batches. A round:
+`begin_round` sets the round's T_fix' (from the first stage's θ, or from the first stage's `drift`: every
+stage of a round holds the same, whatever θ each stands on), the chain pushes micro-batches through
+`forward`/`backward`, and `end_round` compresses Δ = s − w of this stage's parameters with error feedback
+and encodes one message per shard it owns ("embed" on the first stage, its blocks, "head" on the last).
 """
 
 from __future__ import annotations
@@ -17,16 +19,18 @@ from pathlib import Path
 
 import torch
 
-from hetnode.algo.sparseloco import CompressedTensor, ErrorFeedback, SparseLoCoCodec, pseudo_gradient
+from hetnode.algo.sparseloco import ErrorFeedback, SparseLoCoCodec
 from hetnode.config import Config
-from hetnode.daemon.rounds import NUM_DATA_SLOTS, data_slot
+from hetnode.daemon.rounds import NUM_DATA_SLOTS, data_slot, write_state
 from hetnode.data.dataset import TokenDataset
 from hetnode.errors import CheckpointError
 from hetnode.model.decoder import layer_of
+from hetnode.model.shards import ModelPart
 from hetnode.planning.rounds import assigned_batches
 from hetnode.replica.global_model import GlobalModel, base_fixed_embedding
+from hetnode.training.local_rounds import AheadFrom, LocalRounds, Rebase, snapshot_optimizer
 from hetnode.training.stage_worker import Frame, build_stage_worker
-from hetnode.training.working_copy import WorkingCopy, embedding_drift
+from hetnode.training.working_copy import embedding_drift
 from hetnode.wire.activation_frame import FrameLimits
 from hetnode.wire.sync_payload import SyncPayload, encode_payload
 
@@ -55,9 +59,11 @@ class StageTraining:
         dataset: TokenDataset | None,
         device: str = "cpu",
         compress: bool | None = None,
+        ahead_from: AheadFrom = "eager",
     ) -> None:
         """`compress`: subspace-compressed boundaries; by default when the config's compression mode
-        constrains chains (`selective` or `everything`)."""
+        constrains chains (`selective` or `everything`); `ahead_from`: where a round ahead trains from
+        until θ lands (`LocalRounds`)."""
         if len(splits) < 2:
             raise ValueError("a chain has at least two stages")
         if index == 0 and dataset is None:
@@ -78,7 +84,9 @@ class StageTraining:
             seed=config.run.seed,
             wire_dtype=torch.bfloat16 if self.compressed else torch.float32,
         )
-        self.working = WorkingCopy(self.worker.constraint, base_fixed_embedding(config))
+        self.base_fixed = base_fixed_embedding(config)
+        part = ModelPart.of_stage(splits, index)
+        self.part = [part.layers.start, part.layers.stop, part.first, part.last]  # what a saved state names
         self.names = [name for name, _ in self.worker.stage.named_parameters()]
         self.shards: dict[str, list[str]] = {}
         for name in self.names:
@@ -87,14 +95,14 @@ class StageTraining:
             self.shards.setdefault(layer_of(name), []).append(name)
         o = config.outer
         self.feedback = ErrorFeedback(SparseLoCoCodec(o.topk, o.tile), o.error_feedback)
-        self.reference: dict[str, torch.Tensor] = {}
+        params = dict(self.worker.stage.named_parameters())
+        self.local = LocalRounds(params, self.feedback, ahead_from, o.lr)
         self.drift: torch.Tensor | None = None  # the first stage's T_S − P(T_S) of the round
         self.dataset = dataset
         self.chain = chain
         self.slot = data_slot(chain)
         self.next_mb = 0
         self.tokens = 0
-        self._unsent: dict[str, CompressedTensor] = {}
 
     @property
     def limits(self) -> FrameLimits:
@@ -102,33 +110,59 @@ class StageTraining:
 
     @property
     def needs_drift(self) -> bool:
-        """This stage builds T_fix' from the first stage's drift frame (it has no embedding of its own)."""
-        return self.worker.constraint is not None and "embed.weight" not in self.names
+        """This stage takes the round's T_fix' from the first stage's drift frame (every stage after the
+        first, the last one's tied embedding included: a round's T_fix' is the first stage's alone)."""
+        return self.worker.constraint is not None and self.index > 0
 
-    def begin_round(self, global_model: GlobalModel, drift: torch.Tensor | None = None) -> None:
-        """Load θ (the stage's slice) into the stage, projected where constrained, and the round's T_fix'
-        (from our embedding, or from the first stage's `drift`). Afterwards `drift` holds what the first
-        stage sends down the chain for this round (None elsewhere, or when nothing is constrained)."""
-        reference, fixed = self.working.prepare(global_model.params, drift)
+    @torch.no_grad()
+    def rebase_from(
+        self, global_model: GlobalModel, left_out: tuple[int, ...] = (), contributors: int = 1
+    ) -> Rebase:
+        """θ (our slice) as this stage trains it: projected where constrained, copies throughout, so a later
+        apply cannot change what the rebase carries. Call it while nothing steps θ."""
+        theta = {n: t.detach().clone() for n, t in global_model.params.items()}
+        c = self.worker.constraint
+        reference = {
+            n: (c.project_tensor(n, theta[n]).clone() if c is not None else theta[n].clone())
+            for n in self.names
+        }
+        round_ = global_model.params_round
+        share = 1.0 / max(1, contributors)
+        return Rebase(round_, round_ + 1, reference, None, theta, global_model.seal_hash, left_out, share)
+
+    def rebase(self, rebase: Rebase) -> None:
+        """Stand on a new θ now, between two micro-batches (in-flight ones keep their stashed weights). The
+        round's T_fix' stays: it changes only at a round's start, for every stage at once."""
+        self.local.rebase(rebase)
+
+    @property
+    def base(self) -> int:
+        """The θ round the working weights stand on (−2: none yet)."""
+        return self.local.base
+
+    def begin_round(self, round_: int, drift: torch.Tensor | None = None) -> None:
+        """Start round `round_` from the working weights: its T_fix' from the θ we stand on (first stage,
+        which then holds the `drift` it sends down the chain) or from the first stage's `drift`."""
+        if self.local.theta is None:
+            raise RuntimeError("a stage trains only once it stands on θ (rebase first)")
         # the first stage feeds the round's assigned batches of the chain's slot (public: verifiable)
-        round_ = global_model.params_round + 1
-        self.next_mb = assigned_batches(self.chain, round_, self.config.outer.inner_steps).start
-        # a chain formed at round r trains at the swarm's point of the schedule, not in a warmup of its own
         H = self.config.outer.inner_steps
+        self.next_mb = assigned_batches(self.chain, round_, H).start
+        # a chain formed at round r trains at the swarm's point of the schedule, not in a warmup of its own
         self.worker.schedule_offset = max(0, round_ * H - self.worker.version)
         self.drift = None
-        if self.index == 0 and self.worker.constraint is not None:
-            self.drift = embedding_drift(global_model.params["embed.weight"], reference["embed.weight"])
-        self.reference = {n: reference[n] for n in self.names}
-        stage = self.worker.stage
-        with torch.no_grad():
-            for name, param in stage.named_parameters():
-                param.copy_(self.reference[name])
-        if fixed is not None:
-            if self.worker.constraint is not None:
-                self.worker.constraint = dataclasses.replace(self.worker.constraint, fixed=fixed)
-            if stage.first:
-                stage.fixed_embedding = fixed
+        c = self.worker.constraint
+        if c is not None:
+            if self.index == 0:
+                embed = self.local.theta["embed.weight"]
+                self.drift = embedding_drift(embed, c.project_tensor("embed.weight", embed))
+                drift = self.drift
+            elif drift is None:
+                raise ValueError("a stage after the first needs the first stage's embedding drift")
+            fixed = self.base_fixed + drift
+            self.worker.constraint = dataclasses.replace(c, fixed=fixed)
+            if self.worker.stage.first:
+                self.worker.stage.fixed_embedding = fixed
         self.worker.drop_in_flight()
 
     def next_batch(self) -> tuple[int, tuple[torch.Tensor, torch.Tensor]]:
@@ -158,38 +192,55 @@ class StageTraining:
         return mb in self.worker.in_flight
 
     def end_round(self, round_: int, replica: str) -> dict[str, bytes]:
-        """This stage's compressed Δ for `round_`, one encoded message per shard it owns."""
-        local = {n: p.detach().cpu() for n, p in self.worker.stage.named_parameters()}
-        compressed = self.feedback.compress(pseudo_gradient(self.reference, local))
-        self._unsent = compressed
+        """This stage's compressed Δ for `round_`, one encoded message per shard it owns (the θ it was
+        trained from in the header). Call it once θ of the round before is stood on."""
+        if self.local.base != round_ - 1:
+            raise RuntimeError(f"round {round_} is compressed on θ after round {round_ - 1}, not {self.base}")
+        compressed = self.local.compress(round_)
         return {
             shard: encode_payload(
-                SyncPayload(replica, round_, shard, "sparseloco", {n: compressed[n] for n in names})
+                SyncPayload(
+                    replica,
+                    round_,
+                    shard,
+                    "sparseloco",
+                    {n: compressed[n] for n in names},
+                    base=self.local.base,
+                )
             )
             for shard, names in self.shards.items()
         }
 
-    def save_local_state(self, path: Path, global_model: GlobalModel) -> None:
-        """What a restart needs to go on, as an anchor saves it: our slice of θ and its round, error
-        feedback, the stage's optimiser and schedule position, and the data position."""
-        p = global_model.part
-        state = {
-            "part": [p.layers.start, p.layers.stop, p.first, p.last],
-            "params_round": global_model.params_round,
-            "seal_hash": global_model.seal_hash,
-            "global_params": global_model.params,
+    def skip_round(self, round_: int) -> None:
+        """`round_` was sealed before we finished it: nothing is sent, its progress stays in the working
+        weights and goes into the next round's Δ (a payload already settled is never sent twice)."""
+        self.local.unsent.pop(round_, None)
+
+    def local_state(self) -> dict:
+        """What a restart needs to go on, as of the last rebase (copies: training goes on at once): our
+        slice of θ and its round, the error feedback with every earlier payload settled, the stage's
+        optimiser and schedule position, and the data position. Not the working weights: a restart
+        stands on θ again."""
+        p = self.local
+        return {
+            "part": self.part,
+            "params_round": p.base,
+            "seal_hash": p.base_seal,
+            "global_params": p.theta,
             "feedback": self.feedback.state_dict(),
-            "optimizer": self.worker.optimizer.state_dict(),
+            "optimizer": snapshot_optimizer(self.worker.optimizer),
             "version": self.worker.version,
             "tokens": self.tokens,
             "next_mb": self.next_mb,
         }
-        tmp = path.with_suffix(".tmp")
-        torch.save(state, tmp)
-        tmp.replace(path)
+
+    def save_local_state(self, path: Path) -> None:
+        """Write `local_state` (to a file, then renamed: a crash never leaves half a state)."""
+        write_state(path, self.local_state())
 
     def load_local_state(self, path: Path, global_model: GlobalModel) -> str | None:
-        """Restore a saved state; returns what was restored, None when there is none.
+        """Restore a saved state into `global_model` (stand on it with `rebase` next); returns what was
+        restored, None when there is none.
 
         "all" for the same layers as before. A stage of another chain may hold other layers: then only
         the error feedback of the tensors it still holds is taken (what they still owe to θ); its θ comes
@@ -198,8 +249,7 @@ class StageTraining:
             return None
         try:
             state = torch.load(path, map_location="cpu", weights_only=True)
-            p = global_model.part
-            same = state["part"] == [p.layers.start, p.layers.stop, p.first, p.last]
+            same = state["part"] == self.part
             feedback = state["feedback"]
             held = {n: b for n, b in feedback["buffers"].items() if n in self.names}
             if any(tuple(b.shape) != tuple(global_model.params[n].shape) for n, b in held.items()):
@@ -229,8 +279,3 @@ class StageTraining:
     def feedback_norm(self) -> float:
         buffers = self.feedback.buffers.values()
         return float(sum(b.pow(2).sum() for b in buffers) ** 0.5) if buffers else 0.0
-
-    def restore_unsent(self) -> None:
-        """The last payload was not sealed: add it back to the error-feedback buffers."""
-        self.feedback.restore(self._unsent)
-        self._unsent = {}

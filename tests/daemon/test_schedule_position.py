@@ -36,5 +36,6 @@ def test_a_late_anchor_and_a_late_chain_stage_follow_the_swarms_schedule(tiny_co
     stage = StageTraining(config, splits, 0, "c40-late", dataset)
     part = GlobalModel(config, part=ModelPart.of_stage(splits, 0))
     part.params_round = 39
-    stage.begin_round(part)
+    stage.rebase(stage.rebase_from(part))
+    stage.begin_round(40)
     assert stage.worker.schedule_offset == 40 * H

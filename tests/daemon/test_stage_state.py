@@ -22,8 +22,10 @@ def _chain(config, splits, dataset):
 
 def _train_round(stages, models, micro_batches: int) -> None:
     first, last = stages
-    first.begin_round(models[0])
-    last.begin_round(models[1], first.drift)
+    for stage, model in zip(stages, models, strict=True):
+        stage.rebase(stage.rebase_from(model))
+    first.begin_round(0)
+    last.begin_round(0, first.drift)
     for _ in range(micro_batches):
         mb, batch = first.next_batch()
         frame = first.forward(mb, batch)
@@ -41,8 +43,9 @@ def test_a_stage_resumes_error_feedback_optimiser_and_round(tiny_config, tmp_pat
     stages, models = _chain(config, splits, dataset)
     _train_round(stages, models, 2)
     models[1].params_round, models[1].seal_hash = 0, "ab" * 32
+    stages[1].rebase(stages[1].rebase_from(models[1]))  # round 0 applied: its payload settled
     path = tmp_path / "stage-state.pt"
-    stages[1].save_local_state(path, models[1])
+    stages[1].save_local_state(path)
 
     again, fresh = (
         StageTraining(config, splits, 1, "chain-y", None),

@@ -16,8 +16,9 @@ FAST_ROUNDS = {"inner_steps": 10}
 TOKENS_PER_REPLICA = 10 * 16 * 128  # H micro-batches x batch x sequence
 
 
-def start_anchor_and_chain(swarm, stages: int = 2, max_in_flight: int = 0):
-    config = swarm.config(outer=FAST_ROUNDS, pipeline={"stages": stages, "max_in_flight": max_in_flight})
+def start_anchor_and_chain(swarm, stages: int = 2, max_in_flight: int = 0, overlap: bool = False):
+    outer = {**FAST_ROUNDS, "overlap": overlap}
+    config = swarm.config(outer=outer, pipeline={"stages": stages, "max_in_flight": max_in_flight})
     boot = swarm.bootstrap(config)
     boot.wait_ready()
     anchor = swarm.join("anchor", boot.maddr, "1000")
@@ -92,11 +93,11 @@ def weight_delays(swarm, edges) -> list[int]:
     return [by_stage[s] for s in sorted(by_stage)]
 
 
-def test_a_chain_of_three_runs_the_1f1b_schedule_over_real_streams(swarm):
-    boot, anchor, edges = start_anchor_and_chain(swarm, stages=3)
+def test_an_overlapped_chain_of_three_runs_1f1b_and_trains_each_round_while_the_last_syncs(swarm):
+    boot, anchor, edges = start_anchor_and_chain(swarm, stages=3, overlap=True)
     chain = {edge.peer_id for edge in edges}
     history = swarm.wait_for_history(
-        lambda h: sum(chain <= set(e["contributors"]) for e in h) >= 2, 300, "2 rounds with the chain"
+        lambda h: sum(chain <= set(e["contributors"]) for e in h) >= 3, 300, "3 rounds with the chain"
     )
     logs = "".join(edge.tail(400) for edge in edges)
     assert all(f"stage {s} of 3 connected" in logs for s in range(3))
@@ -104,6 +105,15 @@ def test_a_chain_of_three_runs_the_1f1b_schedule_over_real_streams(swarm):
     # stage s keeps 3 − s micro-batches unanswered: weights 2, 1 and 0 updates old once the pipeline is full
     assert weight_delays(swarm, edges) == [2, 1, 0]
     swarm.replicas_agree_at(boot.maddr, history[-1]["round"], {"anchor", *(e.name for e in edges)})
+    for edge in edges:  # every stage began round r+1 before it had even seen round r's seal
+        logged = {r["round"]: r for r in read_rounds(swarm.tmp_path / edge.name)}
+        assert logged and all(r["overlap"] for r in logged.values())
+        ahead = [
+            r
+            for r, entry in logged.items()
+            if r + 1 in logged and logged[r + 1]["started_at"] < entry["time"] + entry["seal_wait_s"]
+        ]
+        assert len(ahead) >= 2, (edge.name, logged)
 
 
 def sealed_with(peers: set[str]):
