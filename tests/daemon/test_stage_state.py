@@ -12,6 +12,7 @@ from hetnode.data.dataset import TokenDataset
 from hetnode.errors import CheckpointError
 from hetnode.model.shards import ModelPart
 from hetnode.replica.global_model import GlobalModel
+from hetnode.wire.sync_payload import decode_payload
 
 
 def _chain(config, splits, dataset):
@@ -27,12 +28,15 @@ def _train_round(stages, models, micro_batches: int) -> None:
     first.begin_round(0)
     last.begin_round(0, first.drift)
     for _ in range(micro_batches):
-        mb, batch = first.next_batch()
-        frame = first.forward(mb, batch)
-        last.forward(mb, frame)
-        first.backward(mb, last.backward(mb))
+        _micro_batch(first, last)
     for stage in stages:
         stage.end_round(0, "peer-x")
+
+
+def _micro_batch(first, last) -> None:
+    mb, batch = first.next_batch()
+    last.forward(mb, first.forward(mb, batch))
+    first.backward(mb, last.backward(mb))
 
 
 def test_a_stage_resumes_error_feedback_optimiser_and_round(tiny_config, tmp_path):
@@ -76,3 +80,44 @@ def test_a_stage_resumes_error_feedback_optimiser_and_round(tiny_config, tmp_pat
     path.write_bytes(b"not a torch file")
     with pytest.raises(CheckpointError, match="unreadable"):
         again.load_local_state(path, fresh)
+
+
+def test_a_stage_trains_ahead_and_stands_on_new_theta_between_micro_batches(tiny_config):
+    """Overlap on a chain: round 1 trains from the guess while round 0 syncs; θ after round 0 lands between
+    two micro-batches and each stage stands on it keeping its progress; a payload the seal left out goes
+    back into error feedback; round 1 is compressed only on θ after round 0, and its payload says so."""
+    config = replace(tiny_config, "outer", inner_steps=2)
+    n = config.model.n_layers
+    splits = (range(0, n // 2), range(n // 2, n))
+    dataset = TokenDataset.build(config.data, config.model.vocab_size, config.run.seed)
+    stages, models = _chain(config, splits, dataset)
+    _train_round(stages, models, 2)  # round 0, compressed and "announced"
+    first, last = stages
+    first.begin_round(1)
+    last.begin_round(1, first.drift)  # T_fix' of round 1: the first stage's, from θ it stands on (−1)
+    fixed = last.worker.constraint.fixed.clone()
+    _micro_batch(first, last)
+    with pytest.raises(RuntimeError, match="round 1 is compressed on θ after round 0"):
+        first.end_round(1, "peer-x")
+
+    norms = [stage.feedback_norm() for stage in stages]
+    for stage, model in zip(stages, models, strict=True):  # the seal of round 0 lands
+        with torch.no_grad():
+            for tensor in model.params.values():
+                tensor.add_(torch.randn_like(tensor) * 1e-3)
+        model.params_round = 0
+        progress = {n: p.detach() - stage.local.start[n] for n, p in stage.local.params.items()}
+        left_out = (0,) if stage is last else ()
+        stage.rebase(stage.rebase_from(model, left_out))
+        reference = stage.rebase_from(model).reference
+        for name, param in stage.local.params.items():  # w = P(θ⁰) + progress: nothing learned is lost
+            torch.testing.assert_close(param.detach(), reference[name] + progress[name])
+    assert first.feedback_norm() == pytest.approx(norms[0])  # sealed: settled, not restored
+    assert last.feedback_norm() > norms[1]  # left out: what it sent is owed again
+    assert torch.equal(last.worker.constraint.fixed, fixed)  # T_fix' changes only with the next round
+
+    _micro_batch(first, last)
+    for stage, model in zip(stages, models, strict=True):
+        for shard, data in stage.end_round(1, "peer-x").items():
+            decoded = decode_payload(data, model.sparse_specs[shard])
+            assert decoded.base == 0 and decoded.round == 1
