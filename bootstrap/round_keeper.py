@@ -204,7 +204,9 @@ class RoundKeeper:
         await self.sealer.collect(round_, seen)
         if not seen:
             return
-        expected = self.sealer.waiting_for((await self.view.get()).expected_contributors(round_))
+        expected = self.sealer.waiting_for(
+            (await self.view.get()).expected_contributors(round_, self.config.outer.overlap)
+        )
         if not seal_now(expected, seen, time.monotonic(), self.sealer.deadline.seconds):
             return
         started = time.monotonic()

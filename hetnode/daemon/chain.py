@@ -469,6 +469,11 @@ class ChainLoop:
         if wanted > self.global_model.params_round + 1 and await self.rounds.catch_up(stop):
             await self._rebase(())
         held = self.global_model.params_round
+        if self.config.outer.overlap and held - 1 <= wanted <= held:
+            # the swarm sealed the round while the first stage started it: train along (the progress goes
+            # into the next round's Δ) rather than break the chain over one round
+            log.info("round %d: sealed already (we hold θ after round %d); training along", wanted, held)
+            return wanted
         if wanted != held + 1:
             raise ChainBroken(f"the first stage trains round {wanted}, this stage holds θ after round {held}")
         return wanted

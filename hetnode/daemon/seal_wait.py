@@ -121,7 +121,9 @@ class SealWaiter:
                 and stand_in == self.peer_id
                 and silent_for > self.config.network.record_ttl_s
             ):
-                expected = self.sealer.waiting_for(view.expected_contributors(round_))
+                expected = self.sealer.waiting_for(
+                    view.expected_contributors(round_, self.config.outer.overlap)
+                )
                 await self.sealer.collect(round_, seen)
                 if seal_now(expected, seen, time.monotonic(), self.sealer.deadline.seconds):
                     log.warning("round %d: the coordinator is silent; sealing in its place", round_)

@@ -98,15 +98,22 @@ class SwarmView:
     def chain_is_live(self, chain: str) -> bool:
         return any(c.chain == chain and c.live for c in self.chains())
 
-    def expected_contributors(self, round_: int) -> set[str]:
+    def expected_contributors(self, round_: int, overlap: bool = False) -> set[str]:
         """Whom a seal of `round_` waits for: every anchor, and every member of a live chain that holds θ
-        after round_−1 (a chain still forming or catching up is not waited for; it joins a later round)."""
+        after round_−1 (a chain still forming or catching up is not waited for; it joins a later round).
+        With `overlap` a member may still be applying round_−1 while it trains round_ (at most one round
+        unapplied): θ after round_−2 will do."""
         live = {c.chain for c in self.chains() if c.live}
+        oldest = round_ - (2 if overlap else 1)
         return {
             peer
             for peer, r in self.peers.items()
             if r["role"] == "anchor"
-            or (r["role"] == "stage" and r["chain"] in live and r["params_round"] == round_ - 1)
+            or (
+                r["role"] == "stage"
+                and r["chain"] in live
+                and _between(r["params_round"], oldest, round_ - 1)
+            )
         }
 
     def signature(self) -> frozenset:
@@ -348,3 +355,7 @@ class PeerDirectory:
                 log.debug("reading the peer records failed: %r", exc)
             if await sleep_or_wake(stop, self._woken, self.cadence.period_s):
                 return
+
+
+def _between(value: object, low: int, high: int) -> bool:
+    return isinstance(value, int) and low <= value <= high

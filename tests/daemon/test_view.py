@@ -121,3 +121,23 @@ def test_the_records_daemons_write_pass_the_dht_schema():
         )
         assert validator.validate(stored), value
     assert view_of({"A": claim}).claims()[0].layout == stage.layout
+
+
+def test_a_seal_waits_for_a_live_chain_one_round_behind_only_when_rounds_overlap():
+    [plan] = pack_chains(view_of({"A": record("a"), "B": record("b")}).idle_candidates(3), 2, 4, boundary=3)
+    records = {
+        s.peer_id: record(
+            s.peer_id.lower(), "stage", chain=s.chain, stage=s.stage, layers=list(s.layers), layout=s.layout
+        )
+        for s in plan.stages
+    }
+    records["C"] = record("c", role="anchor", wants="anchor", layers=[0, 3])
+    rounds = {"A": 8, "B": 9}  # A still applies round 9 while it trains round 10 (overlap)
+    for peer, held in rounds.items():
+        records[peer]["params_round"] = held
+    view = view_of(records)
+    assert view.expected_contributors(10) == {"B", "C"}  # lockstep: θ after round 9, or it joins later
+    assert view.expected_contributors(10, overlap=True) == {"A", "B", "C"}
+    assert view.expected_contributors(11, overlap=True) == {"B", "C"}  # two rounds behind: catching up
+    records["A"]["params_round"] = None  # no θ yet
+    assert view_of(records).expected_contributors(10, overlap=True) == {"B", "C"}
