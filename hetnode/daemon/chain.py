@@ -339,10 +339,13 @@ class ChainLoop:
         if not await self._settle_sync(stop) or not await self._stand_on(round_ - 1, stop):
             return False
         wait_s = time.monotonic() - waited
-        if training.base >= round_:  # sealed without us meanwhile: the progress goes into the next round
-            log.info("round %d was sealed before this stage finished it; its work goes on", round_)
-            training.skip_round(round_)
-            return True
+        if training.base >= round_:  # sealed without us meanwhile: the work goes on as the round now open
+            log.info(
+                "round %d was sealed before this stage finished it: announcing it as round %d",
+                round_,
+                training.base + 1,
+            )
+            round_ = self.last_round = training.base + 1
         async with self.compute:
             messages = await asyncio.to_thread(training.end_round, round_, self.peer_id)
         payloads = self.rounds.keep(round_, messages)

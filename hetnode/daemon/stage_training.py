@@ -211,11 +211,6 @@ class StageTraining:
             for shard, names in self.shards.items()
         }
 
-    def skip_round(self, round_: int) -> None:
-        """`round_` was sealed before we finished it: nothing is sent, its progress stays in the working
-        weights and goes into the next round's Δ (a payload already settled is never sent twice)."""
-        self.local.unsent.pop(round_, None)
-
     def local_state(self) -> dict:
         """What a restart needs to go on, as of the last rebase (copies: training goes on at once): our
         slice of θ and its round, the error feedback with every earlier payload settled, the stage's
