@@ -30,6 +30,18 @@ def view_of(records):
     return SwarmView.from_entries(entries, stages_per_chain=2, n_layers=4)
 
 
+def chain_of_two():
+    """A live chain of A and B (formed at boundary 3): its plan and its members' records."""
+    [plan] = pack_chains(view_of({"A": record("a"), "B": record("b")}).idle_candidates(3), 2, 4, boundary=3)
+    records = {
+        s.peer_id: record(
+            s.peer_id.lower(), "stage", chain=s.chain, stage=s.stage, layers=list(s.layers), layout=s.layout
+        )
+        for s in plan.stages
+    }
+    return plan, records
+
+
 def test_pool_keeps_peers_that_already_claimed_at_this_boundary():
     # B read the pool first and claimed; A reads later and must still see B, or the plans would differ
     [plan] = pack_chains(view_of({"A": record("a"), "B": record("b")}).idle_candidates(7), 2, 4, boundary=7)
@@ -66,13 +78,7 @@ def test_offline_peers_anchors_and_bad_records_are_left_out():
 
 
 def test_status_document_shows_live_chains_and_stable_fields():
-    [plan] = pack_chains(view_of({"A": record("a"), "B": record("b")}).idle_candidates(3), 2, 4, boundary=3)
-    records = {
-        s.peer_id: record(
-            s.peer_id.lower(), "stage", chain=s.chain, stage=s.stage, layers=list(s.layers), layout=s.layout
-        )
-        for s in plan.stages
-    }
+    plan, records = chain_of_two()
     records["C"] = record("c", role="anchor", wants="anchor", layers=[0, 3])
     document = view_of(records).status_document("run-1", 3)
     assert document["run"] == "run-1" and document["round"] == 3
@@ -124,13 +130,7 @@ def test_the_records_daemons_write_pass_the_dht_schema():
 
 
 def test_a_seal_waits_for_a_live_chain_one_round_behind_only_when_rounds_overlap():
-    [plan] = pack_chains(view_of({"A": record("a"), "B": record("b")}).idle_candidates(3), 2, 4, boundary=3)
-    records = {
-        s.peer_id: record(
-            s.peer_id.lower(), "stage", chain=s.chain, stage=s.stage, layers=list(s.layers), layout=s.layout
-        )
-        for s in plan.stages
-    }
+    plan, records = chain_of_two()
     records["C"] = record("c", role="anchor", wants="anchor", layers=[0, 3])
     rounds = {"A": 8, "B": 9}  # A still applies round 9 while it trains round 10 (overlap)
     for peer, held in rounds.items():
