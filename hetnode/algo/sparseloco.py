@@ -93,6 +93,11 @@ class SparseLoCoCodec:
 
     def compress(self, t: torch.Tensor) -> CompressedTensor:
         """Keep the k largest-|v| entries of every tile (vectorised over all tiles), quantise, pack."""
+        return self.compress_dense(t)[0]
+
+    def compress_dense(self, t: torch.Tensor) -> tuple[CompressedTensor, torch.Tensor]:
+        """`compress(t)` and, bit for bit, what `decompress` of it gives, without packing and unpacking it
+        again (the sender's own copy: error feedback and the eager guess subtract it every round)."""
         grid = self.grid(tuple(t.shape))
         tiles = grid.to_tiles(t.detach().to(torch.float32))
         _, pos = torch.topk(tiles.abs(), grid.k, dim=1, sorted=False)
@@ -102,13 +107,17 @@ class SparseLoCoCodec:
             # topk ranks NaN/inf first, so a non-finite tensor always shows up here.
             raise ValueError(f"non-finite values in tensor of shape {grid.shape}")
         codes, shift, table = quantize_2bit(vals)
-        return CompressedTensor(
+        compressed = CompressedTensor(
             shape=grid.shape,
             indices=pack_uint12(pos.reshape(-1).cpu().numpy()),
             codes=pack_uint2(codes.cpu().numpy()),
             shift=shift,
             table=table,
         )
+        sent = dequantize_2bit(codes, shift, table, device=t.device).reshape(grid.num_tiles, grid.k)
+        dense = torch.zeros(grid.num_tiles, grid.tile_elems, dtype=torch.float32, device=sent.device)
+        dense.scatter_(1, pos.to(sent.device), sent)
+        return compressed, grid.from_tiles(dense)
 
     def _unpack(self, ct: CompressedTensor) -> tuple[TileGrid, torch.Tensor, torch.Tensor]:
         """Validate a (possibly remote) payload; return (grid, positions [num_tiles, k], codes [n*k])."""
@@ -204,7 +213,11 @@ class ErrorFeedback:
         self.beta = beta
         self.buffers: dict[str, torch.Tensor] = {}
 
-    def compress(self, pseudo_grads: dict[str, torch.Tensor]) -> dict[str, CompressedTensor]:
+    def compress(
+        self, pseudo_grads: dict[str, torch.Tensor], dense: dict[str, torch.Tensor] | None = None
+    ) -> dict[str, CompressedTensor]:
+        """The payload of `pseudo_grads` with error feedback; `dense`, if given, gets each tensor's payload
+        as its receivers decompress it."""
         out: dict[str, CompressedTensor] = {}
         for name, delta in pseudo_grads.items():
             delta = delta.detach().to(torch.float32)
@@ -215,10 +228,12 @@ class ErrorFeedback:
                 raise ValueError(f"{name}: shape {tuple(delta.shape)} != buffer shape {tuple(buf.shape)}")
             else:
                 buf.mul_(self.beta).add_(delta.to(buf.device))
-            ct = self.codec.compress(buf)
-            buf.sub_(self.codec.decompress(ct, device=buf.device))
+            ct, sent = self.codec.compress_dense(buf)
+            buf.sub_(sent)
             self.buffers[name] = buf
             out[name] = ct
+            if dense is not None:
+                dense[name] = sent
         return out
 
     def restore(self, sent: dict[str, CompressedTensor]) -> None:

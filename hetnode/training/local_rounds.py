@@ -162,22 +162,22 @@ class LocalRounds:
     def compress(self, round_: int, delta: Params | None = None) -> dict[str, CompressedTensor]:
         """Compress this round's Δ (or `delta`, a faulty peer's) with error feedback, keep the payload
         until its round is settled, and start the next round's count here."""
-        compressed = self.feedback.compress(self.pseudo_gradient() if delta is None else delta)
+        sent: Params = {}
+        compressed = self.feedback.compress(self.pseudo_gradient() if delta is None else delta, sent)
         self.unsent[round_] = compressed
-        self.keep_progress(compressed)
+        self.keep_progress(sent)
         return compressed
 
     @torch.no_grad()
-    def keep_progress(self, sent: dict[str, CompressedTensor] | None = None) -> None:
-        """Where the next round starts, and counts from, until θ of this one lands (`ahead_from`)."""
+    def keep_progress(self, sent: Params | None = None) -> None:
+        """Where the next round starts, and counts from, until θ of this one lands (`ahead_from`); `sent`:
+        the round's payload as receivers decompress it."""
         if self.ahead_from == "local":
             self.start = {n: p.detach().cpu().clone() for n, p in self.params.items()}
             return
         if self.ahead_from == "eager" and sent:
-            weight, codec = self.outer_lr * self.share, self.feedback.codec
-            self.start = {
-                n: s - weight * codec.decompress(sent[n]) if n in sent else s for n, s in self.start.items()
-            }
+            weight = self.outer_lr * self.share
+            self.start = {n: s - weight * sent[n] if n in sent else s for n, s in self.start.items()}
         for name, param in self.params.items():
             param.copy_(self.start[name].to(param.device))
 

@@ -113,6 +113,19 @@ def test_rejects_bad_input_and_payloads() -> None:
         SparseLoCoCodec(topk=4096).decompress(dataclasses.replace(small, indices=pack_uint12(range(1, 9))))
 
 
+@pytest.mark.parametrize("shape", [(128, 192), (96, 40), (257,), (3, 5, 7)])
+def test_the_senders_dense_copy_is_bit_for_bit_what_receivers_decompress(shape: tuple[int, ...]) -> None:
+    torch.manual_seed(3)
+    codec = SparseLoCoCodec()
+    t = torch.randn(shape) * 1e-2
+    compressed, dense = codec.compress_dense(t)
+    assert compressed == codec.compress(t)
+    assert torch.equal(dense, codec.decompress(compressed))
+    ef, dense_out = ErrorFeedback(codec), {}
+    sent = ef.compress({"t": t}, dense_out)
+    assert torch.equal(dense_out["t"], codec.decompress(sent["t"]))
+
+
 def test_error_feedback_conserves_mass() -> None:
     torch.manual_seed(2)
     beta = 0.95
