@@ -6,18 +6,25 @@ place while it was away, holds older θ than the swarm. Before it seals anything
 parameters whose layer digests match what that round's sealer signed: its own history for its rounds, the
 stand-in's signed peer record for the stand-in's rounds. Never a vote of replicas, which Sybils would win;
 and anyone else's seal is noise.
+
+Anyone can claim to hold a round (the digests are public), and a liar can answer as slowly as the stream
+timeouts allow. So holders are asked CATCH_UP_PARALLEL at a time, each within a deadline of its own; those
+that contributed to our recent seals first, the rest in an order of our own (random, not by peer id, which
+identities can be ground to lead): a catch-up ends in bounded time however many holders lie.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import random
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable
 from typing import Any
 
 from hetnode.config import Config
-from hetnode.daemon.participant import fetch_state
+from hetnode.daemon.participant import download_state
 from hetnode.daemon.view import SwarmView
 from hetnode.errors import WireError
 from hetnode.net.node import SwarmNode
@@ -26,6 +33,9 @@ from hetnode.replica.global_model import GlobalModel
 from hetnode.wire.seals import seal_digest
 
 log = logging.getLogger(__name__)
+
+CATCH_UP_PARALLEL = 3  # holders asked for θ at once
+RECENT_SEALS = 16  # contributors to this many of our last seals are asked first
 
 
 class CatchUp:
@@ -98,21 +108,9 @@ class CatchUp:
         if digests is None:
             log.info("round %d was sealed by %s; waiting for its signed digests", round_, sealer[-8:])
             return False
-        holders = sorted(
-            peer
-            for peer, record in view.peers.items()
-            if record["role"] in ("anchor", "stage")
-            and record["params_round"] == round_
-            and record["layer_digests"] == digests
-        )
-        if sealer in view.peers and sealer not in holders and sealer != self.node.identity.peer_id:
-            holders.insert(0, sealer)
-        for peer in holders:
-            try:  # all or nothing, and only θ whose layers match the sealer's digests
-                await fetch_state(self.node, peer, self.global_model, round_, digests)
-            except (PeerRequestError, WireError) as exc:
-                log.warning("catch-up from %s failed: %s", peer, exc)
-                continue
+        holders = self.ranked_holders(view, round_, digests, sealer)
+        peer = await self._take_state(holders, round_, digests)
+        if peer is not None:
             self.global_model.seal_hash = seal_digest(seal)
             self.append_history(
                 {
@@ -137,3 +135,63 @@ class CatchUp:
         if not holders:
             log.info("round %d was sealed without us; waiting for a replica that holds it", round_)
         return False
+
+    def ranked_holders(self, view: SwarmView, round_: int, digests: dict[str, str], sealer: str) -> list[str]:
+        """Who claims θ of `round_` with the sealer's digests, in the order we ask: the stand-in that sealed
+        it, then our recent contributors, then the rest; random within each group."""
+        me = self.node.identity.peer_id
+        claims = [
+            peer
+            for peer, record in view.peers.items()
+            if record["role"] in ("anchor", "stage")
+            and record["params_round"] == round_
+            and record["layer_digests"] == digests
+            and peer != me
+        ]
+        recent = {
+            peer for entry in list(self.history)[-RECENT_SEALS:] for peer in entry.get("contributors", [])
+        }
+        shuffle = random.SystemRandom().shuffle
+        known, others = [p for p in claims if p in recent], [p for p in claims if p not in recent]
+        shuffle(known)
+        shuffle(others)
+        first = [sealer] if sealer in view.peers and sealer != me else []
+        return first + [peer for peer in known + others if peer not in first]
+
+    def holder_deadline_s(self) -> float:
+        """How long one holder may take to serve θ: twice θ's transfer at an anchor's slowest admitted
+        link, and at least 15 s."""
+        n = self.config.network
+        state_bytes = 4 * sum(t.numel() for t in self.global_model.params.values())
+        return max(15.0, 2 * state_bytes * 8 / (max(n.anchor_min_up_mbps, 1.0) * 1e6))
+
+    async def _take_state(self, holders: list[str], round_: int, digests: dict[str, str]) -> str | None:
+        """Load θ of `round_` from the first holder whose download completes in time and matches the
+        digests (all or nothing); the holder, or None when none did."""
+        deadline_s = self.holder_deadline_s()
+        waiting = list(holders)
+        asking: dict[asyncio.Task, str] = {}
+        try:
+            while waiting or asking:
+                while waiting and len(asking) < CATCH_UP_PARALLEL:
+                    peer = waiting.pop(0)
+                    download = download_state(self.node, peer, self.global_model, round_)
+                    asking[asyncio.create_task(asyncio.wait_for(download, deadline_s))] = peer
+                done, _ = await asyncio.wait(asking, return_when=asyncio.FIRST_COMPLETED)
+                for task in done:
+                    peer = asking.pop(task)
+                    try:
+                        payloads = task.result()
+                        await asyncio.to_thread(self.global_model.load_state, round_, payloads, digests)
+                    except TimeoutError:
+                        log.warning("catch-up from %s: no θ within %.0f s; asking others", peer, deadline_s)
+                        continue
+                    except (PeerRequestError, WireError) as exc:
+                        log.warning("catch-up from %s failed: %s", peer, exc)
+                        continue
+                    return peer
+            return None
+        finally:
+            for task in asking:
+                task.cancel()
+            await asyncio.gather(*asking, return_exceptions=True)

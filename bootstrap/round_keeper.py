@@ -43,7 +43,7 @@ from hetnode.daemon.view import PeerDirectory, SwarmView
 from hetnode.daemon.view_changes import ChangeLog
 from hetnode.net.node import SwarmNode
 from hetnode.net.records import new_head_record
-from hetnode.planning.rounds import Announcement, replica_tokens, seal_now, shard_order
+from hetnode.planning.rounds import Announcement, replica_tokens, shard_order
 from hetnode.replica.global_model import GlobalModel
 from hetnode.service.datadir import DataDir
 from hetnode.service.lifecycle import sleep_or_stop, sleep_or_wake
@@ -207,7 +207,7 @@ class RoundKeeper:
         expected = self.sealer.waiting_for(
             (await self.view.get()).expected_contributors(round_, self.config.outer.overlap)
         )
-        if not seal_now(expected, seen, time.monotonic(), self.sealer.deadline.seconds):
+        if not self.sealer.ready(expected, seen):
             return
         started = time.monotonic()
         sealed = await self.sealer.decide(round_, seen)

@@ -22,7 +22,7 @@ from hetnode.daemon.sealing import Sealer
 from hetnode.daemon.view import PeerDirectory, SwarmView
 from hetnode.net.node import SwarmNode
 from hetnode.net.records import check_head_record
-from hetnode.planning.rounds import Announcement, seal_now
+from hetnode.planning.rounds import Announcement
 from hetnode.replica.global_model import GlobalModel
 from hetnode.service.lifecycle import sleep_or_wake
 from hetnode.wire.seals import seal_verdict
@@ -125,7 +125,7 @@ class SealWaiter:
                     view.expected_contributors(round_, self.config.outer.overlap)
                 )
                 await self.sealer.collect(round_, seen)
-                if seal_now(expected, seen, time.monotonic(), self.sealer.deadline.seconds):
+                if self.sealer.ready(expected, seen):
                     log.warning("round %d: the coordinator is silent; sealing in its place", round_)
                     sealed = await self.sealer.seal(round_, seen)
                     if sealed is not None:

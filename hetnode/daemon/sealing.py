@@ -12,7 +12,13 @@ payloads and serves them to every replica. Each seal names the previous seal's h
 accept only the next link of the chain they hold.
 
 Budgets: at most MAX_CONCURRENT_FETCHES authors are fetched at once, each payload capped at the most a
-valid payload of its shard can weigh, so the memory of a round's fetches is bounded by the model.
+valid payload of its shard can weigh, so the memory of a round's fetches is bounded by the model. Authors
+sealed in recent rounds have slots of their own, so identities that announce first and serve slowly cannot
+queue the honest fetches behind theirs.
+
+Deadlines: the round's clock starts at an expected replica's announcement, never a stranger's (`seal_now`);
+once sealing starts, payloads still on their way get `FetchDeadline` more, and an author that misses it is
+left out and held back (not fetched, not waited for) for a time that doubles while it keeps missing it.
 
 Each announcement is fetched and checked as soon as the sealer sees it (one stream per author), so the
 seal waits only for the last authors' payloads; a re-announcement (a restarted replica) replaces it.
@@ -23,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
@@ -31,7 +38,14 @@ from hetnode.config import Config
 from hetnode.errors import WireError
 from hetnode.net.node import SwarmNode
 from hetnode.net.streams import PeerRequestError
-from hetnode.planning.rounds import Announcement, ArrivalDeadline, sealed_order
+from hetnode.planning.rounds import (
+    Announcement,
+    ArrivalDeadline,
+    FetchDeadline,
+    held_back_s,
+    seal_now,
+    sealed_order,
+)
 from hetnode.replica.global_model import ApplyError, GlobalModel, PreparedRound, sha256_hex
 from hetnode.wire.seals import seal_digest
 from hetnode.wire.sync_payload import DecodedPayload
@@ -42,10 +56,13 @@ BAN_S = 120.0  # an author of an invalid payload is ignored this long
 RETRY_S = 5.0  # an unreachable author's announcement is tried again after this long
 POLL_RETRY_S = 0.5  # a re-announced contribution is read again after this long
 SEAL_TTL_S = 3600.0
-MAX_CONCURRENT_FETCHES = 8  # authors whose payloads are in flight to the sealer at once
+MAX_CONCURRENT_FETCHES = 8  # authors whose payloads are in flight to the sealer at once (per class)
+TRUSTED_ROUNDS = 8  # an author sealed in this many recent rounds starts the round's clock and has own slots
 
 
 Checked = tuple[Announcement, dict[str, bytes], list[DecodedPayload]]  # (claim, payloads, decoded)
+# what an announcement's check yields: (payloads, decoded, seconds from announcement to checked)
+CheckOutcome = tuple[dict[str, bytes], list[DecodedPayload], float]
 # (round, valid contributions in announcement order) -> {peer: reason} to leave out of the seal (TRUST §4)
 Screen = Callable[[int, list[tuple[str, list[DecodedPayload]]], dict[str, float]], dict[str, str]]
 # (round, contributions left out only for their author's score) -> the peers whose work helps on its own
@@ -86,13 +103,36 @@ class Sealer:
         # fetch-and-check of each announcement, started when it is first seen: by the time the round is
         # sealed only the last announcers' payloads are still on their way
         self._checks: dict[tuple[int, str], tuple[Announcement, asyncio.Task]] = {}
-        self._fetching = asyncio.Semaphore(MAX_CONCURRENT_FETCHES)
+        self._fetching = {trusted: asyncio.Semaphore(MAX_CONCURRENT_FETCHES) for trusted in (True, False)}
+        self._sealed_recently: deque[frozenset[str]] = deque(maxlen=TRUSTED_ROUNDS)
+        self.times_late: dict[str, int] = {}  # author -> rounds running it missed the fetch deadline
         self.missed: set[str] = set()  # expected by an earlier seal, not announced since
         self.screen: Screen | None = None  # the coordinator's verifier; a stand-in seals unscreened
         self.rescue: Rescue | None = None  # asked when the screen leaves nothing to seal
         n = config.network
         self.deadline = ArrivalDeadline(
             floor_s=max(1.0, n.heartbeat_s), ceiling_s=max(30.0, 10 * n.boundary_s)
+        )
+        author_bytes = sum(spec.max_payload_bytes() for spec in global_model.sparse_specs.values())
+        self.fetch_deadline = FetchDeadline(
+            floor_s=FetchDeadline.floor_for(author_bytes, n.stage_min_up_mbps, max(1.0, n.heartbeat_s)),
+            ceiling_s=self.deadline.ceiling_s,
+        )
+
+    def trusted(self) -> set[str]:
+        """Authors sealed in recent rounds: they start a round's clock and have fetch slots of their own."""
+        return set().union(*self._sealed_recently)
+
+    def ready(self, expected: set[str], seen: dict[str, Announcement]) -> bool:
+        """Time to seal: every expected replica announced, or the deadline passed since the first trusted
+        expected one did (a stranger's early announcement does not start the clock)."""
+        return seal_now(
+            expected,
+            seen,
+            time.monotonic(),
+            self.deadline.seconds,
+            ceiling_s=self.deadline.ceiling_s,
+            trusted=self.trusted(),
         )
 
     def serve(self, round_: int, shard: str, replica: str, asker: str = "") -> bytes | None:
@@ -166,10 +206,12 @@ class Sealer:
 
     def observe_arrivals(self, expected: set[str], seen: dict[str, Announcement]) -> None:
         self.note_missing(expected, seen)
-        first = min(a.seen_at for a in seen.values())
+        # measured from the expected replicas' first announcement, as the clock runs: a stranger that
+        # announces early must not teach the deadline a wide spread
+        arrived = [a.seen_at for p, a in seen.items() if p in expected]
+        first = min(arrived or [a.seen_at for a in seen.values()])
         round_ = next(iter(seen.values())).round
         self._late = (round_, first, set(expected) - set(seen))
-        arrived = [a.seen_at for p, a in seen.items() if p in expected]
         if arrived:
             self.deadline.observe(max(arrived) - first)
         if self._last_first is not None:
@@ -193,17 +235,17 @@ class Sealer:
         good: list[Checked] = []
         excluded = []
         order = sealed_order(seen.values())
-        checks = [self._check_of(a) for a in order]
-        checked = await asyncio.gather(*checks, return_exceptions=True)
-        # used up: a peer dropped from `seen` below is fetched afresh when it is seen again
-        for announcement in order:
-            self._checks.pop((announcement.round, announcement.peer_id), None)
+        checked = await self._checked_in_time(order)
         for announcement, outcome in zip(order, checked, strict=True):
             peer = announcement.peer_id
             try:
                 if isinstance(outcome, BaseException):
                     raise outcome
-                payloads, decoded = outcome
+                payloads, decoded, took = outcome
+            except TimeoutError:
+                excluded.append(peer)
+                self._hold_back_late(round_, peer)
+                continue
             except PeerRequestError as exc:
                 log.warning("round %d: leaving out unreachable peer %s: %s", round_, peer, exc)
                 excluded.append(peer)
@@ -219,6 +261,8 @@ class Sealer:
                 log.warning("round %d: excluding peer %s: %s", round_, peer, exc)
                 self.banned[peer] = time.monotonic() + BAN_S
                 continue
+            self.times_late.pop(peer, None)
+            self.fetch_deadline.observe(took)
             good.append((announcement, payloads, decoded))
         valid = [(a.peer_id, decoded) for a, _, decoded in good]
         rejected = self._screened(round_, good)
@@ -235,6 +279,7 @@ class Sealer:
         for announcement, payloads, _ in good:
             for shard, data in payloads.items():
                 self.payloads[(round_, announcement.peer_id, shard)] = data
+        self._sealed_recently.append(frozenset(a.peer_id for a, _, _ in good))
         self.payloads = {k: v for k, v in self.payloads.items() if k[0] >= round_ - 1}
         record = {
             "round": round_,
@@ -253,6 +298,44 @@ class Sealer:
         if not await self.node.store_own("seal", sealed.record, ttl_s=SEAL_TTL_S):
             log.warning("round %d: no DHT node accepted the seal yet", round_)
         self.node.nudge(sorted(seen), "seal", round_)
+
+    async def _checked_in_time(self, order: list[Announcement]) -> list[CheckOutcome | BaseException]:
+        """Each announcement's check outcome; a check not done within the fetch deadline is cancelled and
+        its outcome is TimeoutError (the author was late)."""
+        checks = [self._check_of(a) for a in order]
+        # used up: a peer dropped from `seen` is fetched afresh when it is seen again
+        for announcement in order:
+            self._checks.pop((announcement.round, announcement.peer_id), None)
+        if not checks:
+            return []
+        _, pending = await asyncio.wait(checks, timeout=self.fetch_deadline.seconds)
+        for task in pending:
+            task.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)
+        outcomes: list[CheckOutcome | BaseException] = []
+        for task in checks:
+            if task in pending or task.cancelled():
+                outcomes.append(TimeoutError())
+            else:
+                outcomes.append(task.exception() or task.result())
+        return outcomes
+
+    def _hold_back_late(self, round_: int, peer: str) -> None:
+        times = self.times_late.get(peer, 0) + 1
+        self.times_late[peer] = times
+        hold = held_back_s(times, RETRY_S, BAN_S)
+        self.banned[peer] = time.monotonic() + hold
+        log.warning(
+            "round %d: leaving out %s: its payload was not fetched and checked within the %.1f s deadline "
+            "(late %d round(s) running: held back %.0f s)",
+            round_,
+            peer,
+            self.fetch_deadline.seconds,
+            times,
+            hold,
+        )
+        if len(self.times_late) > 100_000:  # forget old identities rather than grow without bound
+            self.times_late.clear()
 
     def _screened(self, round_: int, good: list[Checked]) -> dict[str, str]:
         """The screen's verdicts on the valid contributions (they are left out, not banned: the verifier
@@ -327,9 +410,7 @@ class Sealer:
             and dict(value.get("shards", {})) != dict(announcement.shards)
         )
 
-    async def _fetch_and_check(
-        self, announcement: Announcement
-    ) -> tuple[dict[str, bytes], list[DecodedPayload]]:
+    async def _fetch_and_check(self, announcement: Announcement) -> CheckOutcome:
         if not announcement.shards or not set(announcement.shards) <= set(self.global_model.shards):
             raise WireError("shards", f"announced shards {sorted(announcement.shards)} are not the model's")
         peer, shards = announcement.peer_id, list(announcement.shards)
@@ -338,9 +419,14 @@ class Sealer:
         else:
             # the most a valid payload of these shards can weigh: an author cannot make us hold more
             max_bytes = max(self.global_model.sparse_specs[shard].max_payload_bytes() for shard in shards)
-            async with self._fetching:
+            # a stalled author gives its slot back within a deadline (TimeoutError: it was late)
+            async with self._fetching[peer in self.trusted()]:
                 found = await self.node.fetch_payloads(
-                    peer, announcement.round, [(shard, peer) for shard in shards], max_bytes
+                    peer,
+                    announcement.round,
+                    [(shard, peer) for shard in shards],
+                    max_bytes,
+                    stall_s=self.fetch_deadline.ceiling_s,
                 )
         payloads = {}
         for shard, data in zip(shards, found, strict=True):
@@ -350,4 +436,4 @@ class Sealer:
         decoded = await asyncio.to_thread(
             self.global_model.decode_contribution, announcement.peer_id, announcement.round, payloads
         )
-        return payloads, decoded
+        return payloads, decoded, time.monotonic() - announcement.seen_at

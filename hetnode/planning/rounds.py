@@ -1,9 +1,15 @@
 """When to seal a sync round, and who is in it: pure decisions over the announcements seen so far.
 
 A round is sealed when every expected replica has announced, or when an adaptive deadline has passed since
-the first announcement. The deadline is learned from how late the last expected replica arrived in recent
+the round's clock started. The deadline is learned from how late the last expected replica arrived in recent
 rounds (DESIGN §3.5: "deadline from observed arrival times, not a fixed constant"), clamped to a floor and
-a ceiling so that one slow round neither stalls the swarm nor cuts the next one short.
+a ceiling so that one slow round neither stalls the swarm nor cuts the next one short. The clock starts at
+the first announcement of an expected replica the sealer has sealed before, never at a stranger's: an
+identity that announces the moment a round opens must not fire the deadline before the honest replicas
+announce (TRUST §5).
+
+Once sealing starts, the payloads still on their way get `FetchDeadline` more: an author that misses it is
+left out, so no author holds a seal hostage by serving slowly.
 """
 
 from __future__ import annotations
@@ -79,15 +85,66 @@ class ArrivalDeadline:
 
 
 def seal_now(
-    expected: Iterable[str], announced: Mapping[str, Announcement], now: float, deadline_s: float
+    expected: Iterable[str],
+    announced: Mapping[str, Announcement],
+    now: float,
+    deadline_s: float,
+    ceiling_s: float | None = None,
+    trusted: Iterable[str] = (),
 ) -> bool:
-    """True when every expected replica announced, or the deadline since the first announcement passed."""
+    """True when every expected replica announced, or the deadline passed since the round's clock started.
+
+    The clock starts at the first announcement of an expected replica in `trusted` (sealed in recent
+    rounds), or, when no expected replica is trusted (a new run), of any expected replica. Others'
+    announcements (strangers, newcomers) never start it: when only they announced, the round waits
+    `ceiling_s` from the first of them."""
     if not announced:
         return False
-    if set(expected) <= set(announced):
+    expected = set(expected)
+    if expected <= set(announced):
         return True
+    starters = (set(trusted) & expected) or expected
+    times = [a.seen_at for peer, a in announced.items() if peer in starters]
+    if times:
+        return now - min(times) >= deadline_s
     first = min(a.seen_at for a in announced.values())
-    return now - first >= deadline_s
+    return now - first >= (deadline_s if ceiling_s is None else ceiling_s)
+
+
+@dataclass
+class FetchDeadline:
+    """How long sealing waits for the payloads still on their way once it starts.
+
+    At least the time a payload of `max_bytes` takes at the slowest uplink the run admits (`min_mbps`),
+    so no admitted peer is cut short, and `factor` × the median time honest payloads took from
+    announcement to checked in recent rounds (a median: a few slow identities cannot stretch it), at
+    most `ceiling_s`."""
+
+    floor_s: float
+    ceiling_s: float
+    factor: float = 4.0
+    took: deque[float] = field(default_factory=lambda: deque(maxlen=32))
+
+    @staticmethod
+    def floor_for(max_bytes: int, min_mbps: float, base_s: float) -> float:
+        return base_s + 2 * max_bytes * 8 / (max(min_mbps, 0.1) * 1e6)
+
+    def observe(self, seconds: float) -> None:
+        if seconds >= 0:
+            self.took.append(seconds)
+
+    @property
+    def seconds(self) -> float:
+        if not self.took:
+            return min(self.ceiling_s, self.floor_s)
+        median = sorted(self.took)[len(self.took) // 2]
+        return min(self.ceiling_s, max(self.floor_s, self.factor * median))
+
+
+def held_back_s(times_late: int, first_s: float, most_s: float) -> float:
+    """How long an author that missed the fetch deadline `times_late` rounds running is not waited for
+    (nor fetched): doubling, so a slow-serving identity costs the swarm one deadline per doubling."""
+    return min(most_s, first_s * 2 ** max(0, times_late - 1))
 
 
 def sealed_order(contributions: Iterable[Announcement]) -> list[Announcement]:

@@ -37,15 +37,25 @@ async def announce(
     lie: bool = False,
     warmup: int = 0,
     fault: str | None = None,
+    delay_s: float = 0.0,
 ) -> Announcement:
     """Train round 0 as `node`'s replica (after `warmup` earlier rounds, for a different payload), serve
-    the payload and announce its digests (or wrong ones)."""
+    the payload (each after `delay_s`: a slow author within every stream timeout) and announce its
+    digests (or wrong ones)."""
     peer = node.identity.peer_id
     training = AnchorTraining(config, dataset, peer, fault=fault)
     for _ in range(warmup):
         training.run_round(0, model)
     payloads = training.run_round(0, model)
-    node.set_payloads(lambda round_, shard, replica, asker: payloads.get(shard) if replica == peer else None)
+
+    def serve(round_, shard, replica, asker):
+        return payloads.get(shard) if replica == peer else None
+
+    async def slowly(round_, shard, replica, asker):
+        await asyncio.sleep(delay_s)
+        return serve(round_, shard, replica, asker)
+
+    node.set_payloads(slowly if delay_s else serve)
     digests = {shard: sha256_hex((b"x" if lie else b"") + data) for shard, data in payloads.items()}
     record = {"round": 0, "shards": digests, "tokens": 100, "steps": 1}
     assert await node.store_own("announce", record, ttl_s=60.0)
@@ -194,5 +204,56 @@ def test_when_every_author_is_screened_out_only_work_that_helps_on_its_own_is_se
             sealer.screen, sealer.rescue = verifier.screen, rescue
             alone = {flipper.identity.peer_id: (await collect_all(sealer, 2))[flipper.identity.peer_id]}
             assert await sealer.seal(0, alone) is None
+
+    loop.run(scenario())
+
+
+def test_a_slow_author_is_left_out_at_the_fetch_deadline_and_held_back_for_longer_each_time(
+    config, dataset, nodes_on_loopback
+):
+    async def scenario():
+        async with nodes_on_loopback(3, config.run.name) as nodes:
+            sealer_node, honest, slow = nodes
+            model = GlobalModel(config)
+            await announce(honest, config, dataset, model)
+            await announce(slow, config, dataset, model, delay_s=8.0)
+            sealer = Sealer(config, sealer_node, model)
+            sealer.fetch_deadline.floor_s = 1.0
+            seen = await collect_all(sealer, 2)
+            started = time.monotonic()
+            sealed = await sealer.decide(0, seen)
+            took = time.monotonic() - started
+            assert sealed is not None
+            assert [peer for peer, _ in sealed.contributions] == [honest.identity.peer_id]
+            assert sealed.excluded == [slow.identity.peer_id]
+            assert took < 6.0, took  # not the author's 8 s a payload, shard after shard
+            held = sealer.banned[slow.identity.peer_id] - time.monotonic()
+            assert 0 < held <= RETRY_S
+            assert sealer.times_late[slow.identity.peer_id] == 1
+            # late again: held back twice as long; once on time, forgiven
+            sealer._hold_back_late(1, slow.identity.peer_id)
+            assert sealer.banned[slow.identity.peer_id] - time.monotonic() > RETRY_S
+            assert honest.identity.peer_id not in sealer.times_late
+            # a held-back author is not waited for
+            assert sealer.waiting_for({honest.identity.peer_id, slow.identity.peer_id}) == {
+                honest.identity.peer_id
+            }
+
+    loop.run(scenario())
+
+
+def test_a_stranger_announcing_first_does_not_start_the_rounds_clock(config, dataset, nodes_on_loopback):
+    async def scenario():
+        async with nodes_on_loopback(1, config.run.name) as nodes:
+            sealer = Sealer(config, nodes[0], GlobalModel(config))
+            sealer._sealed_recently.append(frozenset({"honest-a", "honest-b"}))
+            now = time.monotonic()
+            stranger = Announcement("stranger", 0, {}, 1, now - 20.0)  # ceiling: 30 s
+            early = {"stranger": stranger}
+            assert not sealer.ready({"honest-a", "honest-b"}, early)  # only the ceiling would end it
+            seen = early | {"honest-a": Announcement("honest-a", 0, {}, 1, now)}
+            assert not sealer.ready({"honest-a", "honest-b"}, seen)  # the clock started with honest-a
+            seen["honest-b"] = Announcement("honest-b", 0, {}, 1, now)
+            assert sealer.ready({"honest-a", "honest-b"}, seen)
 
     loop.run(scenario())

@@ -2,7 +2,14 @@
 
 import pytest
 
-from hetnode.planning.rounds import Announcement, ArrivalDeadline, seal_now, sealed_order
+from hetnode.planning.rounds import (
+    Announcement,
+    ArrivalDeadline,
+    FetchDeadline,
+    held_back_s,
+    seal_now,
+    sealed_order,
+)
 
 
 def announced(*peers, at=0.0):
@@ -59,3 +66,38 @@ def test_assigned_batches_are_public_and_differ_between_replicas_of_one_slot():
     # two replicas (often on one of the 256 data slots) start far apart: they never train the same batches
     starts = {assigned_batches(f"peer-{i}", 0, 10).start for i in range(200)}
     assert len(starts) == 200
+
+
+def test_the_clock_starts_with_a_trusted_expected_replica_never_a_stranger():
+    seen = announced("a", "x")
+    seen["x"] = Announcement("x", 0, {}, 1, seen_at=0.0)  # a stranger, first
+    seen["a"] = Announcement("a", 0, {}, 1, seen_at=50.0)
+    # the stranger announced 55 s ago, but the round's clock started with a at 50
+    assert not seal_now({"a", "b"}, seen, now=55.0, deadline_s=10, ceiling_s=100, trusted={"a"})
+    assert seal_now({"a", "b"}, seen, now=60.0, deadline_s=10, ceiling_s=100, trusted={"a"})
+    # a Sybil claiming to be expected but never sealed before does not start it either
+    assert not seal_now({"a", "b", "x"}, seen, now=55.0, deadline_s=10, ceiling_s=100, trusted={"a"})
+    # nor before the trusted replica announced
+    early = {"x": Announcement("x", 0, {}, 1, seen_at=0.0)}
+    assert not seal_now({"a", "x"}, early, now=99.0, deadline_s=10, ceiling_s=100, trusted={"a"})
+    # only strangers: the ceiling
+    alone = {"x": seen["x"]}
+    assert not seal_now({"a"}, alone, now=99.0, deadline_s=10, ceiling_s=100)
+    assert seal_now({"a"}, alone, now=100.0, deadline_s=10, ceiling_s=100)
+
+
+def test_the_fetch_deadline_admits_the_slowest_admitted_link_and_a_median_not_a_few_slow_ones():
+    floor = FetchDeadline.floor_for(max_bytes=5_000_000, min_mbps=5.0, base_s=1.0)
+    assert floor == pytest.approx(1.0 + 16.0)  # 5 MB at 5 Mbit/s, twice
+    deadline = FetchDeadline(floor_s=2.0, ceiling_s=60.0)
+    assert deadline.seconds == 2.0
+    for took in (1.0, 1.0, 1.0, 50.0, 50.0):  # two slow identities among three honest authors
+        deadline.observe(took)
+    assert deadline.seconds == pytest.approx(4.0)
+    for _ in range(10):
+        deadline.observe(100.0)
+    assert deadline.seconds == 60.0
+
+
+def test_a_late_author_is_held_back_longer_each_round_it_stays_late():
+    assert [held_back_s(n, 5.0, 120.0) for n in (1, 2, 3, 4, 5, 6)] == [5, 10, 20, 40, 80, 120]

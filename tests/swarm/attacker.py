@@ -294,7 +294,51 @@ async def redirect(a: Attacker) -> None:
         await asyncio.sleep(0.5)
 
 
-ATTACKS = {f.__name__: f for f in (overflow, ledger, hijack, records, exhaust, redirect)}
+async def slow_author(a: Attacker) -> None:
+    """stall: announce valid work the moment each round opens, then serve it as slowly as the stream
+    timeouts allow (one payload every 9 s: within the 10 s a request may take)."""
+
+    async def slowly(round_: int, shard: str, replica: str, asker: str) -> bytes | None:
+        a.result["asked"] = a.result.get("asked", 0) + 1
+        await asyncio.sleep(9.0)
+        return a.served.get((round_, shard))
+
+    a.node.set_payloads(slowly)
+    await a.contribute(shift=0.0, tokens=1, steps=1)
+
+
+async def liar_holder(a: Attacker) -> None:
+    """stall a catch-up: claim θ of the swarm's newest round (its digests are public: an anchor's record
+    has them) and answer every state request as slowly as the timeouts allow, with nothing."""
+
+    def nothing_slowly(round_: int, shard: str) -> bytes | None:
+        time.sleep(30.0)
+        return None
+
+    a.node.set_state(nothing_slowly)
+    me = a.node.identity.peer_id
+    claimed = -1
+    while time.monotonic() < a.until:
+        view = await SwarmView.read(a.node, a.config)
+        held = [
+            (record["params_round"], record["layer_digests"])
+            for peer, record in view.peers.items()
+            if peer != me
+            and record.get("role") == "anchor"
+            and isinstance(record.get("params_round"), int)
+            and record.get("layer_digests")
+        ]
+        if held:
+            round_, digests = max(held, key=lambda claim: claim[0])
+            claimed = max(claimed, round_)
+            await a.node.store_own("peers", a.record(params_round=round_, layer_digests=digests), 60.0)
+        await asyncio.sleep(0.5)
+    a.result.update(claimed=claimed)
+
+
+ATTACKS = {
+    f.__name__: f for f in (overflow, ledger, hijack, records, exhaust, redirect, slow_author, liar_holder)
+}
 
 
 async def main(args: argparse.Namespace) -> None:

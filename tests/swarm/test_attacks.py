@@ -9,8 +9,10 @@ from the round it started at, so the tests stay independent of each other's outc
 
 from __future__ import annotations
 
+import itertools
 import json
 import socket
+import statistics
 import subprocess
 import sys
 import time
@@ -214,6 +216,30 @@ def test_redirect_a_volunteer_is_refused_without_its_pinned_coordinator(live, tm
         rogue.terminate()
         rogue.wait(30)
     assert_whole(swarm, boot, since)
+
+
+def seal_intervals(history: list[dict], after: int) -> list[float]:
+    times = [h["time"] for h in history if h["round"] > after and "time" in h]
+    return [later - earlier for earlier, later in itertools.pairwise(times)]
+
+
+def test_stall_a_slow_author_holds_no_seal_hostage(live):
+    swarm, boot, _ = live
+    since = current_round(swarm)
+    before = statistics.median(seal_intervals(swarm.wait_for_round(since + 4, timeout=120), since))
+    start = current_round(swarm)
+    result = attack(swarm, "slow_author", seconds=40.0)
+    history = assert_whole(swarm, boot, start, attacker=result["peer_id"])
+    assert result["announcements_accepted"] >= 1 and result.get("asked", 0) >= 1  # it was fetched
+    attacked = [h for h in history if h["round"] > start and "contributors" in h]
+    assert attacked and all(result["peer_id"] not in h["contributors"] for h in attacked)
+    # the honest pace holds (within 2x), and no honest contribution is left out
+    during = statistics.median(seal_intervals(history, start))
+    honest = {d.peer_id for d in swarm.daemons if d.name in HONEST}
+    assert during <= 2 * before + 1.0, (during, before)
+    for entry in attacked:
+        if entry.get("caught_up_from") is None:
+            assert set(entry["contributors"]) >= honest, entry
 
 
 def test_a_coordinator_restart_after_the_attacks_resumes_its_own_chain(live):

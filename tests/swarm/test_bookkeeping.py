@@ -3,11 +3,14 @@ slow by a test hook (`tests/swarm/coordinator_hooks.py`), the coordinator goes o
 round is still being evaluated; killed (SIGKILL, by the same hook) at the last instant before a seal goes
 out, its history holds the digests of every round it published; and the coordinator restarted on its data
 dir takes θ of its newest published round back from the replicas against those digests, seals the round it
-never published again, credits the rounds it never evaluated, and seals on."""
+never published again, credits the rounds it never evaluated, and seals on, within 60 s of its restart, while
+two identities claim to hold that θ and answer as slowly as the timeouts allow."""
 
 from __future__ import annotations
 
+import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -17,6 +20,7 @@ pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[2]
 SLOW_EVAL_S = 20.0  # each evaluation, on top of its own time: several rounds are sealed meanwhile
 HOOKS = ROOT / "tests" / "swarm" / "coordinator_hooks.py"
+ATTACKER = [sys.executable, str(ROOT / "tests" / "swarm" / "attacker.py")]
 FAST_ROUNDS = {"inner_steps": 5}
 
 
@@ -39,8 +43,28 @@ def test_seals_go_on_while_a_round_is_evaluated_and_a_crash_before_a_seal_goes_o
     assert history[1]["time"] < history[0]["evaluated_at"]  # round 1 was sealed before 0 was evaluated
     assert history[0]["eval_loss"] > 0 and set(history[0]["scores"]) == {a.peer_id for a in anchors}
 
+    # identities that claim θ of every newest round and answer a catch-up as slowly as the timeouts allow
+    liars = [
+        subprocess.Popen(
+            [*ATTACKER, "liar_holder", "--peer", boot.maddr, "--seconds", "240"],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            cwd=ROOT,
+        )
+        for _ in range(2)
+    ]
+    try:
+        crash_and_recover(swarm, config, boot, crash, anchors)
+    finally:
+        for liar in liars:
+            liar.terminate()
+            liar.wait(30)
+
+
+def crash_and_recover(swarm, config, boot, crash, anchors) -> None:
     # SIGKILL at the next seal, between its line on disk and its store, while the rounds before it wait for
     # their evaluation: every round a replica can have applied has its digests in the history
+    time.sleep(5)  # the liars' records are out
     crash.touch()
     boot.proc.wait(30)
     assert "crash before storing the seal" in boot.tail(5)
@@ -53,6 +77,7 @@ def test_seals_go_on_while_a_round_is_evaluated_and_a_crash_before_a_seal_goes_o
 
     # back on its data dir, with no stand-in: θ of the newest published round from the replicas, checked
     # against its digests; the round never published is sealed again
+    restarted_at = time.time()
     again = swarm.bootstrap(config)
     again.wait_ready()
     history = swarm.wait_for_history(
@@ -60,7 +85,11 @@ def test_seals_go_on_while_a_round_is_evaluated_and_a_crash_before_a_seal_goes_o
         180,
         "the restarted coordinator seals rounds with both anchors again",
     )
-    assert any(e["round"] == published["round"] and e.get("caught_up_from") for e in history), history[-3:]
+    caught_up = [e for e in history if e["round"] == published["round"] and e.get("caught_up_from")]
+    assert caught_up and caught_up[0]["caught_up_from"] in {a.peer_id for a in anchors}, history[-3:]
+    # sealing again within 60 s of the restart, however slowly the liars answer
+    first_seal = min(e["time"] for e in history if e["round"] > published["round"] and e["contributors"])
+    assert first_seal - restarted_at <= 60.0, first_seal - restarted_at
     resealed = [e for e in history if e["round"] == unpublished["round"]]
     assert len(resealed) == 2 and resealed[-1]["seal_hash"] != unpublished["seal_hash"], resealed
     assert f"round {published['round']}: credited after a restart" in again.tail(400)
