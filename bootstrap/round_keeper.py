@@ -217,6 +217,7 @@ class RoundKeeper:
         # only now the seal goes out: a crash at any instant leaves the history holding the digests of
         # every round a replica can have applied (`CatchUp.trusted_digests` reads them after a restart)
         await self.sealer.publish(sealed, seen)
+        self.node.prefer(self.sealer.trusted())  # replicas fetch the round from us: slots kept for them
         self._sealed = round_
         await self._publish_theta(round_, entry["layer_digests"])  # the head: replicas poll it, not the seal
         self.sealer.observe_arrivals(expected, seen)

@@ -43,6 +43,7 @@ from hetnode.wire.seals import seal_digest
 log = logging.getLogger(__name__)
 
 STATE_FETCH_PARALLEL = 4  # state shards asked of the source at once (its budget: 8 streams per peer)
+PREFERRED_SEALS = 4  # authors of this many recent seals may take the stream slots kept for replicas
 
 
 @dataclasses.dataclass(frozen=True)
@@ -141,6 +142,10 @@ class RoundParticipant:
         self.last_seal_wait_s = 0.0  # of the last wait_for_seal
         self.last_apply = (0.0, 0, 0.0)  # (seconds, bytes fetched, seconds fetching) of the last apply
         self.last_contributors = 1  # in the last seal we applied
+        # authors of the last seals we applied: they fetch this round's payloads from us, so stream slots
+        # are kept for them (and the sealers) that a crowd of strangers cannot fill
+        self._recent_authors: collections.deque[frozenset[str]] = collections.deque(maxlen=PREFERRED_SEALS)
+        node.prefer(self.stand_ins)
         self.recent_rounds: collections.deque[RoundRecord] = collections.deque(maxlen=UTILIZATION_ROUNDS)
         node.set_payloads(self.held.serve)
         node.set_state(self.serve_state)
@@ -307,6 +312,8 @@ class RoundParticipant:
         # our weight in a shard's aggregate is about 1 / its senders (a chain's stages each send a part)
         senders = collections.Counter(shard for _, shard, _ in wanted)
         self.last_contributors = max(senders.values(), default=1)
+        self._recent_authors.append(frozenset(c["peer"] for c in seal["contributions"]))
+        self.node.prefer(set(self.stand_ins).union(*self._recent_authors))
         self.unchecked = round_
         log.info("round %d applied: %d contributions, %d bytes fetched", round_, len(contributions), fetched)
         return any(c["peer"] == self.peer_id for c in seal["contributions"])

@@ -5,7 +5,9 @@ scope (many identities cannot take more than the node can give). Shaped after go
 manager (`p2p/host/resource-manager/scope.go`), but small:
 
 - `StreamScope`: concurrent streams. A handler reserves a slot before it reads anything and releases it
-  when the stream ends; a refusal costs one dict lookup.
+  when the stream ends; a refusal costs one dict lookup. Some slots are kept for preferred peers (the
+  coordinator, the replicas of recent seals): strangers together cannot fill them, so a crowd of idle
+  identities cannot keep the sealer from fetching an honest replica's payload.
 - `ByteBudget`: bytes served per minute on one channel ("probe", "payload", "state"), as token buckets
   charged before the bytes are sent.
 - `Budgets`: the node's live scopes built from one frozen `NodeBudgets`, with a count of refusals.
@@ -52,6 +54,7 @@ class NodeBudgets:
     # a probe, a nudge); 8 leaves room for overlap, 256 bounds the work all strangers together can start
     streams_per_peer: int = 8
     streams_global: int = 256
+    streams_preferred: int = 64  # of the global slots, kept for preferred peers (strangers share the rest)
     # chain-stage streams live as long as a chain: a stage has one upstream, a few cover a reconnect
     stage_streams_per_peer: int = 2
     stage_streams_global: int = 8
@@ -77,6 +80,13 @@ class NodeBudgets:
             state_bytes_per_peer=16 * max_frame_bytes,
             state_bytes_global=64 * max_frame_bytes,
         )
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.streams_preferred < self.streams_global:
+            raise ValueError(
+                f"streams_preferred ({self.streams_preferred}) must leave strangers some of the "
+                f"{self.streams_global} stream slots"
+            )
 
     def bytes_per_minute(self, channel: Channel) -> tuple[int, int]:
         """(per peer, global) bytes a minute of `channel`."""
@@ -105,18 +115,27 @@ class Reservation:
 class StreamScope:
     """Concurrent streams, per peer and in total: reserve before any work, release when done."""
 
-    def __init__(self, per_peer: int, total: int) -> None:
+    def __init__(self, per_peer: int, total: int, preferred: int = 0) -> None:
         self.per_peer = per_peer
         self.total = total
+        self.preferred = preferred  # slots only preferred peers may take
         self.in_use = 0
+        self.others_in_use = 0  # slots held by peers that are not preferred
         self._by_peer: Counter[str] = Counter()
+        self._others: Counter[str] = Counter()  # per peer: of its slots, those taken while not preferred
 
-    def reserve(self, peer: str) -> Reservation | None:
-        """A slot for `peer`, or None when the peer or the node is at its limit."""
+    def reserve(self, peer: str, preferred: bool = False) -> Reservation | None:
+        """A slot for `peer`, or None when the peer or the node is at its limit (for a peer that is not
+        preferred: the slots left to others)."""
         if self.in_use >= self.total or self._by_peer[peer] >= self.per_peer:
+            return None
+        if not preferred and self.others_in_use >= self.total - self.preferred:
             return None
         self.in_use += 1
         self._by_peer[peer] += 1
+        if not preferred:
+            self.others_in_use += 1
+            self._others[peer] += 1
         return Reservation(self, peer)
 
     def refused_by(self, peer: str) -> Scope:
@@ -131,6 +150,11 @@ class StreamScope:
         self._by_peer[peer] -= 1
         if self._by_peer[peer] <= 0:
             del self._by_peer[peer]  # no entry for peers with nothing open: the dict stays small
+        if self._others[peer] > 0:
+            self.others_in_use -= 1
+            self._others[peer] -= 1
+            if self._others[peer] <= 0:
+                del self._others[peer]
 
 
 @dataclass
@@ -223,7 +247,7 @@ class Budgets:
 
     def __init__(self, limits: NodeBudgets, clock: Clock = time.monotonic) -> None:
         self.limits = limits
-        self.streams = StreamScope(limits.streams_per_peer, limits.streams_global)
+        self.streams = StreamScope(limits.streams_per_peer, limits.streams_global, limits.streams_preferred)
         self.stage_streams = StreamScope(limits.stage_streams_per_peer, limits.stage_streams_global)
         self.bytes: dict[Channel, ByteBudget] = {
             channel: ByteBudget(*limits.bytes_per_minute(channel), clock=clock) for channel in CHANNELS
@@ -235,6 +259,7 @@ class Budgets:
         """Apply new limits in place: streams open now keep their slots, buckets keep what is left."""
         self.limits = limits
         self.streams.per_peer, self.streams.total = limits.streams_per_peer, limits.streams_global
+        self.streams.preferred = limits.streams_preferred
         self.stage_streams.per_peer = limits.stage_streams_per_peer
         self.stage_streams.total = limits.stage_streams_global
         for channel, budget in self.bytes.items():

@@ -16,7 +16,7 @@ import logging
 import tempfile
 import time
 from collections import Counter
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -124,6 +124,7 @@ class SwarmNode:
         self.refusals = RefusalLog(log)
         self._stage: StageAcceptor | None = None
         self._member_policy: Callable[[str], bool] = lambda peer: True
+        self._preferred: frozenset[str] = frozenset()  # peers that may take the stream slots kept for them
         self._background: set[asyncio.Task] = set()  # nudges in flight, cancelled at shutdown
         self._stage_limiter = RateLimiter(limits.requests_per_min)
         self._closed = False
@@ -189,7 +190,14 @@ class SwarmNode:
             limiter = RateLimiter(limits.requests_per_min)
             await p2p.add_binary_stream_handler(
                 CONTROL_HANDLER,
-                guarded_handler(CONTROL_HANDLER, limiter, node._server.handle, node.budgets, node.refusals),
+                guarded_handler(
+                    CONTROL_HANDLER,
+                    limiter,
+                    node._server.handle,
+                    node.budgets,
+                    node.refusals,
+                    preferred=node.is_preferred,
+                ),
             )
             await p2p.add_binary_stream_handler(STAGE_HANDLER, node._accept_stage)
             node._server.dial_back = node._dial_back
@@ -303,6 +311,14 @@ class SwarmNode:
                 task = asyncio.create_task(one(peer), name=f"nudge-{topic}")
                 self._background.add(task)
                 task.add_done_callback(self._background.discard)
+
+    def prefer(self, peers: Iterable[str]) -> None:
+        """Keep stream slots for `peers` (with the coordinator): the replicas of recent seals, whose payload
+        fetches a crowd of strangers must not crowd out (TRUST §5)."""
+        self._preferred = frozenset(peers)
+
+    def is_preferred(self, peer: str) -> bool:
+        return peer == self.coordinator or peer in self._preferred
 
     def set_stage_acceptor(self, acceptor: StageAcceptor | None) -> None:
         """Accept chain streams with `acceptor` (it checks who calls); None refuses them all."""

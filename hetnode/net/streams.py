@@ -32,6 +32,9 @@ from hetnode.wire.control import (
 log = logging.getLogger(__name__)
 
 REQUEST_TIMEOUT_S = 10.0
+# a stream's first frame is the request, sent as soon as the stream opens: a stream that sends nothing
+# gives its slot back soon (idle streams held open are how a crowd would fill a node's slots)
+FIRST_FRAME_TIMEOUT_S = 3.0
 
 
 class PeerRequestError(HetnodeError):
@@ -85,11 +88,13 @@ def guarded_handler(
     handle: RequestHandler,
     budgets: Budgets | None = None,
     refusals: RefusalLog | None = None,
+    preferred: Callable[[str], bool] = lambda peer: False,
 ) -> Callable:
     """Wrap `handle(peer, first_frame, reader, writer)` with the shared discipline for handler `name`.
 
     Before reading anything the peer must pass the rate limit and hold one of `budgets.streams`' slots
-    (for the peer and in total) until the stream ends. `handle` may raise `Refused` (e.g. a byte budget)
+    (for the peer and in total; `preferred` peers may also take the slots kept for them) until the stream
+    ends, and send its request within FIRST_FRAME_TIMEOUT_S. `handle` may raise `Refused` (e.g. a byte budget)
     or `WireError`: the peer gets an error reply with the code, and the log a rate-limited warning."""
     refusals = refusals if refusals is not None else RefusalLog(log)
     lingering = 0
@@ -126,7 +131,7 @@ def guarded_handler(
                 await refuse(reader, writer, "rate_limited", "too many requests, slow down")
                 return
             if budgets is not None:
-                slot = budgets.streams.reserve(peer)
+                slot = budgets.streams.reserve(peer, preferred(peer))
                 if slot is None:
                     count("busy")
                     scope = budgets.streams.refused_by(peer)
@@ -135,7 +140,7 @@ def guarded_handler(
                     )
                     await refuse(reader, writer, "busy", f"too many open streams ({scope} limit)")
                     return
-            first = await read_frame(reader, MAX_CONTROL_BYTES, REQUEST_TIMEOUT_S)
+            first = await read_frame(reader, MAX_CONTROL_BYTES, FIRST_FRAME_TIMEOUT_S)
             await handle(peer, first, reader, writer)
         except Refused as exc:
             refusals.warning(peer, exc.code, "%s: refused peer %s: %s", name, peer, exc.reason)

@@ -299,3 +299,16 @@ def test_state_cache_forgets_after_keep_s():
         cache.clear()
 
     asyncio.run(scenario())
+
+
+def test_slots_kept_for_preferred_peers_are_not_taken_by_others():
+    scope = StreamScope(per_peer=4, total=4, preferred=2)
+    assert scope.reserve("a") and scope.reserve("b")
+    assert scope.reserve("c") is None  # strangers share the 2 other slots
+    kept = scope.reserve("sealer", preferred=True)
+    assert kept and scope.reserve("sealer", preferred=True)
+    assert scope.reserve("sealer", preferred=True) is None  # the whole node is full
+    kept.release()
+    assert scope.reserve("c") is None and scope.reserve("sealer", preferred=True)
+    with pytest.raises(ValueError, match="streams_preferred"):
+        NodeBudgets(streams_global=8, streams_preferred=8)

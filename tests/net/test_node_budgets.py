@@ -9,7 +9,7 @@ import pytest
 from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.dht.node import DHTNode
 
-from hetnode.net import loop
+from hetnode.net import loop, streams
 from hetnode.net.budgets import NodeBudgets
 from hetnode.net.identity import ephemeral_identity, owner_subkey
 from hetnode.net.node import CONTROL_HANDLER, NodeLimits, SwarmNode
@@ -64,9 +64,12 @@ async def raw_request(client: SwarmNode, server: SwarmNode, message: bytes):
         writer.close()
 
 
-def test_an_attacker_holding_streams_is_refused_at_once_while_an_honest_peer_is_served():
+def test_an_attacker_holding_streams_is_refused_at_once_while_an_honest_peer_is_served(monkeypatch):
+    monkeypatch.setattr(streams, "FIRST_FRAME_TIMEOUT_S", 30.0)  # the held streams stay held
+
     async def scenario():
-        async with swarm(3, limits(streams_per_peer=3, streams_global=5)) as (server, attacker, honest):
+        server_limits = limits(streams_per_peer=3, streams_global=5, streams_preferred=0)
+        async with swarm(3, server_limits) as (server, attacker, honest):
             target = server.identity.peer_id
             held = []  # open streams that never send a request: each sits in the server's read
             try:
@@ -94,6 +97,35 @@ def test_an_attacker_holding_streams_is_refused_at_once_while_an_honest_peer_is_
                     writer.close()
             await until(lambda: server.budgets.streams.in_use == 0)  # slots come back when streams end
             assert await attacker.ping(target) > 0
+
+    loop.run(scenario())
+
+
+def test_a_crowd_of_idle_streams_leaves_the_preferred_slots_and_gives_its_own_back_soon(monkeypatch):
+    monkeypatch.setattr(streams, "FIRST_FRAME_TIMEOUT_S", 2.0)
+
+    async def scenario():
+        server_limits = limits(streams_per_peer=4, streams_global=8, streams_preferred=2)
+        async with swarm(4, server_limits) as (server, crowd_a, crowd_b, sealer):
+            target = server.identity.peer_id
+            server.prefer([sealer.identity.peer_id])
+            held = []  # streams that never send their request
+            try:
+                for crowd in (crowd_a, crowd_b):
+                    for _ in range(4):
+                        held.append(
+                            await crowd.p2p.call_binary_stream_handler(server.p2p.peer_id, CONTROL_HANDLER)
+                        )
+                await until(lambda: server.budgets.streams.in_use == 6)  # the 2 kept slots stay free
+                await until(lambda: server.budgets.refusals["busy"] == 2)
+                assert server.budgets.streams.in_use == 6
+                assert await sealer.ping(target) > 0  # a preferred peer is served in a kept slot
+                # an idle stream loses its slot within the first-frame deadline, not the request timeout
+                await until(lambda: server.budgets.streams.in_use == 0, timeout=5.0)
+                assert server.budgets.refusals["incomplete"] >= 6
+            finally:
+                for _, _, writer in held:
+                    writer.close()
 
     loop.run(scenario())
 
