@@ -38,7 +38,7 @@ from typing import Any
 
 import torch
 
-from bootstrap.checkpoint_store import store_params
+from bootstrap.checkpoint_store import keep_tokenizer, store_params
 from bootstrap.ledger import Contribution, Ledger, Verdict
 from bootstrap.samples import RoundSampler
 from bootstrap.swarm_metrics import SwarmMetrics
@@ -46,6 +46,7 @@ from bootstrap.verifier import Replica, Verifier
 from hetnode.algo.aggregate import outer_sgd_step
 from hetnode.config import Config
 from hetnode.data.dataset import TokenDataset
+from hetnode.errors import CheckpointError
 from hetnode.model.decoder import build_model
 from hetnode.model.shards import layer_digests
 from hetnode.replica.global_model import PreparedRound, base_fixed_embedding
@@ -144,6 +145,12 @@ class Bookkeeper:
         sampler and, with `outer.verify`, the verifier."""
         c = self.config
         self.dataset = TokenDataset.build(c.data, c.model.vocab_size, c.run.seed)
+        try:  # served with the checkpoints: an export over HTTP must never rebuild it from a data config
+            keep_tokenizer(self.checkpoints, self.dataset.tokenizer)
+        except (OSError, CheckpointError) as exc:  # a view, like the page: never in the rounds' way
+            log.warning(
+                "cannot keep the run's tokenizer beside the checkpoints (%s): exports need --tokenizer", exc
+            )
         model = build_model(c.model, seed=c.run.seed)
         model.fixed_embedding = base_fixed_embedding(c)  # the architecture anchors train
         model.requires_grad_(False)

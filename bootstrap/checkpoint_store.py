@@ -10,6 +10,10 @@ the replicas (`round_keeper.py`), not the run. A checkpoint whose manifest names
 that changes what θ means (`run_state.changes_meaning`), is refused instead: that is not damage but the
 wrong data dir or the wrong `--config`, and nothing is changed.
 
+A BPE run's tokenizer is kept beside the round folders as `checkpoints/tokenizer.json` (`keep_tokenizer`,
+when the bookkeeping worker has built the corpus) and served with them: whoever exports θ over HTTP gets
+the run's tokenizer from the coordinator, never by rebuilding it from a data config that names paths.
+
 An old `global.pt` (a pickle of earlier versions) is read with `weights_only=True` (no code runs), written
 in this format, read back, and renamed `global.pt.converted`, once.
 """
@@ -20,6 +24,7 @@ import json
 import logging
 import os
 import pickle
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -40,11 +45,14 @@ from bootstrap.run_state import (
     shape_mismatch,
 )
 from hetnode.config import Config
+from hetnode.data.tokenizer import BpeTokenizer, Tokenizer
 from hetnode.errors import CheckpointError, HetnodeError
 from hetnode.model.shards import layer_digests
 from hetnode.replica.checkpoint import (
     MANIFEST,
     MAX_MANIFEST_BYTES,
+    MAX_TOKENIZER_BYTES,
+    TOKENIZER_FILE,
     WEIGHTS,
     CheckpointManifest,
     folder_name,
@@ -63,6 +71,7 @@ log = logging.getLogger(__name__)
 DAMAGED = ".damaged"  # suffix of a checkpoint folder passed over at start
 MANIFEST_ROUTE = "/api/checkpoint/manifest.json"
 WEIGHTS_ROUTE = "/api/checkpoint/model.safetensors"
+TOKENIZER_ROUTE = "/api/checkpoint/tokenizer.json"
 ROUND_HEADER = "X-Hetnode-Round"  # on both answers: a client checks that its two downloads agree
 OPEN_ATTEMPTS = 3  # the newest folder may be replaced or pruned between listing it and opening it
 
@@ -245,6 +254,30 @@ def store_params(
     return folder
 
 
+def keep_tokenizer(root: Path, tokenizer: Tokenizer) -> Path | None:
+    """Keep a BPE run's tokenizer as `root/tokenizer.json` (written atomically, only when it changed); the
+    path, or None for the byte tokenizer, which has no file (a stale one is removed)."""
+    path = Path(root) / TOKENIZER_FILE
+    if not isinstance(tokenizer, BpeTokenizer):
+        path.unlink(missing_ok=True)
+        return None
+    text = tokenizer.to_json()
+    if len(text.encode()) > MAX_TOKENIZER_BYTES:  # no client would take it
+        raise CheckpointError(f"tokenizer {tokenizer.name} is over {MAX_TOKENIZER_BYTES >> 20} MiB of JSON")
+    if path.is_file() and path.read_text(encoding="utf-8") == text:
+        return path
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return path
+
+
 def _key(manifest: CheckpointManifest) -> tuple[Any, ...]:
     return manifest.round, manifest.seal_hash, manifest.layer_digests, manifest.config_hash, manifest.run
 
@@ -260,13 +293,14 @@ class CheckpointRoutes:
     """`GET /api/checkpoint/manifest.json` and `/api/checkpoint/model.safetensors`: the newest checkpoint
     on disk, for `hetnode export --from` and `hetnode sample --from`. Each answer comes from one folder,
     opened once; both carry `X-Hetnode-Round`, so a client whose two downloads straddle a new checkpoint
-    sees it (and `load_checkpoint` refuses such a pair: the digests differ)."""
+    sees it (and `load_checkpoint` refuses such a pair: the digests differ). `/api/checkpoint/tokenizer.json`:
+    a BPE run's tokenizer (one per run, so no round)."""
 
     def __init__(self, root: Path) -> None:
         self.root = Path(root)
 
     def routes(self) -> dict[str, Route]:
-        return {MANIFEST_ROUTE: self.manifest, WEIGHTS_ROUTE: self.weights}
+        return {MANIFEST_ROUTE: self.manifest, WEIGHTS_ROUTE: self.weights, TOKENIZER_ROUTE: self.tokenizer}
 
     def manifest(self) -> Response:
         for _ in range(OPEN_ATTEMPTS):
@@ -302,6 +336,17 @@ class CheckpointRoutes:
             )
             return FileResponse(file, os.fstat(file.fileno()).st_size, headers=headers)
         return _json_error(503, "checkpoints are being rewritten; retry")
+
+    def tokenizer(self) -> Response | FileResponse:
+        """A file answer: it takes a download slot like the weights, and no memory per client."""
+        try:
+            file = open(self.root / TOKENIZER_FILE, "rb")  # noqa: SIM115 - the server streams and closes it
+        except FileNotFoundError:
+            return _json_error(
+                404,
+                "no tokenizer here: the run uses the byte tokenizer, or the coordinator is still building it",
+            )
+        return FileResponse(file, os.fstat(file.fileno()).st_size, "application/json")
 
 
 def _no_checkpoint() -> Response:

@@ -11,14 +11,24 @@ import sys
 from pathlib import Path
 
 from hetnode.errors import ConfigError
+from hetnode.export.download import one_line
 from hetnode.export.hf import write_hf
-from hetnode.export.source import Checkpoint, load_global_model, open_checkpoint, run_tokenizer
+from hetnode.export.source import (
+    DEFAULT_MAX_BYTES,
+    DEFAULT_TIMEOUT_S,
+    Checkpoint,
+    load_global_model,
+    open_checkpoint,
+    run_tokenizer,
+)
 from hetnode.model.sampling import sample_tokens
 from hetnode.replica.global_model import base_fixed_embedding
 
 log = logging.getLogger(__name__)
 
 MAX_TOKENS = 4096
+MAX_TIMEOUT_S = 7 * 24 * 3600.0
+MAX_DOWNLOAD_MB = 1 << 20  # 1 TiB: past any model, and past nothing a typo could mean
 
 
 def register(commands: argparse._SubParsersAction) -> None:
@@ -52,17 +62,43 @@ def _source_flags(parser: argparse.ArgumentParser) -> None:
         "--tokenizer",
         type=Path,
         default=None,
-        help="a BPE run's tokenizer JSON (default: rebuilt from the run's data config, as peers do)",
+        help="a BPE run's tokenizer JSON (default: the one served with the checkpoint or kept beside it; "
+        "for a local checkpoint without one, rebuilt from the run's data config, as peers do)",
     )
-    parser.add_argument("--timeout", type=float, default=30.0, help="seconds per network read (URL only)")
+    parser.add_argument(
+        "--timeout",
+        type=float,
+        default=DEFAULT_TIMEOUT_S,
+        help=f"seconds the whole download may take (URL only; default {DEFAULT_TIMEOUT_S:.0f})",
+    )
+    parser.add_argument(
+        "--max-download-mb",
+        type=int,
+        default=DEFAULT_MAX_BYTES >> 20,
+        help=f"the most a URL's checkpoint may write to disk, in MiB (default {DEFAULT_MAX_BYTES >> 20})",
+    )
 
 
 def _open(args: argparse.Namespace) -> Checkpoint:
-    if not (math.isfinite(args.timeout) and args.timeout > 0):
-        raise ConfigError("--timeout", "timeout", f"must be a positive number of seconds, got {args.timeout}")
-    checkpoint = open_checkpoint(args.source, timeout_s=args.timeout)
+    if not 0 < args.timeout <= MAX_TIMEOUT_S:  # NaN fails too
+        raise ConfigError(
+            "--timeout", "timeout", f"must be in (0, {MAX_TIMEOUT_S:.0f}] seconds, got {args.timeout}"
+        )
+    if not 1 <= args.max_download_mb <= MAX_DOWNLOAD_MB:
+        raise ConfigError(
+            "--max-download-mb",
+            "max_download_mb",
+            f"must be in 1..{MAX_DOWNLOAD_MB}, got {args.max_download_mb}",
+        )
+    checkpoint = open_checkpoint(
+        args.source,
+        timeout_s=args.timeout,
+        max_bytes=args.max_download_mb << 20,
+        with_tokenizer=args.tokenizer is None,
+    )
     m = checkpoint.manifest
-    log.info("checkpoint of run %s, θ after round %d, from %s", m.run or "?", m.round, checkpoint.where)
+    run = one_line(m.run or "?", 80)  # a coordinator's words: no escapes reach the terminal
+    log.info("checkpoint of run %s, θ after round %d, from %s", run, m.round, checkpoint.where)
     return checkpoint
 
 
@@ -74,7 +110,7 @@ def run_export(args: argparse.Namespace) -> int:
         raise ConfigError("--out", "out", f"{out} is not empty (add --force to write into it)")
     checkpoint = _open(args)
     config = checkpoint.config
-    tokenizer = run_tokenizer(config, args.tokenizer)
+    tokenizer = run_tokenizer(checkpoint, args.tokenizer)
     fixed = base_fixed_embedding(config)
     written = write_hf(out, checkpoint.params, config, fixed, tokenizer, checkpoint.provenance())
     print(f"exported θ after round {checkpoint.manifest.round} ({tokenizer.name} tokenizer) to {out}:")
@@ -98,7 +134,7 @@ def run_sample(args: argparse.Namespace) -> int:
     if not 0 <= args.seed < 2**63:
         raise ConfigError("--seed", "seed", f"must be in 0..2^63-1, got {args.seed}")
     checkpoint = _open(args)
-    tokenizer = run_tokenizer(checkpoint.config, args.tokenizer)
+    tokenizer = run_tokenizer(checkpoint, args.tokenizer)
     prompt = tokenizer.encode(args.prompt)
     if not prompt:
         raise ConfigError("--prompt", "prompt", f"{args.prompt!r} encodes to no tokens")

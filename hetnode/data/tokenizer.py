@@ -107,8 +107,12 @@ class BpeTokenizer:
 
     def save(self, path: Path) -> None:
         """Write atomically: several peers on one machine may share the data dir."""
-        _atomic_write_text(path, self._hf.to_str())
+        _atomic_write_text(path, self.to_json())
         self.path = path
+
+    def to_json(self) -> str:
+        """The `tokenizers` JSON that `save` writes (what a coordinator serves beside its checkpoints)."""
+        return self._hf.to_str()
 
     def encode(self, text: str) -> list[int]:
         return self._hf.encode(text).ids

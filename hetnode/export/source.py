@@ -2,22 +2,22 @@
 coordinator's URL; and the run's tokenizer. Shared by `hetnode export` and `hetnode sample`.
 
 A coordinator serves its latest checkpoint as `GET /api/checkpoint/manifest.json` and
-`GET /api/checkpoint/model.safetensors`. Both replies are untrusted input: their sizes are bounded before
-they are read (a manifest by the checkpoint format's limit, the weights by what the manifest's config
-implies), every read has a timeout, and the two files are checked to belong together (same round, layer
-digests) before anything uses them. A new checkpoint written between the two requests is retried.
+`GET /api/checkpoint/model.safetensors`, and a BPE run's tokenizer as `GET /api/checkpoint/tokenizer.json`.
+Whoever answers at a URL is a stranger, and all of it is data, never instructions (`download.py` holds the
+byte and time budgets): the weights may not exceed what the manifest's config implies nor
+`--max-download-mb`, everything must arrive within `--timeout`, every malformed answer is a one-line
+CheckpointError, and the files are checked to belong together (same round, layer digests) before anything
+uses them. A new checkpoint written between the requests is fetched again. No local path is ever taken
+from a remote manifest: its `data.source` and `data_dir` are never opened (see `run_tokenizer`).
 """
 
 from __future__ import annotations
 
-import http.client
+import dataclasses
 import json
 import logging
 import tempfile
-import time
-import urllib.error
 import urllib.parse
-import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -28,11 +28,15 @@ from hetnode.config import Config, config_from_dict
 from hetnode.data.dataset import TokenDataset
 from hetnode.data.tokenizer import BpeTokenizer, ByteTokenizer, Tokenizer
 from hetnode.errors import CheckpointError, ConfigError, DataError
+from hetnode.export.download import Budget, get_retrying, one_line
 from hetnode.export.hf import check_params
+from hetnode.export.tokenizer_file import bpe_from_json, tokenizer_beside
 from hetnode.model.decoder import DecoderStage, build_model, count_parameters
 from hetnode.replica.checkpoint import (
     MANIFEST,
     MAX_MANIFEST_BYTES,
+    MAX_TOKENIZER_BYTES,
+    TOKENIZER_FILE,
     WEIGHTS,
     CheckpointManifest,
     latest_checkpoint,
@@ -45,23 +49,23 @@ log = logging.getLogger(__name__)
 
 API = "/api/checkpoint/"
 HEADER_SLACK = 1 << 20  # the safetensors JSON header: names, shapes and offsets, kilobytes in practice
-CHUNK = 1 << 20
-ATTEMPTS = 3  # a checkpoint written between our two requests makes the pair disagree: fetch again
-RETRY_S = 0.5
-
-
-class _Busy(CheckpointError):
-    """HTTP 503: the coordinator is rewriting its checkpoints; asking again shortly is the answer."""
+ATTEMPTS = 3  # a checkpoint written between our requests makes the pair disagree: fetch again
+DEFAULT_TIMEOUT_S = 3600.0  # the whole download: the 3.9 GB `1b` checkpoint at 1.1 MB/s
+DEFAULT_MAX_BYTES = 4096 << 20  # room for the `1b` checkpoint (3.7 GiB), never the disk
+NO_TOKENIZER = "no tokenizer here (a coordinator too old to serve one)"
+MALFORMED = (ValueError, TypeError, KeyError, OverflowError, RecursionError)  # what odd input raises
 
 
 @dataclass(frozen=True)
 class Checkpoint:
-    """θ (float32 by global name), its manifest, the run config rebuilt from it, and where it came from."""
+    """θ (float32 by global name), its manifest, the run config rebuilt from it, where it came from, and
+    the run's BPE tokenizer when one came with it (served by the coordinator, or beside the folder)."""
 
     params: dict[str, torch.Tensor]
     manifest: CheckpointManifest
     config: Config
     where: str
+    tokenizer: BpeTokenizer | None = None
 
     def provenance(self) -> dict[str, object]:
         m = self.manifest
@@ -72,54 +76,102 @@ def is_url(source: str) -> bool:
     return source.startswith(("http://", "https://"))
 
 
-def open_checkpoint(source: str, timeout_s: float = 30.0) -> Checkpoint:
+def open_checkpoint(
+    source: str,
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+    max_bytes: int = DEFAULT_MAX_BYTES,
+    with_tokenizer: bool = True,
+) -> Checkpoint:
     """The checkpoint at `source`: a coordinator URL (`http://host:port`), a checkpoint folder, or a folder
     of `round-*` checkpoints (the newest is taken). CheckpointError when it is absent, damaged or does not
-    match its own config."""
+    match its own config. `with_tokenizer`: bring a BPE run's tokenizer too (off when the user has one)."""
     if is_url(source):
-        return fetch_checkpoint(source, timeout_s)
+        return fetch_checkpoint(source, timeout_s, max_bytes, with_tokenizer)
     folder = Path(source).expanduser()
     if not folder.is_dir():
         raise CheckpointError(f"{folder}: no such checkpoint folder")
     if not (folder / MANIFEST).exists():
         folder = latest_checkpoint(folder) or folder  # a coordinator's checkpoints/ folder
     params, manifest = load_checkpoint(folder)
-    return _checked(params, manifest, str(folder))
+    checkpoint = _checked(params, manifest, str(folder))
+    if with_tokenizer and checkpoint.config.data.tokenizer == "bpe":
+        tokenizer = tokenizer_beside(folder, checkpoint.config.model.vocab_size)
+        checkpoint = dataclasses.replace(checkpoint, tokenizer=tokenizer)
+    return checkpoint
 
 
-def fetch_checkpoint(url: str, timeout_s: float = 30.0) -> Checkpoint:
-    """Download a coordinator's latest checkpoint into a temporary folder and open it from there."""
-    base = _base_url(url)
-    for attempt in range(1, ATTEMPTS + 1):
+def fetch_checkpoint(
+    url: str,
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+    max_bytes: int = DEFAULT_MAX_BYTES,
+    with_tokenizer: bool = True,
+) -> Checkpoint:
+    """Download a coordinator's latest checkpoint (and a BPE run's tokenizer, `with_tokenizer`) into a
+    temporary folder, within `timeout_s` seconds and `max_bytes` bytes, and open it from there."""
+    budget = Budget.starting_now(timeout_s, max_bytes)
+    try:
+        return _fetch(url, _base_url(url), budget, with_tokenizer)
+    except CheckpointError as exc:  # may quote the sender's words: one printable line
+        raise CheckpointError(one_line(str(exc))) from None
+    except MALFORMED as exc:
+        why = one_line(f"{type(exc).__name__}: {exc}", 200)
+        raise CheckpointError(f"{url}: the coordinator's answer is malformed ({why})") from None
+
+
+def _fetch(url: str, base: str, budget: Budget, with_tokenizer: bool) -> Checkpoint:
+    tokenizer = None
+    for _ in range(ATTEMPTS):
         with tempfile.TemporaryDirectory(prefix="hetnode-checkpoint-") as tmp:
             folder = Path(tmp)
-            try:
-                _get(base + "manifest.json", folder / MANIFEST, MAX_MANIFEST_BYTES, timeout_s)
-            except _Busy:
-                if attempt == ATTEMPTS:
-                    raise
-                time.sleep(RETRY_S * attempt)
-                continue
-            manifest = _parse_manifest((folder / MANIFEST).read_bytes(), base + "manifest.json")
-            config = _config(manifest, base + "manifest.json")
-            limit = 4 * count_parameters(config.model) + HEADER_SLACK
-            try:
-                _get(base + WEIGHTS, folder / WEIGHTS, limit, timeout_s)
-            except _Busy:
-                if attempt == ATTEMPTS:
-                    raise
-                time.sleep(RETRY_S * attempt)
-                continue
+            manifest_limit = min(MAX_MANIFEST_BYTES, budget.max_bytes)
+            get_retrying(base + MANIFEST, folder / MANIFEST, manifest_limit, budget)
+            manifest = _parse_manifest((folder / MANIFEST).read_bytes(), base + MANIFEST)
+            config = _config(manifest, base + MANIFEST)
+            room = budget.max_bytes - (folder / MANIFEST).stat().st_size
+            if with_tokenizer and config.data.tokenizer == "bpe" and tokenizer is None:
+                # before the weights: a run whose tokenizer cannot come fails before gigabytes do
+                tokenizer = _fetch_tokenizer(base + TOKENIZER_FILE, folder, config, budget, room)
+                room -= (folder / TOKENIZER_FILE).stat().st_size
+            get_retrying(base + WEIGHTS, folder / WEIGHTS, _weights_limit(url, config, room, budget), budget)
             stored = _weights_round(folder / WEIGHTS)
             if stored is not None and stored != str(manifest.round):
                 log.info(
-                    "%s: weights of round %s, manifest of %s; fetching again", url, stored, manifest.round
+                    "%s: weights of round %s, manifest of %s; fetching again",
+                    url,
+                    one_line(stored, 40),
+                    manifest.round,
                 )
                 continue
             # same round, same θ: a digest mismatch now is damage, not a race, and is not retried
             params, manifest = load_checkpoint(folder)
-            return _checked(params, manifest, url)
+            return dataclasses.replace(_checked(params, manifest, url), tokenizer=tokenizer)
     raise CheckpointError(f"{url}: the manifest and the weights kept naming different rounds")
+
+
+def _fetch_tokenizer(url: str, folder: Path, config: Config, budget: Budget, room: int) -> BpeTokenizer:
+    try:
+        get_retrying(url, folder / TOKENIZER_FILE, min(MAX_TOKENIZER_BYTES, room), budget, NO_TOKENIZER)
+    except CheckpointError as exc:
+        raise CheckpointError(
+            f"{exc}. The run uses a BPE tokenizer, which a remote config cannot make here: pass "
+            f"--tokenizer FILE (the bpe-….json in a peer's data dir)"
+        ) from None
+    return bpe_from_json((folder / TOKENIZER_FILE).read_bytes(), url, config.model.vocab_size)
+
+
+def _weights_limit(url: str, config: Config, room: int, budget: Budget) -> int:
+    """The most the weights may weigh: what the config implies, if the user's cap leaves room for it."""
+    implied = 4 * count_parameters(config.model) + HEADER_SLACK
+    if implied > room:
+        raise CheckpointError(
+            f"{url}: the manifest's config implies {_mib(implied)} of weights, more than --max-download-mb "
+            f"{budget.max_bytes >> 20} leaves room for (raise it if you trust this coordinator)"
+        )
+    return implied
+
+
+def _mib(size: int) -> str:
+    return f"{size >> 20:,} MiB" if size < 1 << 60 else "more than an exbibyte"
 
 
 def load_global_model(checkpoint: Checkpoint) -> DecoderStage:
@@ -131,11 +183,14 @@ def load_global_model(checkpoint: Checkpoint) -> DecoderStage:
     return model.eval()
 
 
-def run_tokenizer(config: Config, path: Path | None = None) -> Tokenizer:
-    """The tokenizer the run trained with. Bytes need nothing. A BPE comes from `path` (its `tokenizers`
-    JSON, e.g. `bpe-….json` from a peer's data dir) or, without one, is rebuilt exactly as every peer
-    builds it, by the same code (`TokenDataset.build`): trained on the run's training documents
-    (deterministic), or taken from this machine's data-dir cache of that training."""
+def run_tokenizer(checkpoint: Checkpoint, path: Path | None = None) -> Tokenizer:
+    """The tokenizer the run trained with. Bytes need nothing. A BPE comes from `path` (the user's own
+    `tokenizers` JSON, e.g. `bpe-….json` from a peer's data dir), else from the checkpoint (served by the
+    coordinator, or beside the folder). Without either, a local checkpoint's BPE is rebuilt exactly as every
+    peer builds it (`TokenDataset.build`: trained on the run's training documents, or this machine's cache
+    of that). Never for a URL: a stranger's `data.source` and `data_dir` would have us read the user's own
+    files, cache them into a folder of the stranger's choosing and learn them into the exported vocabulary."""
+    config = checkpoint.config
     if config.data.tokenizer == "bytes":
         if path is not None:
             raise DataError(f"{path}: the run uses the byte tokenizer, which has no file; drop --tokenizer")
@@ -145,6 +200,13 @@ def run_tokenizer(config: Config, path: Path | None = None) -> Tokenizer:
         if not path.is_file():
             raise DataError(f"{path}: no such tokenizer file")
         tokenizer: Tokenizer = BpeTokenizer.load(path, path.stem)
+    elif checkpoint.tokenizer is not None:
+        tokenizer = checkpoint.tokenizer
+    elif is_url(checkpoint.where):
+        raise CheckpointError(
+            f"{checkpoint.where}: the run uses a BPE tokenizer and none came with the checkpoint: pass "
+            f"--tokenizer FILE (the bpe-….json in a peer's data dir)"
+        )
     else:
         log.info("rebuilding the run's BPE tokenizer from its data source %s", config.data.source)
         tokenizer = TokenDataset.build(config.data, config.model.vocab_size, config.run.seed).tokenizer
@@ -172,8 +234,8 @@ def _config(manifest: CheckpointManifest, where: str) -> Config:
 def _parse_manifest(raw: bytes, where: str) -> CheckpointManifest:
     try:
         doc = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise CheckpointError(f"{where}: not a JSON manifest ({exc})") from None
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:  # deep nesting is a RecursionError
+        raise CheckpointError(f"{where}: not a JSON manifest ({type(exc).__name__}: {exc})") from None
     return manifest_from_dict(doc, where)
 
 
@@ -192,44 +254,3 @@ def _base_url(url: str) -> str:
     if parts.query or parts.fragment:
         raise CheckpointError(f"{url!r}: a coordinator URL has no query or fragment")
     return urllib.parse.urlunsplit((parts.scheme, parts.netloc, parts.path.rstrip("/") + API, "", ""))
-
-
-def _get(url: str, dest: Path, limit: int, timeout_s: float) -> None:
-    """GET `url` into `dest`, refusing more than `limit` bytes.
-    `timeout_s` bounds the connection and every read, so a stalled coordinator cannot hang us."""
-    request = urllib.request.Request(url, headers={"Accept": "*/*", "User-Agent": "hetnode"})
-    try:
-        with urllib.request.urlopen(request, timeout=timeout_s) as reply:
-            declared = reply.headers.get("Content-Length")
-            if declared is not None and declared.isdigit() and int(declared) > limit:
-                raise CheckpointError(
-                    f"{url}: reply of {int(declared):,} bytes, more than the {limit:,} allowed"
-                )
-            size = 0
-            with open(dest, "wb") as out:
-                while chunk := reply.read(min(CHUNK, limit + 1 - size)):
-                    size += len(chunk)
-                    if size > limit:
-                        raise CheckpointError(f"{url}: reply longer than the {limit:,} bytes allowed")
-                    out.write(chunk)
-    except urllib.error.HTTPError as exc:
-        said = _error_text(exc)
-        if exc.code == 503:
-            raise _Busy(f"{url}: HTTP 503 {said or exc.reason}") from None
-        if exc.code == 404 and not said:
-            said = "no checkpoint here (none written yet, or a coordinator too old to serve one)"
-        raise CheckpointError(f"{url}: HTTP {exc.code} {said or exc.reason}") from None
-    except urllib.error.URLError as exc:
-        raise CheckpointError(f"{url}: cannot reach the coordinator ({exc.reason})") from None
-    except (OSError, http.client.HTTPException) as exc:  # timeouts, resets, replies cut short
-        raise CheckpointError(f"{url}: the download failed ({exc!r})") from None
-
-
-def _error_text(exc: urllib.error.HTTPError) -> str:
-    """The coordinator's `{"error": "..."}` reply body, when it sent one (read at most 4 KiB of it)."""
-    try:
-        doc = json.loads(exc.read(4096).decode("utf-8"))
-    except (OSError, ValueError, http.client.HTTPException):
-        return ""
-    error = doc.get("error") if isinstance(doc, dict) else None
-    return error[:300] if isinstance(error, str) else ""

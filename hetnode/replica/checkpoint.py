@@ -3,7 +3,8 @@ float32) and `manifest.json` (the round, the seal it follows, the layer digests,
 
 safetensors, not pickle: a checkpoint is something people pass around (`hetnode export`, `hetnode sample`,
 a coordinator's HTTP API), and loading one must never run code. The manifest is small JSON so that a
-reader (or a person) can tell which run and round a checkpoint holds without reading the tensors.
+reader (or a person) can tell which run and round a checkpoint holds without reading the tensors. A BPE
+run's coordinator keeps the run's tokenizer (`tokenizers` JSON) beside its round folders, as `tokenizer.json`.
 """
 
 from __future__ import annotations
@@ -29,6 +30,8 @@ FORMAT = "hetnode-checkpoint/1"
 WEIGHTS = "model.safetensors"
 MANIFEST = "manifest.json"
 MAX_MANIFEST_BYTES = 4 << 20  # digests and a config: kilobytes; anything near this is not a manifest
+TOKENIZER_FILE = "tokenizer.json"  # a BPE run's tokenizer, beside the round folders (the coordinator's)
+MAX_TOKENIZER_BYTES = 16 << 20  # `tokenizers` JSON of a 65,536-id BPE is a few MB
 _FOLDER = re.compile(r"^round-(\d{6,}|init)$")  # "init": θ before round 0 (round -1)
 _LEFTOVER = re.compile(r"^round-(\d{6,}|init)\.(tmp|old)$")  # a save that a crash interrupted
 

@@ -17,9 +17,12 @@ Clients are strangers (TRUST.md §5), so every connection is budgeted:
 - each write of the answer is bounded by `request_timeout_s` too (`sendall` keeps one deadline);
 - a file answer (`FileResponse`, e.g. a checkpoint of gigabytes) is streamed from its open file in chunks
   of `STREAM_CHUNK` bytes (memory stays bounded whatever the file's size), each write bounded as above and
-  the whole answer by `request_timeout_s + length / min_stream_rate`, so a client reading at a trickle
-  lets go in bounded time. At most `max_streams` file answers run at once; past that a client gets 503
-  and Retry-After at once, so downloads never take the connections that the status page and /metrics need.
+  paced as it goes: byte n must be handed over within `request_timeout_s + n / min_stream_rate`, so a
+  client reading below the rate is cut off seconds after that grace, whatever the file's size. At most
+  `max_streams` file answers run at once, at most `max_streams_per_client` of them for one client address
+  (`stream_slots.py`); past either a client gets 503 and Retry-After at once, so downloads never take the
+  connections that the status page and /metrics need, and one machine's crowd of slow readers never takes
+  every download slot.
 Connections serve one request (HTTP/1.0, no keep-alive).
 """
 
@@ -39,6 +42,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, BinaryIO
 
 from hetnode.errors import HetnodeError
+from hetnode.service.stream_slots import Refusal, StreamSlots, due_by
 
 log = logging.getLogger(__name__)
 
@@ -49,7 +53,9 @@ MAX_REQUEST_BYTES = 64 * 1024  # request line + headers; the stdlib alone allows
 LISTEN_BACKLOG = 128  # the stdlib's 5 drops SYNs when many clients connect at once
 LOG_INTERVAL_S = 60.0  # refusals are logged at most this often
 MAX_STREAMS = 4  # file answers at once: a few downloads of θ, never the whole connection budget
-MIN_STREAM_RATE = 256 * 1024  # bytes/s a file answer must average (2 Mbit/s: a 4 GB θ in ~4.5 h)
+MAX_STREAMS_PER_CLIENT = 2  # of those, for one client address: one machine never holds them all
+MIN_STREAM_RATE = 256 * 1024  # bytes/s a file answer must keep up as it goes (2 Mbit/s: a 4 GB θ in ~4.5 h)
+RETRY_AFTER_S = "30"  # advice to other clients; hetnode export asks again sooner, with backoff
 STREAM_CHUNK = 256 * 1024  # bytes read and written at a time: the memory one stream holds
 Headers = tuple[tuple[str, str], ...]
 
@@ -87,7 +93,8 @@ class HttpStats:
     timed_out: int = 0  # request not complete within request_timeout_s
     too_large: int = 0  # request line + headers over max_request_bytes
     busy_streams: int = 0  # file answers refused with 503: max_streams were running
-    slow_streams: int = 0  # file answers cut off: the client read slower than min_stream_rate
+    busy_clients: int = 0  # file answers refused with 503: the client's address held its share already
+    slow_streams: int = 0  # file answers cut off: the client fell behind min_stream_rate
 
 
 class RequestTooLarge(HetnodeError):
@@ -180,33 +187,39 @@ class _Handler(BaseHTTPRequestHandler):
             if not send_body:  # HEAD: the size, without a stream
                 self._head(200, response.content_type, response.length, response.headers)
                 return
-            if not self.server.begin_stream():
-                busy = b'{"error": "too many downloads at once; retry later"}\n'
-                self._head(503, "application/json", len(busy), (("Retry-After", "30"),))
+            client = self.client_address[0]
+            refusal = self.server.begin_stream(client)
+            if refusal is not None:
+                busy = b'{"error": "%s; retry later"}\n' % refusal.value.encode()
+                self._head(503, "application/json", len(busy), (("Retry-After", RETRY_AFTER_S),))
                 self.wfile.write(busy)
                 return
             try:
                 self._head(200, response.content_type, response.length, response.headers)
                 self._stream(response.file, response.length)
             finally:
-                self.server.end_stream()
+                self.server.end_stream(client)
 
     def _stream(self, file: BinaryIO, length: int) -> None:
-        timeout = self.server.request_timeout_s
-        deadline = time.monotonic() + timeout + length / self.server.min_stream_rate
-        left = length
-        while left > 0:
-            chunk = file.read(min(STREAM_CHUNK, left))
+        timeout, rate = self.server.request_timeout_s, self.server.min_stream_rate
+        started, sent = time.monotonic(), 0
+        while sent < length:
+            chunk = file.read(min(STREAM_CHUNK, length - sent))
             if not chunk:  # the file is shorter than it said: the client sees a short body (Content-Length)
-                log.warning("HTTP %s: the file ended %d bytes early", self.path[:200], left)
+                log.warning("HTTP %s: the file ended %d bytes early", self.path[:200], length - sent)
                 return
-            remaining = deadline - time.monotonic()
+            # the grace is the request timeout: connection set-up and TCP slow start, then the pace
+            remaining = due_by(started, timeout, rate, sent + len(chunk)) - time.monotonic()
             if remaining <= 0:
                 self.server.count_slow_stream()
                 raise TimeoutError("the client read the file too slowly")
             self.connection.settimeout(min(timeout, remaining))
-            self.wfile.write(chunk)
-            left -= len(chunk)
+            try:
+                self.wfile.write(chunk)
+            except TimeoutError:
+                self.server.count_slow_stream()
+                raise
+            sent += len(chunk)
 
     def log_message(self, format: str, *args: object) -> None:
         log.debug("%s %s", self.address_string(), format % args)
@@ -226,18 +239,19 @@ class _Server(ThreadingHTTPServer):
         max_request_bytes: int,
         max_streams: int = MAX_STREAMS,
         min_stream_rate: float = MIN_STREAM_RATE,
+        max_streams_per_client: int = MAX_STREAMS_PER_CLIENT,
     ) -> None:
         self.routes = routes
         self.max_connections = max_connections
         self.request_timeout_s = request_timeout_s
         self.max_request_bytes = max_request_bytes
-        self.max_streams = max_streams
         self.min_stream_rate = min_stream_rate
+        self.slots = StreamSlots(max_streams, max_streams_per_client)
         self._lock = threading.Lock()
         self._arriving: OrderedDict[socket.socket, None] = OrderedDict()  # oldest first
         self._answering: set[socket.socket] = set()
-        self._streams = 0
-        counters = ("served", "refused", "evicted", "timed_out", "too_large", "busy_streams", "slow_streams")
+        counters = ("served", "refused", "evicted", "timed_out", "too_large")
+        counters += ("busy_streams", "busy_clients", "slow_streams")
         self._counts = dict.fromkeys(counters, 0)
         self._logged_at = -LOG_INTERVAL_S
         super().__init__(address, _Handler)
@@ -290,18 +304,16 @@ class _Server(ThreadingHTTPServer):
         with self._lock:
             self._counts["timed_out"] += 1
 
-    def begin_stream(self) -> bool:
-        """Take one of the `max_streams` slots for a file answer; False (counted) when all are taken."""
-        with self._lock:
-            if self._streams >= self.max_streams:
-                self._counts["busy_streams"] += 1
-                return False
-            self._streams += 1
-            return True
+    def begin_stream(self, client: str) -> Refusal | None:
+        """Take a download slot for `client`; why not (counted) when its share or all slots are taken."""
+        refusal = self.slots.take(client)
+        if refusal is not None:
+            with self._lock:
+                self._counts["busy_clients" if refusal is Refusal.CLIENT else "busy_streams"] += 1
+        return refusal
 
-    def end_stream(self) -> None:
-        with self._lock:
-            self._streams -= 1
+    def end_stream(self, client: str) -> None:
+        self.slots.give_back(client)
 
     def count_slow_stream(self) -> None:
         with self._lock:
@@ -368,6 +380,7 @@ class HttpServer:
         max_request_bytes: int = MAX_REQUEST_BYTES,
         max_streams: int = MAX_STREAMS,
         min_stream_rate: float = MIN_STREAM_RATE,
+        max_streams_per_client: int = MAX_STREAMS_PER_CLIENT,
     ) -> None:
         if max_connections < 1:
             raise ValueError(f"max_connections must be at least 1, got {max_connections}")
@@ -379,12 +392,15 @@ class HttpServer:
             raise ValueError(f"max_streams must be at least 1, got {max_streams}")
         if not min_stream_rate > 0:
             raise ValueError(f"min_stream_rate must be positive, got {min_stream_rate}")
+        if max_streams_per_client < 1:
+            raise ValueError(f"max_streams_per_client must be at least 1, got {max_streams_per_client}")
         self.host, self.port, self.routes = host, port, dict(routes)
         self.max_connections = max_connections
         self.request_timeout_s = request_timeout_s
         self.max_request_bytes = max_request_bytes
         self.max_streams = max_streams
         self.min_stream_rate = min_stream_rate
+        self.max_streams_per_client = max_streams_per_client
         self._server: _Server | None = None
         self._thread: threading.Thread | None = None
         self._final = HttpStats()  # what stats() answers once stopped
@@ -399,6 +415,7 @@ class HttpServer:
                 self.max_request_bytes,
                 self.max_streams,
                 self.min_stream_rate,
+                self.max_streams_per_client,
             )
         except OSError as exc:
             raise HetnodeError(

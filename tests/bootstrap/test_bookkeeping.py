@@ -13,12 +13,14 @@ import pytest
 import torch
 
 from bootstrap.bookkeeping import Bookkeeper, RoundWork, Stopped, credit_rows, snapshot
+from bootstrap.checkpoint_store import CheckpointRoutes, keep_tokenizer
 from bootstrap.ledger import Contribution, Ledger
 from bootstrap.swarm_metrics import SwarmMetrics
 from bootstrap.verifier import replica_of
 from hetnode.config import Config, replace
 from hetnode.daemon.rounds import AnchorTraining
 from hetnode.data.dataset import TokenDataset
+from hetnode.data.tokenizer import ByteTokenizer
 from hetnode.model.shards import layer_digests
 from hetnode.replica.checkpoint import list_checkpoints, load_checkpoint
 from hetnode.replica.global_model import GlobalModel, PreparedRound
@@ -224,3 +226,17 @@ def test_a_round_sealed_before_a_crash_is_credited_by_the_next_life(parts):
     assert ledger.totals().rounds == 1 and ledger.standings()[0].tokens == 100
     merged = merge_history([*history, line])
     assert merged[1]["evaluated"] is True and merged[1]["contributors"] == ["peer-a"]
+
+
+def test_a_bpe_runs_tokenizer_is_kept_beside_the_checkpoints_and_served(parts):
+    """What `hetnode export --from URL` downloads instead of rebuilding the BPE from a data config."""
+    config, ledger, metrics, folder = parts
+    config = replace(config, "data", tokenizer="bpe", bpe_vocab_size=300, max_documents=400, batch_size=2)
+    books, _ = books_for(Bookkeeper, config, ledger, metrics, folder, GlobalModel(config))
+    kept = folder / "checkpoints" / "tokenizer.json"
+    assert kept.read_text() == books.dataset.tokenizer.to_json()
+    answer = CheckpointRoutes(folder / "checkpoints").tokenizer()
+    with answer.file:
+        assert answer.file.read() == kept.read_bytes() and answer.length == kept.stat().st_size
+    assert keep_tokenizer(folder / "checkpoints", ByteTokenizer()) is None and not kept.exists()
+    assert CheckpointRoutes(folder / "checkpoints").tokenizer().status == 404

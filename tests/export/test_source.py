@@ -1,5 +1,6 @@
 """Opening a checkpoint from a coordinator URL: a real HTTP server on 127.0.0.1 serves a checkpoint folder
-the way the coordinator does (`/api/checkpoint/manifest.json`, `/api/checkpoint/model.safetensors`)."""
+the way the coordinator does (`/api/checkpoint/manifest.json`, `/api/checkpoint/model.safetensors`, and a BPE
+run's `/api/checkpoint/tokenizer.json`). Attacks on the client are in `test_source_attacks.py`."""
 
 from __future__ import annotations
 
@@ -15,8 +16,10 @@ import pytest
 import torch
 
 from hetnode.cli.main import main
+from hetnode.config import replace
+from hetnode.data.tokenizer import BpeTokenizer
 from hetnode.errors import CheckpointError
-from hetnode.export.source import fetch_checkpoint, open_checkpoint
+from hetnode.export.source import fetch_checkpoint, open_checkpoint, run_tokenizer
 
 # path -> (status, body, send Content-Length); a callable is asked again on every request
 Reply = tuple[int, bytes, bool]
@@ -163,3 +166,50 @@ def test_damaged_weights_are_refused(small, write_checkpoint, serve):
 def test_malformed_urls_are_refused(url: str):
     with pytest.raises(CheckpointError):
         open_checkpoint(url)
+
+
+def test_a_crowded_coordinator_is_asked_again_with_backoff(small, write_checkpoint, serve):
+    """503 four times (every download slot taken): asked again, sooner first, then the checkpoint arrives."""
+    folder = write_checkpoint(small("none", tied=False))
+    routes = _routes(folder)
+    busy = (503, b'{"error": "too many downloads at once; retry later"}', True)
+    answers, weights = iter([busy] * 4), routes["/api/checkpoint/model.safetensors"]
+    routes["/api/checkpoint/model.safetensors"] = lambda: next(answers, weights)
+    assert fetch_checkpoint(serve(routes), timeout_s=20).manifest.round == 7
+
+
+def _bpe_config(small):
+    return replace(small("none", tied=False, tokenizer="bpe"), "data", source="dir:/nonexistent/corpus")
+
+
+def test_a_bpe_runs_tokenizer_comes_with_the_checkpoint(small, write_checkpoint, serve, bpe_path, tmp_path):
+    folder = write_checkpoint(_bpe_config(small))
+    routes = _routes(folder)
+    bare = serve(dict(routes))  # a coordinator that serves no tokenizer
+    routes["/api/checkpoint/tokenizer.json"] = (200, bpe_path.read_bytes(), True)
+    url = serve(routes)
+    checkpoint = fetch_checkpoint(url, timeout_s=5)
+    ours = BpeTokenizer.load(bpe_path, "bpe-test")
+    text = "the old river runs north, number 12. Ünïcödé"
+    assert run_tokenizer(checkpoint).encode(text) == ours.encode(text)
+
+    with pytest.raises(CheckpointError, match=r"HTTP 404 no tokenizer here.*pass --tokenizer FILE"):
+        fetch_checkpoint(bare, timeout_s=5)
+    mine = fetch_checkpoint(bare, timeout_s=5, with_tokenizer=False)  # the user brings it: none is asked for
+    assert mine.tokenizer is None and run_tokenizer(mine, bpe_path).encode(text) == ours.encode(text)
+    with pytest.raises(CheckpointError, match="pass --tokenizer FILE"):
+        run_tokenizer(mine)  # never rebuilt from a stranger's data config
+    out = tmp_path / "hf"
+    assert main(["export", "--from", bare, "--tokenizer", str(bpe_path), "--out", str(out)]) == 0
+    assert (out / "tokenizer.json").read_text() == bpe_path.read_text()
+
+
+def test_a_local_checkpoint_takes_the_tokenizer_kept_beside_it(small, write_checkpoint, bpe_path):
+    """The coordinator's checkpoints/ folder holds tokenizer.json: used as it is, no data source opened."""
+    folder = write_checkpoint(_bpe_config(small))
+    (folder.parent / "tokenizer.json").write_bytes(bpe_path.read_bytes())
+    for source in (folder, folder.parent):
+        tokenizer = run_tokenizer(open_checkpoint(str(source)))
+        assert tokenizer.vocab_size == 300 and tokenizer.encode("the river") == BpeTokenizer.load(
+            bpe_path, "x"
+        ).encode("the river")
