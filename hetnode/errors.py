@@ -23,6 +23,12 @@ class CheckpointError(HetnodeError):
     """A checkpoint cannot be read or does not match the model it is loaded into."""
 
 
+class RefusedAnswer(CheckpointError):
+    """What a coordinator URL answered cannot be used (malformed, over a limit, not a checkpoint of its own
+    config): asking again will not help. The CLI exits 2 for it, as for a bad flag; a plain CheckpointError
+    from a URL (unreachable, too slow, 503 busy, cut short, no checkpoint yet) may pass and exits 1."""
+
+
 class WireError(HetnodeError):
     """A message from the network failed validation. `field` names the part at fault."""
 
@@ -30,3 +36,8 @@ class WireError(HetnodeError):
         self.field = field
         self.message = message
         super().__init__(f"{field}: {message}")
+
+
+class UpdateRefused(HetnodeError):
+    """A training update was refused before it changed anything: its gradients are not finite (or too
+    large for the optimiser's arithmetic). Names the micro-batch; weights and optimiser are as they were."""

@@ -107,6 +107,9 @@ class SparseLoCoCodec:
             # topk ranks NaN/inf first, so a non-finite tensor always shows up here.
             raise ValueError(f"non-finite values in tensor of shape {grid.shape}")
         codes, shift, table = quantize_2bit(vals)
+        if not all(math.isfinite(x) for x in (shift, *table)):
+            # values near float32's maximum overflow σ²: receivers would refuse such a payload
+            raise ValueError(f"values in tensor of shape {grid.shape} too large to quantise")
         compressed = CompressedTensor(
             shape=grid.shape,
             indices=pack_uint12(pos.reshape(-1).cpu().numpy()),
@@ -217,24 +220,37 @@ class ErrorFeedback:
         self, pseudo_grads: dict[str, torch.Tensor], dense: dict[str, torch.Tensor] | None = None
     ) -> dict[str, CompressedTensor]:
         """The payload of `pseudo_grads` with error feedback; `dense`, if given, gets each tensor's payload
-        as its receivers decompress it."""
+        as its receivers decompress it.
+
+        All or nothing: every new buffer is computed aside and checked before any replaces its old one, so
+        a ValueError (a Δ that is not finite, or overflows) leaves the error feedback as it was."""
         out: dict[str, CompressedTensor] = {}
+        staged: dict[str, torch.Tensor] = {}
+        sent: dict[str, torch.Tensor] = {}
         for name, delta in pseudo_grads.items():
-            delta = delta.detach().to(torch.float32)
-            buf = self.buffers.get(name)
-            if buf is None:
-                buf = delta.clone()
-            elif buf.shape != delta.shape:
-                raise ValueError(f"{name}: shape {tuple(delta.shape)} != buffer shape {tuple(buf.shape)}")
-            else:
-                buf.mul_(self.beta).add_(delta.to(buf.device))
-            ct, sent = self.codec.compress_dense(buf)
-            buf.sub_(sent)
-            self.buffers[name] = buf
-            out[name] = ct
-            if dense is not None:
-                dense[name] = sent
+            out[name], sent[name], staged[name] = self._accumulate(name, delta)
+        self.buffers.update(staged)
+        if dense is not None:
+            dense.update(sent)
         return out
+
+    def _accumulate(
+        self, name: str, delta: torch.Tensor
+    ) -> tuple[CompressedTensor, torch.Tensor, torch.Tensor]:
+        """(payload, its dense copy, the new buffer) of β·e + Δ, out of place: the buffer is not touched."""
+        delta = delta.detach().to(torch.float32)
+        buf = self.buffers.get(name)
+        if buf is None:
+            acc = delta.clone()
+        elif buf.shape != delta.shape:
+            raise ValueError(f"{name}: shape {tuple(delta.shape)} != buffer shape {tuple(buf.shape)}")
+        else:
+            acc = buf * self.beta + delta.to(buf.device)  # the rounding of the in-place mul_ then add_
+        ct, sent = self.codec.compress_dense(acc)  # refuses non-finite values
+        acc.sub_(sent)
+        if not bool(torch.isfinite(acc).all()):
+            raise ValueError(f"{name}: the error-feedback buffer would not be finite")
+        return ct, sent, acc
 
     def restore(self, sent: dict[str, CompressedTensor]) -> None:
         """Undo the subtraction of a payload that was never applied (e.g. left out of a sealed round)."""

@@ -9,11 +9,11 @@ from collections.abc import Sequence
 
 from hetnode import __version__
 from hetnode.cli import bench, demo, swarm, train, use_model
-from hetnode.errors import ConfigError, HetnodeError
+from hetnode.errors import ConfigError, HetnodeError, RefusedAnswer
 from hetnode.service.lifecycle import Stopped
 
 EXIT_ERROR = 1
-EXIT_USAGE = 2  # bad config or arguments
+EXIT_USAGE = 2  # bad config or arguments, or an answer from a URL that asking again will not mend
 EXIT_INTERRUPTED = 130  # as a shell reports a command ended by Ctrl+C
 
 SUBCOMMANDS = (demo, train, bench, swarm, use_model)
@@ -56,6 +56,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return int(args.handler(args) or 0)
     except ConfigError as exc:
         print(f"hetnode: {config_error_text(exc)}", file=sys.stderr)
+        return EXIT_USAGE
+    except RefusedAnswer as exc:  # `--from URL` answered with what no retry will mend: do not restart
+        print(f"hetnode: {exc}", file=sys.stderr)
         return EXIT_USAGE
     except Stopped as exc:  # a one-shot command (status) stopped by Ctrl+C or SIGTERM while it waited
         print(f"hetnode: interrupted ({exc})", file=sys.stderr)

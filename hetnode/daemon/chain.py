@@ -17,9 +17,9 @@ the round's T_fix' (the drift frame) stays the first stage's for every stage unt
 carry their round; at most one round is unapplied: a round is compressed only once θ of the round before
 is stood on (else the stage waits, and that wait is what utilisation counts).
 
-Anything wrong with a neighbour (a frame that fails validation, a stream that breaks, a member whose
-record expired) breaks the chain: in-flight work is dropped, θ is untouched, and the peer daemon
-dissolves the chain at the next boundary.
+Anything wrong with a neighbour (a frame that fails validation, a gradient the stage refuses to step on,
+a stream that breaks, a member whose record expired) breaks the chain: in-flight work is dropped, θ is
+untouched, and the peer daemon dissolves the chain at the next boundary.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ from hetnode.daemon.rounds import write_state
 from hetnode.daemon.stage_training import StageTraining
 from hetnode.daemon.view import PeerDirectory, SwarmView
 from hetnode.data.dataset import TokenDataset
-from hetnode.errors import HetnodeError, WireError
+from hetnode.errors import HetnodeError, UpdateRefused, WireError
 from hetnode.model.shards import ModelPart
 from hetnode.net.node import SwarmNode
 from hetnode.net.streams import OpenStream, PeerRequestError, read_frame, write_frame
@@ -572,7 +572,10 @@ class ChainLoop:
             async with self.compute:
                 if not training.in_flight(frame.mb):
                     raise ChainBroken(f"a gradient for micro-batch {frame.mb}, which is not in flight")
-                grad = await self._computed(training.backward, frame.mb, frame.tensor)
+                try:
+                    grad = await self._computed(training.backward, frame.mb, frame.tensor)
+                except UpdateRefused as exc:  # refused before any step: our state is as it was
+                    raise ChainBroken(f"a gradient from the next stage was refused: {exc}") from None
             if self.window is not None:
                 self.window.release()
             self._count_backward()  # first: the next round's frames may follow this gradient at once

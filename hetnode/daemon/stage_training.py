@@ -31,13 +31,14 @@ from hetnode.replica.global_model import GlobalModel, base_fixed_embedding
 from hetnode.training.local_rounds import AheadFrom, LocalRounds, Rebase, snapshot_optimizer
 from hetnode.training.stage_worker import Frame, build_stage_worker
 from hetnode.training.working_copy import embedding_drift
-from hetnode.wire.activation_frame import FrameLimits
+from hetnode.wire.activation_frame import FrameLimits, value_bounds
 from hetnode.wire.sync_payload import SyncPayload, encode_payload
 
 
 def frame_limits(config: Config, compressed: bool) -> FrameLimits:
-    """What a stage accepts from its neighbours: the chain's batch shape, width k or d, and dtype (and,
-    when compressed, the first stage's V×d embedding drift once per round)."""
+    """What a stage accepts from its neighbours: the chain's batch shape, width k or d, dtype and value
+    bounds (from d) and, when compressed, the first stage's V×d embedding drift once per round."""
+    max_act, max_grad = value_bounds(config.model.d_model)
     return FrameLimits(
         config.data.batch_size,
         config.data.seq_len,
@@ -46,6 +47,8 @@ def frame_limits(config: Config, compressed: bool) -> FrameLimits:
         config.model.vocab_size,
         int(config.network.max_frame_mb * 2**20),
         d_model=config.model.d_model if compressed else 0,
+        max_act=max_act,
+        max_grad=max_grad,
     )
 
 

@@ -9,6 +9,11 @@ The coordinator at the URL may be anyone's, so its answer is data under budgets 
 - **no redirects**: a 3xx is an error, never a request to a host the user did not name;
 - **text**: whatever the server says back (reason, `{"error": …}`) is cut to one printable line.
 
+Each failure is one of two kinds. An answer that no retry will mend (over a limit, a malformed
+`Content-Length` or HTTP head, a redirect, any status but 200, 5xx and the 4xx in `MAY_PASS`) is a
+RefusedAnswer: the CLI exits 2. What may pass (cannot reach, the deadline, a stall, a reset, an answer cut
+short, 404, 5xx) is a plain CheckpointError: exit 1.
+
 A 503 (the coordinator is rewriting checkpoints, or every download slot is taken) is asked again with
 exponential backoff and jitter for up to `BUSY_SPAN_S`, within the deadline.
 """
@@ -26,7 +31,7 @@ import urllib.parse
 from dataclasses import dataclass
 from pathlib import Path
 
-from hetnode.errors import CheckpointError
+from hetnode.errors import CheckpointError, RefusedAnswer
 
 READ_TIMEOUT_S = 30.0  # one read that brings nothing for this long has stalled
 CHUNK = 1 << 20
@@ -36,6 +41,7 @@ MAX_BACKOFF_S = 4.0
 MAX_ERROR_TEXT = 300  # characters of a server's own words that reach the user's terminal
 ERROR_BODY_BYTES = 4096
 NO_CHECKPOINT = "no checkpoint here (none written yet, or a coordinator too old to serve one)"
+MAY_PASS = frozenset({404, 408, 425, 429})  # the 4xx that asking later may mend; every 5xx may too
 
 
 class Busy(CheckpointError):
@@ -92,7 +98,8 @@ def get_retrying(url: str, dest: Path, limit: int, budget: Budget, missing: str 
 
 def get(url: str, dest: Path, limit: int, budget: Budget, missing: str = NO_CHECKPOINT) -> None:
     """GET `url` into `dest`: at most `limit` bytes, within `budget`'s deadline. CheckpointError (Busy for
-    a 503) for anything but a whole 200 answer; `missing` says what a bare 404 means."""
+    a 503, RefusedAnswer for what no retry mends) for anything but a whole 200 answer; `missing` says what
+    a bare 404 means."""
     parts = urllib.parse.urlsplit(url)
     kind = http.client.HTTPSConnection if parts.scheme == "https" else http.client.HTTPConnection
     connection = kind(parts.hostname or "", parts.port, timeout=min(READ_TIMEOUT_S, budget.left(url)))
@@ -104,7 +111,7 @@ def get(url: str, dest: Path, limit: int, budget: Budget, missing: str = NO_CHEC
             raise _refusal(url, reply, missing)
         declared = _declared_length(url, reply)
         if declared is not None and declared > limit:
-            raise CheckpointError(f"{url}: answer of {declared:,} bytes, more than the {limit:,} allowed")
+            raise RefusedAnswer(f"{url}: answer of {declared:,} bytes, more than the {limit:,} allowed")
         size = _copy(url, reply, dest, limit, budget)
         if declared is not None and size != declared:  # http.client reads a short body as the end
             raise CheckpointError(f"{url}: answer cut short ({size:,} of {declared:,} bytes)")
@@ -115,6 +122,10 @@ def get(url: str, dest: Path, limit: int, budget: Budget, missing: str = NO_CHEC
             raise CheckpointError(f"{url}: cannot reach the coordinator ({exc.strerror or exc})") from None
         if isinstance(exc, TimeoutError):
             raise CheckpointError(f"{url}: the coordinator sent nothing for {READ_TIMEOUT_S:g} s") from None
+        if isinstance(exc, http.client.HTTPException) and not isinstance(
+            exc, ConnectionError | http.client.IncompleteRead
+        ):  # a status line, header or protocol that is not HTTP as we speak it: asking again gets the same
+            raise RefusedAnswer(f"{url}: not an HTTP answer ({one_line(repr(exc), 200)})") from None
         raise CheckpointError(f"{url}: the download failed ({one_line(repr(exc), 200)})") from None
     finally:
         watchdog.cancel()
@@ -128,7 +139,7 @@ def _copy(url: str, reply: http.client.HTTPResponse, dest: Path, limit: int, bud
         while chunk := reply.read(min(CHUNK, limit + 1 - size)):
             size += len(chunk)
             if size > limit:
-                raise CheckpointError(f"{url}: answer longer than the {limit:,} bytes allowed")
+                raise RefusedAnswer(f"{url}: answer longer than the {limit:,} bytes allowed")
             out.write(chunk)
             budget.left(url)
     budget.left(url)  # the watchdog's hang-up at the deadline reads as an end: not a whole answer
@@ -140,7 +151,7 @@ def _declared_length(url: str, reply: http.client.HTTPResponse) -> int | None:
     if declared is None:
         return None
     if not (declared.isascii() and declared.isdigit()) or len(declared) > 19:  # also "5, 5": two headers
-        raise CheckpointError(f"{url}: a malformed Content-Length ({one_line(declared, 40)!r})")
+        raise RefusedAnswer(f"{url}: a malformed Content-Length ({one_line(declared, 40)!r})")
     return int(declared)
 
 
@@ -149,8 +160,12 @@ def _refusal(url: str, reply: http.client.HTTPResponse, missing: str) -> Checkpo
     if reply.status == 404 and not said:
         said = missing
     said = said or one_line(reply.reason or "", 80)
-    kind = Busy if reply.status == 503 else CheckpointError
-    return kind(f"{url}: HTTP {reply.status} {said}")
+    if 300 <= reply.status < 400:
+        said += " (redirects are not followed)"
+    if reply.status == 503:
+        return Busy(f"{url}: HTTP 503 {said}")
+    may_pass = reply.status in MAY_PASS or 500 <= reply.status < 600
+    return (CheckpointError if may_pass else RefusedAnswer)(f"{url}: HTTP {reply.status} {said}")
 
 
 def _error_text(reply: http.client.HTTPResponse) -> str:

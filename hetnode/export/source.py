@@ -6,18 +6,22 @@ A coordinator serves its latest checkpoint as `GET /api/checkpoint/manifest.json
 Whoever answers at a URL is a stranger, and all of it is data, never instructions (`download.py` holds the
 byte and time budgets): the weights may not exceed what the manifest's config implies nor
 `--max-download-mb`, everything must arrive within `--timeout`, every malformed answer is a one-line
-CheckpointError, and the files are checked to belong together (same round, layer digests) before anything
-uses them. A new checkpoint written between the requests is fetched again. No local path is ever taken
-from a remote manifest: its `data.source` and `data_dir` are never opened (see `run_tokenizer`).
+RefusedAnswer (the CLI exits 2: asking again gets the same), and the files are checked to belong together
+(same round, layer digests) before anything uses them; what may pass (unreachable, too slow, busy, cut short,
+no checkpoint yet) is a plain CheckpointError (exit 1). A new checkpoint written between the requests is
+fetched again. No local path is ever taken from a remote manifest: its `data.source` and `data_dir` are never
+opened (see `run_tokenizer`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
 import tempfile
 import urllib.parse
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -27,7 +31,7 @@ from safetensors import SafetensorError, safe_open
 from hetnode.config import Config, config_from_dict
 from hetnode.data.dataset import TokenDataset
 from hetnode.data.tokenizer import BpeTokenizer, ByteTokenizer, Tokenizer
-from hetnode.errors import CheckpointError, ConfigError, DataError
+from hetnode.errors import CheckpointError, ConfigError, DataError, RefusedAnswer
 from hetnode.export.download import Budget, get_retrying, one_line
 from hetnode.export.hf import check_params
 from hetnode.export.tokenizer_file import bpe_from_json, tokenizer_beside
@@ -84,7 +88,8 @@ def open_checkpoint(
 ) -> Checkpoint:
     """The checkpoint at `source`: a coordinator URL (`http://host:port`), a checkpoint folder, or a folder
     of `round-*` checkpoints (the newest is taken). CheckpointError when it is absent, damaged or does not
-    match its own config. `with_tokenizer`: bring a BPE run's tokenizer too (off when the user has one)."""
+    match its own config (a RefusedAnswer when a URL's answer is at fault). `with_tokenizer`: bring a BPE
+    run's tokenizer too (off when the user has one)."""
     if is_url(source):
         return fetch_checkpoint(source, timeout_s, max_bytes, with_tokenizer)
     folder = Path(source).expanduser()
@@ -112,10 +117,11 @@ def fetch_checkpoint(
     try:
         return _fetch(url, _base_url(url), budget, with_tokenizer)
     except CheckpointError as exc:  # may quote the sender's words: one printable line
-        raise CheckpointError(one_line(str(exc))) from None
+        kind = RefusedAnswer if isinstance(exc, RefusedAnswer) else CheckpointError
+        raise kind(one_line(str(exc))) from None
     except MALFORMED as exc:
         why = one_line(f"{type(exc).__name__}: {exc}", 200)
-        raise CheckpointError(f"{url}: the coordinator's answer is malformed ({why})") from None
+        raise RefusedAnswer(f"{url}: the coordinator's answer is malformed ({why})") from None
 
 
 def _fetch(url: str, base: str, budget: Budget, with_tokenizer: bool) -> Checkpoint:
@@ -125,8 +131,9 @@ def _fetch(url: str, base: str, budget: Budget, with_tokenizer: bool) -> Checkpo
             folder = Path(tmp)
             manifest_limit = min(MAX_MANIFEST_BYTES, budget.max_bytes)
             get_retrying(base + MANIFEST, folder / MANIFEST, manifest_limit, budget)
-            manifest = _parse_manifest((folder / MANIFEST).read_bytes(), base + MANIFEST)
-            config = _config(manifest, base + MANIFEST)
+            with _refused():
+                manifest = _parse_manifest((folder / MANIFEST).read_bytes(), base + MANIFEST)
+                config = _config(manifest, base + MANIFEST)
             room = budget.max_bytes - (folder / MANIFEST).stat().st_size
             if with_tokenizer and config.data.tokenizer == "bpe" and tokenizer is None:
                 # before the weights: a run whose tokenizer cannot come fails before gigabytes do
@@ -143,27 +150,32 @@ def _fetch(url: str, base: str, budget: Budget, with_tokenizer: bool) -> Checkpo
                 )
                 continue
             # same round, same θ: a digest mismatch now is damage, not a race, and is not retried
-            params, manifest = load_checkpoint(folder)
-            return dataclasses.replace(_checked(params, manifest, url), tokenizer=tokenizer)
+            with _refused():
+                params, manifest = load_checkpoint(folder)
+                checkpoint = _checked(params, manifest, url)
+            return dataclasses.replace(checkpoint, tokenizer=tokenizer)
+    # a coordinator writing checkpoints faster than we fetch them: it may pass, so not a RefusedAnswer
     raise CheckpointError(f"{url}: the manifest and the weights kept naming different rounds")
 
 
 def _fetch_tokenizer(url: str, folder: Path, config: Config, budget: Budget, room: int) -> BpeTokenizer:
     try:
         get_retrying(url, folder / TOKENIZER_FILE, min(MAX_TOKENIZER_BYTES, room), budget, NO_TOKENIZER)
-    except CheckpointError as exc:
-        raise CheckpointError(
+    except CheckpointError as exc:  # of its kind: a 404 may pass (still being built), a flood will not
+        kind = RefusedAnswer if isinstance(exc, RefusedAnswer) else CheckpointError
+        raise kind(
             f"{exc}. The run uses a BPE tokenizer, which a remote config cannot make here: pass "
             f"--tokenizer FILE (the bpe-….json in a peer's data dir)"
         ) from None
-    return bpe_from_json((folder / TOKENIZER_FILE).read_bytes(), url, config.model.vocab_size)
+    with _refused():
+        return bpe_from_json((folder / TOKENIZER_FILE).read_bytes(), url, config.model.vocab_size)
 
 
 def _weights_limit(url: str, config: Config, room: int, budget: Budget) -> int:
     """The most the weights may weigh: what the config implies, if the user's cap leaves room for it."""
     implied = 4 * count_parameters(config.model) + HEADER_SLACK
     if implied > room:
-        raise CheckpointError(
+        raise RefusedAnswer(
             f"{url}: the manifest's config implies {_mib(implied)} of weights, more than --max-download-mb "
             f"{budget.max_bytes >> 20} leaves room for (raise it if you trust this coordinator)"
         )
@@ -244,13 +256,30 @@ def _weights_round(path: Path) -> str | None:
         with safe_open(str(path), framework="pt") as f:
             return (f.metadata() or {}).get("round")
     except (SafetensorError, OSError) as exc:
-        raise CheckpointError(f"{path.name} from the coordinator is not a safetensors file ({exc})") from None
+        raise RefusedAnswer(f"{path.name} from the coordinator is not a safetensors file ({exc})") from None
+
+
+@contextlib.contextmanager
+def _refused() -> Iterator[None]:
+    """Checks shared with local folders raise CheckpointError; on what a URL answered, their verdict is
+    the answer's fault and will not change on asking again: RefusedAnswer."""
+    try:
+        yield
+    except RefusedAnswer:
+        raise
+    except CheckpointError as exc:
+        raise RefusedAnswer(str(exc)) from None
 
 
 def _base_url(url: str) -> str:
-    parts = urllib.parse.urlsplit(url)
-    if parts.scheme not in ("http", "https") or not parts.hostname:
-        raise CheckpointError(f"{url!r} is not a coordinator URL (expected http://host:port)")
+    """The checkpoint API under the user's `--from`; a URL that cannot be one is the user's ConfigError."""
+    try:
+        parts = urllib.parse.urlsplit(url)
+        usable = parts.scheme in ("http", "https") and bool(parts.hostname) and parts.port != 0
+    except ValueError:  # a bracket left open, a port that is not one
+        usable = False
+    if not usable or not url.isprintable() or " " in url:  # http.client would refuse spaces and controls
+        raise ConfigError("--from", "source", f"{url!r} is not a coordinator URL (expected http://host:port)")
     if parts.query or parts.fragment:
-        raise CheckpointError(f"{url!r}: a coordinator URL has no query or fragment")
+        raise ConfigError("--from", "source", f"{url!r}: a coordinator URL has no query or fragment")
     return urllib.parse.urlunsplit((parts.scheme, parts.netloc, parts.path.rstrip("/") + API, "", ""))

@@ -26,7 +26,7 @@ from hetnode.sim.pipeline import PipelineChain, build_chain_workers
 from hetnode.sim.replicas import AnchorReplica, ChainReplica, Params, Replica
 from hetnode.training.trainer import InnerTrainer
 from hetnode.training.working_copy import WorkingCopy
-from hetnode.wire.activation_frame import FrameLimits
+from hetnode.wire.activation_frame import FrameLimits, value_bounds
 from hetnode.wire.sync_payload import ShardSpec, SyncPayload, decode_payload, encode_payload
 
 MethodKind = Literal["ddp", "diloco", "sparseloco"]
@@ -134,6 +134,7 @@ class ReplicaSimulation:
                 self.replicas.append(AnchorReplica(f"anchor-{r:03d}", trainer, initial, working, method))
             compress = swarm.mode != "none"
             width = config.pipeline.subspace_rank if compress else config.model.d_model
+            max_act, max_grad = value_bounds(config.model.d_model)
             limits = FrameLimits(
                 config.data.batch_size,
                 config.data.seq_len,
@@ -141,6 +142,8 @@ class ReplicaSimulation:
                 "bf16",
                 config.model.vocab_size,
                 int(config.network.max_frame_mb * 2**20),
+                max_act=max_act,
+                max_grad=max_grad,
             )
             for c in range(swarm.chains):
                 workers = build_chain_workers(

@@ -25,9 +25,12 @@ from torch.func import functional_call
 from hetnode.algo.optim import build_optimizer
 from hetnode.algo.subspace import decode_activations, encode_activations
 from hetnode.config import Config
+from hetnode.errors import UpdateRefused
 from hetnode.model.decoder import DecoderStage, build_stage
 from hetnode.model.subspace import SubspaceConstraint
 from hetnode.training.schedule import warmup_cosine
+
+FLOAT32_MAX = torch.finfo(torch.float32).max
 
 
 @dataclass
@@ -113,7 +116,10 @@ class StageWorker:
     # -- backward --------------------------------------------------------------------------------
     def backward(self, mb: int, grad: torch.Tensor | None = None) -> torch.Tensor | None:
         """Back-propagate micro-batch `mb` through its stashed weights, update the newest weights, and
-        return the gradient to send upstream (in wire dtype; None on the first stage)."""
+        return the gradient to send upstream (in wire dtype; None on the first stage).
+
+        Gradients that are not finite, or whose norm the optimiser cannot square in float32, raise
+        `UpdateRefused` before the step: the micro-batch is dropped, weights and optimiser untouched."""
         flight = self.in_flight.pop(mb)
         start = time.perf_counter()
         if self.stage.last:
@@ -122,12 +128,12 @@ class StageWorker:
             if grad is None:
                 raise ValueError(f"micro-batch {mb}: a non-last stage needs the downstream gradient")
             torch.autograd.backward(flight.sent, grad.to(torch.float32))
-        self.staleness.append((mb, self.version - flight.version))
         self.timings["compute"] += time.perf_counter() - start
+        upstream = flight.received.grad if flight.received is not None else None
+        refuse_unsafe_gradients(mb, [p.grad for p in flight.params.values()], upstream)
+        self.staleness.append((mb, self.version - flight.version))
         self._step(flight.params)
-        if flight.received is None:
-            return None
-        return flight.received.grad.detach().to(self.wire_dtype)
+        return None if upstream is None else upstream.detach().to(self.wire_dtype)
 
     def _step(self, snapshot: dict[str, torch.Tensor]) -> None:
         for name, param in self.stage.named_parameters():
@@ -189,6 +195,20 @@ class StageWorker:
         if self.compress:
             out = encode_activations(out, tokens, c.basis, c.fixed)
         return out.to(self.wire_dtype)
+
+
+def refuse_unsafe_gradients(
+    mb: int, grads: Sequence[torch.Tensor | None], upstream: torch.Tensor | None = None
+) -> None:
+    """Raise `UpdateRefused` unless the weights' gradients and the one to send upstream are finite and the
+    weights' total norm squares to a finite float32: clipping divides by that norm, and Adam's second
+    moment (and the rotated optimiser's GGᵀ, each entry at most ‖G‖²) accumulates squares of it."""
+    norms = [torch.linalg.vector_norm(g, dtype=torch.float32) for g in grads if g is not None]
+    total = float(torch.linalg.vector_norm(torch.stack(norms))) if norms else 0.0
+    if not total < FLOAT32_MAX**0.5:  # NaN fails too
+        raise UpdateRefused(f"micro-batch {mb}: gradient norm {total:.3g} is not finite or too large")
+    if upstream is not None and not bool(torch.isfinite(upstream).all()):
+        raise UpdateRefused(f"micro-batch {mb}: the gradient for the previous stage is not finite")
 
 
 def build_stage_worker(

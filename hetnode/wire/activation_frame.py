@@ -5,7 +5,8 @@ targets; backward frames (`grad`) carry the gradient for the same micro-batch. O
 its first `act`, the first stage sends a `drift` frame: the embedding's out-of-subspace part
 T_S − P(T_S) (V×d, fp32, exact), which stages without the embedding add to T_fix (DESIGN §2.3).
 Decoding checks the size before parsing, then the version, kind, dtype, the exact shape (width = subspace
-rank k when compressed, d otherwise; V×d for drift), the byte count, token ids < vocab and finite values.
+rank k when compressed, d otherwise; V×d for drift), the byte count, token ids < vocab and finite values
+bounded in magnitude (`value_bounds`: what a value may be and still keep the receiving stage finite).
 Violations raise `WireError(field)`.
 """
 
@@ -24,6 +25,17 @@ from hetnode.errors import WireError
 FRAME_VERSION = 1
 FrameKind = Literal["act", "grad", "drift"]
 MAX_DRIFT_VALUE = 1e4  # |T_S − P(T_S)| of any sane embedding is far below this
+# `act` and `grad` frames are bounded from the model's width d. A coordinate of a vector is at most its norm,
+# √d·rms, and so is a subspace coefficient (x − T_fix[tok])·U (U orthonormal): bounding the rms of the
+# residual stream (of its gradient) by MAX_ACT_RMS (MAX_GRAD_RMS) bounds every value by √d times that.
+# Honest maxima on tiny (configs/tiny.toml, 300 steps in SparseLoCo rounds; 2 and 4 stages, compressed bf16
+# and dense fp32): |act| ≤ 1.36 (rms ≤ 0.41), |grad| ≤ 0.043 (rms ≤ 5.1e-4); the bounds at d = 128, 1.1e5
+# and 1.1e3, leave 8·10⁴ and 2.6·10⁴ times that (the "massive activations" of trained LLMs, thousands in a
+# few coordinates, fit too). Below them a receiving stage stays far inside float32 (bf16 has its range): an
+# RMSNorm sums d squares of at most 1e8·d; a weight's gradient sums B·T products of a gradient value and a
+# normalised input (≤ √d), at most B·T·d·1e2 (1.7e9 for configs/1b.toml).
+MAX_ACT_RMS = 1e4  # the residual stream's rms a frame may carry
+MAX_GRAD_RMS = 1e2  # the rms of ∂L/∂x (L a mean over B·T tokens) a frame may carry
 _DTYPES: dict[str, tuple[torch.dtype, np.dtype]] = {
     "bf16": (torch.bfloat16, np.dtype("<i2")),  # bf16 bits travel as int16
     "fp32": (torch.float32, np.dtype("<f4")),
@@ -42,10 +54,27 @@ class FrameLimits:
     vocab_size: int
     max_bytes: int = 64 * 2**20
     d_model: int = 0  # the width of a drift frame (0: drift frames are refused)
+    max_act: float | None = None  # the largest |value| of an act frame (None: `value_bounds` of the width)
+    max_grad: float | None = None  # the same for a grad frame
+
+    def value_bound(self, kind: FrameKind) -> float:
+        """The largest |value| an `act` or `grad` frame may carry: as set, else from the residual width
+        (d: `d_model` when compressed, else `width`)."""
+        bound = self.max_act if kind == "act" else self.max_grad
+        if bound is not None:
+            return bound
+        act, grad = value_bounds(self.d_model or self.width)
+        return act if kind == "act" else grad
 
     def drift_bytes(self) -> int:
         """The largest drift frame: V×d fp32 plus the header."""
         return self.vocab_size * self.d_model * 4 + 1024
+
+
+def value_bounds(d_model: int) -> tuple[float, float]:
+    """The largest |value| of an `act` and of a `grad` frame of a model `d_model` wide (see MAX_ACT_RMS)."""
+    root = math.sqrt(d_model)
+    return MAX_ACT_RMS * root, MAX_GRAD_RMS * root
 
 
 @dataclass(frozen=True)
@@ -149,8 +178,7 @@ def decode_frame(
         raise WireError("data", f"expected {math.prod(shape) * np_dtype.itemsize} bytes")
     array = np.frombuffer(payload, dtype=np_dtype).astype(np_dtype.newbyteorder("="))
     tensor = torch.from_numpy(array).view(torch_dtype).reshape(shape)
-    if not bool(torch.isfinite(tensor.float()).all()):
-        raise WireError("data", "contains NaN or Inf")
+    _check_values(tensor, limits.value_bound(kind))
     window = _ids(message, "ids", [shape[0], shape[1] + 1], limits.vocab_size)
     if window is not None:
         tokens, targets = window[:, :-1], window[:, 1:]
@@ -160,6 +188,15 @@ def decode_frame(
     if kind == "act" and (tokens is None or targets is None):
         raise WireError("tokens", "forward frames must carry tokens and targets")
     return DecodedFrame(kind, round_, mb, tensor, tokens, targets)
+
+
+def _check_values(tensor: torch.Tensor, bound: float) -> None:
+    """Finite and at most `bound` in magnitude: a finite 3e38 would still overflow the receiver's pass."""
+    peak = float(tensor.float().abs().max())  # NaN when any value is NaN
+    if not math.isfinite(peak):
+        raise WireError("data", "contains NaN or Inf")
+    if peak > bound:
+        raise WireError("data", f"a value of magnitude {peak:.3g} exceeds the bound {bound:.3g}")
 
 
 def _drift_frame(message: dict, limits: FrameLimits, round_: int) -> DecodedFrame:

@@ -189,3 +189,23 @@ def test_restoring_an_unsealed_payload_gives_back_the_full_buffer() -> None:
     assert not torch.allclose(ef.buffers["w"], 0.9 * before + delta)  # the sent part was taken out
     ef.restore(sent)  # left out of the seal: nothing may be lost
     assert torch.allclose(ef.buffers["w"], 0.9 * before + delta, atol=1e-7)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), torch.finfo(torch.float32).max])
+def test_a_pseudo_gradient_that_is_not_finite_leaves_every_buffer_as_it_was(bad: float) -> None:
+    """All or nothing: `w` comes first and is fine, `b` is not (NaN, inf, or too large to quantise):
+    neither buffer changes, nothing is written to `dense`, and the next honest round goes on from there."""
+    torch.manual_seed(4)
+    ef, twin = ErrorFeedback(SparseLoCoCodec(), beta=0.9), ErrorFeedback(SparseLoCoCodec(), beta=0.9)
+    first = {"w": torch.randn(64, 128) * 1e-2, "b": torch.randn(257) * 1e-2}
+    ef.compress(first)
+    twin.compress(first)
+    before = {n: b.clone() for n, b in ef.buffers.items()}
+    poisoned = {"w": torch.randn(64, 128) * 1e-2, "b": torch.randn(257) * 1e-2}
+    poisoned["b"][7] = bad
+    dense: dict[str, torch.Tensor] = {}
+    with pytest.raises(ValueError):
+        ef.compress(poisoned, dense)
+    assert all(torch.equal(ef.buffers[n], before[n]) for n in before) and not dense
+    honest = {"w": torch.randn(64, 128) * 1e-2, "b": torch.randn(257) * 1e-2}
+    assert ef.compress(honest) == twin.compress(honest)

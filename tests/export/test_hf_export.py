@@ -97,6 +97,16 @@ def test_export_of_what_is_not_a_checkpoint_exits_1(tmp_path: Path, capsys):
     assert not (tmp_path / "out").exists()
 
 
+def test_a_damaged_local_checkpoint_exits_1(small, write_checkpoint, tmp_path: Path, capsys):
+    """Exit 2 is for a URL's answer that no retry mends (and bad flags); a local folder's damage stays 1."""
+    folder = write_checkpoint(small("none", tied=False))
+    weights = bytearray((folder / "model.safetensors").read_bytes())
+    weights[-4] ^= 1
+    (folder / "model.safetensors").write_bytes(bytes(weights))
+    assert main(["export", "--from", str(folder), "--out", str(tmp_path / "out")]) == 1
+    assert "layer digests" in capsys.readouterr().err
+
+
 def test_export_takes_the_newest_of_a_folder_of_checkpoints(small, write_checkpoint):
     config = small("none", tied=False)
     write_checkpoint(config, round_=3)

@@ -1,9 +1,13 @@
-"""`hetnode sample` as a user runs it: a real subprocess on a checkpoint folder."""
+"""`hetnode sample` as a user runs it: a real subprocess on a checkpoint folder; its exit codes for a URL."""
 
 from __future__ import annotations
 
+import socket
 import subprocess
 import sys
+import threading
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
@@ -88,3 +92,37 @@ def test_a_prompt_of_no_tokens_is_a_usage_error(checkpoint: Path, capsys):
 def test_sampling_what_is_not_a_checkpoint_exits_1(tmp_path: Path, capsys):
     assert main(["sample", "--from", str(tmp_path), "--prompt", PROMPT]) == 1
     assert "not a hetnode checkpoint" in capsys.readouterr().err
+
+
+@pytest.fixture
+def not_a_coordinator() -> Iterator[str]:
+    """A web server whose every page is HTML: its `manifest.json` is no JSON, however often it is asked."""
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802 (the http.server name)
+            body = b"<html>a blog</html>"
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, args=(0.05,), daemon=True).start()
+    yield f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+    server.server_close()
+
+
+def test_a_url_that_answers_no_checkpoint_exits_2_and_one_unreachable_exits_1(not_a_coordinator, capsys):
+    """2 (do not restart) when asking again gets the same answer; 1 when the coordinator may come up."""
+    assert main(["sample", "--from", not_a_coordinator, "--prompt", PROMPT]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("hetnode: ") and "not a JSON manifest" in err and err.count("\n") == 1
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    assert main(["sample", "--from", f"http://127.0.0.1:{port}", "--prompt", PROMPT, "--timeout", "5"]) == 1
+    assert "cannot reach the coordinator" in capsys.readouterr().err

@@ -18,7 +18,7 @@ import torch
 from hetnode.cli.main import main
 from hetnode.config import replace
 from hetnode.data.tokenizer import BpeTokenizer
-from hetnode.errors import CheckpointError
+from hetnode.errors import CheckpointError, ConfigError, RefusedAnswer
 from hetnode.export.source import fetch_checkpoint, open_checkpoint, run_tokenizer
 
 # path -> (status, body, send Content-Length); a callable is asked again on every request
@@ -87,19 +87,22 @@ def test_unreachable_url_is_a_clear_error(tmp_path: Path, capsys):
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    with pytest.raises(CheckpointError, match="cannot reach the coordinator"):
+    with pytest.raises(CheckpointError, match="cannot reach the coordinator") as unreachable:
         fetch_checkpoint(f"http://127.0.0.1:{port}", timeout_s=5)
+    assert not isinstance(unreachable.value, RefusedAnswer)  # it may come up: exit 1, a service restarts
     assert main(["export", "--from", f"http://127.0.0.1:{port}", "--out", str(tmp_path / "o")]) == 1
     assert "cannot reach" in capsys.readouterr().err
 
 
-def test_no_checkpoint_yet_is_a_404(serve):
+def test_no_checkpoint_yet_is_a_404(serve, tmp_path: Path):
     with pytest.raises(CheckpointError, match="HTTP 404.*no checkpoint here"):
         fetch_checkpoint(serve({}), timeout_s=5)
     said = json.dumps({"error": "no checkpoint yet: the coordinator writes one every K rounds"}).encode()
     url = serve({"/api/checkpoint/manifest.json": (404, said, True)})
-    with pytest.raises(CheckpointError, match="HTTP 404 no checkpoint yet: the coordinator writes"):
+    with pytest.raises(CheckpointError, match="HTTP 404 no checkpoint yet: the coordinator writes") as none:
         fetch_checkpoint(url, timeout_s=5)
+    assert not isinstance(none.value, RefusedAnswer)  # one will be written: exit 1, asking later may help
+    assert main(["export", "--from", url, "--out", str(tmp_path / "o")]) == 1
 
 
 def test_a_busy_coordinator_is_asked_again(small, write_checkpoint, serve):
@@ -116,7 +119,7 @@ def test_a_busy_coordinator_is_asked_again(small, write_checkpoint, serve):
 def test_oversized_manifest_is_refused(serve, declared: bool):
     big = json.dumps({"format": "hetnode-checkpoint/1", "pad": "x" * (5 << 20)}).encode()
     url = serve({"/api/checkpoint/manifest.json": (200, big, declared)})
-    with pytest.raises(CheckpointError, match="allowed"):
+    with pytest.raises(RefusedAnswer, match="allowed"):
         fetch_checkpoint(url, timeout_s=5)
 
 
@@ -126,14 +129,17 @@ def test_weights_larger_than_the_config_implies_are_refused(small, write_checkpo
     routes = _routes(folder)
     weights = (folder / "model.safetensors").read_bytes()
     routes["/api/checkpoint/model.safetensors"] = (200, weights + b"\0" * (2 << 20), declared)
-    with pytest.raises(CheckpointError, match="allowed"):
+    with pytest.raises(RefusedAnswer, match="allowed"):
         fetch_checkpoint(serve(routes), timeout_s=5)
 
 
-def test_a_manifest_that_is_not_json_is_refused(serve):
+def test_a_manifest_that_is_not_json_is_refused(serve, tmp_path: Path, capsys):
     url = serve({"/api/checkpoint/manifest.json": (200, b"<html>status page</html>", True)})
-    with pytest.raises(CheckpointError, match="not a JSON manifest"):
+    with pytest.raises(RefusedAnswer, match="not a JSON manifest"):
         fetch_checkpoint(url, timeout_s=5)
+    assert main(["export", "--from", url, "--out", str(tmp_path / "o")]) == 2  # the same on every try
+    err = capsys.readouterr().err
+    assert err.startswith(f"hetnode: {url}") and "not a JSON manifest" in err and err.count("\n") == 1
 
 
 def test_weights_of_another_round_are_fetched_again(small, write_checkpoint, serve):
@@ -158,14 +164,23 @@ def test_damaged_weights_are_refused(small, write_checkpoint, serve):
     weights = bytearray((folder / "model.safetensors").read_bytes())
     weights[-4] ^= 1  # the lowest mantissa bit of the last value: only the layer digests see it
     routes["/api/checkpoint/model.safetensors"] = (200, bytes(weights), True)
-    with pytest.raises(CheckpointError, match="digests"):
+    with pytest.raises(RefusedAnswer, match="digests"):
         fetch_checkpoint(serve(routes), timeout_s=5)
 
 
-@pytest.mark.parametrize("url", ["ftp://127.0.0.1:1", "http://", "http://127.0.0.1:1/?x=1"])
-def test_malformed_urls_are_refused(url: str):
-    with pytest.raises(CheckpointError):
+@pytest.mark.parametrize(
+    "url", ["http://", "http://127.0.0.1:1/?x=1", "http://127.0.0.1:99999", "http://[::1", "http://h/a b"]
+)
+def test_malformed_urls_are_usage_errors(url: str, tmp_path: Path, capsys):
+    with pytest.raises(ConfigError):
         open_checkpoint(url)
+    assert main(["export", "--from", url, "--out", str(tmp_path / "o")]) == 2
+    assert capsys.readouterr().err.startswith("hetnode: --from: ")
+
+
+def test_a_url_of_another_scheme_is_a_folder_name():
+    with pytest.raises(CheckpointError, match="no such checkpoint folder"):
+        open_checkpoint("ftp://127.0.0.1:1")
 
 
 def test_a_crowded_coordinator_is_asked_again_with_backoff(small, write_checkpoint, serve):
@@ -193,8 +208,9 @@ def test_a_bpe_runs_tokenizer_comes_with_the_checkpoint(small, write_checkpoint,
     text = "the old river runs north, number 12. Ünïcödé"
     assert run_tokenizer(checkpoint).encode(text) == ours.encode(text)
 
-    with pytest.raises(CheckpointError, match=r"HTTP 404 no tokenizer here.*pass --tokenizer FILE"):
+    with pytest.raises(CheckpointError, match=r"HTTP 404 no tokenizer here.*pass --tokenizer FILE") as none:
         fetch_checkpoint(bare, timeout_s=5)
+    assert not isinstance(none.value, RefusedAnswer)  # a coordinator may still be building it
     mine = fetch_checkpoint(bare, timeout_s=5, with_tokenizer=False)  # the user brings it: none is asked for
     assert mine.tokenizer is None and run_tokenizer(mine, bpe_path).encode(text) == ours.encode(text)
     with pytest.raises(CheckpointError, match="pass --tokenizer FILE"):

@@ -2,7 +2,9 @@
 answers as the attacker would. Its manifest names the user's own files (leak), a model of 200,000 layers
 or an endless body (flood), a byte every few tenths of a second (drip), JSON nested past the recursion
 limit and other malformed answers (nest). Each ends in one line, within the user's budgets, and nothing
-local is read or written on the stranger's say."""
+local is read or written on the stranger's say. What asking again will not mend (a malformed or oversized
+answer) is a RefusedAnswer and exits 2; what may pass (the deadline, a stall, a body cut short, a 5xx)
+exits 1."""
 
 from __future__ import annotations
 
@@ -21,7 +23,8 @@ import pytest
 
 from hetnode.cli.main import main
 from hetnode.config import replace
-from hetnode.errors import CheckpointError
+from hetnode.errors import CheckpointError, RefusedAnswer
+from hetnode.export import download
 from hetnode.export.source import fetch_checkpoint
 from hetnode.replica.checkpoint import FORMAT, config_hash
 
@@ -188,7 +191,7 @@ def test_a_served_tokenizer_that_does_not_fit_the_model_is_refused(
         (b"\xff" * 100, "not a tokenizer JSON file"),
     ]:
         url = attacker(served(write_checkpoint(config)) | {TOKENIZER: reply(body)}).url
-        with pytest.raises(CheckpointError) as refused:
+        with pytest.raises(RefusedAnswer) as refused:
             fetch_checkpoint(url, timeout_s=10)
         assert why in one_line_error(refused)
 
@@ -200,7 +203,7 @@ def test_a_config_of_200000_layers_is_refused_before_the_weights(small, attacker
     raw = small("none", tied=False).to_dict()
     raw["model"] |= {"n_layers": 200_000, "d_model": 1024, "n_heads": 8, "ffn_hidden": 2816}
     flood = attacker({MANIFEST: reply(manifest_of(raw)), WEIGHTS: reply(b"\0" * (8 << 20))})
-    with pytest.raises(CheckpointError) as refused:
+    with pytest.raises(RefusedAnswer) as refused:
         fetch_checkpoint(flood.url, timeout_s=10)
     assert "--max-download-mb 4096" in one_line_error(refused) and "implies" in str(refused.value)
     assert flood.asked[WEIGHTS] == 0
@@ -208,7 +211,7 @@ def test_a_config_of_200000_layers_is_refused_before_the_weights(small, attacker
 
 def test_the_users_cap_bounds_an_honest_checkpoint_too(small, write_checkpoint, attacker):
     url = attacker(served(write_checkpoint(small("none", tied=False)))).url  # ~0.6 MB of weights
-    with pytest.raises(CheckpointError, match="more than --max-download-mb 1 leaves room for"):
+    with pytest.raises(RefusedAnswer, match="more than --max-download-mb 1 leaves room for"):
         fetch_checkpoint(url, timeout_s=10, max_bytes=1 << 20)
     assert fetch_checkpoint(url, timeout_s=10, max_bytes=2 << 20).manifest.round == 7
 
@@ -232,7 +235,7 @@ def test_an_endless_body_stops_at_the_limit(small, write_checkpoint, attacker, l
     folder = write_checkpoint(small("none", tied=False))
     flood = attacker(served(folder) | {WEIGHTS: endless(length)})
     started = time.monotonic()
-    with pytest.raises(CheckpointError) as refused:
+    with pytest.raises(RefusedAnswer) as refused:
         fetch_checkpoint(flood.url, timeout_s=10)
     assert "allowed" in one_line_error(refused) and time.monotonic() - started < 5
     if length is not None:  # refused on the header: before a byte of the body
@@ -268,6 +271,26 @@ def test_a_drip_ends_at_the_deadline(small, write_checkpoint, attacker, where, t
     assert err.endswith("not done within --timeout 1.5 s") and err.count("\n") == 0, err
 
 
+def test_a_stalled_read_may_pass_and_exits_1(
+    small, write_checkpoint, attacker, monkeypatch, tmp_path, capsys
+):
+    """Headers, then silence: after READ_TIMEOUT_S (shortened here) a plain CheckpointError, not a refusal."""
+    monkeypatch.setattr(download, "READ_TIMEOUT_S", 0.3)
+    folder = write_checkpoint(small("none", tied=False))
+
+    def stall(handler: BaseHTTPRequestHandler) -> None:
+        handler.wfile.write(b"HTTP/1.0 200 OK\r\nContent-Length: 1000\r\n\r\n")
+        handler.wfile.flush()
+        time.sleep(2)  # the body never comes (within the client's patience)
+
+    url = attacker(served(folder) | {WEIGHTS: stall}).url
+    with pytest.raises(CheckpointError, match="sent nothing for 0.3 s") as stalled:
+        fetch_checkpoint(url, timeout_s=10)
+    assert not isinstance(stalled.value, RefusedAnswer)
+    assert main(["export", "--from", url, "--out", str(tmp_path / "out")]) == 1
+    assert "sent nothing" in capsys.readouterr().err
+
+
 # -- nest and other malformed answers ------------------------------------------------------------------------
 
 
@@ -293,29 +316,47 @@ MALFORMED = {
 
 
 @pytest.mark.parametrize("body", MALFORMED.values(), ids=MALFORMED.keys())
-def test_a_malformed_manifest_is_one_line(small, attacker, body):
+def test_a_malformed_manifest_is_one_line(small, attacker, body, capsys, tmp_path):
     url = attacker({MANIFEST: reply(body(small))}).url
-    with pytest.raises(CheckpointError) as refused:
+    with pytest.raises(RefusedAnswer) as refused:
         fetch_checkpoint(url, timeout_s=10)
     assert one_line_error(refused).startswith(url)
+    assert main(["sample", "--from", url, "--prompt", "x"]) == 2  # asking again gets the same: no restart
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith(f"hetnode: {url}"), err
 
 
 @pytest.mark.parametrize(
-    ("answer", "why"),
+    ("answer", "why", "code"),
     [
-        (reply(b"0123456789", length=1000), "cut short (10 of 1,000 bytes)"),
-        (reply(b"0123456789", length=None), "not a safetensors file"),
-        (lambda h: h.wfile.write(b"HTTP/1.0 200 OK\r\nContent-Length: 5, 5\r\n\r\n12345"), "Content-Length"),
-        (lambda h: h.wfile.write(b"HTTP/1.0 302 Found\r\nLocation: http://10.0.0.1/\r\n\r\n"), "HTTP 302"),
-        (reply(b'{"error": "\\u001b[31mrewriting\\u001b[0m\\nretry"}', status=500), "HTTP 500 [31mrewriting"),
+        (reply(b"0123456789", length=1000), "cut short (10 of 1,000 bytes)", 1),  # transport: may pass
+        (reply(b"0123456789", length=None), "not a safetensors file", 2),
+        (
+            lambda h: h.wfile.write(b"HTTP/1.0 200 OK\r\nContent-Length: 5, 5\r\n\r\n12345"),
+            "Content-Length",
+            2,
+        ),
+        (lambda h: h.wfile.write(b"HTTP/1.0 302 Found\r\nLocation: http://10.0.0.1/\r\n\r\n"), "HTTP 302", 2),
+        (lambda h: h.wfile.write(b"SSH-2.0-OpenSSH_9.6\r\n"), "not an HTTP answer", 2),
+        (reply(b'{"error": "no"}', status=403), "HTTP 403 no", 2),
+        (reply(b'{"error": "slow down"}', status=429), "HTTP 429 slow down", 1),
+        (
+            reply(b'{"error": "\\u001b[31mrewriting\\u001b[0m\\nretry"}', status=500),
+            "HTTP 500 [31mrewriting",
+            1,
+        ),
     ],
-    ids=["short", "junk", "two-lengths", "redirect", "escapes-in-error"],
+    ids=["short", "junk", "two-lengths", "redirect", "not-http", "403", "429", "escapes-in-error"],
 )
-def test_malformed_weights_are_one_line(small, write_checkpoint, attacker, answer, why, capsys, tmp_path):
+def test_malformed_weights_are_one_line(
+    small, write_checkpoint, attacker, answer, why, code, capsys, tmp_path
+):
+    """Each failure is one line; the exit code says whether asking again may help (1) or not (2)."""
     url = attacker(served(write_checkpoint(small("none", tied=False))) | {WEIGHTS: answer}).url
     with pytest.raises(CheckpointError) as refused:
         fetch_checkpoint(url, timeout_s=10)
     assert why in one_line_error(refused)
-    assert main(["export", "--from", url, "--out", str(tmp_path / "out")]) == 1
+    assert isinstance(refused.value, RefusedAnswer) == (code == 2)
+    assert main(["export", "--from", url, "--out", str(tmp_path / "out")]) == code
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("hetnode: ") and err.strip().isprintable(), err
