@@ -166,6 +166,7 @@ class Coordinator:
             o.admission,
             node.identity.private_key.get_public_key().to_bytes().decode(),
         )
+        node.set_sealers(o.stand_ins)  # with us, the only writers of a seal our DHT node keeps
         if o.admission != "open":
             admissions = Admissions(o.admission, node.identity, run, data_dir, self._allowlist)
             node.set_admit_handler(admissions.grant)

@@ -130,6 +130,7 @@ class RoundKeeper:
 
     def _on_nudge(self, peer: str, topic: str, round_: int) -> None:
         if topic == "announce":
+            self.sealer.pull_announcement(peer, then=self._announced.set)  # the path beside the DHT
             self._announced.set()
 
     def _serve_state(self, round_: int, shard: str) -> bytes | None:

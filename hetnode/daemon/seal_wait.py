@@ -7,6 +7,10 @@ which grows with the swarm. Who may seal (TRUST §1): the coordinator, or, while
 lowest-id live stand-in the signed manifest lists; when that stand-in is this replica it seals in the
 coordinator's place. A seal is taken only as the next link of the chain this replica holds, or as one to
 catch up to (`seal_verdict`).
+
+The DHT is one path, not the only one: when a nudge (or every 4th poll) finds no seal there, the replica
+asks the sealers for it directly, so nodes with chosen ids next to the run's keys cannot hide it; the same
+for the coordinator's `head`.
 """
 
 from __future__ import annotations
@@ -41,6 +45,9 @@ async def read_seal(node: SwarmNode, sealer: str) -> dict[str, Any] | None:
 async def read_head(node: SwarmNode, coordinator: str) -> tuple[int, dict[str, str]] | None:
     """The coordinator's θ as its `head` entry states it: (round, layer digests), or None when absent."""
     head = await node.read_entry("head", coordinator, check_head_record)
+    if head is None:  # hidden or lost in the DHT: ask the coordinator itself
+        entry = await node.read_direct(coordinator, "head")
+        head = check_head_record(entry.value) if entry is not None else None
     return (head["round"], head["layer_digests"]) if head is not None else None
 
 
@@ -113,6 +120,8 @@ class SealWaiter:
                 found = self._seal_in(await self.node.read_field("seal", latest=nudged and not told), allowed)
                 if found is None and told:
                     found = self._seal_in(await self.node.read_field("seal", latest=True), allowed)
+                if found is None and (told or polls % 4 == 0):
+                    found = self._seal_in(await self._direct_seals(allowed), allowed)
                 if found is not None:
                     return found
             silent_for = time.monotonic() - waiting_since
@@ -145,6 +154,12 @@ class SealWaiter:
             # must not hide it from us
             nudged = woken or stand_in is not None or polls % 4 == 0
         return None
+
+    async def _direct_seals(self, allowed: list[str]) -> dict[str, Any]:
+        """Each allowed sealer's current seal, asked of it directly (the path beside the DHT)."""
+        sealers = [sealer for sealer in allowed if sealer != self.peer_id]
+        entries = await asyncio.gather(*(self.node.read_direct(sealer, "seal") for sealer in sealers))
+        return {sealer: entry for sealer, entry in zip(sealers, entries, strict=True) if entry is not None}
 
     def _seal_in(self, seals: dict[str, Any], allowed: list[str]) -> tuple[str, dict] | None:
         """The first seal of an allowed sealer that is for us: the next link, or one to catch up to."""

@@ -16,6 +16,9 @@ valid payload of its shard can weigh, so the memory of a round's fetches is boun
 sealed in recent rounds have slots of their own, so identities that announce first and serve slowly cannot
 queue the honest fetches behind theirs.
 
+Two paths: announcements are read from the DHT, and pulled straight from an author that nudges us
+(`pull_announcement`), so nodes with chosen ids next to the run's keys cannot hide them.
+
 Deadlines: the round's clock starts at an expected replica's announcement, never a stranger's (`seal_now`);
 once sealing starts, payloads still on their way get `FetchDeadline` more, and an author that misses it is
 left out and held back (not fetched, not waited for) for a time that doubles while it keeps missing it.
@@ -36,7 +39,7 @@ from typing import Any
 
 from hetnode.config import Config
 from hetnode.errors import WireError
-from hetnode.net.node import SwarmNode
+from hetnode.net.node import StoredValue, SwarmNode
 from hetnode.net.streams import PeerRequestError
 from hetnode.planning.rounds import (
     Announcement,
@@ -58,6 +61,8 @@ POLL_RETRY_S = 0.5  # a re-announced contribution is read again after this long
 SEAL_TTL_S = 3600.0
 MAX_CONCURRENT_FETCHES = 8  # authors whose payloads are in flight to the sealer at once (per class)
 TRUSTED_ROUNDS = 8  # an author sealed in this many recent rounds starts the round's clock and has own slots
+MAX_DIRECT = 10_000  # announcements pulled from their authors and kept (this round's and the last)
+MAX_PULLS = 64  # direct pulls in flight at once
 
 
 Checked = tuple[Announcement, dict[str, bytes], list[DecodedPayload]]  # (claim, payloads, decoded)
@@ -106,6 +111,8 @@ class Sealer:
         self._fetching = {trusted: asyncio.Semaphore(MAX_CONCURRENT_FETCHES) for trusted in (True, False)}
         self._sealed_recently: deque[frozenset[str]] = deque(maxlen=TRUSTED_ROUNDS)
         self.times_late: dict[str, int] = {}  # author -> rounds running it missed the fetch deadline
+        self.direct: dict[str, StoredValue] = {}  # announcements pulled from their authors
+        self._pulling: set[str] = set()
         self.missed: set[str] = set()  # expected by an earlier seal, not announced since
         self.screen: Screen | None = None  # the coordinator's verifier; a stand-in seals unscreened
         self.rescue: Rescue | None = None  # asked when the screen leaves nothing to seal
@@ -139,11 +146,51 @@ class Sealer:
         """A payload of a round we sealed (held from the moment of sealing: never an unsealed one)."""
         return self.payloads.get((round_, replica, shard))
 
+    def pull_announcement(self, peer: str, then: Callable[[], None] = lambda: None) -> None:
+        """`peer` nudged us about its announcement: take it straight from it too (in the background, then
+        call `then`), whatever the DHT does with it. One pull per peer at a time; a banned peer is not
+        asked."""
+        if (
+            peer in self._pulling
+            or len(self._pulling) >= MAX_PULLS
+            or self.banned.get(peer, 0.0) > time.monotonic()
+        ):
+            return
+        self._pulling.add(peer)
+
+        async def pull() -> None:
+            try:
+                entry = await self.node.read_direct(peer, "announce")
+                if entry is not None:
+                    if len(self.direct) >= MAX_DIRECT:
+                        self.direct.clear()
+                    self.direct[peer] = entry
+                    then()
+            finally:
+                self._pulling.discard(peer)
+
+        task = asyncio.create_task(pull(), name=f"pull-announce-{peer[-8:]}")
+        task.add_done_callback(lambda done: done.cancelled() or done.exception())
+
+    async def _announcements(self, round_: int) -> dict[str, StoredValue]:
+        """This round's view of every author's announcement: the DHT's, or the one pulled from the author
+        when that is newer (the DHT may have lost or hidden it)."""
+        entries = await self.node.read_field("announce")
+        now = time.time()
+        for peer, entry in list(self.direct.items()):
+            if entry.expiration < now or entry.value.get("round", -1) < round_ - 1:
+                del self.direct[peer]  # rounds gone by
+                continue
+            held = entries.get(peer)
+            if held is None or held.value.get("round", -1) < entry.value["round"]:
+                entries[peer] = entry
+        return entries
+
     async def collect(self, round_: int, seen: dict[str, Announcement]) -> None:
         """Add this round's new announcements (first sight time recorded; banned peers ignored)."""
         now = time.monotonic()
         late_round, late_first, late_missing = self._late
-        for peer, entry in (await self.node.read_field("announce")).items():
+        for peer, entry in (await self._announcements(round_)).items():
             value = entry.value
             if self.banned.get(peer, 0.0) > now:
                 continue  # neither in the round nor a lesson for the deadline

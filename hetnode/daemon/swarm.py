@@ -80,8 +80,14 @@ async def find_run(
     while True:
         manifests = await unless_stopped(stop, node.read_field("manifest"), "reading the run's manifest")
         entry = manifests.get(coordinator)
+        if entry is None:  # hidden or lost in the DHT: the coordinator hands it over itself
+            entry = await unless_stopped(
+                stop, node.read_direct(coordinator, "manifest"), "asking for the manifest"
+            )
         if entry is not None:
-            return RunContact(coordinator, manifest_from_envelope(entry.value))
+            manifest = manifest_from_envelope(entry.value)
+            node.set_sealers(manifest.stand_ins)  # with the coordinator, the only writers of a seal we keep
+            return RunContact(coordinator, manifest)
         if time.monotonic() > deadline:
             raise HetnodeError(
                 f"no manifest signed by {coordinator} in the DHT of run {info['run']} within {timeout_s:g} s"

@@ -36,6 +36,7 @@ InfoProvider = Callable[[], dict[str, Any]]  # -> {"run", "protocol", "coordinat
 # asked for by anyone but its sealers); awaitable where serving waits on something (the seal reaching us)
 PayloadProvider = Callable[[int, str, str, str], bytes | None | Awaitable[bytes | None]]
 InclusionProvider = Callable[[int, str], bool | None]  # (round, replica) -> in that seal (None: unknown)
+OwnEntryProvider = Callable[[str], bytes | None]  # field -> our own entry of it, encoded; None: none now
 NudgeHandler = Callable[[str, str, int], None]  # (peer, topic, round): look at the DHT now
 ProbePolicy = Callable[[str], bool]  # peer -> may it probe us (daemons: "it has a live record")
 MemberPolicy = Callable[[str], bool]  # peer -> is it a member of the run (closed runs)
@@ -65,6 +66,7 @@ class ControlServer:
         self.info = info
         self.payloads: PayloadProvider = lambda round_, shard, replica, asker: None
         self.inclusion: InclusionProvider = lambda round_, replica: None
+        self.own_entry: OwnEntryProvider = lambda field: None
         self.state = StateCache(lambda round_, shard: None)
         self.nudged: NudgeHandler = lambda peer, topic, round_: None
         self.probe_policy: ProbePolicy = lambda peer: True
@@ -110,6 +112,8 @@ class ControlServer:
             await stream.send(encode_reply("dialed", port=message["port"], answer=word))
         elif message.type == "payload":
             await self._serve_payloads(message, stream)
+        elif message.type == "own":
+            await self._serve_own_entry(message, stream)
         elif message.type == "state":
             await self._serve_state(message, stream)
 
@@ -125,6 +129,14 @@ class ControlServer:
             self.budgets.refusals["policy:probe"] += 1
             raise Refused("policy", "this node serves probes only to peers with a live record")
         self.budgets.spend("probe", peer, n_bytes)
+
+    async def _serve_own_entry(self, message: ControlMessage, stream: OpenStream) -> None:
+        data = self.own_entry(message["field"])
+        if data is None:
+            raise WireError("field", f"no {message['field']} entry of ours now")
+        self.budgets.spend("payload", stream.peer, len(data))
+        await stream.send(encode_reply("payload_ready", bytes=len(data)))
+        await write_frame(stream.writer, data, timeout=PAYLOAD_TIMEOUT_S)
 
     async def _serve_state(self, message: ControlMessage, stream: OpenStream) -> None:
         # encoded once per (round, shard) for all askers, off the event loop; charged before sending

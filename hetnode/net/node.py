@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import msgpack
 from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.dht.node import DHTNode
 from hivemind.dht.validation import CompositeValidator
@@ -44,7 +45,14 @@ from hetnode.net.identity import Identity, owner_subkey, peer_id_of_subkey, writ
 from hetnode.net.listen_ports import refuse_taken_ports
 from hetnode.net.log_limits import RefusalLog
 from hetnode.net.probe import LinkMeasurement, measure_download, measure_upload
-from hetnode.net.records import RecordCapsValidator, cap_problem, record_key, run_schema_validator
+from hetnode.net.records import (
+    MAX_RECORD_BYTES,
+    RecordCapsValidator,
+    cap_problem,
+    check_direct_entry,
+    record_key,
+    run_schema_validator,
+)
 from hetnode.net.state_cache import StateCache, StateProvider
 from hetnode.net.streams import (
     OpenStream,
@@ -55,7 +63,7 @@ from hetnode.net.streams import (
     read_frame,
     request,
 )
-from hetnode.wire.control import ControlMessage, encode_request
+from hetnode.wire.control import DIRECT_FIELDS, ControlMessage, encode_request
 
 log = logging.getLogger(__name__)
 
@@ -125,6 +133,9 @@ class SwarmNode:
         self._stage: StageAcceptor | None = None
         self._member_policy: Callable[[str], bool] = lambda peer: True
         self._preferred: frozenset[str] = frozenset()  # peers that may take the stream slots kept for them
+        self._sealers: frozenset[str] | None = None  # the manifest's stand-ins (who else may store a seal)
+        self._caps: RecordCapsValidator | None = None
+        self._own: dict[str, tuple[Any, float]] = {}  # field -> (our latest entry, its expiry): served direct
         self._background: set[asyncio.Task] = set()  # nudges in flight, cancelled at shutdown
         self._stage_limiter = RateLimiter(limits.requests_per_min)
         self._closed = False
@@ -146,6 +157,7 @@ class SwarmNode:
                 "name": "",
             },
         )
+        self._server.own_entry = self._own_entry
 
     @property
     def limits(self) -> NodeLimits:
@@ -320,6 +332,46 @@ class SwarmNode:
     def is_preferred(self, peer: str) -> bool:
         return peer == self.coordinator or peer in self._preferred
 
+    def set_sealers(self, stand_ins: Iterable[str]) -> None:
+        """The manifest's stand-ins: with the coordinator, the only writers of `seal` this node stores."""
+        self._sealers = frozenset(stand_ins)
+        if self._caps is not None:
+            self._caps.sealers = self._sealers
+
+    def _own_entry(self, field: str) -> bytes | None:
+        held = self._own.get(field)
+        if held is None or held[1] < time.time():
+            return None
+        return msgpack.packb({"value": held[0], "expires": held[1]}, use_bin_type=True)
+
+    async def read_direct(self, peer: str, field: str) -> StoredValue | None:
+        """`peer`'s own current entry of `field`, asked of it directly (the stream is authenticated: the
+        entry is the peer's), checked as a DHT entry is; None when it has none or answers badly. The path
+        beside the DHT for the round's messages, which chosen-id DHT nodes could otherwise hide."""
+        if field not in DIRECT_FIELDS or (field != "manifest" and not self._member_policy(peer)):
+            return None
+        try:
+            data = await self._fetch(peer, encode_request("own", field=field), MAX_RECORD_BYTES[field] + 1024)
+            held = msgpack.unpackb(
+                data, raw=False, max_bin_len=len(data), max_map_len=4096, max_array_len=4096
+            )
+            value, expires = held["value"], held["expires"]
+            if not isinstance(expires, float):
+                raise ValueError("no expiry")
+            problem = cap_problem(field, value, expires, time.time())
+            if problem is not None or expires < time.time():
+                raise ValueError(problem or "expired")
+            check_direct_entry(field, value)
+        except (PeerRequestError, WireError, TimeoutError) as exc:
+            log.debug("no direct %s entry from %s: %s", field, peer, exc)
+            return None
+        except Exception as exc:  # msgpack's and pydantic's errors, whatever a hostile answer raises
+            self.refusals.warning(
+                peer, f"direct:{field}", "ignoring the %s entry %s sent: %s", field, peer, exc
+            )
+            return None
+        return StoredValue(peer, value, expires)
+
     def set_stage_acceptor(self, acceptor: StageAcceptor | None) -> None:
         """Accept chain streams with `acceptor` (it checks who calls); None refuses them all."""
         self._stage = acceptor
@@ -436,12 +488,10 @@ class SwarmNode:
         self.run = run
         self._dht_contacts = list(initial_peers)
         self.coordinator = coordinator or self.coordinator
+        self._caps = RecordCapsValidator(run, coordinator=self.coordinator)
+        self._caps.sealers = self._sealers
         validators = CompositeValidator(
-            [
-                RSASignatureValidator(self.identity.private_key),
-                run_schema_validator(run),
-                RecordCapsValidator(run, coordinator=self.coordinator),
-            ]
+            [RSASignatureValidator(self.identity.private_key), run_schema_validator(run), self._caps]
         )
         try:
             self.dht = await asyncio.wait_for(
@@ -595,6 +645,8 @@ class SwarmNode:
         dht = self._require_dht()
         key, subkey = record_key(self.run, field), owner_subkey(self.identity)
         expiration = time.time() + ttl_s if expires_at is None else expires_at
+        if field in DIRECT_FIELDS:
+            self._own[field] = (value, expiration)  # also served directly, whatever the DHT does with it
         try:
             if await asyncio.wait_for(dht.store(key, value, expiration, subkey=subkey), DHT_TIMEOUT_S):
                 return True

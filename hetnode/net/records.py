@@ -74,7 +74,8 @@ MAX_RECORD_BYTES: dict[str, int] = {
     "changes": 64 * 1024,
 }
 TTL_SLACK_S = 30.0  # honest peers' clocks disagree by seconds
-COORDINATOR_FIELDS = ("head", "changes")  # entries only the run's coordinator writes
+COORDINATOR_FIELDS = ("head", "changes", "manifest")  # entries only the run's coordinator writes
+SEALER_FIELDS = ("seal",)  # entries only the coordinator and the manifest's stand-ins write
 OWNER = re.compile(rb"\[owner:(.+?)\]")  # hivemind's owner marker, inside the serialised subkey
 SIGNATURE_BYTES = 512  # RSASignatureValidator's "[signature:<base64>]" suffix: 356 bytes for RSA-2048
 MAX_SUBKEY_BYTES = 1024  # "[owner:<ssh-rsa key>]" in msgpack: 391 bytes for RSA-2048
@@ -229,6 +230,14 @@ class RunRecords(pydantic.BaseModel):
     changes: dict[BytesWithPublicKey, ChangesRecord]
 
 
+DIRECT_MODELS: dict[str, type[pydantic.BaseModel]] = {
+    "manifest": ManifestRecord,
+    "announce": AnnounceRecord,
+    "seal": SealRecord,
+    "head": HeadRecord,
+}
+
+
 def run_schema_validator(run: str) -> SchemaValidator:
     return SchemaValidator(RunRecords, allow_extra_keys=False, prefix=run)
 
@@ -254,14 +263,24 @@ def check_changes_record(value: Any) -> dict:
     return ChangesRecord.parse_obj(value).dict(by_alias=True)
 
 
+def check_direct_entry(field: str, value: Any) -> None:
+    """Raise unless `value` is a valid entry of `field` by the run's schema: for an entry a peer handed
+    us itself (`SwarmNode.read_direct`), which no DHT node has validated."""
+    model = DIRECT_MODELS[field]
+    if not isinstance(value, dict) or not set(value) <= set(model.__fields__):
+        raise ValueError(f"not a {field} entry")
+    model.parse_obj(value)
+
+
 def value_bytes(value: Any) -> int:
     """The msgpack bytes of a record's value, as the size caps count them."""
     return len(MSGPackSerializer.dumps(value))
 
 
 class RecordCapsValidator(RecordValidatorBase):
-    """Refuses a record of `run` that would live longer, or weighs more, than its field's cap, and an
-    entry of a coordinator-only field (`head`, `changes`) by anyone but `coordinator` (when known).
+    """Refuses a record of `run` that would live longer, or weighs more, than its field's cap, an entry of
+    a coordinator-only field (`head`, `changes`, `manifest`) by anyone but `coordinator` (when known), and
+    a `seal` by anyone but the coordinator and the `sealers` its manifest lists (once they are known).
 
     It runs before the signature check (a higher priority), so an over-cap record costs a comparison, not
     an RSA verification and a msgpack decode. hivemind validates what it reads as well: a relay that
@@ -278,6 +297,7 @@ class RecordCapsValidator(RecordValidatorBase):
     ) -> None:
         self.clock = clock
         self.coordinator = coordinator  # None: not known yet (any writer, as for other fields)
+        self.sealers: frozenset[str] | None = None  # the manifest's stand-ins; None: not known yet
         self._fields = {DHTID.generate(source=record_key(run, f)).to_bytes(): f for f in MAX_TTL_S}
         self._writers: dict[bytes, str | None] = {}  # owner subkey -> its peer id (an RSA key to hash)
 
@@ -291,17 +311,19 @@ class RecordCapsValidator(RecordValidatorBase):
             return False
         if len(record.value) > MAX_RECORD_BYTES[field] + SIGNATURE_BYTES:
             return False
-        return field not in COORDINATOR_FIELDS or self._by_coordinator(record.subkey or b"")
+        if field in COORDINATOR_FIELDS:
+            return self.coordinator is None or self._writer(record.subkey or b"") == self.coordinator
+        if field in SEALER_FIELDS and self.coordinator is not None and self.sealers is not None:
+            return self._writer(record.subkey or b"") in self.sealers | {self.coordinator}
+        return True
 
-    def _by_coordinator(self, subkey: bytes) -> bool:
-        if self.coordinator is None:
-            return True
+    def _writer(self, subkey: bytes) -> str | None:
         if subkey not in self._writers:
             if len(self._writers) > 1024:  # strangers' keys: each costs one hash, never unbounded memory
                 self._writers.clear()
             owners = OWNER.findall(subkey)
             self._writers[subkey] = peer_id_of_subkey(b"[owner:" + owners[0] + b"]") if owners else None
-        return self._writers[subkey] == self.coordinator
+        return self._writers[subkey]
 
     @property
     def priority(self) -> int:

@@ -53,6 +53,10 @@ _REQUESTS: dict[str, _Schema] = {
     "included": {"round": (int, 0)},
     # "look now": an announcement (to a sealer) or a seal (to replicas) of `round` is in the DHT
     "nudge": {"round": (int, 0), "about": (str, None)},
+    # the answerer's own current entry of a round-protocol `field`, straight from it: the path beside the
+    # DHT, which nodes with chosen ids next to the run's keys could otherwise hide (answered with
+    # payload_ready and one frame: {"value", "expires"})
+    "own": {"field": (str, None)},
     # a closed run: an admission for the caller's key, for a join token ("" for an allowlisted key)
     "admit": {"token": (str, None)},
     # "can you open a TCP connection to my libp2p port?": answered by dialling that port at the address
@@ -64,6 +68,7 @@ _REQUESTS: dict[str, _Schema] = {
 OPEN_TO_STRANGERS = ("ping", "info", "admit", "dialback")
 LONG_TEXT_CHARS = {"token": 2048, "admission": 2048}  # signed texts (`hetnode.wire.admission`)
 NUDGE_TOPICS = ("announce", "seal")
+DIRECT_FIELDS = ("manifest", "announce", "seal", "head")  # what an "own" request may ask for
 _REPLIES: dict[str, _Schema] = {
     "pong": {"time": (float, None)},
     "info": {
@@ -116,6 +121,8 @@ def decode_request(data: bytes, max_probe_bytes: int) -> ControlMessage:
         raise WireError("bytes", f"probe of {message['bytes']} bytes exceeds the limit of {max_probe_bytes}")
     if message.type == "nudge" and message["about"] not in NUDGE_TOPICS:
         raise WireError("about", f"expected one of {NUDGE_TOPICS}, got {message['about']!r:.40}")
+    if message.type == "own" and message["field"] not in DIRECT_FIELDS:
+        raise WireError("field", f"expected one of {DIRECT_FIELDS}, got {message['field']!r:.40}")
     return message
 
 

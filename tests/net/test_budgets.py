@@ -185,6 +185,24 @@ def test_only_the_coordinator_may_store_head_and_changes_entries_once_it_is_know
     assert RecordCapsValidator("run", clock=clock).validate(by(stranger))
 
 
+def test_only_the_coordinator_and_its_stand_ins_may_store_seals_and_only_it_the_manifest():
+    clock = FakeClock()
+    coordinator, stand_in, stranger = ephemeral_identity(), ephemeral_identity(), ephemeral_identity()
+    seal = {"round": 1, "contributions": [], "excluded": [], "sealed_at": 0.0, "prev": ""}
+
+    def by(identity, field="seal", value=seal):
+        return _record(field, value, 60.0, clock.now, subkey=owner_subkey(identity))
+
+    validator = RecordCapsValidator("run", clock=clock, coordinator=coordinator.peer_id)
+    assert validator.validate(by(stranger))  # the stand-ins are not known before the manifest is read
+    validator.sealers = frozenset({stand_in.peer_id})
+    assert validator.validate(by(coordinator)) and validator.validate(by(stand_in))
+    assert not validator.validate(by(stranger))  # strangers' seals would push the key past a reply
+    manifest = {"protocol": 0, "run": "run", "body": b"x"}
+    assert validator.validate(by(coordinator, "manifest", manifest))
+    assert not validator.validate(by(stand_in, "manifest", manifest))
+
+
 def test_cap_problem_on_read():
     now = 1000.0
     assert cap_problem("round", {"round": 1}, now + 100, now) is None
