@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import sys
 import time
@@ -18,8 +19,10 @@ from typing import Any
 
 import msgpack
 import torch
+from hivemind.dht.node import DHTNode
 from hivemind.dht.routing import DHTID
 from hivemind.dht.storage import DictionaryDHTValue
+from hivemind.p2p import P2P, PeerID
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
@@ -57,6 +60,9 @@ class Attacker:
         self.config = model.config
         self.until = time.monotonic() + seconds
         self.served: dict[tuple[int, str], bytes] = {}
+        self.peer_maddr = ""  # the swarm's address we joined through
+        self.targets: list[str] = []  # honest peers' multiaddrs (crowd)
+        self.identities = 0
         self.result: dict[str, Any] = {"peer_id": node.identity.peer_id}
         node.set_payloads(lambda round_, shard, replica, asker: self.served.get((round_, shard)))
 
@@ -195,15 +201,20 @@ async def held_by_others(a: Attacker, field: str) -> tuple[int, int]:
 
 async def records(a: Attacker) -> None:
     """hide the swarm: an oversized record, a record full of shards the model does not have, a
-    stranger's claim on a chain name; and entries under the coordinator's own fields (`head`, `changes`),
-    which a thousand identities could otherwise use to push those keys past the DHT's reply limit."""
+    stranger's claim on a chain name; and entries under the coordinator's own fields (`head`, `changes`,
+    `manifest`) and under `seal`, which a thousand identities could otherwise use to push those keys past
+    the DHT's reply limit (a new volunteer would find no manifest)."""
     # an attacker runs code without the coordinator-only rule: only the honest nodes' copy of it refuses
     for validator in a.node.dht.protocol.record_validator._validators:  # noqa: SLF001
         if isinstance(validator, RecordCapsValidator):
             validator.coordinator = None
     await a.node.store_own("head", new_head_record(0, {}, "0" * 16), 600.0)
     await a.node.store_own("changes", new_changes_record([]), 600.0)
-    for field in ("head", "changes"):
+    seal = {"round": 10**6, "contributions": [], "excluded": ["x" * 128] * 1000, "sealed_at": 0.0, "prev": ""}
+    await a.node.store_own("seal", seal, 600.0)
+    manifest = {"protocol": 0, "run": a.node.run or "", "body": b"x" * 60_000}
+    await a.node.store_own("manifest", manifest, 600.0)
+    for field in ("head", "changes", "seal", "manifest"):
         a.result[f"{field}_asked"], a.result[f"{field}_held"] = await held_by_others(a, field)
     huge = {str(i): "f" * 64 for i in range(1000)}
     a.result["huge_record_stored"] = await a.node.store_own("peers", a.record(layer_digests=huge), 60.0)
@@ -336,8 +347,78 @@ async def liar_holder(a: Attacker) -> None:
     a.result.update(claimed=claimed)
 
 
+async def eclipse(a: Attacker) -> None:
+    """eclipse: DHT nodes with ids chosen next to the run's `announce` and `seal` keys (nothing binds a
+    hivemind node id to its key), each accepting every store and keeping nothing, so the DHT path of
+    every round message ends with them."""
+    run = a.node.run or ""
+    near = [
+        DHTID(int(DHTID.generate(source=record_key(run, field))) ^ offset)
+        for field in ("announce", "seal")
+        for offset in range(1, 6)
+    ]
+    sybils: list[tuple[P2P, DHTNode]] = []
+    dropped = [0]
+
+    def drop(*args: Any, **kwargs: Any) -> bool:
+        dropped[0] += 1
+        return True  # "stored"
+
+    try:
+        for node_id in near:
+            p2p = await P2P.create(initial_peers=[a.peer_maddr], host_maddrs=[LOOPBACK])
+            dht = await DHTNode.create(
+                p2p=p2p, node_id=node_id, initial_peers=[a.peer_maddr], cache_locally=False, cache_nearest=0
+            )
+            dht.protocol.storage.store = drop
+            dht.protocol.storage.store_subkey = drop
+            sybils.append((p2p, dht))
+        a.result["sybils"] = len(sybils)
+        while time.monotonic() < a.until:
+            await asyncio.sleep(0.5)
+        a.result["stores_dropped"] = dropped[0]  # the run's nodes found us nearest to its keys
+    finally:
+        for p2p, dht in sybils:
+            await dht.shutdown()
+            await p2p.shutdown()
+
+
+async def crowd(a: Attacker) -> None:
+    """exhaust the honest replicas' stream slots: `--identities` identities (a p2pd each), each keeping 8
+    idle control streams open to every `--target`, opening a new one a second after one is closed, so that the
+    sealer's fetch of a replica's payload would find no slot and the replica would be left out."""
+    targets = [maddr.rsplit("/p2p/", 1)[1] for maddr in a.targets]
+    crowd = await asyncio.gather(
+        *(P2P.create(initial_peers=a.targets, host_maddrs=[LOOPBACK]) for _ in range(a.identities))
+    )
+    opened = [0]
+
+    async def hold(p2p: P2P, target: str) -> None:
+        while time.monotonic() < a.until:
+            try:
+                _, reader, writer = await asyncio.wait_for(
+                    p2p.call_binary_stream_handler(PeerID.from_base58(target), CONTROL_HANDLER), 5.0
+                )
+            except Exception:  # refused or not reachable now: try again
+                await asyncio.sleep(0.2)
+                continue
+            opened[0] += 1
+            with contextlib.suppress(Exception):  # idle: no request, until the target closes the stream
+                await asyncio.wait_for(reader.read(), max(0.1, a.until - time.monotonic()))
+            writer.close()
+            await asyncio.sleep(1.0)  # holding slots, not flooding: the rate limit is another test's
+
+    try:
+        await asyncio.gather(*(hold(p2p, t) for p2p in crowd for t in targets for _ in range(8)))
+    finally:
+        for p2p in crowd:
+            await p2p.shutdown()
+    a.result.update(identities=len(crowd), streams_opened=opened[0])
+
+
 ATTACKS = {
-    f.__name__: f for f in (overflow, ledger, hijack, records, exhaust, redirect, slow_author, liar_holder)
+    f.__name__: f
+    for f in (overflow, ledger, hijack, records, exhaust, redirect, slow_author, liar_holder, eclipse, crowd)
 }
 
 
@@ -347,6 +428,8 @@ async def main(args: argparse.Namespace) -> None:
         contact = await find_run(node, args.peer, 30.0, asyncio.Event())
         model = GlobalModel(contact.manifest.config)
         attacker = Attacker(node, contact.coordinator, model, args.seconds, f"attacker-{args.attack}")
+        attacker.peer_maddr = args.peer
+        attacker.targets, attacker.identities = args.target, args.identities
         await ATTACKS[args.attack](attacker)
         print("RESULT " + json.dumps(attacker.result), flush=True)
     finally:
@@ -358,4 +441,6 @@ if __name__ == "__main__":
     parser.add_argument("attack", choices=sorted(ATTACKS))
     parser.add_argument("--peer", required=True)
     parser.add_argument("--seconds", type=float, default=20.0)
+    parser.add_argument("--target", action="append", default=[], help="a peer's multiaddr (crowd)")
+    parser.add_argument("--identities", type=int, default=33, help="identities of a crowd")
     asyncio.run(main(parser.parse_args()))
