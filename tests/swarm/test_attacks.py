@@ -227,9 +227,9 @@ def seal_intervals(history: list[dict], after: int) -> list[float]:
 def test_stall_a_slow_author_holds_no_seal_hostage(live):
     swarm, boot, _ = live
     since = current_round(swarm)
-    before = statistics.median(seal_intervals(swarm.wait_for_round(since + 4, timeout=120), since))
+    before = statistics.median(seal_intervals(swarm.wait_for_round(since + 3, timeout=120), since))
     start = current_round(swarm)
-    result = attack(swarm, "slow_author", seconds=40.0)
+    result = attack(swarm, "slow_author", seconds=25.0)
     history = assert_whole(swarm, boot, start, attacker=result["peer_id"])
     assert result["announcements_accepted"] >= 1 and result.get("asked", 0) >= 1  # it was fetched
     attacked = [h for h in history if h["round"] > start and "contributors" in h]
@@ -246,9 +246,9 @@ def test_stall_a_slow_author_holds_no_seal_hostage(live):
 def test_eclipse_ten_chosen_id_dht_nodes_next_to_the_round_keys_do_not_stop_sealing(live):
     swarm, boot, _ = live
     since = current_round(swarm)
-    before = statistics.median(seal_intervals(swarm.wait_for_round(since + 4, timeout=120), since))
+    before = statistics.median(seal_intervals(swarm.wait_for_round(since + 3, timeout=120), since))
     start = current_round(swarm)
-    result = attack(swarm, "eclipse", seconds=40.0)
+    result = attack(swarm, "eclipse", seconds=25.0)
     assert result["sybils"] == 10 and result["stores_dropped"] > 0  # the DHT path ended with them
     history = assert_whole(swarm, boot, start)
     attacked = [h for h in history if h["round"] > start and "contributors" in h]
@@ -264,10 +264,10 @@ def test_eclipse_ten_chosen_id_dht_nodes_next_to_the_round_keys_do_not_stop_seal
 def test_crowd_33_identities_holding_idle_streams_do_not_choose_who_is_sealed(live):
     swarm, boot, _ = live
     since = current_round(swarm)
-    before = statistics.median(seal_intervals(swarm.wait_for_round(since + 4, timeout=120), since))
+    before = statistics.median(seal_intervals(swarm.wait_for_round(since + 3, timeout=120), since))
     start = current_round(swarm)
     targets = [arg for d in swarm.daemons if d.name in HONEST for arg in ("--target", d.maddr)]
-    result = attack(swarm, "crowd", seconds=40.0, extra=(*targets, "--identities", "33"))
+    result = attack(swarm, "crowd", seconds=25.0, extra=(*targets, "--identities", "33"))
     assert result["identities"] == 33 and result["streams_opened"] > 33 * 8 * 2  # they held and reopened
     history = assert_whole(swarm, boot, start)
     attacked = [h for h in history if h["round"] > start and "contributors" in h]
