@@ -24,7 +24,6 @@ import json
 import logging
 import os
 import pickle
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -45,7 +44,7 @@ from bootstrap.run_state import (
     shape_mismatch,
 )
 from hetnode.config import Config
-from hetnode.data.tokenizer import BpeTokenizer, Tokenizer
+from hetnode.data.tokenizer import BpeTokenizer, Tokenizer, atomic_write_text
 from hetnode.errors import CheckpointError, HetnodeError
 from hetnode.model.shards import layer_digests
 from hetnode.replica.checkpoint import (
@@ -266,15 +265,7 @@ def keep_tokenizer(root: Path, tokenizer: Tokenizer) -> Path | None:
         raise CheckpointError(f"tokenizer {tokenizer.name} is over {MAX_TOKENIZER_BYTES >> 20} MiB of JSON")
     if path.is_file() and path.read_text(encoding="utf-8") == text:
         return path
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    atomic_write_text(path, text)
     return path
 
 

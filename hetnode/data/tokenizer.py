@@ -107,7 +107,7 @@ class BpeTokenizer:
 
     def save(self, path: Path) -> None:
         """Write atomically: several peers on one machine may share the data dir."""
-        _atomic_write_text(path, self.to_json())
+        atomic_write_text(path, self.to_json())
         self.path = path
 
     def to_json(self) -> str:
@@ -164,7 +164,8 @@ def make_tokenizer(cfg: DataConfig, texts: Sequence[str], data_dir: Path) -> Tok
     return tok
 
 
-def _atomic_write_text(path: Path, text: str) -> None:
+def atomic_write_text(path: Path, text: str) -> None:
+    """Write `text` to `path` so that a reader finds the old file or the new one, whole."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
