@@ -120,7 +120,9 @@ class SealWaiter:
                 found = self._seal_in(await self.node.read_field("seal", latest=nudged and not told), allowed)
                 if found is None and told:
                     found = self._seal_in(await self.node.read_field("seal", latest=True), allowed)
-                if found is None and (told or polls % 4 == 0):
+                # directly only when the seal should be out (a nudge, the head) or the head is hidden too:
+                # not every waiting replica asking the coordinator for its seal every few polls
+                if found is None and (told or (sealed is None and polls % 4 == 0)):
                     found = self._seal_in(await self._direct_seals(allowed), allowed)
                 if found is not None:
                     return found
