@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Wheels for a GPU machine that can fetch nothing but has Python with CUDA torch, numpy, msgpack, uvloop,
-# tokenizers, tqdm, matplotlib, rich and prometheus-client (the device machines of this workplace; Python 3.12):
+# tokenizers, tqdm, matplotlib, rich and prometheus-client (a locked-down GPU node, e.g. Python 3.12):
 # the rest of what hetnode imports, pinned to the versions `make venv` installs here, saved in .whl/, where
 # benchmarks/gpu_check.sh finds and installs them into a scratch folder. Run it here, where pip reaches PyPI:
 #
