@@ -67,8 +67,8 @@ def test_an_anchor_and_a_chain_of_two_train_one_model(swarm):
     anchor_rounds = {r["round"]: r for r in read_rounds(swarm.tmp_path / "anchor")}
     anchor_round = next(iter(anchor_rounds.values()))
     assert anchor_round["role"] == "anchor" and anchor_round["tokens_per_s"] > 0
-    # a stage holds and fetches only its layers: for a round sealed with the whole chain in it (a seal may
-    # leave one stage out, a late one) it downloads about half of what the anchor fetches (the chain's payload)
+    # a stage holds and fetches only its layers: in a round sealed with the whole chain in it (a seal may
+    # leave a late stage out) it downloads about half of what the anchor fetches (the chain's payload)
     whole_chain = {entry["round"] for entry in with_chain(history)}
     compared = 0
     for edge in edges:
