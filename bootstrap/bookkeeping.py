@@ -96,6 +96,7 @@ def credit_rows(credits: Iterable[Contribution]) -> dict[str, dict[str, Any]]:
             "name": c.name,
             "role": c.role,
             "tokens": c.tokens,
+            "replica_tokens": c.trained,
             "steps": c.inner_steps,
             "bytes": c.bytes_sent,
         }
@@ -217,7 +218,9 @@ class Bookkeeper:
             if entry.get(EVALUATED) is not False or not isinstance(entry.get("credits"), dict):
                 continue
             credits = [
-                Contribution(peer, c["name"], c["role"], c["tokens"], c["steps"], c["bytes"])
+                Contribution(
+                    peer, c["name"], c["role"], c["tokens"], c["steps"], c["bytes"], c.get("replica_tokens")
+                )
                 for peer, c in entry["credits"].items()
             ]
             try:

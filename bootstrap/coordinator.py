@@ -32,7 +32,7 @@ from hetnode.net.identity import Identity, load_or_create_identity
 from hetnode.net.node import PeersUnreachable, SwarmNode
 from hetnode.net.records import new_peer_record
 from hetnode.service.datadir import DataDir
-from hetnode.service.http_server import DEFAULT_STATUS_PORT, HttpServer, Response
+from hetnode.service.http_server import DEFAULT_STATUS_PORT, HttpServer, Response, refuse_taken_port
 from hetnode.service.lifecycle import print_ready, sleep_or_stop, stop_on_signals, until_stopped
 from hetnode.service.limits import limits_of
 from hetnode.service.metrics import PeerMetrics
@@ -97,8 +97,10 @@ class Coordinator:
 
     async def run(self) -> int:
         stop = stop_on_signals()
+        o = self.options
+        refuse_taken_port(o.http_host, o.http_port, "--http-port")  # before p2pd, the model or the data dir
+        refuse_taken_port(o.http_host, o.metrics_port, "--metrics-port")
         with DataDir(self.options.data_dir) as data_dir:
-            o = self.options
             # every check reads only: a refused start leaves the data dir as it found it
             self._allowlist = read_allowlist(o.allowlist) if o.allowlist is not None else frozenset()
             if o.new_run:
@@ -256,10 +258,12 @@ class Coordinator:
         if o.http_port is not None:
             routes = board.routes() | CheckpointRoutes(checkpoints).routes()
             routes |= metrics_route if o.metrics_port is None else {}
-            servers["http"] = HttpServer(o.http_host, o.http_port, routes)
+            servers["http"] = HttpServer(o.http_host, o.http_port, routes, flag="--http-port")
         if o.metrics_port is not None:
             health = {"/healthz": board.routes()["/healthz"]}
-            servers["metrics"] = HttpServer(o.http_host, o.metrics_port, metrics_route | health)
+            servers["metrics"] = HttpServer(
+                o.http_host, o.metrics_port, metrics_route | health, flag="--metrics-port"
+            )
         return servers
 
     async def _keep_status(
@@ -363,4 +367,7 @@ def status_snapshot(
         ],
         "history": history,
         "samples": newest_samples(keeper.history),  # in the history: a restart keeps them
+        # `hetnode status --peer http://…` prints this (served at /api/swarm): the DHT query's document
+        "swarm": view.status_document(state["run"], int(state.get("round", -1)))
+        | {"coordinator": keeper.node.identity.peer_id, "config": config.run.name, "time": time.time()},
     }

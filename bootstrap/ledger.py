@@ -4,6 +4,12 @@ Credit is granted only for contributions in sealed rounds (DESIGN §3.5), so the
 once it is sealed and the leaderboard matches what each peer's own round log says. Rows are keyed by
 (round, peer) and written with `INSERT OR IGNORE`: replaying a round after a restart never double-counts.
 
+The credit rule (`credited_tokens`, stated for users in docs/observability.md, "Contribution credit"): a
+sealed contribution earns its replica's tokens by the manifest's schedule (H x batch x seq); a chain stage
+earns the part of its chain's tokens in proportion to the parameters of the shards it delivered, so a
+chain's stages together earn exactly one replica's tokens. Each row keeps both numbers: `tokens` (credited)
+and `replica_tokens` (what its replica trained: for a stage, the whole chain's tokens).
+
 The ledger defends itself whatever its caller passes (TRUST.md §1, §5):
 - every number written is an int (not a bool) in [0, MAX_COUNT]; a bad row refuses the whole round with a
   `LedgerError` naming the field and the peer;
@@ -29,7 +35,7 @@ import math
 import re
 import sqlite3
 import threading
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -41,7 +47,8 @@ from hetnode.errors import HetnodeError
 
 log = logging.getLogger(__name__)
 
-SCHEMA_VERSION = 2  # 2: verdicts (scores and rejections of contributions, TRUST §4)
+# 2: verdicts (scores and rejections of contributions, TRUST §4); 3: contributions.replica_tokens
+SCHEMA_VERSION = 3
 REASONS = ("stale", "copy", "norm", "score")  # why a contribution got no weight or credit
 MAX_VERDICTS_SHOWN = 200
 BUSY_TIMEOUT_S = 10.0
@@ -66,6 +73,7 @@ CREATE TABLE IF NOT EXISTS contributions (
     inner_steps INTEGER NOT NULL,
     bytes_sent INTEGER NOT NULL,
     sealed_at REAL NOT NULL,
+    replica_tokens INTEGER,
     PRIMARY KEY (round, peer)
 );
 CREATE INDEX IF NOT EXISTS contributions_by_peer ON contributions (peer, round);
@@ -97,15 +105,21 @@ def _credit(column: str) -> str:
     return f"CASE WHEN {_valid(column)} THEN {column} ELSE 0 END"
 
 
+# a row's replica tokens; rows written before schema 3 (NULL) held an anchor's or a stage's own tokens
+_REPLICA_TOKENS = (
+    f"CASE WHEN replica_tokens IS NULL THEN {_credit('tokens')} ELSE {_credit('replica_tokens')} END"
+)
 # Per-peer sums, with name and role taken from the peer's latest round (the row at MAX(round)).
 _STANDINGS = f"""
 WITH per_peer AS (
-    SELECT peer, total({_credit("tokens")}) AS tokens, COUNT(*) AS rounds,
+    SELECT peer, total({_credit("tokens")}) AS tokens, total({_REPLICA_TOKENS}) AS replica_tokens,
+           COUNT(*) AS rounds,
            total({_credit("inner_steps")}) AS inner_steps, total({_credit("bytes_sent")}) AS bytes_sent,
            MAX(round) AS last_round, MAX(sealed_at) AS last_seen
     FROM contributions GROUP BY peer
 )
-SELECT p.peer, c.name, c.role, p.tokens, p.rounds, p.inner_steps, p.bytes_sent, p.last_round, p.last_seen
+SELECT p.peer, c.name, c.role, p.tokens, p.replica_tokens, p.rounds, p.inner_steps, p.bytes_sent,
+       p.last_round, p.last_seen
 FROM per_peer AS p JOIN contributions AS c ON c.peer = p.peer AND c.round = p.last_round
 ORDER BY p.tokens DESC, c.name, p.peer
 """
@@ -128,7 +142,8 @@ class LedgerError(HetnodeError, ValueError):
 
 @dataclass(frozen=True)
 class Contribution:
-    """One peer's sealed contribution to one round."""
+    """One peer's sealed contribution to one round: `tokens` credited (`credited_tokens`), and
+    `replica_tokens` its replica trained (a stage: its chain's; None: the same as `tokens`, an anchor)."""
 
     peer: str
     name: str
@@ -136,6 +151,61 @@ class Contribution:
     tokens: int
     inner_steps: int
     bytes_sent: int
+    replica_tokens: int | None = None
+
+    @property
+    def trained(self) -> int:
+        return self.tokens if self.replica_tokens is None else self.replica_tokens
+
+
+def shard_tokens(schedule: int, sizes: Sequence[tuple[str, int]]) -> dict[str, int]:
+    """One replica's `schedule` tokens split over the model's shards, given in model order with their
+    parameter counts, in proportion to those counts. Integers by cumulative rounding, so the shares of any
+    set of shards never exceed `schedule` and the shares of all of them add up to exactly `schedule`."""
+    total = sum(max(0, size) for _, size in sizes)
+    if schedule < 0 or total <= 0:
+        raise LedgerError("schedule", f"cannot split {schedule} tokens over {total} parameters")
+    out, before = {}, 0
+    for shard, size in sizes:
+        after = before + max(0, size)
+        out[shard] = schedule * after // total - schedule * before // total
+        before = after
+    return out
+
+
+def credited_tokens(per_shard: Mapping[str, int], shards: Iterable[str]) -> int:
+    """THE credit rule for one sealed contribution: the tokens of the shards it delivered (`shard_tokens`).
+    An anchor delivers every shard and earns one replica's schedule; a chain's stages, whose shards
+    partition the model, earn exactly one replica's schedule between them, each in proportion to the
+    parameters it trained. Unknown shard names earn nothing (the seal admits only the model's)."""
+    return sum(per_shard.get(shard, 0) for shard in set(shards))
+
+
+def credit_round(
+    schedule: int,
+    sizes: Sequence[tuple[str, int]],
+    inner_steps: int,
+    contributions: Iterable[tuple[str, Mapping[str, bytes]]],
+    names: Mapping[str, str],
+) -> list[Contribution]:
+    """The ledger rows of one sealed round, from the protocol alone: `schedule` tokens per replica (H x
+    batch x seq), the model's shards in order with their parameter counts (`sizes`), and each sealed
+    contribution's payloads by shard. Claimed tokens and steps play no part; `names` (display names from
+    the peers' records) are advice and earn nothing."""
+    per_shard = shard_tokens(schedule, sizes)
+    whole = {shard for shard, _ in sizes}
+    return [
+        Contribution(
+            peer=peer,
+            name=names.get(peer) or peer[-8:],
+            role="anchor" if set(payloads) >= whole else "stage",
+            tokens=credited_tokens(per_shard, payloads),
+            inner_steps=inner_steps,
+            bytes_sent=sum(len(data) for data in payloads.values()),
+            replica_tokens=schedule,
+        )
+        for peer, payloads in contributions
+    ]
 
 
 @dataclass(frozen=True)
@@ -161,13 +231,15 @@ class PeerScore:
 
 @dataclass(frozen=True)
 class Standing:
-    """One peer's credit over all recorded rounds; `share` is its fraction of all tokens (0 when none)."""
+    """One peer's credit over all recorded rounds; `share` is its fraction of all credited tokens (0 when
+    none)."""
 
     peer: str
     name: str
     role: str
-    tokens: int
+    tokens: int  # credited
     share: float
+    replica_tokens: int  # what its replicas trained in those rounds (a stage: its chain's tokens)
     rounds: int
     inner_steps: int
     bytes_sent: int
@@ -314,6 +386,9 @@ class Ledger:
                 for statement in _SCHEMA.split(";"):  # not executescript, which would commit first
                     if statement.strip():
                         conn.execute(statement)
+                columns = {row[1] for row in conn.execute("PRAGMA table_info(contributions)")}
+                if "replica_tokens" not in columns:  # a ledger of schema 1 or 2: its rows read as NULL
+                    conn.execute("ALTER TABLE contributions ADD COLUMN replica_tokens INTEGER")
                 conn.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
                 conn.execute("COMMIT")
             except BaseException:
@@ -358,8 +433,8 @@ class Ledger:
             return 0
         return self._insert(
             "INSERT OR IGNORE INTO contributions "
-            "(round, peer, name, role, tokens, inner_steps, bytes_sent, sealed_at) "
-            "VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+            "(round, peer, name, role, tokens, inner_steps, bytes_sent, sealed_at, replica_tokens) "
+            "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
             rows,
         )
 
@@ -422,8 +497,8 @@ class Ledger:
         """Every peer's credit, by tokens (most first), then name, then peer id."""
         with self._reading() as conn:
             rows = conn.execute(_STANDINGS).fetchall()
-        # total() answers floats: tokens, inner_steps and bytes_sent back to ints (exact, module docstring)
-        rows = [(*r[:3], int(r[3]), r[4], int(r[5]), int(r[6]), *r[7:]) for r in rows]
+        # total() answers floats: the sums back to ints (exact, module docstring)
+        rows = [(*r[:3], int(r[3]), int(r[4]), r[5], int(r[6]), int(r[7]), *r[8:]) for r in rows]
         total = sum(r[3] for r in rows)
         return [Standing(*r[:4], r[3] / total if total > 0 else 0.0, *r[4:]) for r in rows]
 
@@ -435,7 +510,7 @@ class Ledger:
 
 def _validated_rows(
     round_: int, sealed_at: float, contributions: Sequence[Contribution]
-) -> list[tuple[int, str, str, str, int, int, int, float]]:
+) -> list[tuple[int, str, str, str, int, int, int, float, int]]:
     _check_int("round", round_, MAX_INT)
     if isinstance(sealed_at, bool) or not isinstance(sealed_at, int | float) or not math.isfinite(sealed_at):
         raise LedgerError("sealed_at", f"must be a finite number, got {sealed_at!r}")
@@ -451,9 +526,17 @@ def _validated_rows(
         seen.add(c.peer)
         for field in COUNT_FIELDS:
             _check_int(field, getattr(c, field), MAX_COUNT, c.peer, round_)
+        trained = c.trained
+        _check_int("replica_tokens", trained, MAX_COUNT, c.peer, round_)
+        if c.tokens > trained:
+            raise LedgerError(
+                "tokens", f"{c.tokens} credited is more than its replica's {trained} (round {round_})", c.peer
+            )
         name = _text("name", c.name, MAX_NAME_CHARS, c.peer)
         role = _text("role", c.role, MAX_ROLE_CHARS, c.peer)
-        rows.append((round_, c.peer, name, role, c.tokens, c.inner_steps, c.bytes_sent, float(sealed_at)))
+        rows.append(
+            (round_, c.peer, name, role, c.tokens, c.inner_steps, c.bytes_sent, float(sealed_at), trained)
+        )
     return rows
 
 

@@ -32,7 +32,7 @@ import torch
 from bootstrap.bookkeeping import Bookkeeper, RoundWork, credit_rows, snapshot
 from bootstrap.catch_up import CatchUp
 from bootstrap.checkpoint_store import Restored, checkpoints_root, store
-from bootstrap.ledger import Contribution, Ledger
+from bootstrap.ledger import Contribution, Ledger, credit_round
 from bootstrap.run_state import HISTORY
 from bootstrap.swarm_metrics import REPLICA_ROLES, SwarmMetrics
 from bootstrap.verifier import replica_of
@@ -339,27 +339,13 @@ class RoundKeeper:
 
     def credits(self, sealed: SealedRound, names: dict[str, str]) -> list[Contribution]:
         """The ledger rows of a sealed round, from the protocol: every contribution was validated, so its
-        shards are the model's; tokens and steps follow from the manifest's schedule and those shards.
-        `names` (display names from the peers' records) are advice: they earn nothing."""
-        schedule = replica_tokens(self.config)
+        shards are the model's; tokens and steps follow from the manifest's schedule and the parameters of
+        those shards (`bootstrap.ledger.credit_round`: a chain's tokens split over its stages in proportion
+        to the parameters each delivered). `names` are advice: they earn nothing."""
         order = shard_order(self.config.model.n_layers)
-        n = len(order)
-        credits = []
-        for peer, payloads in sealed.contributions:
-            # shards [first, first + count) of the model's order: a chain's stages cover [0, n) between them,
-            # so their integer shares telescope to exactly one replica's schedule
-            first, count = min(order.index(shard) for shard in payloads), len(payloads)
-            credits.append(
-                Contribution(
-                    peer=peer,
-                    name=names.get(peer) or peer[-8:],
-                    role="anchor" if count == n else "stage",
-                    tokens=schedule * (first + count) // n - schedule * first // n,
-                    inner_steps=self.config.outer.inner_steps,
-                    bytes_sent=sum(len(data) for data in payloads.values()),
-                )
-            )
-        return credits
+        sizes = [(shard, self.global_model.dense_bytes([shard]) // 4) for shard in order]
+        schedule, steps = replica_tokens(self.config), self.config.outer.inner_steps
+        return credit_round(schedule, sizes, steps, sealed.contributions, names)
 
     def _append_history(self, entry: dict[str, Any], durable: bool = False) -> None:
         """`durable`: on disk before this returns, power cut included (a seal line, ahead of its seal)."""

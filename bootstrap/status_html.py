@@ -22,6 +22,23 @@ from bootstrap.ledger import Standing, Verdict
 from hetnode.daemon.status import format_mbit
 
 HISTORY_ROWS = 20
+# the leaderboard's token columns: what the peer's replica trained, and the part of it credited to the peer
+LEADERBOARD_HEADERS = [
+    "#",
+    "name",
+    "role",
+    "replica tokens",
+    "credited tokens",
+    "share",
+    "rounds",
+    "score",
+    "last seen",
+]
+CREDIT_NOTE = (
+    "replica tokens: what the peer's replica trained in its sealed rounds (a chain stage: the whole "
+    "chain's). credited tokens: the peer's part of them (an anchor: all; a stage: in proportion to the "
+    "parameters it trains; docs/observability.md, Contribution credit). share: of all credited tokens."
+)
 REFRESH_S = 5
 
 _CSS = """
@@ -227,21 +244,22 @@ def render_page(
         ident += " · " + " ".join(f"<code>{_e(m)}</code>" for m in maddrs)
 
     leaderboard = _table(
-        ["#", "name", "tokens", "share", "rounds", "score", "role", "last seen"],
+        LEADERBOARD_HEADERS,
         [
             [(str(i), True), (f'<span title="{_e(s.peer)}">{_e(s.name or s.peer)}</span>', False)]
             + _cells(
+                (s.role, False),
+                (_fmt_int(s.replica_tokens), True),
                 (_fmt_int(s.tokens), True),
                 (f"{100 * s.share:.1f} %", True),
                 (_fmt_int(s.rounds), True),
                 (_fmt_float(scores.get(s.peer), 2), True),
-                (s.role, False),
                 (_ago(s.last_seen, now), False),
             )
             for i, s in enumerate(standings, 1)
         ],
         "No contributions credited yet.",
-    )
+    ) + (f'<p class="muted">{_e(CREDIT_NOTE)}</p>' if standings else "")
 
     def link(p: Mapping[str, Any]) -> str:
         return f"↑ {format_mbit(p.get('up_mbps'))} / ↓ {format_mbit(p.get('down_mbps'))} Mbit/s"

@@ -19,6 +19,11 @@ class DataError(HetnodeError):
     """A data source is missing, empty or cannot be decoded."""
 
 
+class DataConfigError(DataError):
+    """The run config's data section names what the data does not have (a path, a text column): mended
+    by editing the config, not by running again, so the CLI exits 2 for it, as for a ConfigError."""
+
+
 class CheckpointError(HetnodeError):
     """A checkpoint cannot be read or does not match the model it is loaded into."""
 
@@ -41,3 +46,7 @@ class WireError(HetnodeError):
 class UpdateRefused(HetnodeError):
     """A training update was refused before it changed anything: its gradients are not finite (or too
     large for the optimiser's arithmetic). Names the micro-batch; weights and optimiser are as they were."""
+
+
+class Stopped(HetnodeError):
+    """A stop signal arrived while the daemon was still starting."""

@@ -12,7 +12,7 @@ ALLOWED = {
     "model": {"algo"},
     "data": set(),
     "wire": {"algo"},
-    "training": {"algo", "model", "data"},
+    "training": {"algo", "model", "data", "replica"},  # a `hetnode train` run writes θ as checkpoints do
     "replica": {"algo", "model", "wire"},
     "sim": {"algo", "model", "data", "training", "wire", "planning"},
     "net": {"wire"},

@@ -9,15 +9,13 @@ order-dependent float accumulation). The aggregation rule bounds how far one ide
 from __future__ import annotations
 
 import math
-import typing
 from collections.abc import Sequence
-from typing import Literal
 
 import torch
 
+from hetnode.algo.aggregation_rules import AGGREGATION_RULES, AggregationRule  # names live apart: no torch
+
 SparseUpdate = tuple[torch.Tensor, torch.Tensor]  # (flat int64 indices, float32 values)
-AggregationRule = Literal["selectors", "mean", "pooled", "clip", "trimmed"]
-AGGREGATION_RULES: tuple[str, ...] = typing.get_args(AggregationRule)
 TRIM_FRACTION = 0.2  # "trimmed": b = max(1, ⌊0.2·N⌋) values dropped at each end of every coordinate (N ≥ 3)
 
 

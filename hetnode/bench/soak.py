@@ -37,7 +37,8 @@ from hetnode.bench.lab_process import HETNODE, LabProcess, stop_all
 from hetnode.bench.natlab import NatLab
 from hetnode.bench.netlab import NetLab
 from hetnode.bench.scale_lab import ONE_THREAD, kill_leftovers, read_rounds
-from hetnode.bench.wan import LinkProfile, describe, link_profile
+from hetnode.bench.soak_plan import SoakPlan
+from hetnode.bench.wan import describe
 from hetnode.config import Config, dump_config, replace
 from hetnode.errors import HetnodeError
 from hetnode.wire.round_history import merge_history
@@ -53,39 +54,6 @@ ROLE_CHANGE = r" live: stage |boundary \d+: role |: class \w+, role "  # hetnode
 LOG_TIME = "%H:%M:%S"
 NAT_ANCHOR, NAT_ROUTER = "anchor-nat", "home"  # a volunteer behind a masquerading home router
 LAB_NETWORK = {"heartbeat_s": 2.0, "record_ttl_s": 8.0, "stable_heartbeat_s": 8.0, "boundary_s": 4.0}
-
-
-@dataclass(frozen=True)
-class SoakPlan:
-    minutes: float = 60.0
-    anchors: int = 3  # anchor-1.. ; one more joins during the run
-    stage_peers: int = 3  # a chain of `stages` and spares that re-form it when a member dies
-    stages: int = 2
-    anchor_mbit: float = 100.0
-    stage_mbit: float = 20.0
-    inner_steps: int = 10
-    batch_size: int = 4
-    seq_len: int = 64
-    sample_every_s: float = 60.0
-    # hosts on WAN links (hetnode.bench.wan presets); the others are LAN links at their class's rate. The
-    # late anchor is on another continent (150 ms RTT, no other churn: its rounds are compared with the
-    # LAN anchors'); a spare stage is on an asymmetric home link.
-    wan: tuple[tuple[str, str], ...] = (("anchor-4", "far-fast"), ("stage-3", "home-cable"))
-    warmup_s: float = 180.0  # of each daemon's life, before its RSS and fds count toward a slope
-
-    def profile(self, name: str) -> LinkProfile:
-        """The link of lab host `name`."""
-        wan = dict(self.wan)
-        if name in wan:
-            return link_profile(wan[name])
-        if name == "coordinator":
-            return link_profile(None)
-        return link_profile(self.stage_mbit if name.startswith("stage") else self.anchor_mbit)
-
-    def names(self) -> tuple[list[str], list[str]]:
-        return [f"anchor-{i + 1}" for i in range(self.anchors)], [
-            f"stage-{i + 1}" for i in range(self.stage_peers)
-        ]
 
 
 @dataclass(frozen=True)

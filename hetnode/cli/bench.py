@@ -1,4 +1,7 @@
-"""`hetnode bench NAME`: side-by-side benchmarks that write JSON + PNG results."""
+"""`hetnode bench NAME`: side-by-side benchmarks that write JSON + PNG results.
+
+Parsers are built from light modules only (`hetnode --help` must not load torch or matplotlib); each
+handler imports its benchmark when it runs."""
 
 from __future__ import annotations
 
@@ -6,10 +9,8 @@ import argparse
 import dataclasses
 from pathlib import Path
 
-from hetnode.algo.aggregate import AGGREGATION_RULES
-from hetnode.bench import influence, network, scale, scale_calibrate, sparseloco, staleness, subspace
+from hetnode.algo.aggregation_rules import AGGREGATION_RULES
 from hetnode.cli import bench_soak, bench_utilization, bench_wan
-from hetnode.config import load_config
 from hetnode.errors import ConfigError
 
 CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs"
@@ -148,10 +149,14 @@ def register(commands: argparse._SubParsersAction) -> None:
 
 
 def _config(args: argparse.Namespace):
+    from hetnode.config import load_config
+
     return load_config(args.config or CONFIG_DIR / ("tiny.toml" if args.quick else "small.toml"))
 
 
 def run_network(args: argparse.Namespace) -> int:
+    from hetnode.bench import network
+
     plan = dataclasses.replace(network.plan_for(args.quick), slow_mbit=args.slow_mbit)
     report = network.run_benchmark(_config(args), plan, args.out, progress=not args.no_progress)
     t = report["targets"]
@@ -177,6 +182,9 @@ def run_network(args: argparse.Namespace) -> int:
 def run_scale(args: argparse.Namespace) -> int:
     if args.calibrate:
         return run_scale_calibration(args)
+    from hetnode.bench import scale
+    from hetnode.config import load_config
+
     plan = scale.plan_for(args.quick, args.anchor_share, args.prefetch)
     configs = {name: load_config(CONFIG_DIR / f"{name}.toml") for name in plan.configs}
     lab = load_config(CONFIG_DIR / "tiny.toml")  # the network lab's config, for the control-plane check
@@ -226,6 +234,9 @@ def run_scale(args: argparse.Namespace) -> int:
 
 
 def run_scale_calibration(args: argparse.Namespace) -> int:
+    from hetnode.bench import scale_calibrate
+    from hetnode.config import load_config
+
     config = load_config(args.config or CONFIG_DIR / "small.toml")
     plan = scale_calibrate.CalibrationPlan()
     if args.lab_mbit is not None:
@@ -256,6 +267,8 @@ def _names(text: str) -> tuple[str, ...]:
 
 
 def run_sparseloco(args: argparse.Namespace) -> int:
+    from hetnode.bench import sparseloco
+
     plan = sparseloco.plan_for(
         args.quick, args.steps, _names(args.methods), _names(args.aggregations), args.replicas, args.outer_lr
     )
@@ -275,6 +288,8 @@ def run_sparseloco(args: argparse.Namespace) -> int:
 
 
 def run_influence(args: argparse.Namespace) -> int:
+    from hetnode.bench import influence
+
     plan = influence.plan_for(args.quick, args.replicas, args.rounds)
     report = influence.run_influence(_config(args), plan, args.out, progress=not args.no_progress)
     ks = list(report["naive_share"])
@@ -289,6 +304,8 @@ def run_influence(args: argparse.Namespace) -> int:
 
 
 def run_subspace(args: argparse.Namespace) -> int:
+    from hetnode.bench import subspace
+
     only = tuple(name.strip() for name in args.runs.split(",") if name.strip())
     plan = subspace.plan_for(args.quick, args.steps, only)
     report = subspace.run_subspace(_config(args), plan, args.out, progress=not args.no_progress)
@@ -306,6 +323,8 @@ def run_subspace(args: argparse.Namespace) -> int:
 
 
 def run_staleness(args: argparse.Namespace) -> int:
+    from hetnode.bench import staleness
+
     if args.eval_every is not None and args.eval_every < 1:
         raise ConfigError("--eval-every", "bench staleness", f"must be at least 1, got {args.eval_every}")
     try:

@@ -6,9 +6,8 @@ import argparse
 import dataclasses
 from pathlib import Path
 
-from hetnode.bench import soak
+from hetnode.bench.soak_plan import SoakPlan
 from hetnode.bench.wan import PRESETS
-from hetnode.config import load_config
 from hetnode.errors import HetnodeError
 
 CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs"
@@ -27,7 +26,7 @@ def register(benches: argparse._SubParsersAction) -> None:
         default=None,
         metavar="HOST=PRESET",
         help="a lab host's link preset (hetnode.bench.wan.PRESETS), repeatable; default "
-        + ",".join(f"{h}={p}" for h, p in soak.SoakPlan().wan),
+        + ",".join(f"{h}={p}" for h, p in SoakPlan().wan),
     )
     parser.add_argument(
         "--rejudge",
@@ -39,6 +38,9 @@ def register(benches: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from hetnode.bench import soak  # the lab and matplotlib, only when a soak runs
+    from hetnode.config import load_config
+
     if args.rejudge:
         report = soak.rejudge(args.out)
         json_path, png_path = soak.write_report(report, args.out)
@@ -46,7 +48,7 @@ def run(args: argparse.Namespace) -> int:
         _summary(report)
         return 0
     config = load_config(args.config or CONFIG_DIR / "tiny.toml")
-    plan = soak.SoakPlan(minutes=args.minutes)
+    plan = SoakPlan(minutes=args.minutes)
     if args.wan is not None:
         plan = dataclasses.replace(plan, wan=tuple(_host_preset(item) for item in args.wan))
     report = soak.run_soak(config, plan, args.out, progress=not args.no_progress)

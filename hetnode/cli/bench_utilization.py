@@ -9,9 +9,6 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from hetnode.bench import utilization
-from hetnode.config import load_config
-
 CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs"
 
 
@@ -39,6 +36,9 @@ def register(benches: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from hetnode.bench import utilization  # the lab and matplotlib, only when the benchmark runs
+    from hetnode.config import load_config
+
     config = load_config(args.config or CONFIG_DIR / "tiny.toml")
     plan = utilization.plan_for(args.quick)
     if args.inner_steps is not None:

@@ -1,4 +1,8 @@
-"""`hetnode` entry point: parse the subcommand, set up logging once, map errors to exit codes."""
+"""`hetnode` entry point: parse the subcommand, set up logging once, map errors to exit codes.
+
+Every subcommand module registers its parser with light imports only (argparse, paths, constants) and
+imports torch, hivemind or matplotlib inside its handler, so `hetnode --help` answers at once
+(tests/cli/test_light_imports.py holds it)."""
 
 from __future__ import annotations
 
@@ -9,11 +13,10 @@ from collections.abc import Sequence
 
 from hetnode import __version__
 from hetnode.cli import bench, demo, swarm, train, use_model
-from hetnode.errors import ConfigError, HetnodeError, RefusedAnswer
-from hetnode.service.lifecycle import Stopped
+from hetnode.errors import ConfigError, DataConfigError, HetnodeError, RefusedAnswer, Stopped
 
 EXIT_ERROR = 1
-EXIT_USAGE = 2  # bad config or arguments, or an answer from a URL that asking again will not mend
+EXIT_USAGE = 2  # bad config, arguments or data config, or an answer from a URL asking again will not mend
 EXIT_INTERRUPTED = 130  # as a shell reports a command ended by Ctrl+C
 
 SUBCOMMANDS = (demo, train, bench, swarm, use_model)
@@ -56,6 +59,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return int(args.handler(args) or 0)
     except ConfigError as exc:
         print(f"hetnode: {config_error_text(exc)}", file=sys.stderr)
+        return EXIT_USAGE
+    except DataConfigError as exc:  # the data has no such column or path: edit the config, do not restart
+        print(f"hetnode: data config error: {exc}", file=sys.stderr)
         return EXIT_USAGE
     except RefusedAnswer as exc:  # `--from URL` answered with what no retry will mend: do not restart
         print(f"hetnode: {exc}", file=sys.stderr)

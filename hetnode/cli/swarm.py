@@ -1,4 +1,6 @@
-"""`hetnode bootstrap`, `hetnode join`, `hetnode status`: the swarm's three commands."""
+"""`hetnode bootstrap`, `hetnode join`, `hetnode status`: the swarm's three commands.
+
+Parsers use light modules only; each handler imports the daemon it runs (hivemind, torch) itself."""
 
 from __future__ import annotations
 
@@ -8,8 +10,7 @@ import socket
 import time
 from pathlib import Path
 
-from hetnode.errors import ConfigError
-from hetnode.net import loop
+from hetnode.errors import ConfigError, HetnodeError
 from hetnode.service.http_server import DEFAULT_STATUS_PORT
 from hetnode.training.faults import WORK_FAULTS
 
@@ -192,7 +193,7 @@ def register(commands: argparse._SubParsersAction) -> None:
 
 def run_bootstrap(args: argparse.Namespace) -> int:
     from bootstrap.coordinator import DEFAULT_LISTEN, BootstrapOptions, Coordinator
-    from hetnode.net.identity import check_peer_id
+    from hetnode.net import loop
     from hetnode.wire.manifest import PROTOCOL_VERSION
 
     if args.action == "token":
@@ -201,7 +202,7 @@ def run_bootstrap(args: argparse.Namespace) -> int:
         raise ConfigError("--config", "config", "the coordinator needs a run config, e.g. configs/tiny.toml")
     if args.resume and args.new_run:
         raise ConfigError("--resume", "resume", "goes on with the stored run, and --new-run begins another")
-    stand_ins = tuple(check_peer_id(peer, "--stand-in") for peer in args.stand_in)
+    stand_ins = tuple(peer_id_flag(peer, "--stand-in") for peer in args.stand_in)
     admission, allowlist = admission_mode(args.admit)
     options = BootstrapOptions(
         config_path=args.config,
@@ -220,6 +221,16 @@ def run_bootstrap(args: argparse.Namespace) -> int:
         resume=args.resume,
     )
     return loop.run(Coordinator(options).run())
+
+
+def peer_id_flag(text: str, flag: str) -> str:
+    """`text` if it is a peer id; else an argument error (exit 2) naming `flag`."""
+    from hetnode.net.identity import check_peer_id  # hivemind: only when the flag is given
+
+    try:
+        return check_peer_id(text, flag)
+    except HetnodeError as exc:
+        raise ConfigError(flag, flag.lstrip("-"), str(exc).removeprefix(f"{flag}: ")) from None
 
 
 def admission_mode(words: list[str]) -> tuple[str, Path | None]:
@@ -254,6 +265,7 @@ def run_join(args: argparse.Namespace) -> int:
     from hetnode.cli.device import check_device
     from hetnode.daemon.peer import JoinOptions, PeerDaemon
     from hetnode.daemon.peer_address import check_peer
+    from hetnode.net import loop
 
     check_peer(args.peer, "--connect-timeout")
     if not 0 < args.connect_timeout <= 86400:
@@ -278,11 +290,7 @@ def run_join(args: argparse.Namespace) -> int:
                 "--bandwidth", "bandwidth", f"must be above 0 and below 1000000 Mbit/s, got {args.bandwidth}"
             )
     check_device(args.device)
-    coordinator = None
-    if args.coordinator is not None:
-        from hetnode.net.identity import check_peer_id
-
-        coordinator = check_peer_id(args.coordinator, "--coordinator")
+    coordinator = None if args.coordinator is None else peer_id_flag(args.coordinator, "--coordinator")
     safe_name = "".join(c if c.isalnum() or c in "-_." else "_" for c in name)
     options = JoinOptions(
         peer=args.peer,
@@ -308,7 +316,8 @@ def run_join(args: argparse.Namespace) -> int:
 
 def run_status(args: argparse.Namespace) -> int:
     from hetnode.daemon.peer_address import check_peer
-    from hetnode.daemon.status import render_table
+    from hetnode.daemon.status_table import render_table
+    from hetnode.net import loop
 
     check_peer(args.peer, "--timeout")
     if not 0 < args.timeout <= 3600:
@@ -319,15 +328,23 @@ def run_status(args: argparse.Namespace) -> int:
 
 
 async def read_status(peer: str, timeout_s: float, listen: str) -> dict:
-    """The status document within about `timeout_s` (the URL's request and the DHT read share it); a
-    Ctrl+C or SIGTERM ends the wait at once (`Stopped`)."""
-    from hetnode.daemon.peer_address import resolve_peer
-    from hetnode.daemon.status import query_status
+    """The status document within about `timeout_s`; a Ctrl+C or SIGTERM ends the wait at once (`Stopped`).
+
+    A coordinator URL is asked for the document it serves (one request, no P2P daemon: hivemind is not
+    even imported); a multiaddr, or a coordinator too old to serve it, is read through the DHT, the URL's
+    request and the DHT read sharing the timeout."""
+    from hetnode.daemon.peer_address import is_url
+    from hetnode.daemon.status_http import read_served_status
     from hetnode.service.lifecycle import release_signals, stop_on_signals
 
     stop = stop_on_signals()
     try:
         started = time.monotonic()
+        if is_url(peer) and (served := await read_served_status(peer, timeout_s, stop)) is not None:
+            return served
+        from hetnode.daemon.peer_address import resolve_peer
+        from hetnode.daemon.status import query_status  # hivemind and torch: only for the DHT read
+
         # asked once: a status query does not wait for a coordinator to start, whichever form --peer takes
         maddr = await resolve_peer(peer, timeout_s, stop, retry=False, flag="--timeout")
         left = max(1.0, timeout_s - (time.monotonic() - started))

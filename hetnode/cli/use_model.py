@@ -9,20 +9,14 @@ import logging
 import math
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from hetnode.errors import ConfigError
 from hetnode.export.download import one_line
-from hetnode.export.hf import write_hf
-from hetnode.export.source import (
-    DEFAULT_MAX_BYTES,
-    DEFAULT_TIMEOUT_S,
-    Checkpoint,
-    load_global_model,
-    open_checkpoint,
-    run_tokenizer,
-)
-from hetnode.model.sampling import sample_tokens
-from hetnode.replica.global_model import base_fixed_embedding
+from hetnode.export.limits import DEFAULT_MAX_BYTES, DEFAULT_TIMEOUT_S
+
+if TYPE_CHECKING:  # torch comes in the handlers, so that `hetnode --help` does not wait for it
+    from hetnode.export.source import Checkpoint
 
 log = logging.getLogger(__name__)
 
@@ -56,7 +50,8 @@ def _source_flags(parser: argparse.ArgumentParser) -> None:
         dest="source",
         required=True,
         metavar="CHECKPOINT_OR_URL",
-        help="a checkpoint folder (or a folder of round-* checkpoints) or a coordinator URL http://host:port",
+        help="a checkpoint folder, a `hetnode train` run folder (runs/NAME), a coordinator's data dir (the "
+        "newest checkpoint in its checkpoints/), or a coordinator URL http://host:port",
     )
     parser.add_argument(
         "--tokenizer",
@@ -80,6 +75,8 @@ def _source_flags(parser: argparse.ArgumentParser) -> None:
 
 
 def _open(args: argparse.Namespace) -> Checkpoint:
+    from hetnode.export.source import open_checkpoint
+
     if not 0 < args.timeout <= MAX_TIMEOUT_S:  # NaN fails too
         raise ConfigError(
             "--timeout", "timeout", f"must be in (0, {MAX_TIMEOUT_S:.0f}] seconds, got {args.timeout}"
@@ -98,11 +95,15 @@ def _open(args: argparse.Namespace) -> Checkpoint:
     )
     m = checkpoint.manifest
     run = one_line(m.run or "?", 80)  # a coordinator's words: no escapes reach the terminal
-    log.info("checkpoint of run %s, θ after round %d, from %s", run, m.round, checkpoint.where)
+    log.info("checkpoint of run %s, %s, from %s", run, checkpoint.held(), checkpoint.where)
     return checkpoint
 
 
 def run_export(args: argparse.Namespace) -> int:
+    from hetnode.export.hf import write_hf
+    from hetnode.export.source import run_tokenizer
+    from hetnode.replica.global_model import base_fixed_embedding
+
     out: Path = args.out
     if out.exists() and not out.is_dir():
         raise ConfigError("--out", "out", f"{out} exists and is not a folder")
@@ -113,7 +114,7 @@ def run_export(args: argparse.Namespace) -> int:
     tokenizer = run_tokenizer(checkpoint, args.tokenizer)
     fixed = base_fixed_embedding(config)
     written = write_hf(out, checkpoint.params, config, fixed, tokenizer, checkpoint.provenance())
-    print(f"exported θ after round {checkpoint.manifest.round} ({tokenizer.name} tokenizer) to {out}:")
+    print(f"exported {checkpoint.held()} ({tokenizer.name} tokenizer) to {out}:")
     for path in written:
         print(f"  {path.name}")
     print(
@@ -127,6 +128,9 @@ def run_export(args: argparse.Namespace) -> int:
 
 
 def run_sample(args: argparse.Namespace) -> int:
+    from hetnode.export.source import load_global_model, run_tokenizer
+    from hetnode.model.sampling import sample_tokens
+
     if not 1 <= args.tokens <= MAX_TOKENS:
         raise ConfigError("--tokens", "tokens", f"must be in 1..{MAX_TOKENS}, got {args.tokens}")
     if not (math.isfinite(args.temperature) and args.temperature >= 0):
@@ -140,5 +144,5 @@ def run_sample(args: argparse.Namespace) -> int:
         raise ConfigError("--prompt", "prompt", f"{args.prompt!r} encodes to no tokens")
     model = load_global_model(checkpoint)
     ids = sample_tokens(model, prompt, args.tokens, args.temperature, args.seed, stop_id=tokenizer.eos_id)
-    sys.stdout.write(tokenizer.decode(ids) + "\n")
+    sys.stdout.write(args.prompt + tokenizer.decode(ids) + "\n")  # the prompt as given, then what follows
     return 0

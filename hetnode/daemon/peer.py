@@ -174,6 +174,7 @@ class PeerDaemon:
                 "/metrics": lambda: Response(metrics.exposition(), CONTENT_TYPE_LATEST),
                 "/healthz": self._health,
             },
+            flag="--metrics-port",
         )
         self._http.start()
         log.info("metrics on %s/metrics", self._http.url)

@@ -26,8 +26,7 @@ from collections.abc import Callable
 from typing import TypeVar
 from urllib.parse import SplitResult, urlsplit
 
-from hetnode.errors import HetnodeError
-from hetnode.net.identity import peer_id_from_maddr
+from hetnode.errors import ConfigError, HetnodeError
 from hetnode.service.http_server import DEFAULT_STATUS_PORT
 from hetnode.service.lifecycle import Stopped, sleep_or_stop, unless_stopped
 
@@ -50,34 +49,65 @@ def is_url(peer: str) -> bool:
 
 
 def check_url(peer: str) -> SplitResult:
-    """The parts of a coordinator URL, or an error that says what is wrong with it."""
+    """The parts of a coordinator URL, or an error (exit 2) that says what is wrong with it."""
     try:
         parts = urlsplit(peer)
         port = parts.port  # raises on a port that is not a number in range
     except ValueError as exc:
-        raise HetnodeError(f"--peer {peer!r}: {exc}; {URL_HINT}") from None
+        raise ConfigError("--peer", "peer", f"{peer!r}: {exc}; {URL_HINT}") from None
     if not parts.hostname:
-        raise HetnodeError(f"--peer {peer!r}: no host in the URL; {URL_HINT}")
+        raise ConfigError("--peer", "peer", f"{peer!r}: no host in the URL; {URL_HINT}")
     if port == 0:
-        raise HetnodeError(f"--peer {peer!r}: port 0 is not a port to connect to; {URL_HINT}")
+        raise ConfigError("--peer", "peer", f"{peer!r}: port 0 is not a port to connect to; {URL_HINT}")
     return parts
 
 
 def check_peer(peer: str, timeout_flag: str) -> str:
     """`--peer` checked before anything starts: a coordinator URL, or a multiaddr ending in /p2p/<peer id>.
-    The error shows both forms and the flag that says how long the command waits."""
+    The error (exit 2: an argument error) shows both forms and the flag that says how long the command
+    waits."""
     if is_url(peer):
         check_url(peer)
         return peer
+    if "://" in peer:  # a URL of another scheme: say which ones are read, not "no /p2p/ part"
+        raise ConfigError(
+            "--peer",
+            "peer",
+            f"{peer!r}: only http:// and https:// URLs are read; {URL_HINT}; or pass a multiaddr from the "
+            "coordinator's READY line (ending in /p2p/<peer id>)",
+        )
+    from hetnode.net.identity import peer_id_from_maddr  # hivemind: only for a multiaddr
+
     try:
         peer_id_from_maddr(peer)
     except HetnodeError as exc:
-        raise HetnodeError(
-            f"--peer: {exc}, or pass the coordinator's status URL instead, http://HOST:PORT with PORT its "
+        raise ConfigError(
+            "--peer",
+            "peer",
+            f"{exc}, or pass the coordinator's status URL instead, http://HOST:PORT with PORT its "
             f"--http-port (default {DEFAULT_STATUS_PORT}); {timeout_flag} sets how long to wait for it "
-            "to answer"
+            "to answer",
         ) from None
     return peer
+
+
+def another_peer_error(peer_maddr: str, given: str, actual: str) -> ConfigError:
+    """`--peer` names `given`, but `actual` answers at its address: an argument error (exit 2), at once,
+    since waiting cannot mend it. Both ids, the multiaddr that would reach who answers, and the URL form
+    (which always leads to the coordinator's current id)."""
+    address = peer_maddr.split("/p2p/")[0]
+    parts = address.split("/")
+    host = parts[2] if len(parts) > 2 else "HOST"
+    url_host = f"[{host}]" if ":" in host else host
+    return ConfigError(
+        "--peer",
+        "peer",
+        f"something answered at {address} with another peer id ({actual}), not {given}, the one you gave: "
+        "the coordinator was probably restarted with another --data-dir (a new key, so a new peer id). Use "
+        f"the new multiaddr printed in its READY line ({address}/p2p/{actual}, if that is the coordinator "
+        f"you mean), or its status URL http://{url_host}:PORT (PORT its --http-port, default "
+        f"{DEFAULT_STATUS_PORT}), which always leads to its current peer id",
+    )
 
 
 def maddr_from_status(status: object, host_ip: str) -> str:
@@ -95,12 +125,14 @@ def maddr_from_status(status: object, host_ip: str) -> str:
             if port.isdigit() and 0 < int(port) < 65536:
                 family = "ip6" if ipaddress.ip_address(host_ip).version == 6 else "ip4"
                 resolved = f"/{family}/{host_ip}/tcp/{int(port)}/p2p/{peer_id}"
+                from hetnode.net.identity import peer_id_from_maddr  # hivemind: only to dial the P2P port
+
                 peer_id_from_maddr(resolved)  # a bad peer id fails here, with the parser's error
                 return resolved
     raise HetnodeError(f"none of the coordinator's addresses has a TCP port: {maddrs!r:.200}")
 
 
-def _reason(exc: BaseException) -> str:
+def connect_reason(exc: BaseException) -> str:
     """Why a connection failed, in words a user can act on."""
     if isinstance(exc, ConnectionRefusedError):
         return "connection refused: nothing listens there (is the coordinator running, on that port?)"
@@ -111,7 +143,7 @@ def _reason(exc: BaseException) -> str:
     return getattr(exc, "strerror", None) or str(exc) or type(exc).__name__
 
 
-def _read_capped(response: http.client.HTTPResponse, url: str, deadline: float) -> bytes:
+def read_capped(response: http.client.HTTPResponse, url: str, deadline: float) -> bytes:
     length = response.headers.get("Content-Length", "")
     if length.isdigit() and int(length) > MAX_STATUS_BYTES:
         raise HetnodeError(f"{url} answered {length} bytes, more than {MAX_STATUS_BYTES}: not a coordinator")
@@ -133,7 +165,7 @@ def fetch_peer_address(parts: SplitResult, timeout_s: float) -> str:
     try:
         host_ip = socket.getaddrinfo(parts.hostname, None, proto=socket.IPPROTO_TCP)[0][4][0]
         with urllib.request.urlopen(url, timeout=timeout_s) as response:
-            body = _read_capped(response, url, deadline)
+            body = read_capped(response, url, deadline)
     except urllib.error.HTTPError as exc:
         if exc.code >= 500:  # a proxy in front of a coordinator still starting
             raise NotAnsweringYet(f"HTTP {exc.code} {exc.reason}") from None
@@ -142,9 +174,11 @@ def fetch_peer_address(parts: SplitResult, timeout_s: float) -> str:
         ) from None
     except urllib.error.URLError as exc:
         reason = exc.reason
-        raise NotAnsweringYet(_reason(reason) if isinstance(reason, BaseException) else str(reason)) from None
+        raise NotAnsweringYet(
+            connect_reason(reason) if isinstance(reason, BaseException) else str(reason)
+        ) from None
     except OSError as exc:  # refused, reset or timed out after the request was sent
-        raise NotAnsweringYet(_reason(exc)) from None
+        raise NotAnsweringYet(connect_reason(exc)) from None
     except http.client.HTTPException:  # e.g. the P2P port: it speaks multistream, not HTTP
         raise HetnodeError(
             f"{url} does not speak HTTP (is that the P2P port? pass its multiaddr instead); {URL_HINT}"
@@ -156,7 +190,7 @@ def fetch_peer_address(parts: SplitResult, timeout_s: float) -> str:
     return maddr_from_status(document, host_ip)
 
 
-async def _in_daemon_thread(work: Callable[[], T], timeout_s: float) -> T:
+async def in_daemon_thread(work: Callable[[], T], timeout_s: float) -> T:
     """`work()` in a daemon thread, awaited for at most `timeout_s` (then TimeoutError). Unlike
     `asyncio.to_thread`, an abandoned call is never joined: not by the loop's executor, not at exit."""
     loop = asyncio.get_running_loop()
@@ -198,7 +232,7 @@ async def resolve_peer(
         try:
             maddr = await unless_stopped(
                 stop,
-                _in_daemon_thread(functools.partial(fetch_peer_address, parts, budget), budget + 0.5),
+                in_daemon_thread(functools.partial(fetch_peer_address, parts, budget), budget + 0.5),
                 f"waiting for {url}",
             )
             log.info("coordinator at %s is %s", peer, maddr)

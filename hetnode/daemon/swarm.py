@@ -13,10 +13,12 @@ import time
 from dataclasses import dataclass
 
 from hetnode.config import Config, replace
+from hetnode.daemon.peer_address import another_peer_error
 from hetnode.errors import ConfigError, HetnodeError
 from hetnode.net.identity import Identity, peer_id_from_maddr
 from hetnode.net.node import DEFAULT_LIMITS, PeersUnreachable, SwarmNode
 from hetnode.net.streams import PeerRequestError
+from hetnode.net.who_answers import listener_at, other_peer_id_at
 from hetnode.service.lifecycle import Stopped, sleep_or_stop, unless_stopped
 from hetnode.wire.manifest import Manifest, manifest_from_envelope
 
@@ -108,8 +110,10 @@ async def start_when_reachable(
 ) -> SwarmNode | None:
     """Start our node bootstrapped from `peer_maddr`, retrying while that peer does not answer (it may be
     starting too, as in docker-compose). None when stopped first; an error naming the reason once
-    `timeout_s` has passed. `relay_service`, `relay_via`: as in `SwarmNode.start`."""
+    `timeout_s` has passed, or at once when another peer id answers at that address (waiting will not
+    change its key). `relay_service`, `relay_via`: as in `SwarmNode.start`."""
     deadline = time.monotonic() + timeout_s
+    asked_who = False
     while True:
         # one start may take long when the peer's packets are dropped (p2pd waits for its dial)
         attempt = SwarmNode.start(
@@ -128,14 +132,32 @@ async def start_when_reachable(
             return None
         except (PeersUnreachable, TimeoutError) as exc:
             reason = str(exc) if isinstance(exc, PeersUnreachable) else f"no answer in {budget:.0f} s"
+            if isinstance(exc, PeersUnreachable) and not asked_who:  # once: a listener that is up stays up
+                asked_who = True
+                try:
+                    await refuse_another_peer(peer_maddr, stop)
+                except Stopped:
+                    return None
             left = deadline - time.monotonic()
             if left < RETRY_S:  # no time for another attempt: a p2pd start takes a second or two
+                if isinstance(exc, PeersUnreachable) and not await listener_at(peer_maddr):
+                    where = peer_maddr.split("/p2p/")[0]
+                    reason = f"nothing answered at {where} (is it running, on that port?)"
                 raise HetnodeError(
                     f"cannot reach {peer_maddr} within {timeout_s:g} s (--connect-timeout): {reason}"
                 ) from None
             log.info("waiting for %s to answer (%s)", peer_maddr, reason)
         if await sleep_or_stop(stop, RETRY_S):
             return None
+
+
+async def refuse_another_peer(peer_maddr: str, stop: asyncio.Event) -> None:
+    """Raise the `--peer` error (exit 2) when a peer with another id than `peer_maddr`'s answers at its
+    address; return when nothing does, or the peer we were given does."""
+    given = peer_id_from_maddr(peer_maddr)
+    actual = await unless_stopped(stop, other_peer_id_at(peer_maddr, given), f"asking who is at {peer_maddr}")
+    if actual is not None:
+        raise another_peer_error(peer_maddr, given, actual)
 
 
 async def read_round(node: SwarmNode, coordinator: str) -> int | None:

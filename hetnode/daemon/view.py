@@ -183,7 +183,8 @@ class SwarmView:
             {"id": c.chain, "live": c.live, "stages": list(c.stages), "problem": c.problem}
             for c in self.chains()
         ]
-        return {"run": run, "round": round_, "peers": peers, "chains": chains}
+        # "round" kept as it was named first; "boundary_round" says what it counts (not a sync round)
+        return {"run": run, "round": round_, "boundary_round": round_, "peers": peers, "chains": chains}
 
 
 def _model_problem(record: dict[str, Any], shards: set[str], n_layers: int) -> str:

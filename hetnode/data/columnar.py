@@ -15,7 +15,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from hetnode.data.documents import Document, SkippedRows, file_stats
-from hetnode.errors import DataError
+from hetnode.errors import DataConfigError, DataError
 
 SUFFIXES = {"parquet": (".parquet",), "arrow": (".arrow", ".feather", ".ipc")}
 BATCH_ROWS = 1024
@@ -24,7 +24,7 @@ BATCH_ROWS = 1024
 def columnar_files(kind: str, path: Path) -> list[tuple[str, Path]]:
     """(relative name, file) of a source: a named file is read whatever its suffix, a folder by suffix."""
     if not path.exists():
-        raise DataError(f"{path}: {kind} source not found")
+        raise DataConfigError(f"{path}: {kind} source not found")
     if path.is_file():
         return [(path.name, path)]
     suffixes = SUFFIXES[kind]
@@ -62,7 +62,7 @@ def iter_columnar(kind: str, path: Path, column: str) -> Iterator[Document]:
 
 def _check_column(file: Path, schema: pa.Schema, column: str) -> None:
     if column not in schema.names:
-        raise DataError(
+        raise DataConfigError(
             f"{file}: no column {column!r} (columns: {', '.join(schema.names) or 'none'}); "
             "set data.text_column"
         )
@@ -70,7 +70,7 @@ def _check_column(file: Path, schema: pa.Schema, column: str) -> None:
     if pa.types.is_dictionary(kind):
         kind = kind.value_type
     if not (pa.types.is_string(kind) or pa.types.is_large_string(kind) or pa.types.is_string_view(kind)):
-        raise DataError(f"{file}: column {column!r} holds {kind}, not text; set data.text_column")
+        raise DataConfigError(f"{file}: column {column!r} holds {kind}, not text; set data.text_column")
 
 
 def _parquet_slices(file: Path, column: str) -> Iterator[list[str | None]]:

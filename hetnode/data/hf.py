@@ -14,7 +14,7 @@ from typing import Any
 
 from hetnode.config import DataConfig
 from hetnode.data.documents import Document, SkippedRows, file_stats
-from hetnode.errors import DataError
+from hetnode.errors import DataConfigError, DataError
 
 HF_PIP = "pip install 'hetnode[hf]'"
 # the packaged builder that reads a single local file, by suffix
@@ -88,7 +88,7 @@ def _rows(cfg: DataConfig, stream: Any) -> Iterator[Document]:
     names = stream.column_names
     if names is not None and column not in names:
         listed = ", ".join(names)
-        raise DataError(f"{cfg.source}: no column {column!r} (columns: {listed}); set data.text_column")
+        raise DataConfigError(f"{cfg.source}: no column {column!r} (columns: {listed}); set data.text_column")
     skipped = SkippedRows(cfg.source, column)
     rows = iter(stream)
     index = 0

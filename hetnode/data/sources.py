@@ -22,7 +22,7 @@ from hetnode.config import DataConfig
 from hetnode.data.columnar import columnar_identity, iter_columnar
 from hetnode.data.documents import Document, file_stats
 from hetnode.data.hf import hf_identity, iter_hf
-from hetnode.errors import DataError
+from hetnode.errors import DataConfigError, DataError
 
 __all__ = ["Document", "iter_documents", "load_documents", "parse_source", "source_identity"]
 
@@ -41,9 +41,9 @@ def parse_source(source: str) -> tuple[str, Path | None]:
     kind, sep, rest = source.partition(":")
     if sep and kind in (*PATH_KINDS, "hf"):
         if not rest:
-            raise DataError(f"data source {source!r} names no path")
+            raise DataConfigError(f"data source {source!r} names no path")
         return kind, None if kind == "hf" else Path(rest).expanduser()
-    raise DataError(f"unknown data source {source!r} (expected {SOURCE_FORMS})")
+    raise DataConfigError(f"unknown data source {source!r} (expected {SOURCE_FORMS})")
 
 
 def iter_documents(cfg: DataConfig, data_dir: Path) -> Iterator[Document]:

@@ -47,9 +47,10 @@ def plain_line(
     eta: float | None,
     earlier: Sequence[Mapping[str, Any]] = (),
 ) -> str:
-    """One line per sealed round, for logs: `round 3/8 (#2) contributors 4 ... ETA 40 s`. The coordinator
+    """One line per sealed round, for logs: `sealed 3/8 (round #2)  contributors 4 ... ETA 40 s`: the third
+    of eight sealed rounds is round number 2 (rounds count from 0, docs/glossary.md). The coordinator
     evaluates beside the next seals, so a round just sealed may have no eval loss yet: the line then shows
-    the newest one of the `earlier` rounds."""
+    the newest one of the `earlier` rounds (the demo's last line, `result_line`, has the final one)."""
     b = round_bytes(entry)
     loss = loss_text(entry.get("eval_loss"))
     if entry.get("eval_loss") is None:
@@ -57,7 +58,7 @@ def plain_line(
         if known is not None:
             loss += f" (#{known.get('round')}: {loss_text(known.get('eval_loss'))})"
     return (
-        f"round {sealed}/{total} (#{entry.get('round')})  contributors {contributor_count(entry)}  "
+        f"sealed {sealed}/{total} (round #{entry.get('round')})  contributors {contributor_count(entry)}  "
         f"tokens {entry.get('tokens') or 0:,}  eval loss {loss}  "
         f"bytes anchors {human_bytes(b.anchor)}, stages {human_bytes(b.stage)}, "
         f"dense fp32 {human_bytes(b.dense)} ({human_ratio(b.ratio)} smaller)  ETA {human_seconds(eta)}"
@@ -72,15 +73,18 @@ def render(
     elapsed_s: float,
     height: int = 40,
 ) -> RenderableType:
-    """The whole view for one refresh, sized to fit `height` lines; pure, so it is tested by printing it."""
+    """The whole view for one refresh, sized to fit `height` lines; pure, so it is tested by printing it.
+    Shows the first `total` sealed rounds at most: later ones are the report's "sealed while stopping"."""
     status = status or {}
+    history = list(history)[:total]
     peers = _dicts(status.get("peers"))
     chains = _dicts(status.get("chains"))
-    last = history[-1] if history else {}
+    known = next((e for e in reversed(history) if e.get("eval_loss") is not None), {})
+    loss = loss_text(known.get("eval_loss")) + (f" (#{known.get('round')})" if known else "")
     header = Text.assemble(
         ("hetnode demo", "bold"),
-        f"  round {len(history)}/{total}  ETA {human_seconds(eta_s(history, total))}",
-        f"  elapsed {human_seconds(elapsed_s)}  eval loss {loss_text(last.get('eval_loss'))}",
+        f"  sealed {len(history)}/{total}  ETA {human_seconds(eta_s(history, total))}",
+        f"  elapsed {human_seconds(elapsed_s)}  eval loss {loss}",
         f"  {len(peers)} peers",
     )
     if not status:
@@ -161,6 +165,8 @@ class LiveView:
             self._live = None
 
     def update(self, status: Mapping[str, Any] | None, history: Sequence[Mapping[str, Any]]) -> None:
+        """Show the first `total` sealed rounds of `history` (the demo watches no further)."""
+        history = list(history)[: self.total]
         if self._live is not None:
             elapsed = time.monotonic() - self._started
             self._live.update(render(status, history, self.total, self.url, elapsed, self.console.height))

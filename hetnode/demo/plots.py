@@ -79,14 +79,21 @@ def plot_bytes(summary: Mapping[str, Any], path: Path) -> None:
 
 
 def plot_contributions(summary: Mapping[str, Any], path: Path) -> None:
+    """Per peer: its replica's tokens (light) and the part credited to it (solid), labelled with its share
+    of all credited tokens, as the report's contributions table says (docs/observability.md,
+    Contribution credit)."""
     standings = [s for s in summary["contributions"] if s.get("share") is not None]
-    fig, ax = plt.subplots(figsize=(6.4, max(3.0, 0.45 * len(standings) + 1.5)))
+    fig, ax = plt.subplots(figsize=(6.4, max(3.0, 0.55 * len(standings) + 1.5)))
     if standings:
-        names = [str(s["name"]) for s in standings][::-1]
-        shares = [100 * float(s["share"]) for s in standings][::-1]
-        colors = ["tab:blue" if s.get("role") == "anchor" else "tab:green" for s in standings][::-1]
-        ax.barh(names, shares, color=colors)
-        ax.set_xlabel("share of credited tokens (%)")
+        rows = standings[::-1]
+        names = [str(s["name"]) for s in rows]
+        colors = ["tab:blue" if s.get("role") == "anchor" else "tab:green" for s in rows]
+        ax.barh(names, [s.get("replica_tokens") or 0 for s in rows], color=colors, alpha=0.25)
+        bars = ax.barh(names, [s.get("tokens") or 0 for s in rows], color=colors)
+        labels = [f"{100 * float(s['share']):.1f} %" for s in rows]
+        ax.bar_label(bars, labels=labels, padding=3, fontsize=8)
+        ax.set_xlabel("tokens: credited (solid) of its replica's (light); label: share of all credited")
+        ax.margins(x=0.15)
         ax.grid(alpha=0.3, axis="x")
     else:
         _empty(ax, "no contributions credited")

@@ -1,8 +1,15 @@
 """The demo's report: `summary.json` (machine-readable) and `report.md` (for people), built from what the run
 left behind, so a report is written even after a Ctrl+C or a failure, from whatever exists.
 
-`summarise` turns the collected data into the summary and `render_markdown` the summary into text; both are
-pure functions of their input and are tested on hand-made data. Plots are in `hetnode/demo/plots.py`.
+The results are the rounds sealed before the demo began to stop the swarm, at most the number requested:
+the swarm seals on while the demo checks digests and stops its peers, and those rounds are listed apart
+(`stopping_rounds`), never mixed into the results, the plots or the contributions. The demo prints
+`result_line(summary)` last and the report opens with it, so the terminal, `report.md` and `summary.json`
+tell the same numbers.
+
+`summarise` turns the collected data into the summary and `render_markdown` (`hetnode/demo/markdown.py`) the
+summary into text; both are pure functions of their input and are tested on hand-made data. Plots are in
+`hetnode/demo/plots.py`.
 """
 
 from __future__ import annotations
@@ -13,18 +20,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from hetnode.demo.credit import credit_standings
+from hetnode.demo.markdown import render_markdown, result_line, stopping_line
 from hetnode.demo.plots import PLOTS, write_plots
-from hetnode.demo.rounds import (
-    contributor_count,
-    human_bytes,
-    human_ratio,
-    human_seconds,
-    loss_text,
-    number,
-    round_bytes,
-    seconds_per_round,
-)
+from hetnode.demo.rounds import contributor_count, number, round_bytes, seconds_per_round, swarm_counts
 from hetnode.service.round_log import log_utilization
+
+__all__ = ["DemoRecord", "render_markdown", "result_line", "stopping_line", "summarise", "write_report"]
 
 
 @dataclass
@@ -43,10 +45,11 @@ class DemoRecord:
     processes: list[dict[str, Any]] = field(default_factory=list)  # DemoSwarm.describe()
     history: list[dict[str, Any]] = field(default_factory=list)  # the coordinator's rounds.jsonl
     chains: list[dict[str, Any]] = field(default_factory=list)  # {chain, members (names), live, first_seen}
-    contributions: dict[str, Any] | None = None  # GET /api/contributions
+    contributions: dict[str, Any] | None = None  # GET /api/contributions (the ledger, all rounds)
     digests: dict[str, Any] | None = None  # digests.compare_digests()
     round_logs: dict[str, list[dict[str, Any]]] = field(default_factory=dict)  # name -> rounds-local.jsonl
     leftovers: list[int] = field(default_factory=list)
+    stopping_at: float | None = None  # unix time the demo began to stop the swarm (None: never)
 
 
 def _rel(path: str | Path, out: Path) -> str:
@@ -60,40 +63,56 @@ def _mean(values: Sequence[float]) -> float | None:
     return sum(values) / len(values) if values else None
 
 
+def results_cut(history: Sequence[Mapping[str, Any]], requested: int, stopping_at: float | None) -> int:
+    """How many of the sealed rounds (`history` in round order) are the results: the first `requested` at
+    most, sealed before `stopping_at` (an entry without a seal time counts as before)."""
+    cut = 0
+    for entry in history[: max(0, requested)]:
+        sealed_at = number(entry.get("time"))
+        if stopping_at is not None and sealed_at is not None and sealed_at > stopping_at:
+            break
+        cut += 1
+    return cut
+
+
+def _round(entry: Mapping[str, Any], names: Mapping[str, str], stage_ids: set[str]) -> dict[str, Any]:
+    b = round_bytes(entry)
+    contributors = entry.get("contributors")
+    ids = contributors if isinstance(contributors, list) else []
+    return {
+        "round": entry.get("round"),
+        "contributors": contributor_count(entry),
+        "contributor_names": sorted(names.get(i, str(i)[-8:]) for i in ids),
+        "with_stages": bool(stage_ids & set(ids)),
+        "tokens": entry.get("tokens"),
+        "eval_loss": number(entry.get("eval_loss")),
+        "bytes": {"anchor": b.anchor, "stage": b.stage, "sparse": b.sparse, "dense": b.dense},
+        "ratio": b.ratio,
+        "time": entry.get("time"),
+    }
+
+
 def summarise(record: DemoRecord) -> dict[str, Any]:
     """The machine-readable summary (what `summary.json` holds)."""
     names = {p["peer_id"]: p["name"] for p in record.processes if p.get("peer_id")}
     stage_ids = {p["peer_id"] for p in record.processes if p.get("role") == "stage" and p.get("peer_id")}
-    rounds = []
-    for entry in sorted(record.history, key=lambda e: e.get("round", 0)):
-        b = round_bytes(entry)
-        contributors = entry.get("contributors")
-        ids = contributors if isinstance(contributors, list) else []
-        rounds.append(
-            {
-                "round": entry.get("round"),
-                "contributors": contributor_count(entry),
-                "contributor_names": sorted(names.get(i, str(i)[-8:]) for i in ids),
-                "with_stages": bool(stage_ids & set(ids)),
-                "tokens": entry.get("tokens"),
-                "eval_loss": number(entry.get("eval_loss")),
-                "bytes": {"anchor": b.anchor, "stage": b.stage, "sparse": b.sparse, "dense": b.dense},
-                "ratio": b.ratio,
-                "time": entry.get("time"),
-            }
-        )
+    history = sorted(record.history, key=lambda e: e.get("round", 0))
+    cut = results_cut(history, record.requested_rounds, record.stopping_at)
+    results, stopping = history[:cut], history[cut:]
+    rounds = [_round(entry, names, stage_ids) for entry in results]
     losses = [(r["round"], r["eval_loss"]) for r in rounds if r["eval_loss"] is not None]
     totals = {k: sum(r["bytes"][k] for r in rounds) for k in ("anchor", "stage", "sparse", "dense")}
     config = record.config
-    standings = (record.contributions or {}).get("standings")
-    keep = ("name", "peer", "role", "tokens", "share", "rounds", "bytes_sent")
+    stages = config.get("pipeline", {}).get("stages") or 1
+    ledger = record.contributions if isinstance(record.contributions, Mapping) else {}
     return {
         "outcome": record.outcome,
         "error": record.error,
         "requested_rounds": record.requested_rounds,
         "sealed_rounds": len(rounds),
+        "sealed_rounds_in_all": len(history),
         "wall_s": round(record.wall_s, 1),
-        "seconds_per_round": seconds_per_round(record.history),
+        "seconds_per_round": seconds_per_round(results),
         "status_url": record.status_url,
         "shaped": record.shaped,
         "config": {
@@ -105,32 +124,40 @@ def summarise(record: DemoRecord) -> dict[str, Any]:
             "stages": config.get("pipeline", {}).get("stages"),
             "compression": config.get("pipeline", {}).get("compression"),
         },
+        # replicas = anchors + chains (a chain is one replica); peers = the daemons beside the coordinator
+        "swarm": swarm_counts([str(p.get("role")) for p in record.processes], stages),
         "processes": [p | {"log": _rel(p["log"], record.out)} for p in record.processes],
         "chains": record.chains,
         "first_stage_round": next((r["round"] for r in rounds if r["with_stages"]), None),
         "rounds": rounds,
+        "stopping_rounds": [_round(entry, names, stage_ids) for entry in stopping],
         "eval_loss": [r["eval_loss"] for r in rounds],
         "loss_start": losses[0][1] if losses else None,
         "loss_end": losses[-1][1] if losses else None,
         "digests_agree": record.digests["agree"] if record.digests else None,
         "digests": record.digests,
-        "contributions": [{k: s.get(k) for k in keep} for s in standings or [] if isinstance(s, Mapping)],
+        # the ledger's credit over the results' rounds (docs/observability.md, Contribution credit)
+        "contributions": credit_standings(results, names),
+        "ledger": {"total_tokens": ledger.get("total_tokens"), "rounds": ledger.get("rounds")},
         "bytes": {
             "total": totals,
             "mean_per_round": {k: (v / len(rounds) if rounds else None) for k, v in totals.items()},
             "ratio": totals["dense"] / totals["sparse"] if totals["sparse"] and totals["dense"] else None,
         },
-        "peer_traffic": _traffic(record.round_logs, record.processes),
+        "peer_traffic": _traffic(record.round_logs, record.processes, rounds[-1]["round"] if rounds else -1),
         "leftovers": record.leftovers,
         "plots": dict(PLOTS),
     }
 
 
-def _traffic(logs: Mapping[str, list[dict[str, Any]]], processes: list[dict[str, Any]]) -> list[dict]:
-    """Per peer, from its own round log: what its rounds cost it."""
+def _traffic(
+    logs: Mapping[str, list[dict[str, Any]]], processes: list[dict[str, Any]], last_round: int
+) -> list[dict]:
+    """Per peer, from its own round log: what its rounds up to `last_round` (the results') cost it."""
     roles = {p["name"]: p.get("role") for p in processes}
     rows = []
-    for name, entries in sorted(logs.items()):
+    for name, logged in sorted(logs.items()):
+        entries = [e for e in logged if isinstance(e.get("round"), int) and e["round"] <= last_round]
         rows.append(
             {
                 "name": name,
@@ -150,246 +177,11 @@ def _traffic(logs: Mapping[str, list[dict[str, Any]]], processes: list[dict[str,
     return rows
 
 
-# -- markdown ------------------------------------------------------------------------------------------
-
-
-def cell(value: Any) -> str:
-    """A table cell: only what would break the table is escaped (a pipe, a backslash, a line break)."""
-    text = "–" if value is None else str(value)
-    return " ".join(text.replace("\\", "\\\\").replace("|", "\\|").split())
-
-
-def table(headers: Sequence[str], rows: Sequence[Sequence[Any]], align: str = "") -> str:
-    """A GitHub-flavoured markdown table; `align` holds one of 'l'/'r' per column (default left)."""
-    marks = ["---:" if (align[i : i + 1] == "r") else "---" for i in range(len(headers))]
-    lines = ["| " + " | ".join(cell(h) for h in headers) + " |", "| " + " | ".join(marks) + " |"]
-    lines += ["| " + " | ".join(cell(v) for v in row) + " |" for row in rows]
-    return "\n".join(lines)
-
-
-def narrative(summary: Mapping[str, Any]) -> str:
-    """The 'what happened' paragraph, written from the data only."""
-    n, pace = summary["sealed_rounds"], summary["seconds_per_round"]
-    peers = [p for p in summary["processes"] if p["role"] != "coordinator"]
-    anchors = sum(p["role"] == "anchor" for p in peers)
-    edges = len(peers) - anchors
-    said = [f"{anchors} anchor(s) and {edges} edge peer(s) joined a coordinator."]
-    how = {"finished": "The swarm sealed", "interrupted": "Interrupted, the swarm had sealed"}
-    line = f"{how.get(summary['outcome'], 'The run failed after the swarm sealed')} {n} rounds "
-    line += f"({summary['requested_rounds']} requested) in {human_seconds(summary['wall_s'])}"
-    said.append(line + (f", one every {pace:.1f} s." if pace else "."))
-    if summary.get("error"):
-        said.append(f"Error: {summary['error'].splitlines()[0]}")
-    first = summary["first_stage_round"]
-    if first is not None:
-        live = [c for c in summary["chains"] if c.get("members")]
-        which = f" ({', '.join(live[0]['members'])})" if live else ""
-        said.append(f"The chain{which} formed and first contributed in round {first}.")
-    elif edges:
-        said.append("No chain contributed to a sealed round.")
-    rounds = [r for r in summary["rounds"] if r["eval_loss"] is not None]
-    if len(rounds) >= 2:
-        a, b = rounds[0], rounds[-1]
-        verb = "fell" if b["eval_loss"] < a["eval_loss"] else "did not fall"
-        said.append(
-            f"Eval loss {verb} from {a['eval_loss']:.3f} (round {a['round']}) to {b['eval_loss']:.3f} "
-            f"(round {b['round']})."
-        )
-    elif rounds:
-        said.append(f"Eval loss after round {rounds[0]['round']}: {rounds[0]['eval_loss']:.3f}.")
-    mean = summary["bytes"]["mean_per_round"]
-    if mean["sparse"]:
-        said.append(
-            f"A round moved {human_bytes(mean['sparse'])} of SparseLoCo payloads on average (anchors "
-            f"{human_bytes(mean['anchor'])}, stages {human_bytes(mean['stage'])}) where dense fp32 would "
-            f"have moved {human_bytes(mean['dense'])}: {human_ratio(summary['bytes']['ratio'])} less."
-        )
-    digests = summary["digests"]
-    if digests is None:
-        said.append("Layer digests were not checked (the run did not finish).")
-    elif digests["agree"]:
-        held = ", ".join(str(r) for r in digests["rounds"])
-        said.append(
-            f"All {len(digests['peers'])} replicas published the coordinator's layer digests for the "
-            f"round they held ({held}): one model, bit for bit."
-        )
-    else:
-        bad = [f"{p['name']} ({p['reason']})" for p in digests["peers"] if not p["agree"]]
-        said.append("Layer digests did not all agree: " + "; ".join(bad) + ".")
-    if summary["contributions"]:
-        top = summary["contributions"][0]
-        said.append(
-            f"{top['name']} earned the largest share of credited tokens ({100 * top['share']:.1f} %)."
-        )
-    if summary["leftovers"]:
-        said.append(f"{len(summary['leftovers'])} process(es) outlived their daemon and were killed.")
-    return " ".join(said)
-
-
-def render_markdown(summary: Mapping[str, Any]) -> str:
-    c = summary["config"]
-    net = (
-        "each process in its own network namespace; edges shaped with tc"
-        if summary["shaped"]
-        else "loopback; the edges' link speeds are only declared"
-    )
-    parts = [
-        "# hetnode demo",
-        "",
-        f"**{summary['outcome']}**: {summary['sealed_rounds']} rounds sealed "
-        f"({summary['requested_rounds']} requested) in {human_seconds(summary['wall_s'])}.",
-        "",
-        "## What happened",
-        "",
-        narrative(summary),
-        "",
-        "## What ran",
-        "",
-        f"- config: `{c['path']}` (run `{c['run']}`: d_model {c['d_model']}, {c['n_layers']} layers, "
-        f"H = {c['inner_steps']} inner steps per round, chains of {c['stages']} stages, activation "
-        f"compression `{c['compression']}`)",
-        f"- network: {net}",
-        f"- status page (gone with the coordinator): {summary['status_url'] or '–'}",
-        "",
-        table(
-            ["process", "role", "link", "peer id", "exit code"],
-            [
-                [
-                    p["name"],
-                    p["role"],
-                    _link(p),
-                    p.get("peer_id"),
-                    p.get("exit_code"),
-                ]
-                for p in summary["processes"]
-            ],
-        ),
-        "",
-    ]
-    if summary["chains"]:
-        chains = [
-            [
-                ch.get("chain"),
-                ", ".join(ch.get("members") or []),
-                "yes" if ch.get("live") else "no",
-                ch.get("first_seen"),
-            ]
-            for ch in summary["chains"]
-        ]
-        parts += [table(["chain", "members", "live when last seen", "first seen at round"], chains), ""]
-    parts += ["## Rounds", ""]
-    rows = [
-        [
-            r["round"],
-            f"{r['contributors']} ({', '.join(r['contributor_names'])})"
-            if r["contributor_names"]
-            else r["contributors"],
-            f"{r['tokens'] or 0:,}",
-            loss_text(r["eval_loss"]),
-            human_bytes(r["bytes"]["anchor"]),
-            human_bytes(r["bytes"]["stage"]),
-            human_bytes(r["bytes"]["dense"]),
-            human_ratio(r["ratio"]),
-        ]
-        for r in summary["rounds"]
-    ]
-    headers = ["round", "contributors", "tokens", "eval loss", "anchors", "stages", "dense fp32", "smaller"]
-    parts += [table(headers, rows, "rlrrrrrr") if rows else "No round was sealed.", ""]
-    parts += [
-        f"Eval loss: {loss_text(summary['loss_start'])} at the start, {loss_text(summary['loss_end'])} "
-        "at the end.",
-        "",
-    ]
-    parts += ["## Digest agreement", "", _digests_text(summary["digests"]), ""]
-    parts += ["## Contributions", ""]
-    standings = [
-        [i, s["name"], s["role"], f"{s['tokens'] or 0:,}", f"{100 * (s['share'] or 0):.1f} %", s["rounds"]]
-        for i, s in enumerate(summary["contributions"], 1)
-    ]
-    parts += [
-        table(["#", "name", "role", "tokens", "share", "rounds"], standings, "rllrrr")
-        if standings
-        else "No contributions credited (or the coordinator's ledger could not be read).",
-        "",
-    ]
-    b = summary["bytes"]
-    parts += ["## Bytes per round, by replica class", ""]
-    labels = {"anchor": "anchors", "stage": "chain stages", "sparse": "all SparseLoCo", "dense": "dense fp32"}
-    parts += [
-        table(
-            ["class", "mean per round", "total"],
-            [[labels[k], human_bytes(b["mean_per_round"][k]), human_bytes(b["total"][k])] for k in labels],
-            "lrr",
-        ),
-        "",
-        f"Dense fp32 / SparseLoCo: {human_ratio(b['ratio'])}.",
-        "",
-    ]
-    if summary["peer_traffic"]:
-        traffic = [
-            [
-                t["name"],
-                t["role"],
-                f"{t['included']}/{t['rounds']}",
-                f"{t['tokens']:,}",
-                human_bytes(t["upload_bytes"]),
-                human_bytes(t["download_bytes"]),
-                human_bytes(t["activation_bytes_sent"]),
-                _percent(t.get("compute_utilization")),
-            ]
-            for t in summary["peer_traffic"]
-        ]
-        headers = [
-            "peer",
-            "role",
-            "rounds in seal",
-            "tokens",
-            "payload up",
-            "sealed down",
-            "activations sent",
-            "compute utilisation",
-        ]
-        parts += ["## Each peer's own round log", "", table(headers, traffic, "llrrrrrr"), ""]
-        parts += [
-            "Compute utilisation: seconds in inner steps over wall seconds, from the first round's first "
-            "inner step to the last round's announcement.",
-            "",
-        ]
-    parts += ["## Plots", ""]
-    parts += [f"- [{name}]({path})" for name, path in summary["plots"].items()]
-    parts += ["", "## Logs", ""]
-    parts += [f"- {p['name']}: [{p['log']}]({p['log']})" for p in summary["processes"]]
-    return "\n".join(parts) + "\n"
-
-
-def _percent(share: float | None) -> str:
-    return "–" if share is None else f"{100 * share:.0f} %"
-
-
-def _link(process: Mapping[str, Any]) -> str:
-    rate = process.get("bandwidth_mbit")
-    if rate is None:
-        return "–"
-    shaped = process.get("shaped") and process.get("role") == "stage"
-    return f"{rate:g} Mbit/s" + (" (tc)" if shaped else " (declared)")
-
-
-def _digests_text(digests: Mapping[str, Any] | None) -> str:
-    if digests is None:
-        return "Not checked: the digests are compared only after a run that finished."
-    verdict = "Every replica agrees" if digests["agree"] else "**Disagreement**"
-    rows = [
-        [p["name"], p["params_round"], "yes" if p["agree"] else "no", p["reason"] or ""]
-        for p in digests["peers"]
-    ]
-    head = f"{verdict} with the coordinator's history (rounds held: {digests['rounds'] or '–'})."
-    return head + "\n\n" + table(["replica", "round held", "equal digests", "why not"], rows, "lrll")
-
-
-def write_report(record: DemoRecord) -> Path:
-    """summary.json, the plots and report.md in `record.out`; returns the report's path."""
+def write_report(record: DemoRecord, summary: dict[str, Any] | None = None) -> Path:
+    """summary.json, the plots and report.md in `record.out` (`summary`: `summarise(record)`, if the caller
+    has it already); returns the report's path."""
     record.out.mkdir(parents=True, exist_ok=True)
-    summary = summarise(record)
+    summary = summarise(record) if summary is None else summary
     (record.out / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
     write_plots(summary, record.out)
     path = record.out / "report.md"

@@ -97,3 +97,36 @@ def human_ratio(value: float | None) -> str:
 def loss_text(value: Any) -> str:
     x = number(value)
     return "–" if x is None else f"{x:.3f}"
+
+
+def swarm_counts(roles: Sequence[str], stages: int) -> dict[str, int]:
+    """Peers and replicas from the peers' roles ("anchor" or "stage"; others are not peers of the swarm).
+    A chain of `stages` stage peers is one replica (docs/glossary.md): replicas = anchors + chains."""
+    anchors = sum(role == "anchor" for role in roles)
+    edges = sum(role == "stage" for role in roles)
+    chains = -(-edges // max(1, stages))
+    return {
+        "peers": anchors + edges,
+        "anchors": anchors,
+        "edges": edges,
+        "chains": chains,
+        "replicas": anchors + chains,
+    }
+
+
+def _n(count: int, word: str) -> str:
+    return f"{count} {word}" + ("" if count == 1 else "s")
+
+
+def replicas_text(counts: Mapping[str, int]) -> str:
+    """`3 replicas (2 anchors + 1 chain)`."""
+    parts = [_n(counts["anchors"], "anchor")] if counts["anchors"] else []
+    parts += [_n(counts["chains"], "chain")] if counts["chains"] else []
+    return f"{_n(counts['replicas'], 'replica')} ({' + '.join(parts) or 'none'})"
+
+
+def span_text(rounds: Sequence[Any]) -> str:
+    """`#0–#7` for sealed round numbers in order, `#3` for one, `–` for none."""
+    if not rounds:
+        return "–"
+    return f"#{rounds[0]}" if len(rounds) == 1 else f"#{rounds[0]}–#{rounds[-1]}"

@@ -24,7 +24,8 @@ from hetnode.config import Config, dump_config, load_config, replace
 from hetnode.demo.digests import compare_digests, hold_round
 from hetnode.demo.live import LiveView
 from hetnode.demo.plots import PLOTS
-from hetnode.demo.report import DemoRecord, write_report
+from hetnode.demo.report import DemoRecord, result_line, stopping_line, summarise, write_report
+from hetnode.demo.rounds import replicas_text, swarm_counts
 from hetnode.demo.swarm import COORDINATOR, DemoSwarm, Interrupted, SwarmPlan, read_jsonl
 from hetnode.errors import ConfigError, HetnodeError
 from hetnode.service.round_log import ROUND_LOG
@@ -135,10 +136,12 @@ def run_demo(options: DemoOptions) -> int:
             print(f"status page: {swarm.status_where()}   (Ctrl+C stops the demo)", flush=True)
             outcome = watch(swarm, options.rounds, chains)
             if outcome == "finished":
-                print("checking that every replica holds the coordinator's θ (layer digests)...", flush=True)
+                print("checking that every peer holds the coordinator's θ (layer digests)...", flush=True)
                 digests = check_digests(swarm)
                 outcome = "interrupted" if stop.is_set() else outcome
-                print(digest_line(digests), flush=True)
+                print(
+                    digest_line(digests, swarm_counts([m.role for m in plan.members()], stages)), flush=True
+                )
                 wait_for_evaluation(swarm, options.rounds)
         except Interrupted:
             outcome = "interrupted"
@@ -146,6 +149,7 @@ def run_demo(options: DemoOptions) -> int:
             outcome, error = "failed", str(exc)
             print(f"hetnode demo: {exc}", flush=True)
         finally:
+            stopping_at = time.time()  # rounds sealed from now on are not the results
             print("stopping the peers, then the coordinator...", flush=True)
             swarm.stop_peers()
             contributions = swarm.fetch("/api/contributions")
@@ -168,8 +172,14 @@ def run_demo(options: DemoOptions) -> int:
                 digests=digests,
                 round_logs={p.name: read_jsonl(swarm.work / p.name / ROUND_LOG) for p in swarm.peers},
                 leftovers=swarm.leftovers,
+                stopping_at=stopping_at,
             )
-            report = write_report(record)
+            summary = summarise(record)  # what report.md and summary.json say, said last here too
+            report = write_report(record, summary)
+            print(result_line(summary), flush=True)
+            extra = stopping_line(summary)
+            if extra:
+                print(extra, flush=True)
             print(f"report: {report} (summary.json and plots beside it)", flush=True)
     return EXIT_CODES[outcome]
 
@@ -190,6 +200,7 @@ def watch(swarm: DemoSwarm, total: int, chains: dict[str, dict[str, Any]]) -> st
                 tail = swarm.coordinator.tail(10) if swarm.coordinator else ""
                 raise HetnodeError(f"the coordinator exited with code {code}:\n{tail}")
             if swarm.stop.wait(1.0):
+                view.update(status, swarm.history())  # the rounds sealed until the signal
                 return "interrupted"
 
 
@@ -244,11 +255,15 @@ def check_digests(swarm: DemoSwarm) -> dict[str, Any] | None:
     return compare_digests((document or {}).get("peers") or [], swarm.history(), expected)
 
 
-def digest_line(digests: dict[str, Any] | None) -> str:
+def digest_line(digests: dict[str, Any] | None, counts: dict[str, int]) -> str:
+    """`counts`: `rounds.swarm_counts` of the swarm started (a chain of stages is one replica)."""
     if digests is None:
         return "digests: not checked (interrupted)"
     if digests["agree"]:
         held = ", ".join(str(r) for r in digests["rounds"])
-        return f"digests: all {len(digests['peers'])} replicas equal the coordinator's at round {held}"
+        return (
+            f"digests: all {len(digests['peers'])} peers of the {replicas_text(counts)} equal the "
+            f"coordinator's at round {held}"
+        )
     bad = ", ".join(f"{p['name']} ({p['reason']})" for p in digests["peers"] if not p["agree"])
     return f"digests: DISAGREE: {bad}"

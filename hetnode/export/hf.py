@@ -21,7 +21,6 @@ from hetnode.config import Config, ModelConfig
 from hetnode.data.tokenizer import Tokenizer
 from hetnode.errors import CheckpointError, DataError
 from hetnode.export.hf_tokenizer import write_tokenizer_files
-from hetnode.model.decoder import parameter_shapes
 
 WEIGHTS = "model.safetensors"
 # (hetnode name inside block i, HF name inside model.layers.i)
@@ -38,9 +37,25 @@ BLOCK_MAP = (
 )
 
 
+def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Every tensor of the whole model and its shape, from the config alone: the names this mapping reads.
+    Arithmetic, not `decoder.parameter_shapes`: building even on the meta device loads torch's compiler
+    (a second, at every `hetnode sample`). tests/export/test_hf_export.py holds the two equal."""
+    d, f, v = cfg.d_model, cfg.ffn_hidden, cfg.vocab_size
+    block = {"attn_norm.weight": (d,), "mlp_norm.weight": (d,), "mlp.w_down.weight": (d, f)}
+    block |= {f"attn.{w}.weight": (d, d) for w in ("wq", "wk", "wv", "wo")}
+    block |= {f"mlp.{w}.weight": (f, d) for w in ("w_gate", "w_up")}
+    shapes = {"embed.weight": (v, d), "norm.weight": (d,)}
+    if not cfg.tie_embeddings:
+        shapes["head.weight"] = (v, d)
+    for i in range(cfg.n_layers):
+        shapes |= {f"blocks.{i}.{name}": shape for name, shape in block.items()}
+    return shapes
+
+
 def check_params(params: dict[str, torch.Tensor], cfg: ModelConfig, where: str) -> None:
     """CheckpointError unless `params` are exactly the whole model's tensors for `cfg`."""
-    expected = parameter_shapes(cfg)
+    expected = expected_shapes(cfg)
     missing = sorted(set(expected) - set(params))
     unexpected = sorted(set(params) - set(expected))
     wrong = sorted(

@@ -1,5 +1,6 @@
-"""Open the global model from where a user has it: a checkpoint folder (or a folder of them), or a running
-coordinator's URL; and the run's tokenizer. Shared by `hetnode export` and `hetnode sample`.
+"""Open the global model from where a user has it: a checkpoint folder, a `hetnode train` run's folder or a
+coordinator's data dir (`locate.py` tells which), or a running coordinator's URL; and the run's tokenizer.
+Shared by `hetnode export` and `hetnode sample`.
 
 A coordinator serves its latest checkpoint as `GET /api/checkpoint/manifest.json` and
 `GET /api/checkpoint/model.safetensors`, and a BPE run's tokenizer as `GET /api/checkpoint/tokenizer.json`.
@@ -34,6 +35,8 @@ from hetnode.data.tokenizer import BpeTokenizer, ByteTokenizer, Tokenizer
 from hetnode.errors import CheckpointError, ConfigError, DataError, RefusedAnswer
 from hetnode.export.download import Budget, get_retrying, one_line
 from hetnode.export.hf import check_params
+from hetnode.export.limits import DEFAULT_MAX_BYTES, DEFAULT_TIMEOUT_S
+from hetnode.export.locate import checkpoint_folder
 from hetnode.export.tokenizer_file import bpe_from_json, tokenizer_beside
 from hetnode.model.decoder import DecoderStage, build_model, count_parameters
 from hetnode.replica.checkpoint import (
@@ -43,7 +46,6 @@ from hetnode.replica.checkpoint import (
     TOKENIZER_FILE,
     WEIGHTS,
     CheckpointManifest,
-    latest_checkpoint,
     load_checkpoint,
     manifest_from_dict,
 )
@@ -54,8 +56,6 @@ log = logging.getLogger(__name__)
 API = "/api/checkpoint/"
 HEADER_SLACK = 1 << 20  # the safetensors JSON header: names, shapes and offsets, kilobytes in practice
 ATTEMPTS = 3  # a checkpoint written between our requests makes the pair disagree: fetch again
-DEFAULT_TIMEOUT_S = 3600.0  # the whole download: the 3.9 GB `1b` checkpoint at 1.1 MB/s
-DEFAULT_MAX_BYTES = 4096 << 20  # room for the `1b` checkpoint (3.7 GiB), never the disk
 NO_TOKENIZER = "no tokenizer here (a coordinator too old to serve one)"
 MALFORMED = (ValueError, TypeError, KeyError, OverflowError, RecursionError)  # what odd input raises
 
@@ -70,6 +70,14 @@ class Checkpoint:
     config: Config
     where: str
     tokenizer: BpeTokenizer | None = None
+
+    def held(self) -> str:
+        """What θ this is, in words: "θ after round 7", or "θ after step 300 of `hetnode train`"."""
+        m = self.manifest
+        step, local = m.extra.get("step"), m.extra.get("trained_by") == "hetnode train"
+        if local and isinstance(step, int) and not isinstance(step, bool):
+            return f"θ after step {step} of `hetnode train`"  # a local run has steps, not rounds
+        return f"θ after round {m.round}"
 
     def provenance(self) -> dict[str, object]:
         m = self.manifest
@@ -86,17 +94,14 @@ def open_checkpoint(
     max_bytes: int = DEFAULT_MAX_BYTES,
     with_tokenizer: bool = True,
 ) -> Checkpoint:
-    """The checkpoint at `source`: a coordinator URL (`http://host:port`), a checkpoint folder, or a folder
-    of `round-*` checkpoints (the newest is taken). CheckpointError when it is absent, damaged or does not
-    match its own config (a RefusedAnswer when a URL's answer is at fault). `with_tokenizer`: bring a BPE
-    run's tokenizer too (off when the user has one)."""
+    """The checkpoint at `source`: a coordinator URL (`http://host:port`) or a local path (`locate.py`: a
+    checkpoint folder, a `hetnode train` run folder, a coordinator's data dir; the newest is taken).
+    ConfigError when the path names no checkpoint; CheckpointError when it is damaged or does not match its
+    own config (a RefusedAnswer when a URL's answer is at fault). `with_tokenizer`: bring a BPE run's
+    tokenizer too (off when the user has one)."""
     if is_url(source):
         return fetch_checkpoint(source, timeout_s, max_bytes, with_tokenizer)
-    folder = Path(source).expanduser()
-    if not folder.is_dir():
-        raise CheckpointError(f"{folder}: no such checkpoint folder")
-    if not (folder / MANIFEST).exists():
-        folder = latest_checkpoint(folder) or folder  # a coordinator's checkpoints/ folder
+    folder = checkpoint_folder(source)  # a run folder, a data dir, a file in a checkpoint: said in the log
     params, manifest = load_checkpoint(folder)
     checkpoint = _checked(params, manifest, str(folder))
     if with_tokenizer and checkpoint.config.data.tokenizer == "bpe":

@@ -44,6 +44,7 @@ from hetnode.net.dialback import dial_back, libp2p_listens, reachable_through, t
 from hetnode.net.identity import Identity, owner_subkey, peer_id_of_subkey, write_identity_file
 from hetnode.net.listen_ports import refuse_taken_ports
 from hetnode.net.log_limits import RefusalLog
+from hetnode.net.p2pd_replies import guard_late_replies
 from hetnode.net.probe import LinkMeasurement, measure_download, measure_upload
 from hetnode.net.records import (
     MAX_RECORD_BYTES,
@@ -239,7 +240,7 @@ class SwarmNode:
             }
             announce_maddrs = [*announce_maddrs, *(f"{relay}/p2p-circuit" for relay in relay_via)]
         try:
-            return await kind.create(
+            p2p = await kind.create(
                 initial_peers=list(initial_peers) or None,
                 host_maddrs=list(host_maddrs),
                 announce_maddrs=list(announce_maddrs) or None,
@@ -252,6 +253,7 @@ class SwarmNode:
             if initial_peers and "bootstrap peers" in str(exc):  # p2pd's words for "none answered"
                 raise PeersUnreachable(f"none of {list(initial_peers)} answered") from None
             raise HetnodeError(f"cannot start the P2P daemon on {list(host_maddrs)}: {exc}") from exc
+        return guard_late_replies(p2p)
 
     def set_info(self, provider: InfoProvider) -> None:
         self._server.info = provider

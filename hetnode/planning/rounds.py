@@ -154,7 +154,8 @@ def sealed_order(contributions: Iterable[Announcement]) -> list[Announcement]:
 
 def replica_tokens(config: Config) -> int:
     """Tokens one replica trains per round by the manifest's schedule (H × batch × sequence): what a
-    sealed contribution earns, split over a chain's stages by the shards each delivered (TRUST §1)."""
+    sealed contribution earns, split over a chain's stages by the parameters each delivered (TRUST §1;
+    docs/observability.md, "Contribution credit")."""
     return config.outer.inner_steps * config.data.batch_size * config.data.seq_len
 
 

@@ -29,6 +29,7 @@ Connections serve one request (HTTP/1.0, no keep-alive).
 from __future__ import annotations
 
 import contextlib
+import errno
 import io
 import logging
 import socket
@@ -41,7 +42,7 @@ from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, BinaryIO
 
-from hetnode.errors import HetnodeError
+from hetnode.errors import ConfigError, HetnodeError
 from hetnode.service.stream_slots import Refusal, StreamSlots, due_by
 
 log = logging.getLogger(__name__)
@@ -357,6 +358,38 @@ class _Server(ThreadingHTTPServer):
         )
 
 
+def bind_problem(host: str, port: int, exc: OSError, flag: str | None) -> HetnodeError:
+    """Why `host:port` cannot be served. With the `flag` that chose the port, an argument error (exit 2:
+    restarting will not free the port) that says which flag to change; without, a plain error."""
+    where = f"cannot serve HTTP on {host}:{port}"
+    if flag is None:
+        return HetnodeError(
+            f"{where}: {exc.strerror or exc} (pick another port, 0 for any free one, or 'off')"
+        )
+    why = f"port {port} is taken" if exc.errno == errno.EADDRINUSE else (exc.strerror or str(exc))
+    return ConfigError(
+        flag,
+        flag.lstrip("-"),
+        f"{where}: {why}: pass {flag} N for another port (0: any free one), or {flag} off",
+    )
+
+
+def refuse_taken_port(host: str, port: int | None, flag: str) -> None:
+    """Fail at once, before a daemon starts anything, when `port` (chosen by `flag`) cannot be bound; the
+    server's own bind later still reports a port taken in between."""
+    if not port:  # off, or any free port
+        return
+    try:
+        with socket.create_server((host, port), family=_family(host)):  # SO_REUSEADDR, as the server binds
+            pass
+    except OSError as exc:
+        raise bind_problem(host, port, exc, flag) from None
+
+
+def _family(host: str) -> socket.AddressFamily:
+    return socket.AF_INET6 if ":" in host else socket.AF_INET
+
+
 def _hang_up(request: socket.socket) -> None:
     """Shut a socket down (not close: its thread still owns the descriptor) so that blocked reads return."""
     with contextlib.suppress(OSError):  # already gone
@@ -367,6 +400,8 @@ class HttpServer:
     """`routes` maps exact paths to handlers; `start()` binds and returns the port (0 picks a free one).
 
     The budgets (module docstring) are keyword arguments with defaults for the status page and /metrics.
+    `flag`: the command line flag that chose the port (e.g. "--http-port"); a port that cannot be bound
+    is then an argument error that names it.
     """
 
     def __init__(
@@ -375,6 +410,7 @@ class HttpServer:
         port: int,
         routes: dict[str, Route],
         *,
+        flag: str | None = None,
         max_connections: int = MAX_CONNECTIONS,
         request_timeout_s: float = REQUEST_TIMEOUT_S,
         max_request_bytes: int = MAX_REQUEST_BYTES,
@@ -395,6 +431,7 @@ class HttpServer:
         if max_streams_per_client < 1:
             raise ValueError(f"max_streams_per_client must be at least 1, got {max_streams_per_client}")
         self.host, self.port, self.routes = host, port, dict(routes)
+        self.flag = flag  # the command line flag that chose the port, named when it is taken
         self.max_connections = max_connections
         self.request_timeout_s = request_timeout_s
         self.max_request_bytes = max_request_bytes
@@ -418,10 +455,7 @@ class HttpServer:
                 self.max_streams_per_client,
             )
         except OSError as exc:
-            raise HetnodeError(
-                f"cannot serve HTTP on {self.host}:{self.port}: {exc.strerror or exc} "
-                "(pick another port, 0 for any free one, or 'off')"
-            ) from None
+            raise bind_problem(self.host, self.port, exc, self.flag) from None
         self.port = self._server.server_address[1]
         self._thread = threading.Thread(target=self._server.serve_forever, name="http", daemon=True)
         self._thread.start()

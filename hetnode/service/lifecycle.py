@@ -9,15 +9,11 @@ import sys
 from collections.abc import Awaitable, Sequence
 from typing import TypeVar
 
-from hetnode.errors import HetnodeError
+from hetnode.errors import Stopped  # there, for the CLI to catch without asyncio; imported from here too
 
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
-
-
-class Stopped(HetnodeError):
-    """A stop signal arrived while the daemon was still starting."""
 
 
 def stop_on_signals() -> asyncio.Event:

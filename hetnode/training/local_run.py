@@ -1,4 +1,6 @@
-"""`hetnode train`: a local training run with progress bar, eval, checkpoints, metrics and a loss plot."""
+"""`hetnode train`: a local training run with progress bar, eval, checkpoints, metrics and a loss plot.
+
+The run folder's layout and its checkpoints (the coordinator's format) are `run_checkpoints.py`'s."""
 
 from __future__ import annotations
 
@@ -14,11 +16,11 @@ from hetnode.config import Config
 from hetnode.data import TokenDataset
 from hetnode.model import build_model, count_parameters
 from hetnode.training.plots import plot_losses
-from hetnode.training.trainer import InnerTrainer, load_checkpoint, save_checkpoint
+from hetnode.training.run_checkpoints import resume_run, save_run_checkpoint
+from hetnode.training.trainer import InnerTrainer
 
 log = logging.getLogger(__name__)
 
-CHECKPOINT_NAME = "checkpoint.pt"
 METRICS_NAME = "metrics.jsonl"
 PLOT_NAME = "loss.png"
 
@@ -33,6 +35,7 @@ class TrainSummary:
     seconds: float
     tokens_per_second: float  # training steps only (evaluation and checkpoints excluded)
     out_dir: Path
+    checkpoint: Path  # the folder `hetnode export` and `hetnode sample` read (`--from out_dir` finds it)
 
 
 def run_local_training(
@@ -52,10 +55,10 @@ def run_local_training(
     trainer = InnerTrainer(config, model, dataset, device=device)
 
     metrics_path = out_dir / METRICS_NAME
-    checkpoint_path = out_dir / CHECKPOINT_NAME
+    checkpoint, saved_step = None, -1
     if resume:
-        trainer.load_state_dict(load_checkpoint(checkpoint_path))
-        log.info("resumed from %s at step %d", checkpoint_path, trainer.step)
+        checkpoint, saved_step = resume_run(out_dir, config, trainer), trainer.step
+        log.info("resumed from %s at step %d", checkpoint, trainer.step)
     else:
         metrics_path.unlink(missing_ok=True)
 
@@ -93,10 +96,11 @@ def run_local_training(
             if result.step % train_cfg.log_every == 0 or "eval_loss" in record:
                 _write(metrics, **record)
             if result.step % train_cfg.checkpoint_every == 0:
-                save_checkpoint(checkpoint_path, trainer.state_dict())
+                checkpoint, saved_step = save_run_checkpoint(out_dir, config, trainer), trainer.step
             bar.set_postfix(loss=f"{result.loss:.3f}", eval=f"{eval_loss:.3f}", lr=f"{result.lr:.1e}")
             bar.update(1)
-    save_checkpoint(checkpoint_path, trainer.state_dict())
+    if checkpoint is None or saved_step != trainer.step:
+        checkpoint = save_run_checkpoint(out_dir, config, trainer)
     seconds = time.perf_counter() - start
     plot_losses(metrics_path, out_dir / PLOT_NAME, title=f"{config.run.name}: local training")
     done_tokens = trainer.tokens - start_tokens
@@ -109,6 +113,7 @@ def run_local_training(
         seconds=seconds,
         tokens_per_second=done_tokens / train_seconds if train_seconds > 0 else 0.0,
         out_dir=out_dir,
+        checkpoint=checkpoint,
     )
 
 

@@ -29,7 +29,8 @@ def plot_losses(metrics_path: Path, out_path: Path, title: str) -> None:
     ax.set_ylabel("cross-entropy (nats/token)")
     ax.set_title(title)
     ax.grid(alpha=0.3)
-    ax.legend()
+    if train or evals:  # a resume that took no step has nothing to label
+        ax.legend()
     fig.tight_layout()
     fig.savefig(out_path, dpi=110)
     plt.close(fig)

@@ -7,7 +7,6 @@ outer round and then syncs. It knows nothing about networks.
 from __future__ import annotations
 
 import copy
-import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,6 +22,7 @@ from hetnode.errors import CheckpointError
 from hetnode.model.subspace import SubspaceConstraint
 from hetnode.training.precision import autocast_for
 from hetnode.training.schedule import warmup_cosine
+from hetnode.training.state_file import load_state, save_state
 
 
 @dataclass(frozen=True)
@@ -149,17 +149,34 @@ class InnerTrainer:
 
 
 def save_checkpoint(path: Path, state: dict[str, Any]) -> None:
-    """Write atomically (temp file + rename) so a crash never leaves a half-written checkpoint."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    torch.save(state, tmp)
-    os.replace(tmp, path)
+    """Write a trainer state (`state_dict()`, tensors and plain values) as a safetensors state file,
+    atomically: a crash never leaves half of one, and reading it back runs no code."""
+    save_state(path, state)
 
 
 def load_checkpoint(path: Path) -> dict[str, Any]:
+    """A state `save_checkpoint` wrote; CheckpointError if it is missing or unreadable."""
     try:
-        return torch.load(path, map_location="cpu", weights_only=True)
+        state = load_state(path)
+    except CheckpointError as exc:
+        if not Path(path).exists():
+            raise CheckpointError(f"{path}: no checkpoint to resume from") from None
+        raise CheckpointError(f"{path}: unreadable checkpoint ({exc})") from None
+    if not isinstance(state, dict):
+        raise CheckpointError(f"{path}: unreadable checkpoint (not a trainer state)")
+    return state
+
+
+def load_legacy_checkpoint(path: Path) -> dict[str, Any]:
+    """An old `hetnode train` checkpoint (`checkpoint.pt`, a torch pickle), read with `weights_only`:
+    tensors and plain containers, never code. Only to convert it (`run_checkpoints.convert_legacy`)."""
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
     except FileNotFoundError:
         raise CheckpointError(f"{path}: no checkpoint to resume from") from None
-    except Exception as exc:  # torch raises many types for corrupt files
-        raise CheckpointError(f"{path}: unreadable checkpoint ({exc})") from exc
+    except Exception as exc:  # torch raises many types for corrupt or hostile files: all mean unreadable
+        first = (str(exc).strip().splitlines() or [""])[0][:200]
+        raise CheckpointError(f"{path}: unreadable checkpoint ({type(exc).__name__}: {first})") from None
+    if not isinstance(state, dict):
+        raise CheckpointError(f"{path}: unreadable checkpoint (not a trainer state)")
+    return state

@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from hetnode.cli.main import EXIT_ERROR, EXIT_USAGE, build_parser, config_error_text, main
+from hetnode.cli.main import EXIT_USAGE, build_parser, config_error_text, main
 from hetnode.daemon.status import format_mbit, render_table
 from hetnode.errors import ConfigError
 
@@ -79,7 +79,7 @@ def test_a_bad_bandwidth_is_refused_naming_the_flag_once(capsys, value, words):
 @pytest.mark.parametrize("command", [["join"], ["status"]])
 @pytest.mark.parametrize("peer", ["/ip4/127.0.0.1/tcp/1", "127.0.0.1:8400", "QmNotAnAddress"])
 def test_a_bad_peer_is_told_both_forms_and_the_wait(capsys, command, peer):
-    assert main([*command, "--peer", peer]) == EXIT_ERROR
+    assert main([*command, "--peer", peer]) == EXIT_USAGE  # an argument error: restarting will not mend it
     err = capsys.readouterr().err
     assert "/p2p/<peer id>" in err and "http://HOST:PORT" in err and "--http-port" in err
     assert ("--connect-timeout" if command == ["join"] else "--timeout") in err
@@ -87,7 +87,7 @@ def test_a_bad_peer_is_told_both_forms_and_the_wait(capsys, command, peer):
 
 @pytest.mark.parametrize("url", ["http://", "http://127.0.0.1:99999", "http://127.0.0.1:0"])
 def test_a_bad_coordinator_url_is_refused_before_anything_starts(capsys, url):
-    assert main(["status", "--peer", url]) == EXIT_ERROR
+    assert main(["status", "--peer", url]) == EXIT_USAGE
     err = capsys.readouterr().err
     assert url in err and "http://HOST:PORT" in err
 

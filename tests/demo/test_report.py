@@ -10,10 +10,12 @@ from pathlib import Path
 import pytest
 from rich.console import Console
 
+from hetnode.demo.credit import credit_standings
 from hetnode.demo.digests import compare_digests, hold_round
 from hetnode.demo.live import LiveView, plain_line, render
-from hetnode.demo.report import DemoRecord, cell, render_markdown, summarise, table, write_report
-from hetnode.demo.rounds import eta_s, human_bytes, round_bytes, seconds_per_round
+from hetnode.demo.markdown import CONTRIBUTION_HEADERS, cell, render_markdown, result_line, table
+from hetnode.demo.report import DemoRecord, summarise, write_report
+from hetnode.demo.rounds import eta_s, human_bytes, round_bytes, seconds_per_round, swarm_counts
 
 PROCESSES = [
     {
@@ -28,11 +30,20 @@ PROCESSES = [
     {"name": "edge|2", "role": "stage", "bandwidth_mbit": 20.0, "peer_id": "Qe2", "log": "/x/e2.log"},
 ]
 DIGESTS = {"embed": "aa", "0": "bb", "head": "cc"}
+# the ledger's rows as the coordinator writes them into a seal line (`credits`): a replica's 20,480 tokens,
+# a chain's split over its two stages by parameters (the tiny model split embed, 0-2 | 3, head)
+CREDITS = {
+    "Qa1": {"name": "anchor-1", "role": "anchor", "tokens": 20480, "replica_tokens": 20480, "bytes": 50_000},
+    "Qe1": {"name": "edge_1", "role": "stage", "tokens": 14884, "replica_tokens": 20480, "bytes": 20_000},
+    "Qe2": {"name": "edge|2", "role": "stage", "tokens": 5596, "replica_tokens": 20480, "bytes": 5_000},
+}
 
 
 def entry(round_: int, loss: float, with_chain: bool = True) -> dict:
     contributors = ["Qa1", "Qe1", "Qe2"] if with_chain else ["Qa1"]
     return {
+        "credits": {peer: CREDITS[peer] for peer in contributors},
+        "rejected": {},
         "round": round_,
         "contributors": contributors,
         "excluded": [],
@@ -137,7 +148,8 @@ def test_summary_counts_rounds_losses_bytes_and_names(tmp_path):
     assert summary["bytes"]["ratio"] == pytest.approx(100.0)
     assert summary["bytes"]["mean_per_round"]["sparse"] == pytest.approx(200_000 / 3)
     assert summary["digests_agree"] is True
-    assert [c["name"] for c in summary["contributions"]] == ["anchor-1", "edge_1"]
+    assert [c["name"] for c in summary["contributions"]] == ["anchor-1", "edge_1", "edge|2"]
+    assert summary["swarm"] == {"peers": 3, "anchors": 1, "edges": 2, "chains": 1, "replicas": 2}
     assert summary["processes"][1]["log"] == "/x/a1.log"  # outside OUT: kept absolute
     traffic = {t["name"]: t for t in summary["peer_traffic"]}
     assert traffic["edge_1"]["compute_utilization"] == pytest.approx(round(18 / 26, 3))
@@ -196,7 +208,7 @@ def test_disagreeing_digests_are_named_in_the_story(tmp_path):
 @pytest.mark.parametrize("rounds", [0, 1, 12])
 def test_report_and_plots_are_written_for_any_number_of_rounds(tmp_path, rounds):
     standings = None if rounds == 0 else record(tmp_path, 1).contributions
-    path = write_report(record(tmp_path, rounds, contributions=standings))
+    path = write_report(record(tmp_path, rounds, contributions=standings, requested_rounds=max(1, rounds)))
     assert path == tmp_path / "report.md" and path.read_text().startswith("# hetnode demo")
     for name in ("loss.png", "bytes.png", "contributions.png"):
         assert (tmp_path / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -238,10 +250,11 @@ def test_the_live_view_renders_peer_names_as_text_and_prints_plain_lines_off_a_t
     console = Console(file=io.StringIO(), width=160, force_terminal=False)
     console.print(render(status, [entry(0, 5.0), entry(1, 4.0)], 8, "http://127.0.0.1:1", 12.0))
     shown = console.file.getvalue()
-    assert "[bold]edge" in shown and "round 2/8" in shown and "100×" in shown
+    assert "[bold]edge" in shown and "sealed 2/8" in shown and "100×" in shown
 
     line = plain_line(entry(1, 4.0), 2, 8, 60.0)
-    assert line.startswith("round 2/8 (#1)  contributors 3") and "eval loss 4.000" in line and "1:00" in line
+    assert line.startswith("sealed 2/8 (round #1)  contributors 3") and "eval loss 4.000" in line
+    assert "1:00" in line
     unevaluated = {**entry(2, 4.0), "eval_loss": None}  # sealed, evaluated beside the next seals
     assert "eval loss – (#1: 4.000)" in plain_line(unevaluated, 3, 8, 30.0, [entry(0, 5.0), entry(1, 4.0)])
     out = io.StringIO()
@@ -250,6 +263,95 @@ def test_the_live_view_renders_peer_names_as_text_and_prints_plain_lines_off_a_t
         view.update(status, [entry(0, 5.0), entry(1, 4.0)])
         view.update(status, [entry(0, 5.0), entry(1, 4.0)])
     assert [line.split("  ")[0] for line in out.getvalue().splitlines()] == [
-        "round 1/8 (#0)",
-        "round 2/8 (#1)",
+        "sealed 1/8 (round #0)",
+        "sealed 2/8 (round #1)",
     ]
+    out = io.StringIO()  # rounds sealed after the last one the demo waits for are not shown
+    with LiveView(2, None, console=Console(file=io.StringIO(), force_terminal=False), stream=out) as view:
+        view.update(status, [entry(r, 5.0) for r in range(4)])
+    assert [line.split("  ")[0] for line in out.getvalue().splitlines()] == [
+        "sealed 1/2 (round #0)",
+        "sealed 2/2 (round #1)",
+    ]
+
+
+def test_a_chains_credit_is_split_by_the_rule_and_the_table_and_its_percentages_agree(tmp_path):
+    """docs/observability.md, Contribution credit: each stage shows its chain's tokens as replica tokens and
+    is credited its part; the parts add up to the chain's tokens; the table says which column is which."""
+    summary = summarise(record(tmp_path, 3))
+    by_name = {c["name"]: c for c in summary["contributions"]}
+    anchor, first, second = by_name["anchor-1"], by_name["edge_1"], by_name["edge|2"]
+    # the chain contributed to rounds 1 and 2: both stages trained its 2 × 20,480 tokens
+    assert first["replica_tokens"] == second["replica_tokens"] == 2 * 20480
+    assert first["tokens"] + second["tokens"] == first["replica_tokens"]  # the chain's, split, not copied
+    assert (first["tokens"], second["tokens"]) == (2 * 14884, 2 * 5596)
+    assert anchor["tokens"] == anchor["replica_tokens"] == 3 * 20480 and anchor["of_replica"] == 1.0
+    total = sum(c["tokens"] for c in summary["contributions"])
+    assert total == sum(r["tokens"] for r in summary["rounds"])  # the rounds' credited tokens
+    assert sum(c["share"] for c in summary["contributions"]) == pytest.approx(1.0)
+    assert first["share"] == pytest.approx(2 * 14884 / total)
+
+    text = render_markdown(summary)
+    assert "| " + " | ".join(CONTRIBUTION_HEADERS) + " |" in text
+    assert "| replica tokens | credited tokens | of its replica | share |" in text
+    rows = [line for line in text.splitlines() if line.startswith(("| 2 | edge", "| 3 | edge"))]
+    assert rows == [
+        f"| 2 | edge_1 | stage | 2 | 40,960 | 29,768 | 72.7 % | {100 * first['share']:.1f} % |",
+        f"| 3 | edge\\|2 | stage | 2 | 40,960 | 11,192 | 27.3 % | {100 * second['share']:.1f} % |",
+    ]
+    assert "docs/observability.md (Contribution credit)" in text
+
+
+def test_the_ledgers_rows_less_the_refused_ones_are_the_credit():
+    refused = entry(1, 4.0) | {"rejected": {"Qe2": "score"}}
+    standings = credit_standings([entry(0, 5.0, with_chain=False), refused], {"Qa1": "anchor-1"})
+    assert [(s["name"], s["tokens"], s["replica_tokens"], s["rounds"]) for s in standings] == [
+        ("anchor-1", 40960, 40960, 2),
+        ("edge_1", 14884, 20480, 1),
+    ]
+    assert credit_standings([{"credits": None}, {"credits": {"x": "not a row"}}]) == []
+
+
+def test_results_end_at_the_round_the_demo_finished_at_and_later_seals_are_listed_apart(tmp_path):
+    """10 rounds sealed while 8 were asked for: the results are rounds 0-7, their last eval loss is the
+    final one, and rounds 8-9 (sealed while the demo checked digests and stopped, the last with the anchor
+    alone) are shown apart; the headline is the demo's last printed line."""
+    history = [entry(r, 6.0 - 0.25 * r, with_chain=0 < r < 9) for r in range(10)]
+    summary = summarise(record(tmp_path, 0, history=history, requested_rounds=8, stopping_at=1085.0))
+    assert summary["sealed_rounds"] == 8 and summary["sealed_rounds_in_all"] == 10
+    assert [r["round"] for r in summary["rounds"]] == list(range(8))
+    assert [r["round"] for r in summary["stopping_rounds"]] == [8, 9]
+    assert summary["loss_end"] == 6.0 - 0.25 * 7 and len(summary["eval_loss"]) == 8
+    assert {c["name"]: c["rounds"] for c in summary["contributions"]} == {
+        "anchor-1": 8,
+        "edge_1": 7,
+        "edge|2": 7,
+    }
+    assert summary["bytes"]["total"]["anchor"] == 8 * 50_000
+
+    line = result_line(summary)
+    assert line == (
+        "finished: 8 of 8 rounds sealed (#0–#7) in 1:35; eval loss 6.000 → 4.250 after round #7; "
+        "2 replicas (1 anchor + 1 chain), 3 peers"
+    )
+    text = render_markdown(summary)
+    assert text.startswith(f"# hetnode demo\n\n**{line}**\n")
+    assert (
+        "Also sealed while the demo checked digests and stopped the peers, and left out of the results: "
+        "2 round(s), #8–#9." in text
+    )
+    assert "Eval loss: 6.000 at the start, 4.250 at the end." in text
+    results, stopping = text.split("Sealed while stopping")
+    assert "| 8 | 3 (" not in results and "| 8 | 3 (anchor-1, edge_1, edge\\|2) |" in stopping
+    assert "| 9 | 1 (anchor-1) |" in stopping
+
+    # interrupted after 3 rounds (sealed at 1000, 1010, 1020), 2 more sealed while stopping: 3 results
+    stopped = summarise(record(tmp_path, 0, history=history[:5], outcome="interrupted", stopping_at=1025.0))
+    assert stopped["sealed_rounds"] == 3 and len(stopped["stopping_rounds"]) == 2
+    assert result_line(stopped).startswith("interrupted: 3 of 3 rounds sealed (#0–#2)")
+
+
+def test_replicas_count_a_chain_once_and_peers_count_processes():
+    counts = swarm_counts(["coordinator", "anchor", "anchor", "stage", "stage"], stages=2)
+    assert counts == {"peers": 4, "anchors": 2, "edges": 2, "chains": 1, "replicas": 3}
+    assert swarm_counts(["stage"] * 6, stages=3)["replicas"] == 2

@@ -89,11 +89,14 @@ def test_export_refuses_a_non_empty_folder(small, write_checkpoint, tmp_path: Pa
     assert (out / "keep.txt").read_text() == "mine" and (out / "model.safetensors").is_file()
 
 
-def test_export_of_what_is_not_a_checkpoint_exits_1(tmp_path: Path, capsys):
+def test_export_of_what_is_not_a_checkpoint_exits_2(tmp_path: Path, capsys):
+    """A path that names no checkpoint is the user's argument error: exit 2, naming what was there."""
     (tmp_path / "notes.txt").write_text("not a checkpoint")
-    assert main(["export", "--from", str(tmp_path), "--out", str(tmp_path / "out")]) == 1
-    assert "not a hetnode checkpoint" in capsys.readouterr().err
-    assert main(["export", "--from", str(tmp_path / "absent"), "--out", str(tmp_path / "out")]) == 1
+    assert main(["export", "--from", str(tmp_path), "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert "is not a checkpoint" in err and "found: notes.txt" in err
+    assert main(["export", "--from", str(tmp_path / "absent"), "--out", str(tmp_path / "out")]) == 2
+    assert "no such file or folder" in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
 
 

@@ -38,8 +38,8 @@ def _sample(folder: Path, *flags: str) -> str:
         timeout=120,
     )
     assert done.returncode == 0, done.stderr.decode(errors="replace")
-    assert done.stdout.endswith(b"\n")
-    return done.stdout[:-1].decode("utf-8")  # bytes: text mode would turn a sampled "\r" into "\n"
+    assert done.stdout.endswith(b"\n") and done.stdout.startswith(PROMPT.encode())  # the prompt, then more
+    return done.stdout[len(PROMPT) : -1].decode("utf-8")  # bytes: text mode would make a sampled "\r" "\n"
 
 
 @pytest.fixture
@@ -89,9 +89,12 @@ def test_a_prompt_of_no_tokens_is_a_usage_error(checkpoint: Path, capsys):
     assert "encodes to no tokens" in capsys.readouterr().err
 
 
-def test_sampling_what_is_not_a_checkpoint_exits_1(tmp_path: Path, capsys):
-    assert main(["sample", "--from", str(tmp_path), "--prompt", PROMPT]) == 1
-    assert "not a hetnode checkpoint" in capsys.readouterr().err
+def test_sampling_what_is_not_a_checkpoint_exits_2(tmp_path: Path, capsys):
+    """Asking again gets the same answer: exit 2, so a systemd unit does not restart it (issue 33, item 5)."""
+    assert main(["sample", "--from", str(tmp_path), "--prompt", PROMPT]) == 2
+    assert "is not a checkpoint" in capsys.readouterr().err
+    assert main(["sample", "--from", "nonsense", "--prompt", PROMPT]) == 2
+    assert "nonsense: no such file or folder" in capsys.readouterr().err
 
 
 @pytest.fixture

@@ -179,7 +179,7 @@ def test_malformed_urls_are_usage_errors(url: str, tmp_path: Path, capsys):
 
 
 def test_a_url_of_another_scheme_is_a_folder_name():
-    with pytest.raises(CheckpointError, match="no such checkpoint folder"):
+    with pytest.raises(ConfigError, match="no such file or folder"):
         open_checkpoint("ftp://127.0.0.1:1")
 
 

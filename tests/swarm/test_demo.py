@@ -14,8 +14,12 @@ from pathlib import Path
 
 import pytest
 
+from bootstrap.ledger import Ledger
 from hetnode.config import dump_config, load_config, replace
-from hetnode.demo.swarm import alive, descendants, process_name, start_time
+from hetnode.demo.credit import credit_standings
+from hetnode.demo.markdown import result_line
+from hetnode.demo.swarm import alive, descendants, process_name, read_jsonl, start_time
+from hetnode.wire.round_history import merge_history
 
 pytestmark = pytest.mark.slow
 
@@ -117,9 +121,10 @@ def test_quick_demo_trains_checks_digests_and_writes_its_report(run_demo, tmp_pa
     for name in ("report.md", "summary.json", "loss.png", "bytes.png", "contributions.png", "config.toml"):
         assert (demo.out / name).stat().st_size > 0, name
     summary = json.loads((demo.out / "summary.json").read_text())
-    assert summary["outcome"] == "finished" and summary["sealed_rounds"] >= 3
-    losses = [loss for loss in summary["eval_loss"] if loss is not None]  # the newest may have none
-    assert losses[-1] < losses[0], summary["eval_loss"]
+    assert summary["outcome"] == "finished" and summary["sealed_rounds"] == 3  # later seals: listed apart
+    assert [r["round"] for r in summary["rounds"]] == [0, 1, 2]
+    losses = [loss for loss in summary["eval_loss"] if loss is not None]
+    assert len(losses) == 3 and losses[-1] < losses[0], summary["eval_loss"]  # the demo waits for round 2's
     assert summary["digests_agree"] is True, summary["digests"]
     assert {p["name"] for p in summary["digests"]["peers"]} == {"anchor-1", "edge-1", "edge-2"}
     assert summary["bytes"]["ratio"] > 50  # SparseLoCo against dense fp32
@@ -128,11 +133,56 @@ def test_quick_demo_trains_checks_digests_and_writes_its_report(run_demo, tmp_pa
 
     stdout = demo.stdout_path.read_text()
     assert "status page: http://127.0.0.1:" in stdout
-    assert "round 1/3 (#0)" in stdout and "round 3/3" in stdout  # one plain line per round off a terminal
     assert f"report: {demo.out / 'report.md'}" in stdout
     report = (demo.out / "report.md").read_text()
-    assert "| round | contributors |" in report and "Every replica agrees" in report
+    assert "| round | contributors |" in report and "Every peer agrees" in report
+    the_terminal_the_report_and_the_summary_agree(stdout, report, summary)
+    the_reports_credit_is_the_ledgers(demo.out, summary)
     print(f"hetnode demo {' '.join(SMALL_SWARM)} --rounds 3: {took:.0f} s")
+
+
+def the_terminal_the_report_and_the_summary_agree(stdout: str, report: str, summary: dict) -> None:
+    """Rounds sealed, the final eval loss and the replica count: the same in all three (issue 33, item 7)."""
+    lines = stdout.splitlines()
+    # one plain line per round off a terminal, none past the rounds asked for
+    sealed = [line.split("  ")[0] for line in lines if line.startswith("sealed ")]
+    assert sealed == ["sealed 1/3 (round #0)", "sealed 2/3 (round #1)", "sealed 3/3 (round #2)"], stdout
+    # the demo's last word is the report's headline, made from summary.json
+    result = result_line(summary)
+    assert result in lines and f"**{result}**" in report, (result, stdout)
+    assert result.startswith("finished: 3 of 3 rounds sealed (#0–#2)")
+    final = f"eval loss {summary['eval_loss'][0]:.3f} → {summary['loss_end']:.3f} after round #2"
+    assert final in result and f"{summary['loss_end']:.3f} at the end" in report
+    # replicas = anchors + chains, peers = processes beside the coordinator
+    assert summary["swarm"] == {"peers": 3, "anchors": 1, "edges": 2, "chains": 1, "replicas": 2}
+    assert "2 replicas (1 anchor + 1 chain), 3 peers" in result
+    assert "digests: all 3 peers of the 2 replicas (1 anchor + 1 chain) equal" in stdout
+    assert "All 3 peers of the 2 replicas (1 anchor + 1 chain) published" in report
+    extra = summary["stopping_rounds"]  # sealed while the demo checked and stopped: said apart, if any
+    assert all(r["round"] > 2 for r in extra)
+    assert (f"{len(extra)} round(s), #" in stdout) == bool(extra) == ("Sealed while stopping" in report)
+
+
+def the_reports_credit_is_the_ledgers(out: Path, summary: dict) -> None:
+    """The report counts credit as the coordinator's ledger does (issue 33, item 6): over every sealed
+    round, the history's credit rows less the refused ones are the ledger's standings; each stage shows its
+    chain's tokens and is credited its part of them, and the parts add up to the chain's."""
+    history = merge_history(read_jsonl(out / "swarm" / "bootstrap" / "rounds.jsonl"))
+    with Ledger(out / "swarm" / "bootstrap" / "ledger.sqlite") as ledger:
+        ledger_view = {s.peer: (s.tokens, s.replica_tokens, s.rounds) for s in ledger.standings()}
+    assert {
+        s["peer"]: (s["tokens"], s["replica_tokens"], s["rounds"]) for s in credit_standings(history)
+    } == (ledger_view)
+    schedule = 10 * 16 * 128  # H x batch x seq of --quick tiny
+    for entry in history:
+        credits = entry["credits"]
+        assert all(row["replica_tokens"] == schedule for row in credits.values())
+        stages = [row["tokens"] for row in credits.values() if row["role"] == "stage"]
+        if len(stages) == 2:  # the whole chain in the seal: its tokens, split
+            assert sum(stages) == schedule and min(stages) > 0, credits
+    rows = summary["contributions"]
+    assert sum(r["share"] for r in rows) == pytest.approx(1.0)
+    assert sum(r["tokens"] for r in rows) == sum(r["tokens"] for r in summary["rounds"])
 
 
 def test_ctrl_c_stops_the_swarm_in_order_and_still_writes_the_report(run_demo, tmp_path, data_dir):

@@ -115,4 +115,5 @@ def test_cli_train_writes_outputs_and_resumes(tiny_config: Config, tmp_path: Pat
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records if "eval_loss" in r] == [0, 10, 20]
     assert (out / "loss.png").stat().st_size > 1000
-    assert load_checkpoint(out / "checkpoint.pt")["step"] == 20
+    assert load_checkpoint(out / "trainer-state-000020.safetensors")["step"] == 20
+    assert [p.name for p in (out / "checkpoints").iterdir()] == ["round-000020"]  # the coordinator's format
