@@ -45,7 +45,7 @@ from bootstrap.run_state import (
 )
 from hetnode.config import Config
 from hetnode.data.tokenizer import BpeTokenizer, Tokenizer, atomic_write_text
-from hetnode.errors import CheckpointError, HetnodeError
+from hetnode.errors import CheckpointError, SetupMismatch
 from hetnode.model.shards import layer_digests
 from hetnode.replica.checkpoint import (
     MANIFEST,
@@ -75,7 +75,7 @@ ROUND_HEADER = "X-Hetnode-Round"  # on both answers: a client checks that its tw
 OPEN_ATTEMPTS = 3  # the newest folder may be replaced or pruned between listing it and opening it
 
 
-class NothingToResume(HetnodeError):
+class NothingToResume(SetupMismatch):
     """`--resume` on a data dir that holds no checkpoint; nothing was changed."""
 
 

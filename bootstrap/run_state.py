@@ -29,7 +29,7 @@ import torch
 
 from bootstrap.ledger import SCHEMA_VERSION
 from hetnode.config import Config
-from hetnode.errors import CheckpointError, HetnodeError
+from hetnode.errors import CheckpointError, HetnodeError, SetupMismatch
 from hetnode.model.decoder import parameter_shapes
 from hetnode.replica.checkpoint import WEIGHTS, list_checkpoints, weights_shapes
 from hetnode.service.datadir import DataDir
@@ -75,7 +75,7 @@ LISTEN_KEYS = ("listen_requested", "listen_port")  # the coordinator's address o
 MAX_LISTED = 6  # differences named in a refusal
 
 
-class RunMismatch(HetnodeError):
+class RunMismatch(SetupMismatch):
     """The data dir holds a run that `--config` does not continue; nothing was changed."""
 
 

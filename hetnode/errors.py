@@ -24,6 +24,12 @@ class DataConfigError(DataError):
     by editing the config, not by running again, so the CLI exits 2 for it, as for a ConfigError."""
 
 
+class SetupMismatch(HetnodeError):
+    """A start refused because its flags or config do not fit what the data dir holds (another run, nothing
+    to `--resume`): nothing was changed, and a restart with the same command is refused again, so the CLI
+    exits 2 for it, as for a bad flag."""
+
+
 class CheckpointError(HetnodeError):
     """A checkpoint cannot be read or does not match the model it is loaded into."""
 

@@ -13,7 +13,14 @@ from collections.abc import Sequence
 
 from hetnode import __version__
 from hetnode.cli import bench, demo, swarm, train, use_model
-from hetnode.errors import ConfigError, DataConfigError, HetnodeError, RefusedAnswer, Stopped
+from hetnode.errors import (
+    ConfigError,
+    DataConfigError,
+    HetnodeError,
+    RefusedAnswer,
+    SetupMismatch,
+    Stopped,
+)
 
 EXIT_ERROR = 1
 EXIT_USAGE = 2  # bad config, arguments or data config, or an answer from a URL asking again will not mend
@@ -63,7 +70,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except DataConfigError as exc:  # the data has no such column or path: edit the config, do not restart
         print(f"hetnode: data config error: {exc}", file=sys.stderr)
         return EXIT_USAGE
-    except RefusedAnswer as exc:  # `--from URL` answered with what no retry will mend: do not restart
+    except (RefusedAnswer, SetupMismatch) as exc:  # what no retry will mend (a URL's answer, the data dir)
         print(f"hetnode: {exc}", file=sys.stderr)
         return EXIT_USAGE
     except Stopped as exc:  # a one-shot command (status) stopped by Ctrl+C or SIGTERM while it waited

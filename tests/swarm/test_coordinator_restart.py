@@ -43,7 +43,7 @@ def test_a_wrong_config_changes_nothing_and_new_run_moves_the_old_run_aside(swar
     assert {"coordinator.json", theta, "identity.key"} <= set(before)
 
     refused = swarm.bootstrap(wrong, data_dir=data_dir)
-    assert refused.proc.wait(90) == 1
+    assert refused.proc.wait(90) == 2  # a config error: a restart would be refused again
     message = refused.tail()
     assert refused.ready is None
     assert f"holds run {ready['run']} (config 'tiny')" in message, message
@@ -73,7 +73,7 @@ def test_a_wrong_config_changes_nothing_and_new_run_moves_the_old_run_aside(swar
     # the new run is the data dir's run now: its config goes on with it, the old one is refused
     assert json.loads((data_dir / "coordinator.json").read_text())["run"] == started["run"]
     back = swarm.bootstrap(right, data_dir=data_dir)
-    assert back.proc.wait(90) == 1
+    assert back.proc.wait(90) == 2
     assert f"holds run {started['run']} (config 'other')" in back.tail()
 
 
@@ -88,7 +88,7 @@ def test_resume_goes_on_from_the_latest_checkpoint_and_serves_it(swarm, tmp_path
     data_dir = tmp_path / "coordinator"
 
     nothing = swarm.bootstrap(path, data_dir=data_dir, extra=["--resume"])
-    assert nothing.proc.wait(90) == 1
+    assert nothing.proc.wait(90) == 2
     message = nothing.tail()
     assert f"data dir {data_dir} holds no checkpoint" in message and "without --resume" in message, message
     assert not (data_dir / "identity.key").exists()  # refused before anything was written
