@@ -135,7 +135,11 @@ def run(hetnode: list[str], runs: int, status_runs: int) -> dict:
         try:
             url, maddr = coordinator.wait_ready()
             rows["status --peer URL"] = measure([*hetnode, "status", "--peer", url], status_runs)
-            rows["status --peer MULTIADDR"] = measure([*hetnode, "status", "--peer", maddr], status_runs)
+            port = url.rsplit(":", 1)[1].split("/")[0]
+            signed = [*hetnode, "status", "--peer", maddr, "--coordinator-http-port", port]
+            rows["status --peer MULTIADDR"] = measure(signed, status_runs)  # the document it signs
+            dht = [*hetnode, "status", "--peer", maddr, "--coordinator-http-port", "off"]
+            rows["status --peer MULTIADDR (DHT)"] = measure(dht, status_runs)
         finally:
             stopped = coordinator.stop()
     return {"rows": rows, "coordinator_exit": stopped}

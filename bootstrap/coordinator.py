@@ -27,6 +27,7 @@ from bootstrap.status_page import StatusBoard
 from bootstrap.swarm_metrics import SwarmMetrics
 from hetnode.config import Config, load_config
 from hetnode.daemon.membership import Membership
+from hetnode.daemon.status_signed import sign_status
 from hetnode.daemon.view import PeerDirectory, SwarmView
 from hetnode.net.identity import Identity, load_or_create_identity
 from hetnode.net.node import PeersUnreachable, SwarmNode
@@ -287,7 +288,12 @@ class Coordinator:
         view = await keeper.view.get()
         chains = view.chains()
         metrics.observe_view(view.peers, sum(1 for c in chains if c.live))
-        board.update(status_snapshot(self.config, state, keeper, view, maddrs))
+        snapshot = status_snapshot(self.config, state, keeper, view, maddrs)
+        # signed once a heartbeat, off the loop: `status --peer <multiaddr>` reads it without the DHT
+        snapshot["swarm_signed"] = await asyncio.to_thread(
+            sign_status, keeper.node.identity.private_key, snapshot["swarm"]
+        )
+        board.update(snapshot)
 
     def _record(self) -> dict:
         return new_peer_record("coordinator", link_class="high", role="coordinator")

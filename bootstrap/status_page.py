@@ -4,9 +4,10 @@ The event loop calls `StatusBoard.update(snapshot)` after each sealed round and 
 server's threads (`hetnode.service.http_server`) call the routes. The board keeps a deep copy of the latest
 snapshot and swaps it whole under a lock, so a handler never sees a half-updated one. Credit comes from
 the ledger, not from the snapshot. Routes: `/` (HTML, rendered by `bootstrap/status_html.py`),
-`/api/status`, `/api/swarm`, `/api/samples`, `/api/contributions`, `/healthz` (the coordinator adds
-`/metrics` itself). `/api/swarm` is the snapshot's "swarm": the `hetnode status --json` document
-(docs/status-json.md), which `hetnode status --peer http://…` prints without a DHT client of its own.
+`/api/status`, `/api/swarm`, `/api/swarm/signed`, `/api/samples`, `/api/contributions`, `/healthz` (the
+coordinator adds `/metrics` itself). `/api/swarm` is the snapshot's "swarm": the `hetnode status --json`
+document (docs/status-json.md), which `hetnode status --peer http://…` prints without a DHT client of its own;
+`/api/swarm/signed` is the same signed by the coordinator's key, which `status --peer <multiaddr>` takes.
 
 Snapshot schema (every key may be missing and every value None; the page shows "–" for what it lacks):
 
@@ -22,7 +23,8 @@ Snapshot schema (every key may be missing and every value None; the page shows "
                   "seal_seconds": float, "time": float, "payload_bytes": {"anchor": int, "stage": int}}],
      "samples": [{"round": int, "prompt": str, "text": str, "temperature": float, "seed": int,
                   "tokens": int, "seconds": float}],  (newest first; `bootstrap/samples.py`)
-     "swarm": {...} (docs/status-json.md; served at /api/swarm, left out of /api/status)}
+     "swarm": {...} (docs/status-json.md; served at /api/swarm, left out of /api/status),
+     "swarm_signed": {"document": str, "key": str, "signature": str} (at /api/swarm/signed)}
 
 Names, roles, chain ids, samples and everything else in the snapshot are chosen by peers or emitted by the
 model: the page shows every such string as text, never as markup, and its Content-Security-Policy allows
@@ -82,6 +84,7 @@ class StatusBoard:
             "/": self.page,
             "/api/status": self.api_status,
             "/api/swarm": self.api_swarm,
+            "/api/swarm/signed": self.api_swarm_signed,
             "/api/samples": self.api_samples,
             "/api/contributions": self.api_contributions,
             "/healthz": self.healthz,
@@ -93,6 +96,7 @@ class StatusBoard:
         snapshot, updated = self._latest()
         body = dict(snapshot)
         body.pop("swarm", None)  # the peers again, with digests: at /api/swarm for who wants them
+        body.pop("swarm_signed", None)
         body["leaderboard"] = [s.as_dict() for s in self._standings()[:LEADERBOARD_TOP]]
         body["updated"] = updated
         return _json(body)
@@ -104,6 +108,14 @@ class StatusBoard:
         if not isinstance(swarm, dict):
             return _json({"reason": "the swarm was not read yet"}, status=503)
         return _json(swarm)
+
+    def api_swarm_signed(self) -> Response:
+        """The same document signed by the coordinator's key (`hetnode/daemon/status_signed.py`)."""
+        snapshot, _ = self._latest()
+        signed = snapshot.get("swarm_signed")
+        if not isinstance(signed, dict):
+            return _json({"reason": "the swarm was not read yet"}, status=503)
+        return _json(signed)
 
     def api_samples(self) -> Response:
         """The newest samples from the global model alone (a small document to poll)."""

@@ -15,6 +15,7 @@ from hetnode.service.http_server import DEFAULT_STATUS_PORT
 from hetnode.training.faults import WORK_FAULTS
 
 DEFAULT_HOME = Path("~/.hetnode")
+SIGNED_STATUS_TIMEOUT_S = 2.0  # the coordinator's HTTP port answers at once or not at all; then the DHT
 
 
 def port_or_off(text: str) -> int | None:
@@ -187,6 +188,14 @@ def register(commands: argparse._SubParsersAction) -> None:
         help="give up after this long, saying why (default %(default)g); a --peer where nothing listens "
         "fails at once",
     )
+    status.add_argument(
+        "--coordinator-http-port",
+        type=port_or_off,
+        default=DEFAULT_STATUS_PORT,
+        metavar="PORT",
+        help="with a coordinator's multiaddr: its --http-port, where it serves the status it signs "
+        f"(default {DEFAULT_STATUS_PORT}; off: always read the DHT, which takes seconds)",
+    )
     status.add_argument("--listen", default="/ip4/127.0.0.1/tcp/0", help=argparse.SUPPRESS)
     status.set_defaults(handler=run_status)
 
@@ -322,19 +331,22 @@ def run_status(args: argparse.Namespace) -> int:
     check_peer(args.peer, "--timeout")
     if not 0 < args.timeout <= 3600:
         raise ConfigError("--timeout", "timeout", f"must be in (0, 3600] seconds, got {args.timeout:g}")
-    document = loop.run(read_status(args.peer, args.timeout, args.listen))
+    document = loop.run(read_status(args.peer, args.timeout, args.listen, args.coordinator_http_port))
     print(json.dumps(document, indent=1) if args.json else render_table(document), flush=True)
     return 0
 
 
-async def read_status(peer: str, timeout_s: float, listen: str) -> dict:
+async def read_status(
+    peer: str, timeout_s: float, listen: str, coordinator_http_port: int | None = DEFAULT_STATUS_PORT
+) -> dict:
     """The status document within about `timeout_s`; a Ctrl+C or SIGTERM ends the wait at once (`Stopped`).
 
     A coordinator URL is asked for the document it serves (one request, no P2P daemon: hivemind is not
-    even imported); a multiaddr, or a coordinator too old to serve it, is read through the DHT, the URL's
-    request and the DHT read sharing the timeout."""
+    even imported); a coordinator's multiaddr for the document it signs, at `coordinator_http_port` on its
+    host (taken only when the multiaddr's peer id signed it). Anything else (a member's multiaddr, an older
+    coordinator) is read through the DHT, the requests and the DHT read sharing the timeout."""
     from hetnode.daemon.peer_address import is_url
-    from hetnode.daemon.status_http import read_served_status
+    from hetnode.daemon.status_http import read_served_status, read_signed_status
     from hetnode.service.lifecycle import release_signals, stop_on_signals
 
     stop = stop_on_signals()
@@ -342,6 +354,11 @@ async def read_status(peer: str, timeout_s: float, listen: str) -> dict:
         started = time.monotonic()
         if is_url(peer) and (served := await read_served_status(peer, timeout_s, stop)) is not None:
             return served
+        signed_s = min(SIGNED_STATUS_TIMEOUT_S, timeout_s / 2)
+        if not is_url(peer) and (
+            signed := await read_signed_status(peer, coordinator_http_port, signed_s, stop)
+        ):
+            return signed
         from hetnode.daemon.peer_address import resolve_peer
         from hetnode.daemon.status import query_status  # hivemind and torch: only for the DHT read
 

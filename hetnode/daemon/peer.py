@@ -31,8 +31,9 @@ from hetnode.daemon.view import PeerDirectory, SwarmView, coordinator_directory
 from hetnode.daemon.view_changes import coordinator_changes
 from hetnode.errors import HetnodeError
 from hetnode.model.decoder import count_parameters
-from hetnode.net.identity import load_or_create_identity, peer_id_from_maddr
+from hetnode.net.identity import load_or_create_identity
 from hetnode.net.node import SwarmNode
+from hetnode.net.peer_ids import peer_id_from_maddr
 from hetnode.net.probe import LinkMeasurement, combine
 from hetnode.net.records import new_peer_record
 from hetnode.net.streams import PeerRequestError

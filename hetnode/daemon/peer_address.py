@@ -76,7 +76,7 @@ def check_peer(peer: str, timeout_flag: str) -> str:
             f"{peer!r}: only http:// and https:// URLs are read; {URL_HINT}; or pass a multiaddr from the "
             "coordinator's READY line (ending in /p2p/<peer id>)",
         )
-    from hetnode.net.identity import peer_id_from_maddr  # hivemind: only for a multiaddr
+    from hetnode.net.peer_ids import peer_id_from_maddr
 
     try:
         peer_id_from_maddr(peer)
@@ -125,7 +125,7 @@ def maddr_from_status(status: object, host_ip: str) -> str:
             if port.isdigit() and 0 < int(port) < 65536:
                 family = "ip6" if ipaddress.ip_address(host_ip).version == 6 else "ip4"
                 resolved = f"/{family}/{host_ip}/tcp/{int(port)}/p2p/{peer_id}"
-                from hetnode.net.identity import peer_id_from_maddr  # hivemind: only to dial the P2P port
+                from hetnode.net.peer_ids import peer_id_from_maddr
 
                 peer_id_from_maddr(resolved)  # a bad peer id fails here, with the parser's error
                 return resolved

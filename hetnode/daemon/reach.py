@@ -17,8 +17,9 @@ import re
 
 from hetnode.daemon.swarm import start_when_reachable
 from hetnode.errors import HetnodeError
-from hetnode.net.identity import Identity, peer_id_from_maddr
+from hetnode.net.identity import Identity
 from hetnode.net.node import SwarmNode
+from hetnode.net.peer_ids import peer_id_from_maddr
 from hetnode.net.streams import PeerRequestError
 from hetnode.planning.reachability import Reachability, judge
 from hetnode.service.lifecycle import Stopped, sleep_or_stop, unless_stopped

@@ -12,8 +12,9 @@ from hetnode.daemon.status_table import format_mbit, format_share, printable, re
 from hetnode.daemon.swarm import find_run, read_round, refuse_another_peer
 from hetnode.daemon.view import SwarmView
 from hetnode.errors import HetnodeError
-from hetnode.net.identity import ephemeral_identity, peer_id_from_maddr
+from hetnode.net.identity import ephemeral_identity
 from hetnode.net.node import DEFAULT_LIMITS, PeersUnreachable, SwarmNode
+from hetnode.net.peer_ids import peer_id_from_maddr
 from hetnode.service.lifecycle import unless_stopped
 
 # the table's helpers are importable from here too, as before they had a module of their own

@@ -15,16 +15,19 @@ import asyncio
 import functools
 import http.client
 import json
+import logging
 import time
 import urllib.error
 import urllib.request
 from typing import Any
 
 from hetnode.daemon.peer_address import URL_HINT, check_url, connect_reason, in_daemon_thread, read_capped
+from hetnode.daemon.status_signed import SIGNED_PATH, NotSigned, open_status
 from hetnode.errors import HetnodeError
 from hetnode.service.lifecycle import unless_stopped
 
 SWARM_PATH = "/api/swarm"
+log = logging.getLogger(__name__)
 
 
 class Unanswered(HetnodeError):
@@ -82,3 +85,50 @@ async def read_served_status(peer: str, timeout_s: float, stop: asyncio.Event) -
         reason = str(exc) if isinstance(exc, Unanswered) else "no answer (timed out)"
         limit = f"(--timeout {timeout_s:g} s)"
         raise HetnodeError(f"cannot read the swarm from {url} {limit}: {reason}") from None
+
+
+def signed_url(maddr: str, http_port: int) -> tuple[str, str] | None:
+    """(URL of the signed document on `maddr`'s host at `http_port`, the peer id `maddr` names), or None
+    for a multiaddr that is not /ip4|ip6|dns…/HOST/tcp/PORT/p2p/ID (a relayed one, say)."""
+    parts = maddr.strip().split("/")
+    if len(parts) != 7 or parts[0] or parts[3] != "tcp" or parts[5] != "p2p" or not parts[6]:
+        return None
+    kind, host = parts[1], parts[2]
+    if kind == "ip6":
+        host = f"[{host}]"
+    elif kind not in ("ip4", "dns", "dns4", "dns6"):
+        return None
+    return f"http://{host}:{http_port}{SIGNED_PATH}", parts[6]
+
+
+def fetch_signed(url: str, peer_id: str, timeout_s: float) -> dict[str, Any]:
+    """One request (blocking): the status document at `url` when `peer_id` signed it; NotSigned (or an
+    OSError, HTTPException) otherwise."""
+    deadline = time.monotonic() + timeout_s
+    try:
+        with urllib.request.urlopen(url, timeout=timeout_s) as response:
+            body = read_capped(response, url, deadline)
+        answer = json.loads(body)
+    except (OSError, http.client.HTTPException, ValueError, HetnodeError) as exc:
+        raise NotSigned(f"{url}: {connect_reason(exc) if isinstance(exc, OSError) else exc}") from None
+    return open_status(answer, peer_id, time.time())
+
+
+async def read_signed_status(
+    maddr: str, http_port: int | None, timeout_s: float, stop: asyncio.Event
+) -> dict[str, Any] | None:
+    """The coordinator's signed document from `maddr`'s host at `http_port` (its status port), in at most
+    `timeout_s`; None when it is not there or not signed by the peer id `maddr` names (then the caller
+    reads the DHT: a member's multiaddr, a coordinator on another port, an older one)."""
+    target = signed_url(maddr, http_port) if http_port else None
+    if target is None:
+        return None
+    url, peer_id = target
+    ask = in_daemon_thread(functools.partial(fetch_signed, url, peer_id, timeout_s), timeout_s + 0.5)
+    try:
+        document = await unless_stopped(stop, ask, f"waiting for {url}")
+    except (NotSigned, TimeoutError) as exc:
+        log.info("no signed status at %s (%s): reading the swarm through the DHT", url, exc or "timed out")
+        return None
+    log.info("the swarm as the coordinator %s signed it at %s", peer_id[-8:], url)
+    return document

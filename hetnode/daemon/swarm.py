@@ -15,8 +15,9 @@ from dataclasses import dataclass
 from hetnode.config import Config, replace
 from hetnode.daemon.peer_address import another_peer_error
 from hetnode.errors import ConfigError, HetnodeError
-from hetnode.net.identity import Identity, peer_id_from_maddr
+from hetnode.net.identity import Identity
 from hetnode.net.node import DEFAULT_LIMITS, PeersUnreachable, SwarmNode
+from hetnode.net.peer_ids import peer_id_from_maddr
 from hetnode.net.streams import PeerRequestError
 from hetnode.net.who_answers import listener_at, other_peer_id_at
 from hetnode.service.lifecycle import Stopped, sleep_or_stop, unless_stopped

@@ -97,15 +97,3 @@ def check_peer_id(text: str, what: str = "peer id") -> str:
     if decoded.name != "sha2-256":
         raise HetnodeError(f"{what}: {text[:80]!r} is not an RSA peer id")
     return text
-
-
-def peer_id_from_maddr(maddr: str) -> str:
-    """The peer id at the end of a `/.../p2p/<id>` multiaddr, checked to be valid base58."""
-    head, sep, tail = maddr.rstrip("/").rpartition("/p2p/")
-    if not sep or not head or "/" in tail:
-        raise HetnodeError(f"{maddr!r} has no /p2p/<peer id> part: copy the whole address of a READY line")
-    try:
-        base58.b58decode(tail)
-    except ValueError:
-        raise HetnodeError(f"{maddr!r}: {tail!r} is not a peer id") from None
-    return tail

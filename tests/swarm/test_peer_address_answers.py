@@ -3,7 +3,8 @@
 A coordinator restarted with another `--data-dir` has a new key, so a new peer id, on the same port. A
 volunteer still holding the old multiaddr must hear that at once (exit 2, both ids, the new multiaddr and
 the `http://` form), not wait out `--connect-timeout` for "none of [...] answered". And `hetnode status`
-by the coordinator's URL (its `/api/swarm`, no DHT client) shows what the DHT read shows."""
+by the coordinator's URL (its `/api/swarm`, no DHT client), or by its multiaddr and status port (the
+document it signs, `/api/swarm/signed`), shows what the DHT read shows."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import json
 import subprocess
 import sys
 import time
+import urllib.parse
 from pathlib import Path
 from typing import Any
 
@@ -79,3 +81,19 @@ def test_status_tells_another_peer_id_too_and_its_url_reads_what_the_dht_does(sw
         return json.dumps({"peers": peers, "chains": document["chains"], "config": document["config"]})
 
     assert shown(by_url) == shown(by_dht)
+
+    # the multiaddr and the coordinator's status port: the document it signed, no hivemind, no torch
+    port = urllib.parse.urlsplit(boot.ready["http"]).port
+    probe = (
+        "import json, sys; from hetnode.cli.main import main; "
+        f"code = main(['status', '--peer', {boot.maddr!r}, '--json', '--coordinator-http-port', '{port}']); "
+        "heavy = sorted(m for m in sys.modules if m.split('.')[0] in ('hivemind', 'torch')); "
+        "print('IMPORTED', json.dumps(heavy), file=sys.stderr); sys.exit(code)"
+    )
+    signed = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, timeout=STARTUP_S + 40, cwd=ROOT
+    )
+    assert signed.returncode == 0, signed.stderr[-2000:]
+    assert f"the coordinator {boot.peer_id[-8:]} signed it" in signed.stderr, signed.stderr[-2000:]
+    assert "IMPORTED []" in signed.stderr, signed.stderr[-2000:]
+    assert shown(json.loads(signed.stdout)) == shown(by_url)
