@@ -31,7 +31,8 @@ def _framed(call_id: uuid.UUID, response: bytes) -> bytes:
 async def _late_reply_then_a_live_one(guarded: bool) -> bytes:
     """A reply for a call already cancelled, then one for a call still waiting: what the waiting one gets."""
     client = ControlClient.__new__(ControlClient)  # the reader needs only these two tables
-    client._pending_calls, client._handler_tasks, client._read_task = {}, {}, None
+    client._pending_calls, client._handler_tasks = {}, {}
+    client._read_task = client._write_task = None  # (what its close() looks at)
     if guarded:
         client._pending_calls = PendingCalls(client._pending_calls)
     given_up, waiting = uuid.uuid4(), uuid.uuid4()

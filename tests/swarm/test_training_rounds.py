@@ -136,7 +136,12 @@ def test_anchor_restart_resumes_its_error_feedback_and_round(swarm, tmp_path):
     boot.wait_ready()
     anchor = swarm.join("solo", boot.maddr, "1000")
     anchor.wait_ready()
-    swarm.wait_for_round(2, timeout=120)
+    swarm.wait_for(  # sealed is not yet applied: stop it once it holds round 2
+        boot.maddr,
+        lambda d: any(p["name"] == "solo" and (p["params_round"] or -1) >= 2 for p in d["peers"]),
+        timeout=120,
+        what="the anchor holds round 2",
+    )
     assert anchor.stop() == 0  # SIGTERM: the only anchor, so no round is sealed while it is away
     [state_file] = (tmp_path / "solo").glob("anchor-state-*.pt")
     saved = torch.load(state_file, weights_only=True)
