@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import shlex
 import signal
 import statistics
@@ -28,6 +27,8 @@ import time
 import urllib.error
 import urllib.request
 from pathlib import Path
+
+from machine_info import machine, when  # this folder's; scripts run as python benchmarks/NAME.py
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_OUT = ROOT / "benchmarks" / "results" / "cli-speed-issue33" / "cli.json"
@@ -170,15 +171,8 @@ def main() -> None:
     report |= {
         "label": args.label,
         "hetnode": shlex.join(hetnode),
-        "machine": {
-            "cpus": os.cpu_count(),
-            "python": platform.python_version(),
-            "platform": platform.platform(),
-            "loadavg_before": [round(x, 2) for x in load_before],
-            "loadavg_after": [round(x, 2) for x in os.getloadavg()],
-        },
-        "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(started)),
-        "seconds": round(time.time() - started, 1),
+        "machine": machine(load_before),
+        **when(started),
         "targets_s": TARGETS_S,
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import shlex
 import statistics
 import subprocess
@@ -26,6 +25,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+from machine_info import machine, when  # this folder's; scripts run as python benchmarks/NAME.py
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_OUT = ROOT / "benchmarks" / "results" / "cli-speed-issue33" / "sample.json"
@@ -138,15 +139,8 @@ def main() -> None:
         "label": args.label,
         "tokens": TOKENS,
         "prompt": PROMPT,
-        "machine": {
-            "cpus": os.cpu_count(),
-            "python": platform.python_version(),
-            "platform": platform.platform(),
-            "loadavg_before": [round(x, 2) for x in load_before],
-            "loadavg_after": [round(x, 2) for x in os.getloadavg()],
-        },
-        "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(started)),
-        "seconds": round(time.time() - started, 1),
+        "machine": machine(load_before),
+        **when(started),
         "target_ratio": TARGET_RATIO,
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
