@@ -4,12 +4,17 @@ Every replica must compute the bit-identical outer update from the same sealed s
 reductions here run in a fixed order: contributions sorted by contributor id, one contributor (or, for the
 trimmed mean, one sorted rank) at a time, and within one contributor every coordinate appears at most once (no
 order-dependent float accumulation). The aggregation rule bounds how far one identity can move θ (TRUST §3).
+
+Weights: the seal gives each contribution an integer weight, earned by its author's verified history
+(`bootstrap/standing.py`); every statistic here (the median norm, the clip bound, the means, the trim) is
+taken over weight, not headcount, so identities without history cannot outvote those with it. Integers keep
+the sums of weights exact, and equal weights give exactly the unweighted rule.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import torch
 
@@ -17,6 +22,7 @@ from hetnode.algo.aggregation_rules import AGGREGATION_RULES, AggregationRule  #
 
 SparseUpdate = tuple[torch.Tensor, torch.Tensor]  # (flat int64 indices, float32 values)
 TRIM_FRACTION = 0.2  # "trimmed": b = max(1, ⌊0.2·N⌋) values dropped at each end of every coordinate (N ≥ 3)
+MAX_WEIGHT = 1024  # the most weight one contribution may carry (the seal's schema holds the same bound)
 
 
 def trim_count(senders: int) -> int:
@@ -56,13 +62,18 @@ def aggregate_sparse(
     shapes: dict[str, tuple[int, ...]],
     device: torch.device | str = "cpu",
     rule: AggregationRule = "mean",
+    weights: Mapping[str, int] | None = None,
 ) -> dict[str, torch.Tensor]:
     """Dense float32 Δ per tensor from sparse contributions (DESIGN §2.2, TRUST §3).
 
+    `weights`: contributor -> a positive integer (None: 1 each). Below, N counts weight: a contributor of
+    weight w counts as w contributors sending the same values.
+
     Per tensor, first (every rule): each contributor's value vector is scaled down (never up) to the median
     L2 norm over the N contributors that sent that tensor, so one outlier cannot dominate the round. The
-    median is `torch.median` (the lower of the two middle values for an even count: deterministic, and it is
-    an actual contributor's norm). Then, per coordinate j, with S_j the contributors that selected j:
+    median is the lower weighted median (for equal weights `torch.median`'s: the lower of the two middle
+    values for an even count; deterministic, and it is an actual contributor's norm). Then, per coordinate
+    j, with S_j the contributors that selected j:
 
     - "selectors": the mean over S_j (`scatter_reduce(mean)` semantics). A coordinate only one peer selected
       gets that peer's full value, so one identity on a support nobody else chose moves θ by the median norm.
@@ -83,10 +94,18 @@ def aggregate_sparse(
     """
     device = torch.device(device)
     out: dict[str, torch.Tensor] = {}
-    for name, shape, _, senders in _prepared(contributions, shapes, device, rule):
+    for name, shape, _, senders, held in _prepared(contributions, shapes, device, rule, weights):
         numel = math.prod(shape)
         if not senders:
             flat = torch.zeros(numel, dtype=torch.float32, device=device)
+        elif rule == "trimmed" and len(set(held)) > 1:
+            flat = torch.zeros(numel, dtype=torch.float32, device=device)
+            support, table, _ = _trim_table(senders, device)
+            values, kept, total = _weighted_trim(table, held)
+            acc = values[0] * kept[0]
+            for r in range(1, values.shape[0]):
+                acc.add_(values[r] * kept[r])
+            flat[support] = acc / total
         elif rule == "trimmed":
             flat = torch.zeros(numel, dtype=torch.float32, device=device)
             support, table, kept = _trim_table(senders, device)
@@ -96,11 +115,11 @@ def aggregate_sparse(
                 acc.add_(ranked[r])
             flat[support] = acc / ranked.shape[0]
         else:
-            total, count = _total_and_count(senders, numel, device)
+            total, count = _total_and_count(senders, held, numel, device)
             if rule == "mean":
-                flat = total / len(senders)
+                flat = total / sum(held)
             elif rule == "pooled":
-                flat = total / _pooled_divisor(senders, count)
+                flat = total / _pooled_divisor(senders, held, count)
             else:
                 flat = torch.where(count > 0, total / count.clamp(min=1.0), total)
         out[name] = flat.reshape(shape)
@@ -111,37 +130,53 @@ def contribution_parts(
     contributions: Sequence[tuple[str, dict[str, SparseUpdate]]],
     shapes: dict[str, tuple[int, ...]],
     rule: AggregationRule = "mean",
+    weights: Mapping[str, int] | None = None,
 ) -> dict[str, dict[str, SparseUpdate]]:
     """Each contributor's part of `aggregate_sparse`'s Δ, sparse on its own support: the parts add up to Δ
     (up to float rounding; for the trimmed mean, a kept value of 0 is nobody's part).
 
-    This is what a contributor steers: under "mean" its part is its value vector / N, under "selectors" each
-    value is divided by the number of peers that chose the coordinate, under "trimmed" only its values that
-    survive the trim count, / (N − 2b). For measurement (`hetnode bench influence`), not for rounds.
+    This is what a contributor steers: under "mean" its part is w · its value vector / N, under "selectors"
+    w · each value divided by the weight of the peers that chose the coordinate, under "trimmed" only the
+    weight of its values that survives the trim, / (N − 2b). For measurement (`hetnode bench influence`),
+    not for rounds.
     """
     device = torch.device("cpu")
     parts: dict[str, dict[str, SparseUpdate]] = {who: {} for who, _ in contributions}
-    for name, shape, who_sent, senders in _prepared(contributions, shapes, device, rule):
+    for name, shape, who_sent, senders, held in _prepared(contributions, shapes, device, rule, weights):
         if not senders:
             continue
         if rule == "trimmed":
-            support, table, (lo, hi) = _trim_table(senders, device)
+            support, table, _ = _trim_table(senders, device)
             order = torch.sort(table, dim=0, stable=True).indices
-            keep = torch.zeros_like(table, dtype=torch.bool)
-            keep.scatter_(0, order[lo:hi], True)
+            _, kept, total = _weighted_trim(table, held)
+            share = torch.zeros_like(table)
+            share.scatter_(0, order, kept)  # the weight each sender keeps, back in its own row
             for row, (who, (idx, vals)) in enumerate(zip(who_sent, senders, strict=True)):
-                mask = keep[row, torch.searchsorted(support, idx)]
-                parts[who][name] = (idx, torch.where(mask, vals, 0.0) / (hi - lo))
+                parts[who][name] = (idx, vals * share[row, torch.searchsorted(support, idx)] / total)
             continue
-        _, count = _total_and_count(senders, math.prod(shape), device)
-        for who, (idx, vals) in zip(who_sent, senders, strict=True):
+        _, count = _total_and_count(senders, held, math.prod(shape), device)
+        for who, (idx, vals), w in zip(who_sent, senders, held, strict=True):
             if rule == "mean":
-                parts[who][name] = (idx, vals / len(senders))
+                parts[who][name] = (idx, vals * w / sum(held))
             elif rule == "pooled":
-                parts[who][name] = (idx, vals / _pooled_divisor(senders, count))
+                parts[who][name] = (idx, vals * w / _pooled_divisor(senders, held, count))
             else:
-                parts[who][name] = (idx, vals / count[idx])
+                parts[who][name] = (idx, vals * w / count[idx])
     return parts
+
+
+def _checked_weights(
+    contributions: Sequence[tuple[str, dict]], weights: Mapping[str, int] | None
+) -> dict[str, int]:
+    if weights is None:
+        return {who: 1 for who, _ in contributions}
+    out = {}
+    for who, _ in contributions:
+        w = weights.get(who)
+        if not isinstance(w, int) or isinstance(w, bool) or not 1 <= w <= MAX_WEIGHT:
+            raise ValueError(f"{who}: weight must be an integer in [1, {MAX_WEIGHT}], got {w!r}")
+        out[who] = w
+    return out
 
 
 def _prepared(
@@ -149,12 +184,14 @@ def _prepared(
     shapes: dict[str, tuple[int, ...]],
     device: torch.device,
     rule: str,
+    weights: Mapping[str, int] | None,
 ):
     """Per tensor: (name, shape, sender ids, checked values scaled to the median norm and, for "clip",
-    clamped), senders in contributor-id order."""
+    clamped, the senders' weights), senders in contributor-id order."""
     if rule not in AGGREGATION_RULES:
         raise ValueError(f"unknown aggregation rule {rule!r}; choose from {list(AGGREGATION_RULES)}")
     ordered = _sorted_by_id(contributions)
+    weight_of = _checked_weights(ordered, weights)
     for who, updates in ordered:
         unknown = sorted(set(updates) - set(shapes))
         if unknown:
@@ -167,40 +204,69 @@ def _prepared(
             for who, updates in ordered
             if name in updates
         ]
+        held = [weight_of[who] for who in who_sent]
         if senders:
-            senders = _scale_to_median_norm(senders)
+            senders = _scale_to_median_norm(senders, held)
         if senders and rule == "clip":
-            bound = torch.median(
-                torch.stack([v.abs().max() if v.numel() else v.new_zeros(()) for _, v in senders])
-            )
+            peaks = torch.stack([v.abs().max() if v.numel() else v.new_zeros(()) for _, v in senders])
+            bound = weighted_median(peaks, held)
             senders = [(idx, vals.clamp(-bound, bound)) for idx, vals in senders]
-        yield name, shape, who_sent, senders
+        yield name, shape, who_sent, senders, held
+
+
+def weighted_median(values: torch.Tensor, weights: Sequence[int]) -> torch.Tensor:
+    """The lower weighted median of a 1-D tensor: the smallest value whose cumulative weight (values in
+    ascending order, ties in input order) reaches half the total. Equal weights: `torch.median`'s value."""
+    order = torch.sort(values, stable=True).indices.tolist()
+    total, cumulative = sum(weights), 0
+    for i in order:
+        cumulative += weights[i]
+        if 2 * cumulative >= total:
+            return values[i]
+    raise ValueError("weighted_median of nothing")
 
 
 def _total_and_count(
-    senders: list[SparseUpdate], numel: int, device: torch.device
+    senders: list[SparseUpdate], held: Sequence[int], numel: int, device: torch.device
 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(Σ w·v, Σ w) per coordinate over its selectors (weight 1 adds the values themselves, exactly)."""
     total = torch.zeros(numel, dtype=torch.float32, device=device)
     count = torch.zeros(numel, dtype=torch.float32, device=device)
-    for idx, vals in senders:
-        total.index_add_(0, idx, vals)
-        count.index_add_(0, idx, torch.ones_like(vals))
+    for (idx, vals), w in zip(senders, held, strict=True):
+        total.index_add_(0, idx, vals if w == 1 else vals * float(w))
+        count.index_add_(0, idx, torch.full_like(vals, float(w)))
     return total, count
 
 
-def _pooled_divisor(senders: list[SparseUpdate], count: torch.Tensor) -> float:
-    """n̄ = selections / selected coordinates, from integers: the same float on every replica."""
+def _pooled_divisor(senders: list[SparseUpdate], held: Sequence[int], count: torch.Tensor) -> float:
+    """n̄ = weighted selections / selected coordinates, from integers: the same float on every replica."""
     selected = int((count > 0).sum())
-    return sum(idx.numel() for idx, _ in senders) / selected if selected else 1.0
+    selections = sum(idx.numel() * w for (idx, _), w in zip(senders, held, strict=True))
+    return selections / selected if selected else 1.0
 
 
-def _scale_to_median_norm(senders: list[SparseUpdate]) -> list[SparseUpdate]:
+def _scale_to_median_norm(senders: list[SparseUpdate], held: Sequence[int]) -> list[SparseUpdate]:
     norms = torch.stack([torch.linalg.vector_norm(v) for _, v in senders])
-    median = torch.median(norms)
+    median = weighted_median(norms, held)
     return [
         (idx, vals * (median / norm) if norm > median else vals)
         for (idx, vals), norm in zip(senders, norms, strict=True)
     ]
+
+
+def _weighted_trim(table: torch.Tensor, held: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor, float]:
+    """The weighted trimmed mean's terms: each coordinate's values in ascending order, the weight each rank
+    keeps once b = W · trim_count(N) / N of weight is cut at both ends (W the total weight, N the senders;
+    equal weights cut exactly `trim_count(N)` values), and the kept total W − 2b."""
+    n = table.shape[0]
+    w = torch.tensor([float(x) for x in held], dtype=torch.float64, device=table.device)
+    total = float(w.sum())
+    cut = total * trim_count(n) / n
+    values, order = torch.sort(table, dim=0, stable=True)
+    ranked_w = w[order]  # [N, U]: the weight behind each rank
+    upto = torch.cumsum(ranked_w, dim=0)
+    kept = torch.minimum(upto, torch.tensor(total - cut)) - torch.maximum(upto - ranked_w, torch.tensor(cut))
+    return values, kept.clamp(min=0.0).to(table.dtype), total - 2 * cut
 
 
 def _trim_table(

@@ -7,11 +7,14 @@ import torch
 
 from hetnode.algo.aggregate import (
     AGGREGATION_RULES,
+    MAX_WEIGHT,
     NesterovOuter,
     aggregate_dense,
     aggregate_sparse,
+    contribution_parts,
     outer_sgd_step,
     trim_count,
+    weighted_median,
 )
 from hetnode.algo.sparseloco import SparseLoCoCodec
 
@@ -199,3 +202,93 @@ def test_nesterov_matches_torch_sgd() -> None:
             restored.load_state_dict(outer.state_dict())
             outer = restored
     assert outer.lr == 0.7 and outer.momentum == 0.9
+
+
+# --- weights (earned by verified history; TRUST §3, docs/security.md) --------------------------------------
+
+
+@pytest.mark.parametrize("rule", AGGREGATION_RULES)
+def test_weight_one_is_the_unweighted_rule_bit_for_bit(rule: str) -> None:
+    torch.manual_seed(6)
+    shapes = {"w": (64, 64), "b": (65,)}
+    contribs = _codec_contributions(5, shapes)
+    plain = aggregate_sparse(contribs, shapes, rule=rule)
+    ones = aggregate_sparse(contribs, shapes, rule=rule, weights={who: 1 for who, _ in contribs})
+    for n in shapes:
+        assert plain[n].view(torch.int32).equal(ones[n].view(torch.int32))
+
+
+@pytest.mark.parametrize("rule", ["mean", "selectors", "pooled", "clip"])
+def test_a_weight_counts_as_that_many_identical_contributors(rule: str) -> None:
+    """Weight w is w peers sending the same values: the median norm, the clip bound and the means agree."""
+    torch.manual_seed(7)
+    shapes = {"w": (64, 64), "b": (65,)}
+    contribs = _codec_contributions(4, shapes)
+    weights = {"peer-00": 3, "peer-01": 1, "peer-02": 2, "peer-03": 1}
+    copies = [(f"{who}/{i}", upd) for who, upd in contribs for i in range(weights[who])]
+    weighted = aggregate_sparse(contribs, shapes, rule=rule, weights=weights)
+    replicated = aggregate_sparse(copies, shapes, rule=rule)
+    for n in shapes:
+        assert torch.allclose(weighted[n], replicated[n], rtol=1e-5, atol=1e-7), n
+
+
+def test_the_median_norm_is_taken_over_weight_not_headcount() -> None:
+    """Five light Sybils with tiny norms cannot pull the clip down onto two heavy honest peers."""
+    honest = [(f"h{i}", {"w": _sp([i], [1.0])}) for i in range(2)]
+    sybils = [(f"s{i}", {"w": _sp([2 + i], [0.01])}) for i in range(5)]
+    shapes = {"w": (8,)}
+    by_head = aggregate_sparse(honest + sybils, shapes, rule="selectors")
+    assert by_head["w"][0] == pytest.approx(0.01)  # headcount: the Sybils' median clips the honest to 0.01
+    weights = {"h0": 8, "h1": 8} | {f"s{i}": 1 for i in range(5)}
+    by_weight = aggregate_sparse(honest + sybils, shapes, rule="selectors", weights=weights)
+    assert by_weight["w"][0] == 1.0 and by_weight["w"][1] == 1.0  # the honest are not scaled at all
+    mean = aggregate_sparse(honest + sybils, shapes, rule="mean", weights=weights)
+    assert mean["w"][0] == pytest.approx(8 / 21) and mean["w"][2] == pytest.approx(0.01 / 21)
+
+
+def test_the_weighted_trim_cuts_weight_not_heads() -> None:
+    """N = 5 senders, trim_count 1: with equal weights one value is cut at each end; a sender holding most of
+    the weight cannot be trimmed away by four light outliers, and the parts still add up to Δ."""
+    shapes = {"w": (1,)}
+    contribs = [("a", {"w": _sp([0], [1.0])})] + [(f"x{i}", {"w": _sp([0], [-1.0])}) for i in range(4)]
+    equal = aggregate_sparse(contribs, shapes, rule="trimmed")
+    assert equal["w"][0] == pytest.approx(-1.0)  # the lone +1 is cut
+    weights = {"a": 8, "x0": 1, "x1": 1, "x2": 1, "x3": 1}  # W = 12, b = 12/5 = 2.4 cut at each end
+    heavy = aggregate_sparse(contribs, shapes, rule="trimmed", weights=weights)
+    assert heavy["w"][0] == pytest.approx((1.6 * -1.0 + 5.6 * 1.0) / 7.2)
+    parts = contribution_parts(contribs, shapes, rule="trimmed", weights=weights)
+    total = sum(float(parts[who]["w"][1].sum()) for who, _ in contribs)
+    assert total == pytest.approx(float(heavy["w"][0]))
+
+
+def test_weights_are_checked() -> None:
+    contribs = [("a", {"w": _sp([0], [1.0])}), ("b", {"w": _sp([1], [1.0])})]
+    for bad in ({"a": 1}, {"a": 0, "b": 1}, {"a": -2, "b": 1}, {"a": 1.5, "b": 1}, {"a": True, "b": 1}):
+        with pytest.raises(ValueError, match="weight"):
+            aggregate_sparse(contribs, {"w": (2,)}, weights=bad)
+    with pytest.raises(ValueError, match="weight"):
+        aggregate_sparse(contribs, {"w": (2,)}, weights={"a": MAX_WEIGHT + 1, "b": 1})
+
+
+def test_weighted_median() -> None:
+    values = torch.tensor([5.0, 1.0, 3.0])
+    assert weighted_median(values, [1, 1, 1]) == 3.0
+    assert weighted_median(values, [1, 5, 1]) == 1.0
+    assert weighted_median(values, [4, 1, 1]) == 5.0
+    assert weighted_median(torch.tensor([2.0, 1.0]), [1, 1]) == torch.median(torch.tensor([2.0, 1.0]))
+
+
+@pytest.mark.parametrize("rule", AGGREGATION_RULES)
+def test_weighted_rules_are_order_independent_bit_for_bit(rule: str) -> None:
+    torch.manual_seed(8)
+    shapes = {"w": (64, 96), "b": (129,)}
+    contribs = _codec_contributions(6, shapes)
+    contribs.append(("peer-tie", {"w": _sp([0, 1, 2], [1.0, -1.0, 0.0]), "b": _sp([5], [-0.0])}))
+    weights = {who: 1 + (i * 5) % 7 for i, (who, _) in enumerate(contribs)}
+    ref = aggregate_sparse(contribs, shapes, rule=rule, weights=weights)
+    rng = random.Random(1)
+    for _ in range(3):
+        shuffled = contribs[:]
+        rng.shuffle(shuffled)
+        out = aggregate_sparse(shuffled, shapes, rule=rule, weights=weights)
+        assert all(out[n].view(torch.int32).equal(ref[n].view(torch.int32)) for n in shapes)
