@@ -164,6 +164,10 @@ class Bookkeeper:
         self.sampler = RoundSampler(c.samples, c.run.seed, self.dataset.tokenizer, model)
         if c.outer.verify:
             self.verifier = Verifier(c, self.dataset, model)
+            try:  # what the verifier knew before a restart: nobody's record starts clean again
+                self.verifier.restore(self.ledger.verifier_state())
+            except Exception:
+                log.exception("cannot read the verifier's records from the ledger: every peer starts anew")
 
     @torch.no_grad()
     def _load(self, params: Mapping[str, torch.Tensor], round_: int) -> None:

@@ -47,9 +47,11 @@ from hetnode.errors import HetnodeError
 
 log = logging.getLogger(__name__)
 
-# 2: verdicts (scores and rejections of contributions, TRUST §4); 3: contributions.replica_tokens
-SCHEMA_VERSION = 3
-REASONS = ("stale", "copy", "norm", "score")  # why a contribution got no weight or credit
+# 2: verdicts (scores and rejections of contributions, TRUST §4); 3: contributions.replica_tokens;
+# 4: verdicts.weight (the weight a peer has earned by verified history, `bootstrap/earned_weight.py`)
+SCHEMA_VERSION = 4
+# why a contribution got no weight or credit ("probation": its author has no verified round yet)
+REASONS = ("stale", "copy", "norm", "score", "probation")
 MAX_VERDICTS_SHOWN = 200
 BUSY_TIMEOUT_S = 10.0
 MAX_CONNECTIONS = 8  # one writer + 7 readers: a status page needs a few, each query takes milliseconds
@@ -83,6 +85,7 @@ CREATE TABLE IF NOT EXISTS verdicts (
     reason TEXT,
     score REAL,
     average REAL,
+    weight INTEGER,
     PRIMARY KEY (round, peer)
 );
 CREATE INDEX IF NOT EXISTS verdicts_by_peer ON verdicts (peer, round);
@@ -94,6 +97,13 @@ JOIN (SELECT peer, MAX(round) AS last, total(reason IS NOT NULL) AS rejected FRO
   ON v.peer = r.peer AND v.round = r.last
 """
 _REJECTIONS = "SELECT reason, COUNT(*) FROM verdicts WHERE reason IS NOT NULL GROUP BY reason"
+# what the verifier knew of each peer after its newest verdict: its average, how many scores are behind
+# it and the weight it had earned (a restarted coordinator takes them up again)
+_STANDING = """
+SELECT v.peer, v.average, r.scored, v.weight FROM verdicts AS v
+JOIN (SELECT peer, MAX(round) AS last, COUNT(score) AS scored FROM verdicts GROUP BY peer) AS r
+  ON v.peer = r.peer AND v.round = r.last
+"""
 
 
 def _valid(column: str) -> str:
@@ -187,19 +197,28 @@ def credit_round(
     inner_steps: int,
     contributions: Iterable[tuple[str, Mapping[str, bytes]]],
     names: Mapping[str, str],
+    weights: Mapping[str, int] | None = None,
+    full_weight: int = 1,
 ) -> list[Contribution]:
     """The ledger rows of one sealed round, from the protocol alone: `schedule` tokens per replica (H x
     batch x seq), the model's shards in order with their parameter counts (`sizes`), and each sealed
-    contribution's payloads by shard. Claimed tokens and steps play no part; `names` (display names from
-    the peers' records) are advice and earn nothing."""
+    contribution's payloads by shard. Credit goes with weight: a contribution of weight w out of
+    `full_weight` earns w / full_weight of its tokens (a newcomer's credit grows with its verified
+    history, as its weight does; `weights` None: full weight each). Claimed tokens and steps play no part;
+    `names` (display names from the peers' records) are advice and earn nothing."""
     per_shard = shard_tokens(schedule, sizes)
     whole = {shard for shard, _ in sizes}
+
+    def share(peer: str) -> tuple[int, int]:
+        weight = full_weight if weights is None else min(weights.get(peer, full_weight), full_weight)
+        return weight, full_weight
+
     return [
         Contribution(
             peer=peer,
             name=names.get(peer) or peer[-8:],
             role="anchor" if set(payloads) >= whole else "stage",
-            tokens=credited_tokens(per_shard, payloads),
+            tokens=credited_tokens(per_shard, payloads) * share(peer)[0] // share(peer)[1],
             inner_steps=inner_steps,
             bytes_sent=sum(len(data) for data in payloads.values()),
             replica_tokens=schedule,
@@ -217,6 +236,7 @@ class Verdict:
     reason: str | None  # None: verified and credited; else one of REASONS
     score: float | None  # this round's relative score (None: not scored)
     average: float | None  # the peer's exponential average after this round
+    weight: int | None = None  # the weight its verified history has earned after this round
 
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -389,6 +409,9 @@ class Ledger:
                 columns = {row[1] for row in conn.execute("PRAGMA table_info(contributions)")}
                 if "replica_tokens" not in columns:  # a ledger of schema 1 or 2: its rows read as NULL
                     conn.execute("ALTER TABLE contributions ADD COLUMN replica_tokens INTEGER")
+                columns = {row[1] for row in conn.execute("PRAGMA table_info(verdicts)")}
+                if "weight" not in columns:  # schema 3 or older: no weight was earned then (NULL)
+                    conn.execute("ALTER TABLE verdicts ADD COLUMN weight INTEGER")
                 conn.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
                 conn.execute("COMMIT")
             except BaseException:
@@ -462,11 +485,14 @@ class Ledger:
             for field, value in (("score", v.score), ("average", v.average)):
                 if value is not None and (not isinstance(value, float) or not math.isfinite(value)):
                     raise LedgerError(field, f"must be a finite float or None, got {value!r}", peer)
-            rows.append((v.round, peer, v.reason, v.score, v.average))
+            if v.weight is not None:
+                _check_int("weight", v.weight, MAX_COUNT, peer)
+            rows.append((v.round, peer, v.reason, v.score, v.average, v.weight))
         if not rows:
             return 0
         return self._insert(
-            "INSERT OR IGNORE INTO verdicts (round, peer, reason, score, average) VALUES (?, ?, ?, ?, ?)",
+            "INSERT OR IGNORE INTO verdicts (round, peer, reason, score, average, weight)"
+            " VALUES (?, ?, ?, ?, ?, ?)",
             rows,
         )
 
@@ -478,6 +504,12 @@ class Ledger:
             rows = conn.execute(_SCORES).fetchall()
         return {peer: PeerScore(average, reason, int(rejected)) for peer, average, reason, rejected in rows}
 
+    def verifier_state(self) -> dict[str, tuple[float | None, int, int | None]]:
+        """{peer: (score average, scores behind it, weight earned)} after each peer's newest verdict."""
+        with self._reading() as conn:
+            rows = conn.execute(_STANDING).fetchall()
+        return {peer: (average, int(scored), weight) for peer, average, scored, weight in rows}
+
     def rejections(self) -> dict[str, int]:
         """Rejected contributions by reason, all rounds (every reason present, zeros included)."""
         with self._reading() as conn:
@@ -488,7 +520,8 @@ class Ledger:
         """The newest verdicts first (at most `limit`)."""
         with self._reading() as conn:
             rows = conn.execute(
-                "SELECT peer, round, reason, score, average FROM verdicts ORDER BY round DESC, peer LIMIT ?",
+                "SELECT peer, round, reason, score, average, weight FROM verdicts"
+                " ORDER BY round DESC, peer LIMIT ?",
                 (max(0, min(limit, MAX_VERDICTS_SHOWN)),),
             ).fetchall()
         return [Verdict(*row) for row in rows]

@@ -12,8 +12,9 @@ signed record (the stand-in's rounds), never a vote of replicas. Once it has sea
 or θ is ever adopted (TRUST §1): the swarm follows the coordinator's chain.
 
 Credit follows from the protocol, not from claims: a sealed contribution earns the manifest's schedule
-(H × batch × sequence tokens per replica, split over a chain's stages by the shards each delivered), written
-by the worker once the round's score is known. A ledger failure is logged and never stops sealing or applying.
+(H × batch × sequence tokens per replica, split over a chain's stages by the shards each delivered) in
+proportion to the weight the seal gave it (earned by verified history), written by the worker once the
+round's score is known. A ledger failure is logged and never stops sealing or applying.
 """
 
 from __future__ import annotations
@@ -176,6 +177,7 @@ class RoundKeeper:
         if books.verifier is not None:
             self.sealer.screen = books.verifier.screen
             self.sealer.rescue = self._rescue
+            self.sealer.weigh = books.verifier.weights
         books.start()
         seen: dict[str, Announcement] = {}
         round_ = self.global_model.params_round + 1
@@ -345,7 +347,9 @@ class RoundKeeper:
         order = shard_order(self.config.model.n_layers)
         sizes = [(shard, self.global_model.dense_bytes([shard]) // 4) for shard in order]
         schedule, steps = replica_tokens(self.config), self.config.outer.inner_steps
-        return credit_round(schedule, sizes, steps, sealed.contributions, names)
+        weights = {c["peer"]: c["weight"] for c in sealed.record["contributions"]}
+        full = self.config.outer.probation_rounds
+        return credit_round(schedule, sizes, steps, sealed.contributions, names, weights, full)
 
     def _append_history(self, entry: dict[str, Any], durable: bool = False) -> None:
         """`durable`: on disk before this returns, power cut included (a seal line, ahead of its seal)."""

@@ -1,36 +1,39 @@
-"""Verified contributions (TRUST §4): the coordinator weighs and credits only work that helps.
+"""Verified contributions (TRUST §4): the coordinator weighs and credits only work that helps, and counts
+identities by the weight their verified history earned (`bootstrap/earned_weight.py`), never by headcount.
 
 Two passes per round:
 - `screen`, at seal time, over every valid contribution (cheap: no forward pass). A contribution is left
-  out of the seal when its header says it was trained from an older θ (`stale`), when its top-k positions
-  repeat an earlier announcement's (`copy`), when its norm is far outside the round's (`norm`: free riders
-  and payloads scaled to the bounds), or when its author's score average is negative (`score`).
+  out of the seal when its header says it was trained from an older θ (`stale`), when it is one of a group
+  of near-identical contributions and not the one the group is sealed under (`copy`: one training, one
+  weight and one credit, in any read order; `duplicate_level`), when its norm is far outside the round's
+  weighted median (`norm`: free riders, and scaled payloads from identities without a good record; large
+  work from a peer whose record is good is clipped by the aggregate instead, never dropped), when its
+  author's score average is negative (`score`), or when its author has no verified round yet (`probation`).
 - `score`, beside the seal (the coordinator's bookkeeping worker, `bootstrap/bookkeeping.py`), on θ before
-  the round's step: each replica's update (a chain's stages together) is applied alone at a reduced step,
-  clipped to the round's median norm, and the loss change is measured on the batches that replica was
-  assigned this round and on a held-out batch the replicas cannot know in advance. Improvements become
-  relative scores (`hetnode.algo.scoring`) and an exponential average per peer; a peer whose average is
-  negative is screened out of later seals until it recovers (it is still scored while it is out, so honest
-  work comes back). The score of round t reaches the average when the worker is done with it: usually before
-  round t+1 is sealed, at worst a round or two later (the trust bench measures the bound with one round).
+  the round's step: each drawn replica's update is applied alone at a reduced step, clipped to the round's
+  weighted median norm, and the loss change is measured on one of the batches it was assigned this round
+  and on a held-out batch, both drawn from our secret. A chain's stages are scored one by one: each
+  stage's part alone, against the same layers of other replicas' updates, so a stage is judged by what it
+  sent and a lying neighbour cannot frame it. Improvements become relative scores (`hetnode.algo.scoring`),
+  an exponential average per peer and the weight it earns. The score of round t reaches them when the
+  worker is done with it: usually before round t+1 is sealed, at worst a round or two later.
 
-A peer is judged on MIN_SCORES scores or more (one round on a few sequences is noisy, and a newcomer's first
-round, from a fresh optimiser, helps less than its later ones), and its average starts from 0. When every
-valid contribution of a round is screened out for its author's average, `helps` is asked instead: the
-contributions whose update alone would score non-negative against the last scored round's yardstick are
-sealed (a chain left alone after its anchor died must
-not stall the swarm), while their credit still waits for the average to recover.
+A peer is judged on MIN_SCORES scores or more (one round on a few sequences is noisy). When every valid
+contribution of a round is screened out for its author's record (`score` or `probation`), `helps` is asked
+instead: the contributions whose update alone would score non-negative against the last scored round's
+yardstick are sealed (a run's first rounds, when nobody has history; a chain left alone after its anchor
+died), while their credit still waits for their record.
 
-Small swarms are scored whole; beyond `outer.verify_sample` replicas a rotating sample is, the least
-recently scored first, so verification stays a bounded share of a round and every replica is looked at
-every ceil(R / verify_sample) rounds (an unsampled round leaves its average as it was).
+Which replicas are scored is drawn per round from our secret, after the announcements are fixed: each
+with chance verify_sample / R, at least `outer.verify_min_chance` (small swarms: all). Being scored in
+round r says nothing about round r+1. Draws, batches and held-out text are published only with the scores.
 
 The coordinator credits a contribution only when it was sealed and its author's average is not negative.
 
-Threads: `score` runs in the worker's thread and is the only writer of the averages; `screen` and `helps`
-run for the seal meanwhile and only read them (single dict reads and writes, atomic in CPython). `score`
-runs the model it was given; `helps` runs a twin of it (the same tensors, its own module objects), since
-`functional_call` swaps a module's parameters while it runs.
+Threads: `score` runs in the worker's thread and is the only writer of the averages and weights; `screen`
+and `helps` run for the seal meanwhile and only read them (single dict reads and writes, atomic in
+CPython). `score` runs the model it was given; `helps` runs a twin of it (the same tensors, its own module
+objects), since `functional_call` swaps a module's parameters while it runs.
 """
 
 from __future__ import annotations
@@ -47,8 +50,11 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from bootstrap.earned_weight import EarnedWeight
 from bootstrap.ledger import Verdict
+from hetnode.algo.aggregate import weighted_median
 from hetnode.algo.scoring import (
+    SCORE_MARGIN,
     batch_loss,
     dense_update,
     improvement_scale,
@@ -65,11 +71,22 @@ from hetnode.wire.sync_payload import DecodedPayload
 
 log = logging.getLogger(__name__)
 
-COPY_OVERLAP = 0.9  # share of top-k positions in common that marks a copy (honest pairs measure far below)
-# A contribution whose norm is this far above, or below, the round's median is left out. Above: scaled
-# payloads sit hundreds of times over (clipping to the median already disarms less), and an honest replica
-# left out for some rounds sends its accumulated error feedback, up to 1/(1-β) = 20 rounds' worth: it must
-# not be locked out by it (seen in the lab). Below: a free rider sends a thousandth.
+# Two contributions are one training (a group sealed under one member) when their top-k overlap stands
+# out of what the round's honest pairs show: at least DUPLICATE_MARGIN above the weighted median overlap of
+# the round's pairs (each pair weighs as its lighter member: identities without history do not count),
+# and never below DUPLICATE_FLOOR or above DUPLICATE_CEILING. Measured (benchmarks/results/overlap-issue34/,
+# BENCHMARKS.md): honest pairs of one round sit within ±0.03 of each other, at a level set by H and the
+# stage of training (tiny: ≈ 0.2 at H = 30, 0.4 at H = 10, 0.8 at H = 1 from a fresh θ, Adam's sign-like
+# first step), and a copy that moves a fraction f of its positions overlaps its original at 1 − f. At
+# H = 30 a copy must move over half its positions to escape, which leaves it more noise than work.
+DUPLICATE_FLOOR = 0.5
+DUPLICATE_MARGIN = 0.15
+DUPLICATE_CEILING = 0.95
+# A contribution whose norm is this far above, or below, the round's weighted median is left out. Above:
+# scaled payloads sit hundreds of times over, and an honest replica left out for some rounds sends its
+# accumulated error feedback, up to 1/(1-β) = 20 rounds' worth: it must not be locked out by it (seen in
+# the lab); a peer with a good record is never left out for it (the aggregate clips it). Below: a free
+# rider sends a thousandth.
 NORM_ABOVE = 64.0
 NORM_BELOW = 8.0
 MIN_FOR_NORM_BAND = 3  # with fewer contributions the median says nothing about who is odd
@@ -77,8 +94,10 @@ AVERAGE_WEIGHT = 0.5  # of the newest score in a peer's exponential average (whi
 MIN_SCORES = 2  # scores a peer needs before its average can refuse it weight or credit
 TRIAL_STEP = 0.5  # of the outer learning rate: each update is tried alone at this reduced step
 SCORE_SEQUENCES = 4  # sequences per scoring batch: a few forward passes per contribution, not a round's work
+YARDSTICK_ANCHORS = 3  # anchors whose updates, cut to a stage's layers, measure what those layers should do
 
 Contribution = tuple[str, list[DecodedPayload]]  # (peer, its decoded payloads)
+Sparse = dict[str, tuple]
 
 
 @dataclass(frozen=True)
@@ -105,10 +124,23 @@ class Verifier:
         self._seal_model = _twin(model)  # for `helps`, which runs at the seal while `score` may run
         self.averages: dict[str, float] = {}
         self.counts: dict[str, int] = {}  # scores behind each average
-        self.last_scored: dict[str, int] = {}  # replica key -> the last round it was scored in
+        self.earned = EarnedWeight(config.outer.probation_rounds)
         self.recent_scale: float | None = None  # the last scored round's yardstick (`improvement_scale`)
-        self._secret = os.urandom(16)  # held-out batches are drawn with it: replicas cannot aim at them
+        self._secret = os.urandom(16)  # draws, scoring batches, held-out text: nobody can aim at them
         self.last_seconds = 0.0  # scoring time of the last round
+
+    def restore(self, state: Mapping[str, tuple[float | None, int, int | None]]) -> None:
+        """Take up what an earlier life knew ({peer: (average, scores, weight)}, `Ledger.verifier_state`):
+        a restart must not hand every identity a clean slate."""
+        for peer, (average, scored, _) in state.items():
+            if average is not None and scored > 0:
+                self.averages[peer] = average
+                self.counts[peer] = scored
+        self.earned.restore({peer: weight for peer, (_, _, weight) in state.items()})
+
+    def weights(self, peers: Sequence[str]) -> dict[str, int]:
+        """The weight each of these sealed peers carries in the seal (`EarnedWeight.in_seal`)."""
+        return self.earned.in_seal(peers)
 
     # --- at seal time --------------------------------------------------------------------------------
 
@@ -119,49 +151,82 @@ class Verifier:
         seen_at: Mapping[str, float] | None = None,
     ) -> dict[str, str]:
         """{peer: reason} for the contributions to leave out of this round's seal. `contributions` are in
-        announcement order (a copy can only come after its original: it needs the original's bytes).
-
-        `seen_at`: when the sealer first saw each announcement. Two that overlap but were first seen in the
-        same read have no order: which one is the copy cannot be told, and neither is refused for it
-        (honest work is never refused; a copier fast enough to land in its victim's read keeps that
-        round's weight, and is refused in every round it is seen later)."""
+        announcement order; `seen_at`: when the sealer first saw each (a copy cannot come before its
+        original, which it needs the bytes of)."""
         reasons: dict[str, str] = {}
         for peer, decoded in contributions:
             if any(message.base != round_ - 1 for message in decoded):
                 reasons[peer] = "stale"
-        updates = {peer: _sparse_of(decoded) for peer, decoded in contributions}
-        order = [peer for peer, _ in contributions]
-        for i, peer in enumerate(order):
-            if peer in reasons:
-                continue
-            for earlier in order[:i]:
-                if index_overlap(updates[peer], updates[earlier]) >= COPY_OVERLAP:
-                    if seen_at is not None and seen_at.get(peer) == seen_at.get(earlier):
-                        log.warning(
-                            "round %d: %s and %s repeat each other's top-k positions, first seen in one "
-                            "read: which is the copy cannot be told, neither is left out",
-                            round_,
-                            peer,
-                            earlier,
-                        )
-                        continue
-                    reasons[peer] = "copy"
-                    log.warning("round %d: %s repeats %s's top-k positions: a copy", round_, peer, earlier)
-                    break
-        for peer in self._off_norm(updates):
+        updates = {peer: _sparse_of(decoded) for peer, decoded in contributions if peer not in reasons}
+        weights = self.earned.counted(updates)
+        order = [peer for peer, _ in contributions if peer in updates]
+        for peer in self._duplicates(round_, order, updates, weights, seen_at or {}):
+            reasons[peer] = "copy"
+        for peer in self._off_norm(updates, weights):
             reasons.setdefault(peer, "norm")
-        for peer in order:
+        for peer in updates:
             if self.judged_negative(peer):
                 reasons.setdefault(peer, "score")
+            elif self.earned.weight(peer) == 0 and self.earned.anyone:
+                reasons.setdefault(peer, "probation")
         return reasons
 
     def judged_negative(self, peer: str) -> bool:
         """Whether `peer`'s average, over enough scores to judge it, is negative."""
         return self.counts.get(peer, 0) >= MIN_SCORES and self.averages.get(peer, 0.0) < 0
 
-    def _off_norm(self, updates: Mapping[str, Mapping]) -> set[str]:
+    def _duplicates(
+        self,
+        round_: int,
+        order: Sequence[str],
+        updates: Mapping[str, Sparse],
+        weights: Mapping[str, int],
+        seen_at: Mapping[str, float],
+    ) -> set[str]:
+        """The members of groups of near-identical contributions (`duplicate_level`; linked in any order)
+        other than the one each group is sealed under: the first seen, then the one with the most earned
+        weight, then our secret's draw (never the peer id, which identities can grind)."""
+        pairs = {
+            (a, b): index_overlap(updates[a], updates[b]) for i, a in enumerate(order) for b in order[:i]
+        }
+        level = duplicate_level(pairs, weights)
+        group = {peer: peer for peer in order}
+
+        def root(peer: str) -> str:
+            while group[peer] != peer:
+                group[peer] = group[group[peer]]
+                peer = group[peer]
+            return peer
+
+        for (a, b), overlap in pairs.items():
+            if overlap >= level and root(a) != root(b):
+                group[root(a)] = root(b)
+        members: dict[str, list[str]] = {}
+        for peer in order:
+            members.setdefault(root(peer), []).append(peer)
+        out = set()
+        for peers in members.values():
+            if len(peers) < 2:
+                continue
+            kept = min(
+                peers,
+                key=lambda p: (seen_at.get(p, 0.0), -self.earned.weight(p), self._draw(b"keep", round_, p)),
+            )
+            out.update(p for p in peers if p != kept)
+            log.warning(
+                "round %d: %s carry one training (top-k overlap >= %.2f): sealed under %s alone",
+                round_,
+                ", ".join(sorted(p[-8:] for p in peers)),
+                level,
+                kept[-8:],
+            )
+        return out
+
+    def _off_norm(self, updates: Mapping[str, Sparse], weights: Mapping[str, int]) -> set[str]:
         """Peers whose norm is outside [median / NORM_BELOW, median · NORM_ABOVE] in most shards they sent,
-        the median taken per tensor over whoever sent it (a chain stage sends only its layers)."""
+        the median taken per tensor over whoever sent it, by weight (a chain stage sends only its layers;
+        identities without history cannot move it). Above the band, a peer with a good record (weight
+        earned, average not negative) is kept: the aggregate clips it to the median."""
         by_tensor: dict[str, dict[str, float]] = {}
         for peer, update in updates.items():
             for name, values in update.items():
@@ -171,13 +236,21 @@ class Verifier:
         for norms in by_tensor.values():
             if len(norms) < MIN_FOR_NORM_BAND:
                 continue
-            ordered = sorted(norms.values())
-            median = ordered[len(ordered) // 2]
+            peers = list(norms)
+            held = [weights[p] for p in peers]
+            held = held if any(held) else [1] * len(held)  # only newcomers sent it: all equal
+            median = float(
+                weighted_median(torch.tensor([norms[p] for p in peers], dtype=torch.float64), held)
+            )
             for peer, norm in norms.items():
                 sent[peer] = sent.get(peer, 0) + 1
-                if norm > median * NORM_ABOVE or norm < median / NORM_BELOW:
+                above = norm > median * NORM_ABOVE and not self._good_record(peer)
+                if above or norm < median / NORM_BELOW:
                     strikes[peer] = strikes.get(peer, 0) + 1
         return {peer for peer, n in strikes.items() if n * 2 > sent[peer]}
+
+    def _good_record(self, peer: str) -> bool:
+        return self.earned.weight(peer) > 0 and self.averages.get(peer, 0.0) >= 0
 
     # --- after sealing, before θ steps --------------------------------------------------------------
 
@@ -188,29 +261,59 @@ class Verifier:
         contributions: Sequence[Contribution],
         replicas: Mapping[str, Replica],
     ) -> dict[str, float]:
-        """Score every contribution's replica on θ (`params`, before this round's step); update the
-        averages of their peers and return {peer: score}. Blocking: run it in a worker thread."""
+        """Score the drawn replicas' contributions on θ (`params`, before this round's step): an anchor's
+        update whole, a chain's stage by stage; update each scored peer's average and earned weight and
+        return {peer: score}. Blocking: run it in a worker thread."""
         started = time.perf_counter()
-        improvements, members = self._improvements(
-            self.model, round_, params, contributions, replicas, sample=True
-        )
-        scores = relative_scores(improvements)
-        if improvements:
-            self.recent_scale = improvement_scale(improvements)
-        by_peer = {}
-        for key, peers in members.items():
-            for peer in peers:
-                by_peer[peer] = scores[key]
-                previous = self.averages.get(peer, 0.0)
-                self.averages[peer] = (1 - AVERAGE_WEIGHT) * previous + AVERAGE_WEIGHT * scores[key]
-                self.counts[peer] = self.counts.get(peer, 0) + 1
+        trial = self._trial(round_, params, contributions, replicas)
+        picked = self._sample(round_, sorted(trial.members))
+        anchors = [key for key in picked if trial.is_anchor(key)]
+        chains = [key for key in picked if not trial.is_anchor(key)]
+        held_out = self._held_out(round_)
+        before = batch_loss(self.model, params, held_out)
+        own = {key: self._assigned(round_, replicas[trial.members[key][0]]) for key in picked}
+
+        def improvement(update: Sparse, key: str, owner: str) -> float:
+            delta = trial.clipped(update, key)
+            return loss_improvement(self.model, params, delta, trial.step, own[owner]) + loss_improvement(
+                self.model, params, delta, trial.step, held_out, before=before
+            )
+
+        whole = {key: improvement(trial.merged[key], key, key) for key in anchors}
+        weight_of = {key: trial.weight[key] for key in whole}
+        scores: dict[str, float] = {}
+        if whole:
+            scale = _scale(whole, weight_of)
+            self.recent_scale = scale
+            scores |= {key: value / scale - SCORE_MARGIN for key, value in whole.items()}
+        # each stage alone, against the same layers of the anchors' updates and of the other stages
+        parts = {
+            peer: improvement(trial.updates[peer], key, key) for key in chains for peer in trial.members[key]
+        }
+        yardstick_anchors = sorted(anchors, key=lambda a: (-trial.weight[a], self._draw(b"yard", round_, a)))
+        by_layers: dict[frozenset[str], dict[str, float]] = {}
+        for peer, value in parts.items():
+            by_layers.setdefault(frozenset(trial.updates[peer]), {})[peer] = value
+        for layers, stages in by_layers.items():
+            measured = dict(stages)
+            weight_of = {peer: trial.peer_weight[peer] for peer in stages}
+            for anchor in yardstick_anchors[:YARDSTICK_ANCHORS]:
+                cut = {n: v for n, v in trial.merged[anchor].items() if n in layers}
+                measured[anchor] = improvement(cut, anchor, anchor)
+                weight_of[anchor] = trial.weight[anchor]
+            scale = _scale(measured, weight_of)
+            scores |= {peer: value / scale - SCORE_MARGIN for peer, value in stages.items()}
+        for peer, score in scores.items():
+            previous = self.averages.get(peer, 0.0)
+            self.averages[peer] = (1 - AVERAGE_WEIGHT) * previous + AVERAGE_WEIGHT * score
+            self.counts[peer] = self.counts.get(peer, 0) + 1
+            self.earned.observe(peer, score)
         if len(self.averages) > 100_000:  # forget the oldest identities rather than grow without bound
             for peer in list(self.averages)[: len(self.averages) // 2]:
                 del self.averages[peer]
                 self.counts.pop(peer, None)
-            self.last_scored = {key: r for key, r in self.last_scored.items() if r >= round_ - 1000}
         self.last_seconds = time.perf_counter() - started
-        return by_peer
+        return scores
 
     def helps(
         self,
@@ -219,88 +322,88 @@ class Verifier:
         contributions: Sequence[Contribution],
         replicas: Mapping[str, Replica],
     ) -> set[str]:
-        """The peers whose replica's update, applied alone, would score non-negative against the last
-        scored round's yardstick (no other work to measure it against: for a round nobody else is left in;
-        before any round was scored, any improvement counts). Averages are not touched: the round's score
-        comes after sealing, as for any round. Blocking: run it in a worker thread."""
-        improvements, members = self._improvements(self._seal_model, round_, params, contributions, replicas)
+        """The peers whose replica's update (a chain's stages together), applied alone, would score
+        non-negative against the last scored round's yardstick (no other work to measure it against: for
+        a round nobody with a record is left in; before any round was scored, any improvement counts).
+        Averages are not touched. Blocking: run it in a worker thread."""
+        trial = self._trial(round_, params, contributions, replicas)
+        held_out = self._held_out(round_)
+        before = batch_loss(self._seal_model, params, held_out)
+        improvements = {}
+        for key, update in trial.merged.items():
+            delta = trial.clipped(update, key)
+            own = self._assigned(round_, replicas[trial.members[key][0]])
+            improvements[key] = loss_improvement(
+                self._seal_model, params, delta, trial.step, own
+            ) + loss_improvement(self._seal_model, params, delta, trial.step, held_out, before=before)
         scale = self.recent_scale
         passed = (
             {key for key, value in improvements.items() if value > 0}
             if scale is None
             else {key for key, score in relative_scores(improvements, scale=scale).items() if score >= 0}
         )
-        return {peer for key in passed for peer in members[key]}
+        return {peer for key in passed for peer in trial.members[key]}
 
-    def _improvements(
+    def _trial(
         self,
-        model: nn.Module,
         round_: int,
         params: Mapping[str, torch.Tensor],
         contributions: Sequence[Contribution],
         replicas: Mapping[str, Replica],
-        sample: bool = False,
-    ) -> tuple[dict[str, float], dict[str, list[str]]]:
-        """({replica key: loss improvement}, {replica key: its peers}): each replica's update (a chain's
-        stages merged) applied alone at the trial step, clipped to the median norm of all of them. With
-        `sample`, only the replicas `_sample` picks for this round are tried."""
-        shapes = {name: tuple(t.shape) for name, t in params.items()}
-        merged: dict[str, dict[str, tuple]] = {}
+    ) -> _Trial:
+        updates = {peer: _sparse_of(decoded) for peer, decoded in contributions}
+        peer_weight = self.earned.counted(updates)
         members: dict[str, list[str]] = {}
-        for peer, decoded in contributions:
+        merged: dict[str, Sparse] = {}
+        for peer, update in updates.items():
             key = replicas[peer].key
-            merged.setdefault(key, {}).update(_sparse_of(decoded))
             members.setdefault(key, []).append(peer)
-        if not merged:
-            return {}, {}
-        norms = sorted(update_norm(u) for u in merged.values())
-        median = norms[len(norms) // 2]
-        if sample:
-            picked = self._sample(round_, sorted(merged))
-            merged = {key: merged[key] for key in picked}
-            members = {key: members[key] for key in picked}
-        step = self.config.outer.lr * TRIAL_STEP
-        held_out = self._held_out(round_)
-        held_out_before = batch_loss(model, params, held_out)
-        improvements = {}
-        for key, update in merged.items():
-            norm = update_norm(update)
-            delta = dense_update(update, shapes)
-            if norm > median > 0:  # as aggregation does: never scaled up, clipped to the median
-                delta = {name: t * (median / norm) for name, t in delta.items()}
-            own = self._assigned(round_, replicas[members[key][0]])
-            improvements[key] = loss_improvement(model, params, delta, step, own) + loss_improvement(
-                model, params, delta, step, held_out, before=held_out_before
+            merged.setdefault(key, {}).update(update)
+        # a chain weighs as its lightest stage: its update is only as trusted as the least trusted part
+        weight = {key: min(peer_weight[p] for p in peers) for key, peers in members.items()}
+        norms = {key: update_norm(update) for key, update in merged.items()}
+        median = (
+            float(
+                weighted_median(
+                    torch.tensor([norms[k] for k in merged], dtype=torch.float64), [weight[k] for k in merged]
+                )
             )
-        return improvements, members
+            if merged
+            else 0.0
+        )
+        shapes = {name: tuple(t.shape) for name, t in params.items()}
+        step = self.config.outer.lr * TRIAL_STEP
+        return _Trial(updates, peer_weight, members, merged, weight, norms, median, shapes, step)
 
     def _sample(self, round_: int, keys: Sequence[str]) -> list[str]:
-        """All replicas while they are at most `outer.verify_sample`; beyond, the least recently scored
-        first (never scored counts as oldest), ties in an order our secret draws anew each round, so that
-        nobody can tell when it will be looked at next."""
-        limit = self.config.outer.verify_sample
-        if len(keys) > limit:
+        """The replicas scored this round: all while they are at most `outer.verify_sample`; beyond, each
+        with chance max(verify_sample / R, verify_min_chance), drawn from our secret (so nobody can tell
+        when it will be scored next, whatever it saw before)."""
+        o = self.config.outer
+        if len(keys) <= o.verify_sample:
+            return list(keys)
+        chance = max(o.verify_sample / len(keys), o.verify_min_chance)
+        return [key for key in keys if self._draw(b"score", round_, key) < chance]
 
-            def turn(key: str) -> tuple[int, bytes]:
-                tie = hashlib.sha256(self._secret + round_.to_bytes(8, "big", signed=True) + key.encode())
-                return self.last_scored.get(key, -(2**62)), tie.digest()
-
-            keys = sorted(keys, key=turn)[:limit]
-        for key in keys:
-            self.last_scored[key] = round_
-        return list(keys)
+    def _draw(self, purpose: bytes, round_: int, key: str) -> float:
+        """A number in [0, 1) from our secret: unknown to the peers until we publish what it decided."""
+        digest = hashlib.sha256(
+            self._secret + purpose + round_.to_bytes(8, "big", signed=True) + key.encode()
+        ).digest()
+        return int.from_bytes(digest[:8], "big") / 2**64
 
     def _assigned(self, round_: int, replica: Replica) -> list[tuple]:
-        """The last batch the replica was assigned in `round_` (its data slot and round are public)."""
-        index = assigned_batches(replica.key, round_, self.config.outer.inner_steps)[-1]
+        """One of the batches the replica was assigned in `round_` (its data slot and round are public),
+        which one drawn from our secret: work that helps only on some of its batches is caught too."""
+        batches = assigned_batches(replica.key, round_, self.config.outer.inner_steps)
+        index = batches[int(self._draw(b"batch", round_, replica.key) * len(batches))]
         inputs, targets = self.dataset.train_batch(replica.slot, NUM_DATA_SLOTS, index)
         return [(inputs[:SCORE_SEQUENCES], targets[:SCORE_SEQUENCES])]
 
     def _held_out(self, round_: int) -> list[tuple]:
         """One eval batch, drawn per round with our secret (the eval split is never trained on)."""
         batches = self.dataset.eval_batches(self.dataset.num_eval_batches)
-        digest = hashlib.sha256(self._secret + round_.to_bytes(8, "big", signed=True)).digest()
-        inputs, targets = batches[int.from_bytes(digest[:4], "big") % len(batches)]
+        inputs, targets = batches[int(self._draw(b"held-out", round_, "") * len(batches))]
         return [(inputs[:SCORE_SEQUENCES], targets[:SCORE_SEQUENCES])]
 
     def verdicts(
@@ -318,8 +421,59 @@ class Verifier:
             average = self.averages.get(peer)
             if reason is None and self.judged_negative(peer):
                 reason = "score"  # sealed on its earlier record (or alone), but its average is negative
-            out.append(Verdict(peer, round_, reason, scores.get(peer), average))
+            weight = self.earned.weight(peer)
+            out.append(Verdict(peer, round_, reason, scores.get(peer), average, weight))
         return out
+
+
+@dataclass(frozen=True)
+class _Trial:
+    """A round's contributions made ready to try one by one: by peer and by replica (a chain's stages
+    merged), their weights, and the clip every trial applies (the weighted median norm, as aggregation)."""
+
+    updates: dict[str, Sparse]  # peer -> its update
+    peer_weight: dict[str, int]
+    members: dict[str, list[str]]  # replica key -> its peers
+    merged: dict[str, Sparse]  # replica key -> its update (a chain's stages together)
+    weight: dict[str, int]  # replica key -> its weight
+    norms: dict[str, float]  # replica key -> its update's norm
+    median: float
+    shapes: dict[str, tuple[int, ...]]
+    step: float
+
+    def is_anchor(self, key: str) -> bool:
+        return self.members[key] == [key]
+
+    def clipped(self, update: Sparse, key: str) -> dict[str, torch.Tensor]:
+        """`update` (a replica's, or a part of it) dense, scaled by its replica's clip factor (never up)."""
+        delta = dense_update(update, self.shapes)
+        norm = self.norms[key]
+        if norm > self.median > 0:
+            delta = {name: t * (self.median / norm) for name, t in delta.items()}
+        return delta
+
+
+def duplicate_level(pairs: Mapping[tuple[str, str], float], weights: Mapping[str, int]) -> float:
+    """The top-k overlap from which two of a round's contributions count as one training: the weighted
+    median of the round's pair overlaps (a pair weighs as its lighter member) plus DUPLICATE_MARGIN, within
+    [DUPLICATE_FLOOR, DUPLICATE_CEILING]."""
+    held = [min(weights.get(a, 0), weights.get(b, 0)) for a, b in pairs]
+    if not pairs or not any(held):
+        return DUPLICATE_FLOOR
+    typical = float(weighted_median(torch.tensor(list(pairs.values()), dtype=torch.float64), held))
+    return min(max(typical + DUPLICATE_MARGIN, DUPLICATE_FLOOR), DUPLICATE_CEILING)
+
+
+def _scale(improvements: Mapping[str, float], weights: Mapping[str, int]) -> float:
+    """`improvement_scale` by weight: the upper weighted median of the magnitudes (two: the larger)."""
+    if len(improvements) <= 2:
+        return improvement_scale(improvements)
+    keys = list(improvements)
+    magnitudes = torch.tensor([abs(improvements[k]) for k in keys], dtype=torch.float64)
+    held = [weights[k] for k in keys]
+    held = held if any(held) else [1] * len(held)
+    # the upper median: the lower weighted median of the negated magnitudes, negated
+    return max(-float(weighted_median(-magnitudes, held)), 1e-12)
 
 
 def _twin(model: nn.Module) -> nn.Module:
@@ -329,5 +483,5 @@ def _twin(model: nn.Module) -> nn.Module:
     return copy.deepcopy(model, memo={id(t): t for t in shared if t is not None})
 
 
-def _sparse_of(decoded: Sequence[DecodedPayload]) -> dict[str, tuple]:
+def _sparse_of(decoded: Sequence[DecodedPayload]) -> Sparse:
     return {name: values for message in decoded for name, values in message.sparse.items()}

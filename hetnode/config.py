@@ -111,10 +111,17 @@ class OuterConfig:
     # The coordinator scores every contribution and gives no weight or credit to work that does not help
     # (TRUST §4: stale, copied, free-riding or harmful updates); off only to measure what it prevents.
     verify: bool = True
-    # The most replicas the coordinator scores in one round (a chain counts once). Small swarms are scored
-    # whole; in larger ones a rotating sample, least recently scored first, so that every replica is scored
-    # at least every ceil(R / verify_sample) rounds and verification stays a bounded share of a round.
+    # How many replicas the coordinator scores in one round, on average (a chain counts once). Small swarms
+    # are scored whole; in larger ones each replica is drawn with chance verify_sample / R, never below
+    # `verify_min_chance`, from a secret after the announcements are fixed: nobody can tell when it will be
+    # scored next, whatever it saw before (cost: about max(verify_sample, verify_min_chance · R) a round).
     verify_sample: int = 16
+    verify_min_chance: float = 0.25
+    # Weight is earned by verified history (docs/security.md, "Weight earned by verified history"): a new
+    # identity is on probation (scored, not sealed) until a round of its scores non-negative, then weighs 1
+    # and gains 1 per such round up to this; a negative score halves what it earned. Weight, not headcount,
+    # is what the aggregate, the clip and the verifier's medians count, and credit goes with it.
+    probation_rounds: int = 8
     # How each coordinate combines the contributions, after every contribution is scaled down to the median
     # norm (TRUST §3, docs/sync.md). "mean" (default, the SparseLoCo paper's (1/N)Σ): each identity holds
     # 1/N of the update and moves Δ by at most 1/N of the median norm. "selectors": the mean over the peers
@@ -395,6 +402,18 @@ def validate(config: Config, source: str) -> None:
     )
     _require(o.weight_decay >= 0, source, "outer.weight_decay", "must be >= 0")
     _require(o.verify_sample >= 1, source, "outer.verify_sample", f"must be >= 1, got {o.verify_sample}")
+    _require(
+        0 < o.verify_min_chance <= 1,
+        source,
+        "outer.verify_min_chance",
+        f"must be in (0, 1], got {o.verify_min_chance}",
+    )
+    _require(
+        1 <= o.probation_rounds <= 1024,
+        source,
+        "outer.probation_rounds",
+        f"must be in [1, 1024], got {o.probation_rounds}",
+    )
     _require(0 < o.max_value <= 1e30, source, "outer.max_value", f"must be in (0, 1e30], got {o.max_value}")
     rules = typing.get_args(typing.get_type_hints(OuterConfig)["aggregation"])
     _require(o.aggregation in rules, source, "outer.aggregation", f"must be one of {list(rules)}")

@@ -59,6 +59,8 @@ def _write(tmp_path: Path, body: str) -> Path:
         ("[outer]\ncheckpoint_every_rounds = 0\n", "outer.checkpoint_every_rounds", ">= 1"),
         ("[outer]\nkeep_checkpoints = 0\n", "outer.keep_checkpoints", ">= 1"),
         ("[outer]\nverify_sample = 0\n", "outer.verify_sample", ">= 1"),
+        ("[outer]\nverify_min_chance = 0.0\n", "outer.verify_min_chance", "(0, 1]"),
+        ("[outer]\nprobation_rounds = 0\n", "outer.probation_rounds", "[1, 1024]"),
         ("[outer]\naggregation = 'median'\n", "outer.aggregation", "must be one of"),
         ("[pipeline]\nstages = 9\n", "pipeline.stages", "every stage needs a layer"),
         ("[pipeline]\ncompression = 'some'\n", "pipeline.compression", "must be one of"),

@@ -18,11 +18,14 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
-from hetnode.algo.aggregation_rules import AGGREGATION_RULES, AggregationRule  # names live apart: no torch
+from hetnode.algo.aggregation_rules import (  # names live apart: no torch
+    AGGREGATION_RULES,
+    MAX_WEIGHT,
+    AggregationRule,
+)
 
 SparseUpdate = tuple[torch.Tensor, torch.Tensor]  # (flat int64 indices, float32 values)
 TRIM_FRACTION = 0.2  # "trimmed": b = max(1, ⌊0.2·N⌋) values dropped at each end of every coordinate (N ≥ 3)
-MAX_WEIGHT = 1024  # the most weight one contribution may carry (the seal's schema holds the same bound)
 
 
 def trim_count(senders: int) -> int:

@@ -302,11 +302,15 @@ class RoundParticipant:
                 raise RoundFailed(f"{peer[-8:]}'s shard {shard} does not match the sealed digest")
             by_peer.setdefault(peer, {})[shard] = data
         contributions = list(by_peer.items())
+        # each contribution's weight, earned by its author's verified history (a seal of an older sealer
+        # has none: 1 each)
+        weights = {c["peer"]: c.get("weight") or 1 for c in seal["contributions"]}
         try:
-            await asyncio.to_thread(self.global_model.apply, round_, contributions)
+            await asyncio.to_thread(self.global_model.apply, round_, contributions, weights)
         except (WireError, ApplyError) as exc:  # θ is untouched: apply is all or nothing
             raise RoundFailed(f"a sealed payload cannot be applied: {exc}") from None
         self.held.keep_applied(round_, held)  # what we applied we serve to others fetching the round
+        self.sealer.recent_weights = weights  # what we seal with, should we stand in for the coordinator
         self.global_model.seal_hash = seal_digest(seal)
         self.last_apply = (time.monotonic() - started, fetched, fetch_s)
         # our weight in a shard's aggregate is about 1 / its senders (a chain's stages each send a part)

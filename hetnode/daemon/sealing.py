@@ -70,8 +70,11 @@ Checked = tuple[Announcement, dict[str, bytes], list[DecodedPayload]]  # (claim,
 CheckOutcome = tuple[dict[str, bytes], list[DecodedPayload], float]
 # (round, valid contributions in announcement order) -> {peer: reason} to leave out of the seal (TRUST §4)
 Screen = Callable[[int, list[tuple[str, list[DecodedPayload]]], dict[str, float]], dict[str, str]]
-# (round, contributions left out only for their author's score) -> the peers whose work helps on its own
+# (round, contributions left out only for their author's record) -> the peers whose work helps on its own
 Rescue = Callable[[int, list[tuple[str, list[DecodedPayload]]]], Awaitable[set[str]]]
+# the sealed peers -> the weight each carries in the aggregate (earned by verified history, TRUST §4)
+Weigh = Callable[[list[str]], dict[str, int]]
+RESCUABLE = ("score", "probation")  # screen reasons about an author's record, not about the work itself
 
 
 @dataclass(frozen=True)
@@ -116,6 +119,10 @@ class Sealer:
         self.missed: set[str] = set()  # expected by an earlier seal, not announced since
         self.screen: Screen | None = None  # the coordinator's verifier; a stand-in seals unscreened
         self.rescue: Rescue | None = None  # asked when the screen leaves nothing to seal
+        # the coordinator's verifier weighs; a stand-in keeps the weights of the last seal it applied
+        # (an identity absent from it weighs 1: a newcomer while the coordinator is away)
+        self.weigh: Weigh | None = None
+        self.recent_weights: dict[str, int] = {}
         n = config.network
         self.deadline = ArrivalDeadline(
             floor_s=max(1.0, n.heartbeat_s), ceiling_s=max(30.0, 10 * n.boundary_s)
@@ -317,7 +324,8 @@ class Sealer:
             rejected = await self._rescued(round_, good, rejected)
         excluded += sorted(rejected)
         good = [g for g in good if g[0].peer_id not in rejected]
-        good, prepared = await self._prepare(round_, good, excluded)
+        weights = self._weights([a.peer_id for a, _, _ in good])
+        good, prepared = await self._prepare(round_, good, excluded, weights)
         if prepared is None:
             for peer in excluded:
                 del seen[peer]
@@ -331,7 +339,13 @@ class Sealer:
         record = {
             "round": round_,
             "contributions": [
-                {"peer": a.peer_id, "shards": dict(a.shards), "tokens": a.tokens} for a, _, _ in good
+                {
+                    "peer": a.peer_id,
+                    "shards": dict(a.shards),
+                    "tokens": a.tokens,
+                    "weight": weights[a.peer_id],
+                }
+                for a, _, _ in good
             ],
             "excluded": excluded,
             "sealed_at": time.time(),
@@ -403,11 +417,25 @@ class Sealer:
             log.warning("round %d: leaving out %s's contribution: %s", round_, peer, reason)
         return rejected
 
+    def _weights(self, peers: list[str]) -> dict[str, int]:
+        """Each sealed peer's weight in the aggregate (1 each when a bug leaves none to give)."""
+        if self.weigh is None:
+            return {peer: self.recent_weights.get(peer, 1) for peer in peers}
+        try:
+            weights = self.weigh(peers)
+            if set(weights) != set(peers):
+                raise ValueError(f"weights for {sorted(weights)}, not {sorted(peers)}")
+            return weights
+        except Exception:  # a verifier bug must not stop sealing: seal with equal weights and say so
+            log.exception("weighing the round's contributions failed; sealing them with weight 1")
+            return dict.fromkeys(peers, 1)
+
     async def _rescued(self, round_: int, good: list[Checked], rejected: dict[str, str]) -> dict[str, str]:
-        """The screen left nothing: contributions left out only for their author's score average are
-        sealed after all if their update alone lowers the loss, so that a replica left alone (a chain whose
-        anchor died) keeps the swarm going. Their credit still waits for the average (TRUST §4)."""
-        candidates = [(a.peer_id, decoded) for a, _, decoded in good if rejected[a.peer_id] == "score"]
+        """The screen left nothing: contributions left out only for their author's record (a negative
+        average, or none yet) are sealed after all if their update alone lowers the loss, so that a replica
+        left alone (a chain whose anchor died, newcomers after everyone else left) keeps the swarm going.
+        Their credit still waits for their record (TRUST §4)."""
+        candidates = [(a.peer_id, decoded) for a, _, decoded in good if rejected[a.peer_id] in RESCUABLE]
         if self.rescue is None or not candidates:
             return rejected
         try:
@@ -424,20 +452,21 @@ class Sealer:
         return {peer: reason for peer, reason in rejected.items() if peer not in helping}
 
     async def _prepare(
-        self, round_: int, good: list[Checked], excluded: list[str]
+        self, round_: int, good: list[Checked], excluded: list[str], weights: dict[str, int]
     ) -> tuple[list[Checked], PreparedRound | None]:
-        """Aggregate the valid contributions as appliers will; a contribution whose step alone would not be
-        finite is excluded (and its author banned). None when nothing is left."""
+        """Aggregate the valid contributions as appliers will (with their `weights`); a contribution whose
+        step alone would not be finite is excluded (and its author banned). None when nothing is left."""
+        prepare = self.global_model.prepare
         while good:
             try:
                 contributions = [(a.peer_id, decoded) for a, _, decoded in good]
-                return good, await asyncio.to_thread(self.global_model.prepare, round_, contributions)
+                return good, await asyncio.to_thread(prepare, round_, contributions, weights)
             except ApplyError as exc:
                 culprits = set()
                 for announcement, _, decoded in good:
                     alone = [(announcement.peer_id, decoded)]
                     try:
-                        await asyncio.to_thread(self.global_model.prepare, round_, alone)
+                        await asyncio.to_thread(prepare, round_, alone, weights)
                     except ApplyError:
                         culprits.add(announcement.peer_id)
                 culprits = culprits or {a.peer_id for a, _, _ in good}  # only together: θ is at fault

@@ -11,7 +11,7 @@ payload never leaves θ half-updated.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -130,21 +130,36 @@ class GlobalModel:
             decoded.append(message)
         return decoded
 
-    def apply(self, round_: int, contributions: Sequence[tuple[str, dict[str, bytes]]]) -> None:
-        """θ ← θ − α·aggregate over the sealed contributions (in the given, sealed order): all or nothing.
+    def apply(
+        self,
+        round_: int,
+        contributions: Sequence[tuple[str, dict[str, bytes]]],
+        weights: Mapping[str, int] | None = None,
+    ) -> None:
+        """θ ← θ − α·aggregate over the sealed contributions (in the given, sealed order), each with the
+        seal's weight (None: 1 each): all or nothing.
 
         WireError for an invalid payload, ApplyError for an aggregate that would not be finite."""
         decoded = [(replica, self.decode_contribution(replica, round_, p)) for replica, p in contributions]
-        self.apply_decoded(round_, decoded)
+        self.apply_decoded(round_, decoded, weights)
 
-    def apply_decoded(self, round_: int, contributions: Sequence[tuple[str, list[DecodedPayload]]]) -> None:
+    def apply_decoded(
+        self,
+        round_: int,
+        contributions: Sequence[tuple[str, list[DecodedPayload]]],
+        weights: Mapping[str, int] | None = None,
+    ) -> None:
         """`apply` for contributions already validated by `decode_contribution` (the sealer's)."""
-        self.commit(self.prepare(round_, contributions))
+        self.commit(self.prepare(round_, contributions, weights))
 
     def prepare(
-        self, round_: int, contributions: Sequence[tuple[str, list[DecodedPayload]]]
+        self,
+        round_: int,
+        contributions: Sequence[tuple[str, list[DecodedPayload]]],
+        weights: Mapping[str, int] | None = None,
     ) -> PreparedRound:
-        """Aggregate every shard of the round and check the step before any parameter changes."""
+        """Aggregate every shard of the round and check the step before any parameter changes. `weights`:
+        each contributor's weight in the aggregate, from the seal (None: 1 each)."""
         if round_ != self.params_round + 1:
             raise ValueError(f"round {round_} does not follow the applied round {self.params_round}")
         decoded = dict(contributions)
@@ -157,7 +172,8 @@ class GlobalModel:
                 if message.shard == shard
             ]
             if updates:
-                delta.update(aggregate_sparse(updates, dict(spec.shapes), rule=self.config.outer.aggregation))
+                rule = self.config.outer.aggregation
+                delta.update(aggregate_sparse(updates, dict(spec.shapes), rule=rule, weights=weights))
         o = self.config.outer
         unsafe = unsafe_outer_step({n: self.params[n] for n in delta}, delta, o.lr, o.weight_decay)
         if unsafe is not None:

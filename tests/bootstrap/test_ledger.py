@@ -226,11 +226,41 @@ def test_verdicts_keep_scores_and_reasons(tmp_path):
             [Verdict("p-noise", 1, "score", -0.9, -1.1), Verdict("p-honest", 1, None, 0.6, 0.7)]
         )
         assert ledger.record_verdicts([Verdict("p-noise", 1, "score", 5.0, 5.0)]) == 0  # kept as it was
-        assert ledger.rejections() == {"stale": 0, "copy": 1, "norm": 0, "score": 1}
+        assert ledger.rejections() == {"stale": 0, "copy": 1, "norm": 0, "score": 1, "probation": 0}
         scores = ledger.scores()
         assert scores["p-honest"].average == 0.7 and scores["p-honest"].rejected == 0
         assert scores["p-noise"].average == -1.1 and scores["p-noise"].last_reason == "score"
         assert [v.round for v in ledger.recent_verdicts()] == [1, 1, 0, 0, 0]
-        for bad in (Verdict("p", 2, "greed", None, None), Verdict("p", 2, None, float("nan"), None)):
+        for bad in (
+            Verdict("p", 2, "greed", None, None),
+            Verdict("p", 2, None, float("nan"), None),
+            Verdict("p", 2, None, 0.5, 0.5, weight=-1),
+        ):
             with pytest.raises(LedgerError):
                 ledger.record_verdicts([bad])
+        # what a restarted verifier takes up: each peer's newest average, its scores and the weight earned
+        ledger.record_verdicts([Verdict("p-honest", 2, None, 0.9, 0.8, weight=3)])
+        state = ledger.verifier_state()
+        assert state["p-honest"] == (0.8, 3, 3) and state["p-noise"] == (-1.1, 2, None)
+        assert state["p-copy"] == (None, 0, None)
+
+
+def test_a_schema_3_ledger_gains_the_weight_column(tmp_path):
+    import sqlite3
+
+    from bootstrap.ledger import Verdict
+
+    path = tmp_path / "ledger.sqlite"
+    conn = sqlite3.connect(path)
+    conn.execute(
+        "CREATE TABLE verdicts (round INTEGER NOT NULL, peer TEXT NOT NULL, reason TEXT, score REAL,"
+        " average REAL, PRIMARY KEY (round, peer))"
+    )
+    conn.execute("INSERT INTO verdicts VALUES (0, 'old', NULL, 0.5, 0.5)")
+    conn.execute("PRAGMA user_version = 3")
+    conn.commit()
+    conn.close()
+    with Ledger(path) as ledger:
+        assert ledger.verifier_state() == {"old": (0.5, 1, None)}
+        ledger.record_verdicts([Verdict("old", 1, None, 0.7, 0.6, weight=2)])
+        assert ledger.verifier_state()["old"] == (0.6, 2, 2)
