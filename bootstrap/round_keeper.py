@@ -257,6 +257,7 @@ class RoundKeeper:
             self._names.clear()
         self._names.update({peer: record["name"] for peer, record in peers.items()})
         credits = self.credits(sealed, self._names)
+        weights = {c["peer"]: c["weight"] for c in sealed.record["contributions"]}
         digests = await asyncio.to_thread(self.global_model.digests)
         entry = {
             "round": round_,
@@ -265,9 +266,10 @@ class RoundKeeper:
             "rejected": dict(sealed.rejected),  # the seal's screens; the verdicts come with the evaluation
             "scores": {},
             "verify_seconds": 0.0,  # the evaluated line says how long its scoring took
-            # tokens trained by the schedule: a replica's worth per anchor, a chain's split over its stages
-            # (the evaluated line says what was credited)
+            # tokens credited by the schedule and the seal's weights: a replica's worth per anchor at full
+            # weight, a chain's split over its stages (the evaluated line says what the score let through)
             "tokens": sum(c.tokens for c in credits),
+            "weights": weights,  # each contribution's weight in the aggregate, earned by verified history
             "eval_loss": None,  # the evaluated line brings it
             "seal_seconds": round(time.monotonic() - started, 3),
             "layer_digests": digests,

@@ -6,9 +6,9 @@ Two passes per round:
   out of the seal when its header says it was trained from an older θ (`stale`), when it is one of a group
   of near-identical contributions and not the one the group is sealed under (`copy`: one training, one
   weight and one credit, in any read order; `duplicate_level`), when its norm is far outside the round's
-  weighted median (`norm`: free riders, and scaled payloads from identities without a good record; large
-  work from a peer whose record is good is clipped by the aggregate instead, never dropped), when its
-  author's score average is negative (`score`), or when its author has no verified round yet (`probation`).
+  weighted median (`norm`: free riders and scaled payloads; identities without weight cannot move that
+  median, so honest work is never out for being large beside many small Sybils), when its author's score
+  average is negative (`score`), or when its author has no verified round yet (`probation`).
 - `score`, beside the seal (the coordinator's bookkeeping worker, `bootstrap/bookkeeping.py`), on θ before
   the round's step: each drawn replica's update is applied alone at a reduced step, clipped to the round's
   weighted median norm, and the loss change is measured on one of the batches it was assigned this round
@@ -85,8 +85,7 @@ DUPLICATE_CEILING = 0.95
 # A contribution whose norm is this far above, or below, the round's weighted median is left out. Above:
 # scaled payloads sit hundreds of times over, and an honest replica left out for some rounds sends its
 # accumulated error feedback, up to 1/(1-β) = 20 rounds' worth: it must not be locked out by it (seen in
-# the lab); a peer with a good record is never left out for it (the aggregate clips it). Below: a free
-# rider sends a thousandth.
+# the lab). Below: a free rider sends a thousandth.
 NORM_ABOVE = 64.0
 NORM_BELOW = 8.0
 MIN_FOR_NORM_BAND = 3  # with fewer contributions the median says nothing about who is odd
@@ -225,8 +224,7 @@ class Verifier:
     def _off_norm(self, updates: Mapping[str, Sparse], weights: Mapping[str, int]) -> set[str]:
         """Peers whose norm is outside [median / NORM_BELOW, median · NORM_ABOVE] in most shards they sent,
         the median taken per tensor over whoever sent it, by weight (a chain stage sends only its layers;
-        identities without history cannot move it). Above the band, a peer with a good record (weight
-        earned, average not negative) is kept: the aggregate clips it to the median."""
+        identities without history cannot move it)."""
         by_tensor: dict[str, dict[str, float]] = {}
         for peer, update in updates.items():
             for name, values in update.items():
@@ -244,13 +242,9 @@ class Verifier:
             )
             for peer, norm in norms.items():
                 sent[peer] = sent.get(peer, 0) + 1
-                above = norm > median * NORM_ABOVE and not self._good_record(peer)
-                if above or norm < median / NORM_BELOW:
+                if norm > median * NORM_ABOVE or norm < median / NORM_BELOW:
                     strikes[peer] = strikes.get(peer, 0) + 1
         return {peer for peer, n in strikes.items() if n * 2 > sent[peer]}
-
-    def _good_record(self, peer: str) -> bool:
-        return self.earned.weight(peer) > 0 and self.averages.get(peer, 0.0) >= 0
 
     # --- after sealing, before θ steps --------------------------------------------------------------
 

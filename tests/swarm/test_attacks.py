@@ -125,9 +125,11 @@ def test_game_the_ledger_credit_follows_the_schedule_not_the_claim(live):
     weighed = [h for h in history if attacker in h["contributors"] or attacker in h.get("rejected", {})]
     assert weighed, "a well-formed contribution is sealed or scored (the claim is what must not count)"
     config = load_config(swarm.tmp_path / "swarm.toml")
-    for entry in history:  # the round's tokens count the schedule of each credited replica, nothing claimed
+    full = config.outer.probation_rounds
+    for entry in history:  # the round's tokens: the schedule of each credited replica by its weight, no claim
         credited = set(entry["contributors"]) - set(entry.get("rejected", {}))
-        assert entry["tokens"] == len(credited) * replica_tokens(config)
+        weights = entry.get("weights") or dict.fromkeys(entry["contributors"], full)
+        assert entry["tokens"] == sum(replica_tokens(config) * weights[p] // full for p in credited)
 
 
 def test_hijack_and_stall_forged_and_far_future_seals_change_nothing(live):
