@@ -9,6 +9,7 @@ import time
 
 import pytest
 
+from hetnode.config import OuterConfig
 from hetnode.service.round_log import read_rounds
 
 pytestmark = pytest.mark.slow
@@ -41,9 +42,13 @@ def test_an_anchor_and_a_chain_of_two_train_one_model(swarm):
         timeout=300,
         what="3 rounds sealed with the chain in them, and evaluated",
     )
+    full = OuterConfig().probation_rounds
     for entry in with_chain(history):
         assert anchor.peer_id in entry["contributors"]
-        assert entry["tokens"] == 2 * TOKENS_PER_REPLICA  # the anchor and the chain, counted once each
+        # the anchor and the chain, at most once each, by the weight each earned (w of F)
+        assert 0 < entry["tokens"] <= 2 * TOKENS_PER_REPLICA
+        weight = entry["weights"][anchor.peer_id]
+        assert entry["credits"][anchor.peer_id]["tokens"] == TOKENS_PER_REPLICA * weight // full
     assert history[-1]["eval_loss"] < history[0]["eval_loss"] - 0.3, [e["eval_loss"] for e in history]
 
     logs = "".join(edge.tail(400) for edge in edges)
