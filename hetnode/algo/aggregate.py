@@ -158,11 +158,10 @@ def contribution_parts(
                 parts[who][name] = (idx, vals * share[row, torch.searchsorted(support, idx)] / total)
             continue
         _, count = _total_and_count(senders, held, math.prod(shape), device)
+        divisor = _pooled_divisor(senders, held, count) if rule == "pooled" else float(sum(held))
         for who, (idx, vals), w in zip(who_sent, senders, held, strict=True):
-            if rule == "mean":
-                parts[who][name] = (idx, vals * w / sum(held))
-            elif rule == "pooled":
-                parts[who][name] = (idx, vals * w / _pooled_divisor(senders, held, count))
+            if rule in ("mean", "pooled"):
+                parts[who][name] = (idx, vals * w / divisor)
             else:
                 parts[who][name] = (idx, vals * w / count[idx])
     return parts

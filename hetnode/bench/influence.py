@@ -21,6 +21,20 @@ Strategies (the worst per rule and k is reported; a lower bound on the true wors
 - disjoint-split: the same, each Sybil on its own positions (√k against per-selector averaging);
 - opposite: the positions most honest peers chose, against the sign of the honest sum;
 - boost: the same positions, with the sign of the largest honest value (stays inside a trimmed range).
+
+Weighted (`measure_weighted`, the report's "weighted"): the seal gives each contribution an integer weight
+earned by verified history (docs/security.md, "Weight earned by verified history"): an identity with h
+verified rounds weighs min(h, F), F = `outer.probation_rounds`, and h = 0 is probation (not sealed: share 0).
+Honest replicas weigh F; k Sybils with h rounds each weigh w = min(h, F) and hold at most the stated bound
+k·w / (k·w + R·F) of the round's weight. For every rule, h in `histories` and k in `weighted_sybils`, the
+Sybils' share (worst over the strategies above and "majority") is measured with those weights, beside that
+bound.
+- majority: more Sybils than honest replicas (max(k, R + 1)) each send the mean honest update scaled down
+  `MAJORITY_DIVISOR`×, on its largest positions with its own ~`MAJORITY_MOVED` of them moved elsewhere in the
+  tile (no two alike). By headcount they are the median norm, and every honest contribution is scaled down
+  to it; by weight the median stays an honest norm. Reported per weighting: `norm_kept` (what the median-norm
+  scaling leaves of the honest contributions, against the honest set alone: 1 = untouched), and per rule
+  the honest parts' share of the update's norm and `delta_kept` = ‖Δ_with‖ / ‖Δ_without‖.
 """
 
 from __future__ import annotations
@@ -44,6 +58,7 @@ from hetnode.algo.aggregate import (  # noqa: E402
     SparseUpdate,
     aggregate_sparse,
     contribution_parts,
+    weighted_median,
 )
 from hetnode.algo.sparseloco import SparseLoCoCodec  # noqa: E402
 from hetnode.config import Config, replace  # noqa: E402
@@ -60,6 +75,9 @@ STRATEGIES = ("disjoint", "disjoint-split", "opposite", "boost")
 # aggregator scales everyone to), within the verifier's norm screen (64x above the median) (docs/security.md).
 ATTACK_SCALE = 2.0
 Contribution = tuple[str, dict[str, SparseUpdate]]
+MAJORITY = "majority"  # the weighted measurement's extra strategy: many tiny honest-like updates
+MAJORITY_DIVISOR = 64.0  # each majority Sybil sends the mean honest update / 64
+MAJORITY_MOVED = 0.12  # ... with its own 12 % of the positions per tile moved elsewhere in the tile
 
 
 @dataclass(frozen=True)
@@ -71,10 +89,27 @@ class InfluencePlan:
     topk: int = 64
     rules: tuple[str, ...] = AGGREGATION_RULES
     strategies: tuple[str, ...] = STRATEGIES
+    histories: tuple[int, ...] = (0, 1, 2, 4, 8)  # the Sybils' verified rounds in the weighted measurement
+    weighted_sybils: tuple[int, ...] = (1, 5)  # k there (not capped at R/2: weight, not headcount, binds)
 
     @property
     def max_sybils(self) -> int:
         return max(1, self.replicas // 2)
+
+    @property
+    def majority_sybils(self) -> int:
+        """Sybils in the "majority" strategy: more than the honest replicas (5 against R = 4)."""
+        return max(max(self.weighted_sybils), self.replicas + 1)
+
+
+def earned_weight(history: int, full: int) -> int:
+    """The weight earned by `history` verified rounds: 0 on probation (not sealed), then min(h, full)."""
+    return 0 if history <= 0 else min(history, full)
+
+
+def stated_bound(k: int, weight: int, replicas: int, full: int) -> float:
+    """k·w / (k·w + R·F): the round's weight that k identities of weight w hold beside R honest at F."""
+    return k * weight / (k * weight + replicas * full) if k * weight else 0.0
 
 
 def plan_for(quick: bool, replicas: int | None = None, rounds: int | None = None) -> InfluencePlan:
@@ -144,16 +179,54 @@ def _attack(
             sign = torch.where(direction < 0, -1.0, 1.0)
         order = torch.argsort(grid.to_tiles(score.reshape(shape)), dim=1)  # ascending score, per tile
         signs = grid.to_tiles(sign.reshape(shape))
+        built: dict[int, SparseUpdate] = {}  # per offset: Sybils on the same positions send the same payload
         for s in range(k):
             offset = (s * grid.k) % grid.tile_elems if strategy == "disjoint-split" else 0
-            pos = order[:, offset : offset + grid.k]
-            if pos.shape[1] < grid.k:  # wrapped past the tile's end: take the lowest-score ones again
-                pos = order[:, : grid.k]
-            tiles = torch.zeros(grid.num_tiles, grid.tile_elems)
-            tiles.scatter_(1, pos, signs.gather(1, pos))
-            dense = grid.from_tiles(tiles)
-            scale = ATTACK_SCALE * max(norms) / math.sqrt(grid.total_selected)
-            sybils[s][name] = codec.sparse(codec.compress(dense * scale))
+            if offset + grid.k > grid.tile_elems:  # wrapped past the tile's end: the lowest-score ones again
+                offset = 0
+            if offset not in built:
+                pos = order[:, offset : offset + grid.k]
+                tiles = torch.zeros(grid.num_tiles, grid.tile_elems)
+                tiles.scatter_(1, pos, signs.gather(1, pos))
+                dense = grid.from_tiles(tiles)
+                scale = ATTACK_SCALE * max(norms) / math.sqrt(grid.total_selected)
+                built[offset] = codec.sparse(codec.compress(dense * scale))
+            sybils[s][name] = built[offset]
+    return [(f"~sybil-{s:03d}", sybils[s]) for s in range(k)]
+
+
+def _majority(
+    honest: list[Contribution], shapes: dict[str, tuple[int, ...]], codec: SparseLoCoCodec, k: int, seed: int
+) -> list[Contribution]:
+    """k "majority" Sybils: each the mean honest update on its largest positions per tile, its own
+    ~`MAJORITY_MOVED` of them moved to other positions of the tile (the honest sign there, a typical kept
+    magnitude), scaled to ‖mean honest update‖ / `MAJORITY_DIVISOR` per tensor, through the real codec."""
+    gen = torch.Generator().manual_seed(seed)
+    sybils: list[dict[str, SparseUpdate]] = [{} for _ in range(k)]
+    for name, shape in shapes.items():
+        mean = torch.zeros(math.prod(shape))
+        for _, updates in honest:
+            mean.index_add_(0, *updates[name])
+        mean /= len(honest)
+        grid = codec.grid(shape)
+        tiles = grid.to_tiles(mean.reshape(shape))
+        top = torch.topk(tiles.abs(), grid.k, dim=1).indices
+        outside = torch.ones_like(tiles, dtype=torch.bool).scatter_(1, top, False)
+        moved = min(grid.tile_elems - grid.k, max(1, round(MAJORITY_MOVED * grid.k)))
+        stay = grid.k - moved
+        typical = tiles.gather(1, top).abs().median(dim=1, keepdim=True).values
+        target = float(mean.norm()) / MAJORITY_DIVISOR
+        for s in range(k):
+            keep = top.gather(1, torch.rand(top.shape, generator=gen).topk(stay, dim=1).indices)
+            draw = torch.rand(tiles.shape, generator=gen).masked_fill_(~outside, -1.0)
+            pos = torch.cat([keep, draw.topk(moved, dim=1).indices], dim=1)
+            vals = tiles.gather(1, pos)
+            vals[:, stay:] = torch.where(vals[:, stay:] < 0, -1.0, 1.0) * typical
+            out = torch.zeros_like(tiles)
+            out.scatter_(1, pos, vals)
+            dense = grid.from_tiles(out)
+            norm = float(dense.norm())
+            sybils[s][name] = codec.sparse(codec.compress(dense * (target / norm) if norm > 0 else dense))
     return [(f"~sybil-{s:03d}", sybils[s]) for s in range(k)]
 
 
@@ -238,15 +311,112 @@ def measure_round(
     return out
 
 
+def norm_kept(
+    honest: list[Contribution], others: list[Contribution], weights: dict[str, int] | None
+) -> float:
+    """Σ_honest ‖v_i after the median-norm scaling‖ among honest + others (with `weights`), over the same
+    among the honest alone (1: the others leave the honest contributions as they were)."""
+
+    def kept(contributions: list[Contribution]) -> float:
+        total = 0.0
+        for name in honest[0][1]:
+            norms = torch.stack([updates[name][1].norm() for _, updates in contributions])
+            held = [1 if weights is None else weights[who] for who, _ in contributions]
+            median = float(weighted_median(norms, held))
+            total += sum(min(float(n), median) for n in norms[: len(honest)])
+        return total
+
+    alone = kept(honest)
+    return kept(honest + others) / alone if alone > 0 else 1.0
+
+
+def measure_weighted(
+    honest: list[Contribution],
+    shapes: dict[str, tuple[int, ...]],
+    plan: InfluencePlan,
+    full: int,
+    seed: int = 0,
+) -> dict:
+    """Per rule, Sybil history h and k: the Sybils' share with weights {honest: F, Sybil: min(h, F)} (per
+    strategy, "majority" included), beside `stated_bound`; and the "majority" attack's effect on the honest
+    contributions by headcount and per h."""
+    codec = SparseLoCoCodec(plan.topk, 64)
+    attacks = {
+        (strategy, k): _attack(honest, shapes, codec, strategy, k, seed)
+        for strategy in plan.strategies
+        for k in plan.weighted_sybils
+        if not (strategy == "disjoint-split" and k == 1)
+    }
+    crowd = _majority(honest, shapes, codec, plan.majority_sybils, seed)
+    for k in plan.weighted_sybils:
+        attacks[MAJORITY, k] = crowd[:k]
+    honest_weights = {who: full for who, _ in honest}
+    replicas = len(honest)
+
+    def weights_for(sybils: list[Contribution], weight: int) -> dict[str, int]:
+        return honest_weights | {who: weight for who, _ in sybils}
+
+    # label -> (the Sybils in the aggregate, the weights): by headcount, then per h (none on probation)
+    weightings: dict[str, tuple[list[Contribution], dict[str, int] | None]] = {"headcount": (crowd, None)}
+    for h in plan.histories:
+        weight = earned_weight(h, full)
+        weightings[str(h)] = (crowd, weights_for(crowd, weight)) if weight else ([], honest_weights)
+    majority = {
+        "sybils": len(crowd),
+        "norm_kept": {label: norm_kept(honest, crowd_, w) for label, (crowd_, w) in weightings.items()},
+        "rules": {},
+    }
+    rules: dict[str, dict] = {}
+    for rule in plan.rules:
+        by_h: dict[str, dict] = {}
+        for h in plan.histories:
+            weight = earned_weight(h, full)
+            by_k: dict[str, dict] = {}
+            for k in plan.weighted_sybils:
+                shares = {}
+                for (strategy, kk), sybils in attacks.items():
+                    if kk != k or not weight:  # on probation: not in the aggregate at all
+                        continue
+                    parts = contribution_parts(
+                        honest + sybils, shapes, rule=rule, weights=weights_for(sybils, weight)
+                    )
+                    shares[strategy] = attributed_share(parts, {who for who, _ in sybils}, shapes)
+                worst = max(shares, key=shares.__getitem__) if shares else ""
+                by_k[str(k)] = {
+                    "weight": weight,
+                    "share": shares.get(worst, 0.0),
+                    "strategy": worst,
+                    "bound": stated_bound(k, weight, replicas, full),
+                    "by_strategy": shares,
+                }
+            by_h[str(h)] = by_k
+        rules[rule] = by_h
+        without = _flat(aggregate_sparse(honest, shapes, rule=rule, weights=honest_weights))
+        effect = {}
+        for label, (present, weights) in weightings.items():
+            everyone, group = honest + present, {who for who, _ in present}
+            with_ = _flat(aggregate_sparse(everyone, shapes, rule=rule, weights=weights))
+            parts = contribution_parts(everyone, shapes, rule=rule, weights=weights)
+            effect[label] = {
+                "honest_share": 1.0 - attributed_share(parts, group, shapes),
+                "delta_kept": float(with_.norm()) / float(without.norm()) if without.norm() > 0 else 1.0,
+            }
+        majority["rules"][rule] = effect
+    return {"rules": rules, "majority": majority}
+
+
 def run_influence(config: Config, plan: InfluencePlan, out_dir: Path, progress: bool = True) -> dict:
     """Measure every round of `plan`; write influence.json and influence.png to `out_dir`."""
     out_dir.mkdir(parents=True, exist_ok=True)
     config = replace(config, "data", batch_size=plan.batch_size)
     start = time.perf_counter()
     per_round = []
+    weighted_per_round = []
+    full = config.outer.probation_rounds
     for round_, shapes, honest in honest_rounds(config, plan, progress):
         measured = measure_round(honest, shapes, plan, seed=config.run.seed + round_)
         per_round.append(measured)
+        weighted_per_round.append(measure_weighted(honest, shapes, plan, full, seed=config.run.seed + round_))
         log.info("round %d measured", round_)
     rules = {rule: _summarise(plan, [r[rule] for r in per_round]) for rule in plan.rules}
     report = {
@@ -260,11 +430,61 @@ def run_influence(config: Config, plan: InfluencePlan, out_dir: Path, progress: 
         "naive_share": {str(k): k / (plan.replicas + k) for k in range(1, plan.max_sybils + 1)},
         "rules": rules,
         "per_round": per_round,
+        "weighted": summarise_weighted(plan, full, weighted_per_round),
+        "weighted_per_round": weighted_per_round,
         "wall_seconds": time.perf_counter() - start,
     }
     (out_dir / "influence.json").write_text(json.dumps(report, indent=2))
     plot_influence(report, out_dir / "influence.png")
+    plot_weighted(report, out_dir / "influence-weighted.png")
     return report
+
+
+def summarise_weighted(plan: InfluencePlan, full: int, rounds: list[dict]) -> dict:
+    """The worst round of `measure_weighted` per rule, h and k (largest Sybil share, with its strategy), and
+    for "majority" the smallest honest share, `delta_kept` and `norm_kept` of any round."""
+    rules: dict[str, dict] = {}
+    for rule in plan.rules:
+        rules[rule] = {}
+        for h in map(str, plan.histories):
+            rules[rule][h] = {}
+            for k in map(str, plan.weighted_sybils):
+                cells = [r["rules"][rule][h][k] for r in rounds]
+                worst = max(cells, key=lambda c: c["share"])
+                rules[rule][h][k] = {
+                    "weight": worst["weight"],
+                    "share": worst["share"],
+                    "strategy": worst["strategy"],
+                    "bound": worst["bound"],
+                    "share_over_bound": worst["share"] / worst["bound"] if worst["bound"] else 0.0,
+                }
+    labels = list(rounds[0]["majority"]["norm_kept"])
+    majority = {
+        "sybils": rounds[0]["majority"]["sybils"],
+        "divisor": MAJORITY_DIVISOR,
+        "moved": MAJORITY_MOVED,
+        "norm_kept": {label: min(r["majority"]["norm_kept"][label] for r in rounds) for label in labels},
+        "rules": {
+            rule: {
+                label: {
+                    key: min(r["majority"]["rules"][rule][label][key] for r in rounds)
+                    for key in ("honest_share", "delta_kept")
+                }
+                for label in labels
+            }
+            for rule in plan.rules
+        },
+    }
+    return {
+        "full_weight": full,
+        "honest_weight": full,
+        "replicas": plan.replicas,
+        "histories": list(plan.histories),
+        "sybils": list(plan.weighted_sybils),
+        "strategies": [*plan.strategies, MAJORITY],
+        "rules": rules,
+        "majority": majority,
+    }
 
 
 def _summarise(plan: InfluencePlan, rounds: list[dict]) -> dict:
@@ -312,6 +532,46 @@ def plot_influence(report: dict, path: Path) -> None:
     fig.suptitle(
         f"{report['config']} ({report['parameters'] / 1e6:.1f}M params), R={report['replicas']} honest, "
         f"{report['rounds']} rounds"
+    )
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plot_weighted(report: dict, path: Path) -> None:
+    """Sybil share vs history h (k = each of `sybils`), one line per rule, the stated bound dashed; and the
+    "majority" attack's ‖Δ‖ kept vs h, headcount as a dotted line."""
+    weighted = report["weighted"]
+    hs = weighted["histories"]
+    panels = len(weighted["sybils"]) + 1
+    fig, axes = plt.subplots(1, panels, figsize=(5.5 * panels, 4.8))
+    markers = dict(zip(weighted["rules"], "osD^v*", strict=False))  # rules that coincide stay visible
+    for ax, k in zip(axes, map(str, weighted["sybils"]), strict=False):
+        for rule, by_h in weighted["rules"].items():
+            shares = [by_h[str(h)][k]["share"] for h in hs]
+            ax.plot(hs, shares, marker=markers[rule], fillstyle="none", label=rule)
+        first = next(iter(weighted["rules"].values()))
+        ax.plot(hs, [first[str(h)][k]["bound"] for h in hs], "k--", label="k·w/(k·w+R·F)")
+        ax.set_title(f"k = {k} Sybils of weight min(h, F={weighted['full_weight']})")
+        ax.set_ylabel("Sybils' share of the update's norm (worst strategy)")
+        ax.set_ylim(0, 1)
+    majority = weighted["majority"]
+    last = axes[-1]
+    for rule, effect in majority["rules"].items():
+        kept = [effect[str(h)]["delta_kept"] for h in hs]
+        (line,) = last.plot(hs, kept, marker=markers[rule], fillstyle="none", label=rule)
+        last.axhline(effect["headcount"]["delta_kept"], color=line.get_color(), linestyle=":")
+    last.set_yscale("log")
+    last.set_title(f"majority: {majority['sybils']} Sybils at 1/{majority['divisor']:g} (dotted: headcount)")
+    last.set_ylabel("‖Δ with them‖ / ‖Δ without them‖")
+    for ax in axes:
+        ax.set_xticks(hs)
+        ax.set_xlabel("Sybils' verified rounds h (0: probation, not sealed)")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle(
+        f"{report['config']} ({report['parameters'] / 1e6:.1f}M params), R={report['replicas']} honest at "
+        f"weight F={weighted['full_weight']}, {report['rounds']} rounds"
     )
     fig.tight_layout()
     fig.savefig(path, dpi=110)

@@ -41,8 +41,8 @@ from hivemind.dht.schema import BytesWithPublicKey, SchemaValidator
 from hivemind.dht.validation import DHTRecord, RecordValidatorBase
 from hivemind.utils import MSGPackSerializer
 
-from hetnode.algo.aggregation_rules import MAX_WEIGHT
 from hetnode.net.identity import peer_id_of_subkey
+from hetnode.wire.seals import MAX_SEAL_WEIGHT
 
 MAX_NAME_CHARS = 64
 ShardName = pydantic.constr(strict=True, regex=r"^(embed|head|[0-9]{1,4})$")
@@ -167,7 +167,7 @@ class Contribution(pydantic.BaseModel):
     shards: dict[ShardName, Sha256]  # type: ignore[valid-type]
     tokens: pydantic.conint(strict=True, ge=0, le=MAX_TOKENS)  # type: ignore[valid-type]
     # its weight in the aggregate, earned by verified history (absent in seals of older sealers: 1)
-    weight: pydantic.conint(strict=True, ge=1, le=MAX_WEIGHT) | None = None  # type: ignore[valid-type]
+    weight: pydantic.conint(strict=True, ge=1, le=MAX_SEAL_WEIGHT) | None = None  # type: ignore[valid-type]
 
     _cap_shards = pydantic.validator("shards", pre=True, allow_reuse=True)(_at_most_shards)
 

@@ -10,6 +10,9 @@ from collections.abc import Collection
 from typing import Any, Literal
 
 GENESIS = ""  # the `prev` of round 0's seal
+# the most weight one contribution may carry in a seal (earned by verified history; the aggregate's bound,
+# `hetnode.algo.aggregation_rules.MAX_WEIGHT`, is the same number)
+MAX_SEAL_WEIGHT = 1024
 
 Verdict = Literal["apply", "old", "behind", "fork", "not_allowed"]
 

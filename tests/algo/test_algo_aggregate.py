@@ -270,6 +270,12 @@ def test_weights_are_checked() -> None:
         aggregate_sparse(contribs, {"w": (2,)}, weights={"a": MAX_WEIGHT + 1, "b": 1})
 
 
+def test_the_seal_schema_bounds_weight_as_the_aggregate_does() -> None:
+    from hetnode.wire.seals import MAX_SEAL_WEIGHT
+
+    assert MAX_SEAL_WEIGHT == MAX_WEIGHT
+
+
 def test_weighted_median() -> None:
     values = torch.tensor([5.0, 1.0, 3.0])
     assert weighted_median(values, [1, 1, 1]) == 3.0
