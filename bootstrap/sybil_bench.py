@@ -66,6 +66,7 @@ class SybilPlan:
     score_lag: int = 1
     scenarios: tuple[str, ...] = SCENARIOS
     eval_every_round: bool = True  # False: only after the last round (tests)
+    seq_len: int | None = None  # None: the config's
     eval_batches: int | None = None  # None: the config's
 
     @property
@@ -291,6 +292,18 @@ def replica_tokens_of(clean: list[RoundLog], plan: SybilPlan) -> float:
     return total / max(len(rounds) * plan.honest, 1)
 
 
+def plan_for(quick: bool, rounds: int | None = None) -> SybilPlan:
+    """--quick: tiny, sequences of 32, 4 + 8 rounds (minutes); full: 10 rounds of history (full weight
+    at F = 8) and `rounds` (default 10) attacked."""
+    if rounds is not None and rounds < 1:
+        raise ValueError(f"--rounds must be >= 1, got {rounds}")
+    if quick:
+        return SybilPlan(
+            history=4, attack_rounds=rounds or 8, inner_steps=2, batch_size=2, probation_rounds=4, seq_len=32
+        )
+    return SybilPlan(history=10, attack_rounds=rounds or 10)
+
+
 def run_benchmark(config: Config, plan: SybilPlan, out_dir: Path, progress: bool = True) -> dict:
     out_dir.mkdir(parents=True, exist_ok=True)
     config = replace(config, "outer", inner_steps=plan.inner_steps)
@@ -299,10 +312,17 @@ def run_benchmark(config: Config, plan: SybilPlan, out_dir: Path, progress: bool
         config = replace(config, "outer", probation_rounds=plan.probation_rounds)
     if "predictable" in plan.scenarios:  # a sample smaller than the swarm: who is scored is drawn
         config = replace(config, "outer", verify_sample=2)
+    if plan.seq_len is not None:
+        config = replace(config, "data", seq_len=plan.seq_len)
     dataset = TokenDataset.build(config.data, config.model.vocab_size, seed=config.run.seed)
     model = build_model(config.model, seed=config.run.seed)
     model.fixed_embedding = base_fixed_embedding(config)
-    report: dict = {"config": config.run.name, "plan": dataclasses.asdict(plan), "scenarios": {}}
+    report: dict = {
+        "config": config.run.name,
+        "plan": dataclasses.asdict(plan),
+        "full_weight": config.outer.probation_rounds,
+        "scenarios": {},
+    }
     with tqdm(total=len(plan.scenarios) + 1, desc="sybil bench", unit="run", disable=not progress) as bar:
         clean = run_scenario(config, dataset, model, plan, None)
         bar.update(1)

@@ -143,11 +143,14 @@ def run_one(
             }
         contributions = [(p, theta.decode_contribution(p, round_, payloads[p])) for p in peers]
         started = time.perf_counter()
-        rejected = verifier.screen(round_, contributions) if verifier else {}
+        # arrival order: the attacker last (a copier needs its victim's payload first)
+        seen = {p: float(i) for i, (p, _) in enumerate(contributions)}
+        rejected = verifier.screen(round_, contributions, seen) if verifier else {}
         verify_s = time.perf_counter() - started
         sealed = [(p, d) for p, d in contributions if p not in rejected]
+        weights = verifier.weights([p for p, _ in sealed]) if verifier else None
         try:
-            prepared = theta.prepare(round_, sealed)
+            prepared = theta.prepare(round_, sealed, weights)
         except ApplyError:  # as the sealer does: whoever alone makes the step non-finite is out
             culprits = set()
             for p, d in sealed:
@@ -157,7 +160,7 @@ def run_one(
                     culprits.add(p)
             rejected |= dict.fromkeys(culprits, "finite")
             sealed = [(p, d) for p, d in sealed if p not in culprits]
-            prepared = theta.prepare(round_, sealed)
+            prepared = theta.prepare(round_, sealed, weights)
         result.uncredited.append({})
         if verifier:
             scorable = [(p, d) for p, d in contributions if rejected.get(p) not in ("stale", "copy")]

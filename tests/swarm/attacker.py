@@ -90,16 +90,20 @@ class Attacker:
         held = view.peers.get(self.coordinator, {}).get("params_round")
         return held if isinstance(held, int) else -1
 
-    def message(self, round_: int, shard: str, shift: float, scale: float = 1e-4) -> bytes:
+    def message(
+        self, round_: int, shard: str, shift: float, scale: float = 1e-4, author: str | None = None
+    ) -> bytes:
         """A payload message for `shard` with small random values, its quantisation shift set to `shift`
-        (packed as float64, so a value beyond float32 stays finite on the wire)."""
+        (packed as float64, so a value beyond float32 stays finite on the wire). The values depend on the
+        round only: messages of several `author`s carry one and the same update."""
         codec = SparseLoCoCodec(self.config.outer.topk, self.config.outer.tile)
         generator = torch.Generator().manual_seed(round_)
         tensors = {}
         for name in self.model.shards[shard]:
             delta = torch.randn(self.model.params[name].shape, generator=generator) * scale
             tensors[name] = codec.compress(delta)
-        data = encode_payload(SyncPayload(self.node.identity.peer_id, round_, shard, "sparseloco", tensors))
+        author = author or self.node.identity.peer_id
+        data = encode_payload(SyncPayload(author, round_, shard, "sparseloco", tensors))
         if shift == 0.0:
             return data
         message = msgpack.unpackb(data, raw=False)
@@ -416,9 +420,60 @@ async def crowd(a: Attacker) -> None:
     a.result.update(identities=len(crowd), streams_opened=opened[0])
 
 
+async def duplicates(a: Attacker) -> None:
+    """one update announced under `--identities` identities (each its own p2pd, record and signature) for
+    every round the coordinator opens: the sealer must weigh and credit it as one training at most."""
+    nodes = [a.node] + [
+        await SwarmNode.start(ephemeral_identity(), DEFAULT_LIMITS, [LOOPBACK], initial_peers=[a.peer_maddr])
+        for _ in range(a.identities - 1)
+    ]
+    served: dict[tuple[str, int, str], bytes] = {}
+    for node in nodes[1:]:  # each identity in the run's DHT, as the first one joined it
+        await node.join_dht(a.node.run or "", [a.peer_maddr], coordinator=a.coordinator)
+    for node in nodes:
+        node.set_payloads(
+            lambda round_, shard, replica, asker, me=node.identity.peer_id: served.get((me, round_, shard))
+        )
+    announced, rounds = -1, 0
+    try:
+        while time.monotonic() < a.until:
+            round_ = await a.coordinator_round() + 1
+            if round_ != announced:
+                for node in nodes:
+                    me, run = node.identity.peer_id, node.run or ""
+                    digests = {}
+                    for shard in a.model.shards:
+                        body = a.message(round_, shard, 0.0, author=me)
+                        served[(me, round_, shard)] = sign_payload(node.identity, run, body)
+                        digests[shard] = sha256_hex(served[(me, round_, shard)])
+                    announcement = {"round": round_, "shards": digests, "tokens": 1, "steps": 1}
+                    await node.store_own("announce", announcement, 300.0)
+                    node.nudge([a.coordinator], "announce", round_)
+                announced, rounds = round_, rounds + 1
+            for i, node in enumerate(nodes):
+                await node.store_own("peers", a.record(name=f"{a.name}-{i}"), 60.0)
+            await asyncio.sleep(0.5)
+    finally:
+        for node in nodes[1:]:
+            await node.shutdown()
+    a.result.update(identities=[node.identity.peer_id for node in nodes], rounds_announced=rounds)
+
+
 ATTACKS = {
     f.__name__: f
-    for f in (overflow, ledger, hijack, records, exhaust, redirect, slow_author, liar_holder, eclipse, crowd)
+    for f in (
+        overflow,
+        ledger,
+        hijack,
+        records,
+        exhaust,
+        redirect,
+        slow_author,
+        liar_holder,
+        eclipse,
+        crowd,
+        duplicates,
+    )
 }
 
 

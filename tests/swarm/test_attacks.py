@@ -280,6 +280,26 @@ def test_crowd_33_identities_holding_idle_streams_do_not_choose_who_is_sealed(li
     assert len(left_out(attacked, honest)) <= 1
 
 
+def test_duplicates_one_update_under_four_identities_is_weighed_once_and_credited_never(live):
+    """Four identities announce one and the same update (each signed by its own key, served by its own
+    p2pd) every round: the sealer takes them for one training (`copy` for all but one), and the one left
+    has no verified history (probation, then its noise scores negative): no weight, no credit."""
+    swarm, boot, _ = live
+    since = current_round(swarm)
+    result = attack(swarm, "duplicates", seconds=20, extra=("--identities", "4"))
+    identities = set(result["identities"])
+    assert len(identities) == 4 and result["rounds_announced"] >= 2
+    history = assert_whole(swarm, boot, since, result["peer_id"])
+    weighed = [h for h in history if h["round"] > since and identities & set(h.get("rejected", {}))]
+    assert weighed, "the copies reached the seal's screen"
+    for entry in weighed:
+        reasons = {p: entry["rejected"][p] for p in identities & set(entry["rejected"])}
+        assert sum(1 for r in reasons.values() if r == "copy") >= len(reasons) - 1, reasons
+        assert not identities & set(entry["contributors"]), entry  # no weight: nothing verified yet
+    standings = {s["peer"] for s in swarm.contributions(boot)["standings"] if s["tokens"] > 0}
+    assert not identities & standings  # and no credit
+
+
 def test_a_coordinator_restart_after_the_attacks_resumes_its_own_chain(live):
     swarm, boot, config = live
     before = swarm.history()[-1]
