@@ -46,7 +46,9 @@ def register(commands: argparse._SubParsersAction) -> None:
     sparse.add_argument("--no-progress", action="store_true")
     sparse.set_defaults(handler=run_sparseloco)
     infl = benches.add_parser(
-        "influence", help="share of the update one identity and k <= R/2 Sybils steer, per aggregation rule"
+        "influence",
+        help="share of the update one identity and k <= R/2 Sybils steer, per aggregation rule; "
+        "and k in {1, 5} Sybils weighted by verified history",
     )
     infl.add_argument("--quick", action="store_true", help="tiny config, R=4, 3 rounds (a few minutes)")
     infl.add_argument("--config", type=Path, default=None, help="default: tiny if --quick, else small")
@@ -55,6 +57,20 @@ def register(commands: argparse._SubParsersAction) -> None:
     infl.add_argument("--rounds", type=int, default=None, help="honest rounds measured (default: 3 / 2)")
     infl.add_argument("--no-progress", action="store_true")
     infl.set_defaults(handler=run_influence)
+    over = benches.add_parser(
+        "overlap", help="how much honest contributions overlap (index overlap, cosine) vs perturbed copies"
+    )
+    over.add_argument("--quick", action="store_true", help="tiny config, R in {2,4,8}, 3 rounds (minutes)")
+    over.add_argument("--config", type=Path, default=None, help="default: tiny if --quick, else small")
+    over.add_argument("--out", type=Path, default=Path("benchmarks/results"), help="output folder")
+    over.add_argument(
+        "--replicas", default="", help="comma-separated R values (default: 2,4,8 with --quick, else 2,4,8,16)"
+    )
+    over.add_argument("--rounds", type=int, default=None, help="honest rounds per R (default: 3 / 5)")
+    over.add_argument("--batch-size", type=int, default=None, help="per replica (default: 8 / 4)")
+    over.add_argument("--inner-steps", type=int, default=None, help="H per round (default 30)")
+    over.add_argument("--no-progress", action="store_true")
+    over.set_defaults(handler=run_overlap)
     trust = benches.add_parser(
         "trust", help="verification against useless or harmful work: loss, exclusion, false exclusions"
     )
@@ -71,6 +87,12 @@ def register(commands: argparse._SubParsersAction) -> None:
         type=int,
         default=1,
         help="sealed rounds before a round's score reaches the screens (default 1: the coordinator's worker)",
+    )
+    trust.add_argument(
+        "--sybil",
+        action="store_true",
+        help="attacks by many identities instead (duplicates, a Sybil majority, rotating identities, "
+        "predictable scoring, framing inside a chain) after the honest replicas earned their weight",
     )
     trust.add_argument("--no-progress", action="store_true")
     trust.set_defaults(handler=run_trust)
@@ -299,7 +321,78 @@ def run_influence(args: argparse.Namespace) -> int:
     for rule, r in report["rules"].items():
         cells = " ".join(f"{r['sybils'][k]['share']:>7.3f} ({r['sybils'][k]['max_push']:>5.2f})" for k in ks)
         print(f"{rule:<10} {r['honest_share_max']:>8.3f} {cells}")
-    print(f"wrote {args.out / 'influence.json'} and {args.out / 'influence.png'}")
+    _print_weighted(report["weighted"])
+    print(f"wrote {args.out / 'influence.json'}, {args.out / 'influence.png'} and influence-weighted.png")
+    return 0
+
+
+def _print_weighted(weighted: dict) -> None:
+    """The weighted cases: Sybil share (stated bound) per rule, k and history h; the majority attack."""
+    full, hs = weighted["full_weight"], [str(h) for h in weighted["histories"]]
+    print(
+        f"\nweighted: R = {weighted['replicas']} honest at F = {full} each, Sybils at min(h, F) "
+        "(h = 0: probation, not sealed); Sybils' share (bound k·w/(k·w+R·F)), worst strategy"
+    )
+    print("{:<10} {:>3} ".format("rule", "k") + " ".join(f"{'h=' + h:>15}" for h in hs))
+    for rule, by_h in weighted["rules"].items():
+        for k in map(str, weighted["sybils"]):
+            cells = " ".join(f"{by_h[h][k]['share']:>6.3f} ({by_h[h][k]['bound']:.3f})" for h in hs)
+            print(f"{rule:<10} {k:>3} {cells}")
+    majority = weighted["majority"]
+    labels = ["headcount", *hs]
+    print(
+        f"majority: {majority['sybils']} Sybils at the mean honest update / {majority['divisor']:g}; "
+        "honest share / ‖Δ‖ kept, by headcount and per h"
+    )
+    print("{:<10} ".format("rule") + " ".join(f"{label:>13}" for label in labels))
+    print(
+        "{:<10} ".format("norm kept") + " ".join(f"{majority['norm_kept'][label]:>13.3f}" for label in labels)
+    )
+    for rule, effect in majority["rules"].items():
+        cells = " ".join(
+            f"{effect[label]['honest_share']:>6.3f}/{effect[label]['delta_kept']:<6.3f}" for label in labels
+        )
+        print(f"{rule:<10} {cells}")
+
+
+def run_overlap(args: argparse.Namespace) -> int:
+    from hetnode.bench import overlap
+
+    try:
+        counts = tuple(int(r) for r in _names(args.replicas))
+    except ValueError as exc:
+        raise ConfigError("--replicas", "bench overlap", str(exc)) from None
+    plan = overlap.plan_for(args.quick, counts, args.rounds, args.batch_size, args.inner_steps)
+    report = overlap.run_overlap(_config(args), plan, args.out, progress=not args.no_progress)
+    print(f"{report['config']}, H={plan.inner_steps}, batch {plan.batch_size}; honest pairs, all rounds")
+    print(
+        "{:>4} {:>12} {:>12} {:>12} {:>12} {:>14}".format(
+            "R", "overlap max", "median<=", "cosine max", "median<=", "own prev. max"
+        )
+    )
+    for replicas, result in report["by_replicas"].items():
+        rounds = result["rounds"]
+        own = [r["own_previous"]["overlap"]["max"] for r in rounds if r["own_previous"]["overlap"]]
+        print(
+            f"{replicas:>4} {max(r['pairs']['overlap']['max'] for r in rounds):>12.3f} "
+            f"{max(r['pairs']['overlap']['median'] for r in rounds):>12.3f} "
+            f"{max(r['pairs']['cosine']['max'] for r in rounds):>12.3f} "
+            f"{max(r['pairs']['cosine']['median'] for r in rounds):>12.3f} "
+            f"{max(own) if own else float('nan'):>14.3f}"
+        )
+    every = [r for result in report["by_replicas"].values() for r in result["rounds"]]
+    cells = ", ".join(
+        f"f={f}: {min(r['perturbed'][str(f)]['overlap'] for r in every):.3f}" for f in report["fractions"]
+    )
+    print(f"perturbed copy vs original, index overlap: {cells}")
+    s = report["suggestion"]
+    print(
+        f"suggested index_overlap threshold {s['index_overlap_threshold']} "
+        f"(catches f in {s['caught_fractions']}; "
+        f"{s['current_threshold']} catches {s['caught_fractions_at_current_threshold']}); "
+        f"cosine threshold {s['cosine_threshold']}"
+    )
+    print(f"wrote {args.out / 'overlap.json'} and {args.out / 'overlap.png'}")
     return 0
 
 
@@ -346,6 +439,8 @@ def run_staleness(args: argparse.Namespace) -> int:
 
 
 def run_trust(args: argparse.Namespace) -> int:
+    if args.sybil:
+        return run_sybil(args)
     from bootstrap import trust_bench  # the coordinator's verifier, measured in process
 
     try:
@@ -371,4 +466,39 @@ def run_trust(args: argparse.Namespace) -> int:
             f"{r['false_exclusions']:>5} {r['verify_share']:>7.1%}"
         )
     print(f"wrote {args.out / 'trust.json'} and {args.out / 'trust.png'}")
+    return 0
+
+
+def run_sybil(args: argparse.Namespace) -> int:
+    from bootstrap import sybil_bench  # the coordinator's verifier, weights and credit, in process
+
+    plan = sybil_bench.plan_for(args.quick, args.rounds)
+    report = sybil_bench.run_benchmark(_config(args), plan, args.out, progress=not args.no_progress)
+    p = report["plan"]
+    print(
+        f"{p['honest']} honest anchors and a chain, {p['history']} rounds alone, then {p['attack_rounds']} "
+        f"attacked; full weight after {report['full_weight']} verified rounds"
+    )
+    header = ("scenario", "honest credit", "left out", "loss vs clean", "weighted rounds", "attacker credit")
+    print("{:<12} {:>13} {:>8} {:>13} {:>15} {:>15}".format(*header))
+    for name, r in report["scenarios"].items():
+        print(
+            f"{name:<12} {r['honest_credit_share_of_clean']:>12.1%} {len(r['honest_left_out']):>8} "
+            f"{r['loss_vs_clean']:>+13.2%} {r['rounds_attacker_sealed_with_weight']:>15} "
+            f"{r['attacker_credit'] / max(r['one_replica_credit'], 1):>12.2f} rr"
+        )
+    extra = report["scenarios"].get("predictable")
+    if extra:
+        print(
+            f"predictable: {extra['harmful_rounds_scored']} of {extra['harmful_rounds']} harmful rounds "
+            "scored"
+        )
+    framing = report["scenarios"].get("framing")
+    if framing:
+        print(
+            f"framing: honest upstream credited in {framing['upstream_credited_rounds']} of "
+            f"{p['attack_rounds']} rounds, the lying stage in {framing['downstream_credited_rounds']}"
+        )
+    print("(attacker credit in rounds of one replica's credit: rr)")
+    print(f"wrote {args.out / 'sybil.json'}")
     return 0
