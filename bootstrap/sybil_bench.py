@@ -310,8 +310,6 @@ def run_benchmark(config: Config, plan: SybilPlan, out_dir: Path, progress: bool
     config = replace(config, "data", batch_size=plan.batch_size)
     if plan.probation_rounds is not None:
         config = replace(config, "outer", probation_rounds=plan.probation_rounds)
-    if "predictable" in plan.scenarios:  # a sample smaller than the swarm: who is scored is drawn
-        config = replace(config, "outer", verify_sample=2)
     if plan.seq_len is not None:
         config = replace(config, "data", seq_len=plan.seq_len)
     dataset = TokenDataset.build(config.data, config.model.vocab_size, seed=config.run.seed)
@@ -328,7 +326,9 @@ def run_benchmark(config: Config, plan: SybilPlan, out_dir: Path, progress: bool
         bar.update(1)
         for scenario in plan.scenarios:
             bar.set_postfix(run=scenario)
-            attacked = run_scenario(config, dataset, model, plan, scenario)
+            # "predictable": a sample smaller than the swarm, so that who is scored is drawn
+            sampled = replace(config, "outer", verify_sample=2) if scenario == "predictable" else config
+            attacked = run_scenario(sampled, dataset, model, plan, scenario)
             report["scenarios"][scenario] = summarise(clean, attacked, plan, scenario)
             report["scenarios"][scenario]["losses"] = [r.eval_loss for r in attacked]
             bar.update(1)

@@ -25,7 +25,8 @@ yardstick are sealed (a run's first rounds, when nobody has history; a chain lef
 died), while their credit still waits for their record.
 
 Which replicas are scored is drawn per round from our secret, after the announcements are fixed: each
-with chance verify_sample / R, at least `outer.verify_min_chance` (small swarms: all). Being scored in
+with chance verify_sample / R, at least `outer.verify_min_chance` (small swarms: all); replicas on
+probation have a budget of their own, up to `verify_sample` of them a round. Being scored in
 round r says nothing about round r+1. Draws, batches and held-out text are published only with the scores.
 
 The coordinator credits a contribution only when it was sealed and its author's average is not negative.
@@ -260,7 +261,10 @@ class Verifier:
         return {peer: score}. Blocking: run it in a worker thread."""
         started = time.perf_counter()
         trial = self._trial(round_, params, contributions, replicas)
-        picked = self._sample(round_, sorted(trial.members))
+        newcomers = {k for k, peers in trial.members.items() if not any(self.earned.weight(p) for p in peers)}
+        picked = self._sample(round_, sorted(set(trial.members) - newcomers)) + self._newcomers(
+            round_, sorted(newcomers)
+        )
         anchors = [key for key in picked if trial.is_anchor(key)]
         chains = [key for key in picked if not trial.is_anchor(key)]
         held_out = self._held_out(round_)
@@ -378,6 +382,14 @@ class Verifier:
             return list(keys)
         chance = max(o.verify_sample / len(keys), o.verify_min_chance)
         return [key for key in keys if self._draw(b"score", round_, key) < chance]
+
+    def _newcomers(self, round_: int, keys: Sequence[str]) -> list[str]:
+        """Replicas on probation scored this round: all while they are at most `outer.verify_sample`,
+        beyond that many drawn from our secret. A budget of their own: a newcomer leaves probation within
+        a round or two however large the swarm, and a flood of fresh identities cannot crowd out the
+        scoring of replicas with a record (it only makes newcomers wait longer)."""
+        limit = self.config.outer.verify_sample
+        return sorted(keys, key=lambda key: self._draw(b"newcomer", round_, key))[:limit]
 
     def _draw(self, purpose: bytes, round_: int, key: str) -> float:
         """A number in [0, 1) from our secret: unknown to the peers until we publish what it decided."""

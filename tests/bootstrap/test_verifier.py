@@ -147,9 +147,14 @@ def test_large_swarms_are_scored_in_a_secret_draw_no_one_can_predict(setup):
     assert abs(share - 0.25) < 0.03
 
     theta = GlobalModel(config)
-    payloads = _round(config, dataset, theta, keys)
-    contributions = [(p, _decoded(theta, p, payloads[p])) for p in keys]
-    replicas = {p: Replica(p, data_slot(p)) for p in keys}
+    newcomer = "replica-new"
+    payloads = _round(config, dataset, theta, [*keys, newcomer])
+    contributions = [(p, _decoded(theta, p, payloads[p])) for p in [*keys, newcomer]]
+    replicas = {p: Replica(p, data_slot(p)) for p, _ in contributions}
+    for key in keys:  # replicas with a record; the newcomer has none
+        verifier.earned.observe(key, 1.0)
     scores = verifier.score(0, theta.params, contributions, replicas)
-    assert set(scores) == set(verifier._sample(0, keys))  # only the drawn are scored
+    # only the drawn are scored; a newcomer (on probation) from a budget of its own, so that it can
+    # leave probation however large the swarm
+    assert set(scores) == set(verifier._sample(0, keys)) | {newcomer}
     assert all(verifier.counts.get(p, 0) == (p in scores) for p in keys)
