@@ -326,10 +326,16 @@ def run_benchmark(config: Config, plan: SybilPlan, out_dir: Path, progress: bool
         bar.update(1)
         for scenario in plan.scenarios:
             bar.set_postfix(run=scenario)
-            # "predictable": a sample smaller than the swarm, so that who is scored is drawn
-            sampled = replace(config, "outer", verify_sample=2) if scenario == "predictable" else config
-            attacked = run_scenario(sampled, dataset, model, plan, scenario)
-            report["scenarios"][scenario] = summarise(clean, attacked, plan, scenario)
+            # "predictable": a sample smaller than the swarm, so that who is scored is drawn; its clean run
+            # samples alike (weight grows per scored round: a sampled swarm earns it more slowly)
+            yardstick = clean
+            if scenario == "predictable":
+                sampled = replace(config, "outer", verify_sample=2)
+                attacked = run_scenario(sampled, dataset, model, plan, scenario)
+                yardstick = run_scenario(sampled, dataset, model, plan, None)
+            else:
+                attacked = run_scenario(config, dataset, model, plan, scenario)
+            report["scenarios"][scenario] = summarise(yardstick, attacked, plan, scenario)
             report["scenarios"][scenario]["losses"] = [r.eval_loss for r in attacked]
             bar.update(1)
     report["clean_losses"] = [r.eval_loss for r in clean]

@@ -208,9 +208,14 @@ class Verifier:
         for peers in members.values():
             if len(peers) < 2:
                 continue
+            position = {p: float(i) for i, p in enumerate(order)}  # announcement order, when no time is known
             kept = min(
                 peers,
-                key=lambda p: (seen_at.get(p, 0.0), -self.earned.weight(p), self._draw(b"keep", round_, p)),
+                key=lambda p: (
+                    seen_at.get(p, position[p]),
+                    -self.earned.weight(p),
+                    self._draw(b"keep", round_, p),
+                ),
             )
             out.update(p for p in peers if p != kept)
             log.warning(
