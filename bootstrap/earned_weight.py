@@ -3,9 +3,10 @@
 Identities are free, so a vote per identity is worth nothing. Each identity earns weight only by rounds the
 verifier scored non-negative: a new one has none (on probation: its work is scored, not sealed, not
 credited), then weighs 1 and gains 1 per such round up to `full` (`outer.probation_rounds`); a negative
-score halves what it earned. The seal carries each contribution's weight, and the aggregate, its median
-clip, the verifier's medians and the credit count weight, not headcount. k identities with h verified rounds
-each therefore hold at most k·min(h, full) of the round's weight, bought with k·h rounds of verified work.
+score halves what it earned (never below 1 once earned: its average, not one round, judges it). The seal
+carries each contribution's weight, and the aggregate, its median clip, the verifier's medians and the
+credit count weight, not headcount. k identities with h verified rounds each therefore hold at most
+k·min(h, full) of the round's weight, bought with k·h rounds of verified work.
 
 Pure bookkeeping: the verifier calls `observe` with each score and reads `weight`; no torch, no I/O.
 """
@@ -30,7 +31,9 @@ class EarnedWeight:
     def observe(self, peer: str, score: float) -> int:
         """Take one round's score of `peer` into its weight; returns the weight now."""
         earned = self.verified.get(peer, 0)
-        earned = min(earned + 1, self.full) if score >= 0 else earned // 2
+        # a negative score halves what was earned, but a peer once verified is not put back on probation
+        # for one noisy round: a harmful one is left out by its average (`Verifier.judged_negative`)
+        earned = min(earned + 1, self.full) if score >= 0 else max(earned // 2, min(earned, 1))
         self.verified[peer] = earned
         if len(self.verified) > MAX_IDENTITIES:
             for old in list(self.verified)[: len(self.verified) // 2]:

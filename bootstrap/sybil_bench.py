@@ -34,6 +34,7 @@ import torch
 from tqdm import tqdm
 
 from bootstrap.ledger import credit_round
+from bootstrap.trust_bench import eval_loss
 from bootstrap.verifier import Replica, Verifier
 from hetnode.config import Config, replace
 from hetnode.daemon.rounds import AnchorTraining, data_slot
@@ -229,7 +230,7 @@ def run_scenario(
         while waiting and waiting[0].round <= round_ - plan.score_lag:
             score(waiting.popleft())
         if round_ == plan.rounds - 1 or plan.eval_every_round:
-            log_.eval_loss = _eval_loss(model, theta, eval_batches)
+            log_.eval_loss = eval_loss(model, theta, eval_batches)
         logs.append(log_)
     while waiting:
         score(waiting.popleft())
@@ -341,14 +342,6 @@ def run_benchmark(config: Config, plan: SybilPlan, out_dir: Path, progress: bool
     report["clean_losses"] = [r.eval_loss for r in clean]
     (out_dir / "sybil.json").write_text(json.dumps(report, indent=2, default=list))
     return report
-
-
-@torch.no_grad()
-def _eval_loss(model: torch.nn.Module, theta: GlobalModel, batches: list) -> float:
-    for name, param in model.named_parameters():
-        param.copy_(theta.params[name])
-    model.eval()
-    return sum(float(model.loss(x, y)) for x, y in batches) / len(batches)
 
 
 def _relabelled(messages: list[DecodedPayload], peer: str) -> list[DecodedPayload]:

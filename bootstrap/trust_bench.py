@@ -172,7 +172,7 @@ def run_one(
                 trainers[peer].restore_unsent()
         while verifier and waiting and waiting[0].round <= round_ - plan.score_lag:
             verify_s += score_next()  # the rounds whose score the next seal knows
-        result.losses.append(_eval_loss(model, theta, eval_batches))
+        result.losses.append(eval_loss(model, theta, eval_batches))
         result.rejected.append(rejected)
         result.verify_seconds.append(verify_s if verifier else 0.0)
         result.train_seconds.append(slowest)
@@ -182,7 +182,8 @@ def run_one(
 
 
 @torch.no_grad()
-def _eval_loss(model: torch.nn.Module, theta: GlobalModel, batches: list) -> float:
+def eval_loss(model: torch.nn.Module, theta: GlobalModel, batches: list) -> float:
+    """Eval loss of θ as `theta` holds it, through `model` (its weights are overwritten)."""
     for name, param in model.named_parameters():
         param.copy_(theta.params[name])
     model.eval()

@@ -12,11 +12,12 @@ Two passes per round:
 - `score`, beside the seal (the coordinator's bookkeeping worker, `bootstrap/bookkeeping.py`), on θ before
   the round's step: each drawn replica's update is applied alone at a reduced step, clipped to the round's
   weighted median norm, and the loss change is measured on one of the batches it was assigned this round
-  and on a held-out batch, both drawn from our secret. A chain's stages are scored one by one: each
-  stage's part alone, against the same layers of other replicas' updates, so a stage is judged by what it
-  sent and a lying neighbour cannot frame it. Improvements become relative scores (`hetnode.algo.scoring`),
-  an exponential average per peer and the weight it earns. The score of round t reaches them when the
-  worker is done with it: usually before round t+1 is sealed, at worst a round or two later.
+  and on a held-out batch, both drawn from our secret. A chain's stages take the chain's score, and each
+  stage's part is also tried alone: a stage whose part hurts is judged by it, a stage whose part helps is
+  never judged negative for a neighbour's (no framing). Improvements become relative scores
+  (`hetnode.algo.scoring`), an exponential average per peer and the weight it earns. The score of round t
+  reaches them when the worker is done with it: usually before round t+1 is sealed, at worst a round or
+  two later.
 
 A peer is judged on MIN_SCORES scores or more (one round on a few sequences is noisy). When every valid
 contribution of a round is screened out for its author's record (`score` or `probation`), `helps` is asked
@@ -94,7 +95,6 @@ AVERAGE_WEIGHT = 0.5  # of the newest score in a peer's exponential average (whi
 MIN_SCORES = 2  # scores a peer needs before its average can refuse it weight or credit
 TRIAL_STEP = 0.5  # of the outer learning rate: each update is tried alone at this reduced step
 SCORE_SEQUENCES = 4  # sequences per scoring batch: a few forward passes per contribution, not a round's work
-YARDSTICK_ANCHORS = 3  # anchors whose updates, cut to a stage's layers, measure what those layers should do
 
 Contribution = tuple[str, list[DecodedPayload]]  # (peer, its decoded payloads)
 Sparse = dict[str, tuple]
@@ -275,37 +275,33 @@ class Verifier:
         held_out = self._held_out(round_)
         before = batch_loss(self.model, params, held_out)
         own = {key: self._assigned(round_, replicas[trial.members[key][0]]) for key in picked}
+        own_before: dict[str, float] = {}  # loss(θ) on each replica's batch: once, whatever is tried on it
 
         def improvement(update: Sparse, key: str, owner: str) -> float:
             delta = trial.clipped(update, key)
-            return loss_improvement(self.model, params, delta, trial.step, own[owner]) + loss_improvement(
-                self.model, params, delta, trial.step, held_out, before=before
-            )
+            if owner not in own_before:
+                own_before[owner] = batch_loss(self.model, params, own[owner])
+            return loss_improvement(
+                self.model, params, delta, trial.step, own[owner], before=own_before[owner]
+            ) + loss_improvement(self.model, params, delta, trial.step, held_out, before=before)
 
-        whole = {key: improvement(trial.merged[key], key, key) for key in anchors}
-        weight_of = {key: trial.weight[key] for key in whole}
+        whole = {key: improvement(trial.merged[key], key, key) for key in picked}
         scores: dict[str, float] = {}
         if whole:
-            scale = _scale(whole, weight_of)
+            scale = _scale(whole, {key: trial.weight[key] for key in whole})
             self.recent_scale = scale
-            scores |= {key: value / scale - SCORE_MARGIN for key, value in whole.items()}
-        # each stage alone, against the same layers of the anchors' updates and of the other stages
-        parts = {
-            peer: improvement(trial.updates[peer], key, key) for key in chains for peer in trial.members[key]
-        }
-        yardstick_anchors = sorted(anchors, key=lambda a: (-trial.weight[a], self._draw(b"yard", round_, a)))
-        by_layers: dict[frozenset[str], dict[str, float]] = {}
-        for peer, value in parts.items():
-            by_layers.setdefault(frozenset(trial.updates[peer]), {})[peer] = value
-        for layers, stages in by_layers.items():
-            measured = dict(stages)
-            weight_of = {peer: trial.peer_weight[peer] for peer in stages}
-            for anchor in yardstick_anchors[:YARDSTICK_ANCHORS]:
-                cut = {n: v for n, v in trial.merged[anchor].items() if n in layers}
-                measured[anchor] = improvement(cut, anchor, anchor)
-                weight_of[anchor] = trial.weight[anchor]
-            scale = _scale(measured, weight_of)
-            scores |= {peer: value / scale - SCORE_MARGIN for peer, value in stages.items()}
+            relative = {key: value / scale - SCORE_MARGIN for key, value in whole.items()}
+            scores |= {key: relative[key] for key in anchors}
+            # a chain's stages take the chain's score, but each is also tried alone on its own layers: a
+            # stage whose part hurts is judged by it, and a stage whose part helps is never judged
+            # negative for a neighbour's (no framing)
+            for key in chains:
+                for peer in trial.members[key]:
+                    alone = improvement(trial.updates[peer], key, key)
+                    if alone < 0:
+                        scores[peer] = min(relative[key], alone / scale - SCORE_MARGIN)
+                    else:
+                        scores[peer] = max(relative[key], 0.0)
         for peer, score in scores.items():
             previous = self.averages.get(peer, 0.0)
             self.averages[peer] = (1 - AVERAGE_WEIGHT) * previous + AVERAGE_WEIGHT * score

@@ -117,9 +117,9 @@ class OuterConfig:
     # scored next, whatever it saw before (cost: about max(verify_sample, verify_min_chance · R) a round).
     verify_sample: int = 16
     verify_min_chance: float = 0.25
-    # Weight is earned by verified history (docs/security.md, "Weight earned by verified history"): a new
-    # identity is on probation (scored, not sealed) until a round of its scores non-negative, then weighs 1
-    # and gains 1 per such round up to this; a negative score halves what it earned. Weight, not headcount,
+    # Weight is earned by verified history (docs/security.md, "Free identities"): a new identity is on
+    # probation (scored, not sealed) until a round of its scores non-negative, then weighs 1 and gains 1 per
+    # such round up to this; a negative score halves what it earned (not below 1). Weight, not headcount,
     # is what the aggregate, the clip and the verifier's medians count, and credit goes with it.
     probation_rounds: int = 8
     # How each coordinate combines the contributions, after every contribution is scaled down to the median
