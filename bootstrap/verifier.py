@@ -78,7 +78,7 @@ log = logging.getLogger(__name__)
 # the round's pairs (each pair weighs as its lighter member: identities without history do not count),
 # and never below DUPLICATE_FLOOR or above DUPLICATE_CEILING. Measured (benchmarks/results/overlap-issue34/,
 # BENCHMARKS.md): honest pairs of one round sit within ±0.03 of each other, at a level set by H and the
-# stage of training (tiny: ≈ 0.2 at H = 30, 0.4 at H = 10, 0.8 at H = 1 from a fresh θ, Adam's sign-like
+# stage of training (tiny: ≈ 0.2 at H = 30, 0.30 at H = 10, 0.73 at H = 1 from a fresh θ, Adam's sign-like
 # first step), and a copy that moves a fraction f of its positions overlaps its original at 1 − f. At
 # H = 30 a copy must move over half its positions to escape, which leaves it more noise than work.
 DUPLICATE_FLOOR = 0.5
@@ -277,15 +277,16 @@ class Verifier:
         own = {key: self._assigned(round_, replicas[trial.members[key][0]]) for key in picked}
         own_before: dict[str, float] = {}  # loss(θ) on each replica's batch: once, whatever is tried on it
 
-        def improvement(update: Sparse, key: str, owner: str) -> float:
+        def improvement(update: Sparse, key: str) -> float:
+            """Loss improvement of `update` (clipped as replica `key`'s) on `key`'s batch and the held-out."""
             delta = trial.clipped(update, key)
-            if owner not in own_before:
-                own_before[owner] = batch_loss(self.model, params, own[owner])
+            if key not in own_before:
+                own_before[key] = batch_loss(self.model, params, own[key])
             return loss_improvement(
-                self.model, params, delta, trial.step, own[owner], before=own_before[owner]
+                self.model, params, delta, trial.step, own[key], before=own_before[key]
             ) + loss_improvement(self.model, params, delta, trial.step, held_out, before=before)
 
-        whole = {key: improvement(trial.merged[key], key, key) for key in picked}
+        whole = {key: improvement(trial.merged[key], key) for key in picked}
         scores: dict[str, float] = {}
         if whole:
             scale = _scale(whole, {key: trial.weight[key] for key in whole})
@@ -297,7 +298,7 @@ class Verifier:
             # negative for a neighbour's (no framing)
             for key in chains:
                 for peer in trial.members[key]:
-                    alone = improvement(trial.updates[peer], key, key)
+                    alone = improvement(trial.updates[peer], key)
                     if alone < 0:
                         scores[peer] = min(relative[key], alone / scale - SCORE_MARGIN)
                     else:
