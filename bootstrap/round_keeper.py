@@ -130,8 +130,9 @@ class RoundKeeper:
         return replica in entry["contributors"]
 
     def _on_nudge(self, peer: str, topic: str, round_: int) -> None:
-        if topic == "announce":
-            self.sealer.pull_announcement(peer, then=self._announced.set)  # the path beside the DHT
+        if topic == "announce":  # the path beside the DHT: its announcement, and its record if hidden
+            self.sealer.pull_announcement(peer, then=self._announced.set)
+            self.view.heard_from(peer)
             self._announced.set()
 
     def _serve_state(self, round_: int, shard: str) -> bytes | None:

@@ -23,6 +23,8 @@ from hetnode.service.presence import Cadence
 log = logging.getLogger(__name__)
 
 ROLE_ORDER = {"coordinator": 0, "anchor": 1, "stage": 2, "idle": 3}
+MAX_DIRECT_RECORDS = 10_000  # records taken straight from their peers and kept (the DHT hid them)
+MAX_RECORD_PULLS = 64  # such pulls in flight at once
 
 
 @dataclass(frozen=True)
@@ -230,6 +232,12 @@ class PeerDirectory:
     reads every record only when the log does not lead to the coordinator's digest. `wake()` and
     `get(max_age_s=0)` always read them.
 
+    The DHT is one path, not the only one: nodes with chosen ids next to the `peers` key that keep nothing
+    would hide records (TRUST §5). `heard_from(peer)` (the coordinator calls it when a replica nudges it)
+    asks a peer the last full read did not show for its record directly, and every view is built from the
+    DHT's records and those: a replica in touch with the coordinator is in its view, so its seal waits for
+    it.
+
     `on_read` gets every full read's raw entries, members or not (the membership policy is built from them);
     `on_change` gets the previous view (None before the first) and the new one whenever the digest changes."""
 
@@ -264,6 +272,10 @@ class PeerDirectory:
         self._reading = False
         self._lock = asyncio.Lock()
         self._woken = asyncio.Event()
+        self._read_entries: dict[str, StoredValue] = {}  # members by the full reads, unexpired
+        self._in_last_read: set[str] = set()  # members the last full read found in the DHT
+        self._direct: dict[str, tuple[float, StoredValue]] = {}  # peer -> (taken at, its record)
+        self._pulling: set[str] = set()
 
     async def get(self, max_age_s: float | None = None) -> SwarmView:
         """The view, refreshed when older than `max_age_s` (default: the current period); `max_age_s=0`
@@ -331,7 +343,59 @@ class PeerDirectory:
             self._reading = False
         self._full_read_due = False
         self.reads += 1
-        self._adopt(SwarmView.from_entries(members, self.config.pipeline.stages, self.config.model.n_layers))
+        # an entry is valid until it expires: one missing from this read before then was hidden, not
+        # withdrawn (a leaving peer stores an offline record), and stays
+        now = time.time()
+        kept = {
+            p: e
+            for p, e in self._read_entries.items()
+            if p not in members and e.expiration > now and self.is_member(p)
+        }
+        self._in_last_read = set(members)
+        self._read_entries = members | kept
+        self._adopt(self._from_records())
+
+    def _from_records(self) -> SwarmView:
+        """The view of the full reads' records and, where they have none or an older one, the records
+        taken directly (unexpired)."""
+        entries = dict(self._read_entries)
+        now = time.time()
+        for peer, (_, entry) in list(self._direct.items()):
+            if entry.expiration < now or not self.is_member(peer):
+                del self._direct[peer]
+            elif peer not in entries or entries[peer].expiration < entry.expiration:
+                entries[peer] = entry
+        return SwarmView.from_entries(entries, self.config.pipeline.stages, self.config.model.n_layers)
+
+    def heard_from(self, peer: str) -> None:
+        """`peer` spoke to us directly: when the last full read found no record of it, take its record
+        from it (in the background, at most once per `base_s` each); it is in the next view, and in ours at
+        once when it was not yet. Strangers gain nothing by it that storing a record would not give them."""
+        if peer in self._in_last_read or peer in self._pulling or len(self._pulling) >= MAX_RECORD_PULLS:
+            return
+        taken = self._direct.get(peer)
+        if taken is not None and time.monotonic() - taken[0] < self.cadence.base_s:
+            return
+        self._pulling.add(peer)
+
+        async def pull() -> None:
+            try:
+                entry = await self.node.read_direct(peer, "peers")
+                if entry is None or not self.is_member(peer):
+                    return
+                if len(self._direct) >= MAX_DIRECT_RECORDS:
+                    self._direct.clear()
+                self._direct[peer] = (time.monotonic(), entry)
+                # a replica's view may be the coordinator's log applied to a read: it takes the record
+                # at its next full read
+                if self.vouched is None and self._view is not None and peer not in self._view.peers:
+                    log.info("peer %s: its record came directly (the DHT showed none)", peer)
+                    self._adopt(self._from_records())
+            finally:
+                self._pulling.discard(peer)
+
+        task = asyncio.create_task(pull(), name=f"pull-record-{peer[-8:]}")
+        task.add_done_callback(lambda done: done.cancelled() or done.exception())
 
     def _adopt(self, view: SwarmView) -> None:
         signature, digest = view.signature(), view.digest()

@@ -641,6 +641,13 @@ class SwarmNode:
 
     # --- records -------------------------------------------------------------------------------------
 
+    def serve_own(self, field: str, value: Any, expires_at: float) -> None:
+        """Serve `value` as our entry of `field` to whoever asks us directly (`read_direct`), whatever the
+        DHT does with it: before a store, so a nudge need not wait for the DHT."""
+        if field not in DIRECT_FIELDS:
+            raise ValueError(f"{field} is not served directly (one of {DIRECT_FIELDS})")
+        self._own[field] = (value, expires_at)
+
     async def store_own(self, field: str, value: Any, ttl_s: float, expires_at: float | None = None) -> bool:
         """Write our own (signed) entry of `field`, living `ttl_s` (or until `expires_at`); True when at
         least one DHT node holds it."""
@@ -648,7 +655,7 @@ class SwarmNode:
         key, subkey = record_key(self.run, field), owner_subkey(self.identity)
         expiration = time.time() + ttl_s if expires_at is None else expires_at
         if field in DIRECT_FIELDS:
-            self._own[field] = (value, expiration)  # also served directly, whatever the DHT does with it
+            self.serve_own(field, value, expiration)
         try:
             if await asyncio.wait_for(dht.store(key, value, expiration, subkey=subkey), DHT_TIMEOUT_S):
                 return True

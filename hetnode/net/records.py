@@ -235,6 +235,7 @@ class RunRecords(pydantic.BaseModel):
 
 DIRECT_MODELS: dict[str, type[pydantic.BaseModel]] = {
     "manifest": ManifestRecord,
+    "peers": PeerRecord,
     "announce": AnnounceRecord,
     "seal": SealRecord,
     "head": HeadRecord,

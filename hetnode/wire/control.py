@@ -68,7 +68,7 @@ _REQUESTS: dict[str, _Schema] = {
 OPEN_TO_STRANGERS = ("ping", "info", "admit", "dialback")
 LONG_TEXT_CHARS = {"token": 2048, "admission": 2048}  # signed texts (`hetnode.wire.admission`)
 NUDGE_TOPICS = ("announce", "seal")
-DIRECT_FIELDS = ("manifest", "announce", "seal", "head")  # what an "own" request may ask for
+DIRECT_FIELDS = ("manifest", "peers", "announce", "seal", "head")  # what an "own" request may ask for
 _REPLIES: dict[str, _Schema] = {
     "pong": {"time": (float, None)},
     "info": {

@@ -13,6 +13,7 @@ from hetnode.daemon.participant import RoundParticipant
 from hetnode.daemon.seal_wait import read_head
 from hetnode.daemon.view import PeerDirectory
 from hetnode.net import loop
+from hetnode.net.node import StoredValue
 from hetnode.net.records import MAX_TTL_S, new_head_record, new_peer_record
 from hetnode.replica.global_model import GlobalModel
 from hetnode.service.presence import STABLE_STEPS, Cadence, Presence
@@ -99,6 +100,37 @@ def test_a_stretched_record_never_outlives_the_fields_cap_and_is_still_stored(no
             assert await presence.publish(), "a stable record must still be stored"
             entry = (await reader.read_field("peers"))[peer.identity.peer_id]
             assert 60.0 < entry.expiration - time.time() <= MAX_TTL_S["peers"] + 1.0
+
+    loop.run(scenario())
+
+
+def test_a_record_the_dht_hides_comes_straight_from_its_peer_when_it_speaks_to_us(
+    nodes_on_loopback, tiny_config
+):
+    """Nodes next to the `peers` key that keep nothing hide a replica's record (TRUST §5): when the replica
+    nudges the coordinator, the coordinator's directory takes the record from it and the replica is in its
+    view (so its seal waits for it); a malformed record is refused."""
+
+    async def scenario():
+        async with nodes_on_loopback(3, "hidden-record") as (me, hidden, liar):
+            for node, value in ((hidden, record("hidden", "anchor")), (liar, {"name": 5})):
+                node._own["peers"] = (value, time.time() + 60)  # served directly, never stored in the DHT
+            directory = PeerDirectory(me, tiny_config, base_s=0.2, stable_s=0.8)
+            assert hidden.identity.peer_id not in (await directory.get()).peers
+            directory.heard_from(hidden.identity.peer_id)
+            directory.heard_from(liar.identity.peer_id)
+            for _ in range(50):
+                if hidden.identity.peer_id in (await directory.get()).peers:
+                    break
+                await asyncio.sleep(0.1)
+            view = await directory.get(max_age_s=0)  # a full read keeps the record taken directly
+            assert view.peers[hidden.identity.peer_id]["role"] == "anchor"
+            assert view.expected_contributors(1) == {hidden.identity.peer_id}
+            assert liar.identity.peer_id not in view.peers
+            # until it expires (the peer refreshes it each time it speaks to us)
+            taken, entry = directory._direct[hidden.identity.peer_id]
+            directory._direct[hidden.identity.peer_id] = (taken, StoredValue(entry.peer_id, entry.value, 1.0))
+            assert hidden.identity.peer_id not in (await directory.get(max_age_s=0)).peers
 
     loop.run(scenario())
 

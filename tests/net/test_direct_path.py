@@ -39,7 +39,7 @@ def test_a_peer_hands_over_its_own_entry_directly_and_only_a_valid_one_is_taken(
             await sealer.store_own("seal", SEAL, ttl_s=60.0)
             entry = await replica.read_direct(peer, "seal")
             assert entry is not None and entry.value == SEAL and entry.peer_id == peer
-            assert await replica.read_direct(peer, "peers") is None  # not a field served directly
+            assert await replica.read_direct(peer, "changes") is None  # not a field served directly
             # a hostile answer: not a seal, then an entry that lives past its cap
             sealer._own["seal"] = ({"round": "four"}, entry.expiration)
             assert await replica.read_direct(peer, "seal") is None
