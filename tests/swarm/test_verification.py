@@ -39,25 +39,45 @@ def settled(history: list[dict], peer: str) -> bool:
     )
 
 
+def verified(history: list[dict], peers: set[str]) -> bool:
+    """Every one of `peers` has had a non-negative score: it has earned weight."""
+    return all(any((e.get("scores") or {}).get(p, -1.0) >= 0 for e in history) for p in peers)
+
+
+def wait_settled(swarm, check, timeout: float, what: str) -> list[dict]:
+    """The history once `check` holds, then once every round up to that one has its evaluated line. Two
+    steps: the coordinator's bookkeeping runs beside the seals, so on a loaded machine the newest round may
+    never be evaluated at the instant it is read while rounds go on."""
+    history = swarm.wait_for_history(check, timeout, what)
+    return swarm.wait_for_round(history[-1]["round"], timeout=180, evaluated=True)
+
+
 def test_useless_or_harmful_work_loses_weight_and_credit_and_honest_work_never_does(swarm):
     boot = swarm.bootstrap(swarm.config(outer=FAST_ROUNDS))
     boot.wait_ready()
     honest = [swarm.join(f"honest-{i}", boot.maddr, "1000") for i in (1, 2, 3)]
-    faulty = {kind: swarm.join(kind, boot.maddr, "1000", extra=["--fault", kind]) for kind in FAULTS}
     copier = swarm.join("copy", boot.maddr, "1000", extra=["--fault", "copy"])
-    for daemon in [*honest, *faulty.values(), copier]:
+    for daemon in [*honest, copier]:
         daemon.wait_ready(timeout=180)
-    history = swarm.wait_for_history(
+    # the faulty anchors join a run whose honest anchors have earned weight, as a stranger joins an open
+    # run (in a run's first rounds, before anyone has earned any, every identity counts 1)
+    swarm.wait_for_history(
+        lambda h: verified(h, {d.peer_id for d in honest}), timeout=240, what="the honest anchors verified"
+    )
+    faulty = {kind: swarm.join(kind, boot.maddr, "1000", extra=["--fault", kind]) for kind in FAULTS}
+    for daemon in faulty.values():
+        daemon.wait_ready(timeout=180)
+    history = wait_settled(
+        swarm,
         lambda h: (
-            all(settled(h, d.peer_id) for d in faulty.values())
-            and copier.peer_id in h[-1]["contributors"]
-            and swarm.all_evaluated(h)  # scores and credit verdicts come beside the next seals
+            all(settled(h, d.peer_id) for d in faulty.values()) and copier.peer_id in h[-1]["contributors"]
         ),
-        timeout=600,
+        timeout=420,
         what="every faulty anchor rejected from 3 rounds after it first contributed",
     )
     reasons = {kind: {e["rejected"].get(d.peer_id) for e in history} - {None} for kind, d in faulty.items()}
-    assert reasons["stale"] == {"stale"}, reasons
+    # a newcomer's first round may be fresh work, left out for no verified history (probation)
+    assert "stale" in reasons["stale"] and reasons["stale"] <= {"stale", "probation"}, reasons
     assert reasons["scaled"] == {"norm"} and reasons["freerider"] == {"norm"}, reasons
     # harmful work earns no weight (it stays on probation), and two scores judge its average negative
     for kind in ("noise", "signflip"):
@@ -76,7 +96,8 @@ def test_useless_or_harmful_work_loses_weight_and_credit_and_honest_work_never_d
             assert entry["rejected"][peer] == "probation", entry
             assert entry["round"] <= first_seen(history, peer) + 2, (peer, entry)
     assert all(d.peer_id in history[-1]["contributors"] for d in honest)
-    assert history[-1]["eval_loss"] < history[0]["eval_loss"]
+    losses = [e["eval_loss"] for e in history if e.get("eval_loss") is not None]  # skipped rounds: none
+    assert losses[-1] < losses[0], losses
 
     # the ledger: credit only for verified work, every rejection kept with its reason
     ledger = swarm.contributions(boot)
@@ -98,13 +119,13 @@ def test_useless_or_harmful_work_loses_weight_and_credit_and_honest_work_never_d
         daemon.stop(sig=None)
     honest_ids -= {copier.peer_id}
     stopped_at = swarm.history()[-1]["round"]
-    history = swarm.wait_for_history(
+    history = wait_settled(
+        swarm,
         lambda h: (
             sum(honest_ids <= set(e["contributors"]) for e in h) >= HONEST_ROUNDS
             and h[-1]["round"] >= stopped_at + 4
-            and swarm.all_evaluated(h)
         ),
-        timeout=600,
+        timeout=420,
         what=f"{HONEST_ROUNDS} rounds with all three honest anchors, 3 of them alone",
     )
     with_all = [e for e in history if honest_ids <= set(e["contributors"])]
