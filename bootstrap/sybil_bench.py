@@ -69,6 +69,7 @@ class SybilPlan:
     eval_every_round: bool = True  # False: only after the last round (tests)
     seq_len: int | None = None  # None: the config's
     eval_batches: int | None = None  # None: the config's
+    draws: int = 4  # "predictable": sets of verifier draws it runs under (it is caught by chance)
 
     @property
     def rounds(self) -> int:
@@ -111,10 +112,13 @@ def run_scenario(
     model: torch.nn.Module,
     plan: SybilPlan,
     scenario: str | None | frozenset[str],
+    strike: bool = True,
+    draw: int = 0,
 ) -> list[RoundLog]:
     """The rounds of one scenario (None: the clean run; a set: those scenarios at once). Round logs carry
     what was sealed, with which weight, what was left out and why, the credit each peer got and the eval
-    loss after the round."""
+    loss after the round. `strike=False`: the "predictable" replica stays honest (its clean run);
+    `draw`: which of the bench's fixed verifier secrets (the same draws in the runs compared)."""
     attacks = (
         frozenset() if scenario is None else frozenset({scenario} if isinstance(scenario, str) else scenario)
     )
@@ -128,7 +132,8 @@ def run_scenario(
     trainers = {peer: AnchorTraining(config, dataset, peer) for peer in anchors}
     trainers[CHAIN] = AnchorTraining(config, dataset, CHAIN)  # the chain's update, split by stage
     theta = GlobalModel(config)
-    verifier = Verifier(config, dataset, model)
+    # the same draws in the runs compared: a scenario and its clean run differ by the attack alone
+    verifier = Verifier(config, dataset, model, secret=f"sybil-bench-{config.run.seed}-{draw}".encode())
     schedule = replica_tokens(config)
     sizes = [(s, theta.dense_bytes([s]) // 4) for s in shard_order(config.model.n_layers)]
     half = len(sizes) // 2
@@ -161,7 +166,12 @@ def run_scenario(
                 continue  # one training only from now on: dup-0's, re-signed below
             decoded = theta.decode_contribution(peer, round_, trainers[peer].run_round(round_, theta))
             trained.add(peer)
-            if peer == "sly" and attacking and last_scored.get("sly") == round_ - 1 - plan.score_lag:
+            if (
+                strike
+                and peer == "sly"
+                and attacking
+                and last_scored.get("sly") == round_ - 1 - plan.score_lag
+            ):
                 decoded = _negated(decoded)  # it was scored last time it could see: now it strikes
                 harmful.add(peer)
             contributions.append((peer, decoded))
@@ -328,20 +338,40 @@ def run_benchmark(config: Config, plan: SybilPlan, out_dir: Path, progress: bool
         for scenario in plan.scenarios:
             bar.set_postfix(run=scenario)
             # "predictable": a sample smaller than the swarm, so that who is scored is drawn; its clean run
-            # samples alike (weight grows per scored round: a sampled swarm earns it more slowly)
-            yardstick = clean
+            # is the same swarm and sample with that replica honest (weight grows per scored round, and
+            # one more replica makes each less likely to be scored: that is not the attack's doing)
+            # (it is caught by chance: the result of one set of draws says little, so several are run)
             if scenario == "predictable":
                 sampled = replace(config, "outer", verify_sample=2)
-                attacked = run_scenario(sampled, dataset, model, plan, scenario)
-                yardstick = run_scenario(sampled, dataset, model, plan, None)
+                outcomes = []
+                for draw in range(plan.draws):
+                    attacked = run_scenario(sampled, dataset, model, plan, scenario, draw=draw)
+                    yardstick = run_scenario(sampled, dataset, model, plan, scenario, strike=False, draw=draw)
+                    outcomes.append(summarise(yardstick, attacked, plan, scenario))
+                summary = _pooled(outcomes)
             else:
                 attacked = run_scenario(config, dataset, model, plan, scenario)
-            report["scenarios"][scenario] = summarise(yardstick, attacked, plan, scenario)
-            report["scenarios"][scenario]["losses"] = [r.eval_loss for r in attacked]
+                summary = summarise(clean, attacked, plan, scenario)
+            report["scenarios"][scenario] = summary | {"losses": [r.eval_loss for r in attacked]}
             bar.update(1)
     report["clean_losses"] = [r.eval_loss for r in clean]
     (out_dir / "sybil.json").write_text(json.dumps(report, indent=2, default=list))
     return report
+
+
+def _pooled(outcomes: list[dict]) -> dict:
+    """One summary of several draws: per run the means (shares, losses, the attacker's rounds and credit),
+    the harmful rounds summed over the draws, the worst honest credit, and each draw's own (`"draws"`)."""
+    pooled = dict(outcomes[0])
+    means = ("honest_credit_share_of_clean", "loss_vs_clean", "final_eval_loss", "final_eval_loss_clean")
+    for key in (*means, "attacker_credit", "rounds_attacker_sealed_with_weight"):
+        pooled[key] = sum(o[key] for o in outcomes) / len(outcomes)
+    for key in ("harmful_rounds", "harmful_rounds_scored", "harmful_rounds_sealed"):
+        pooled[key] = sum(o[key] for o in outcomes)
+    pooled["honest_left_out"] = [item for o in outcomes for item in o["honest_left_out"]]
+    pooled["worst_honest_credit_share"] = min(o["honest_credit_share_of_clean"] for o in outcomes)
+    pooled["draws"] = outcomes
+    return pooled
 
 
 def _relabelled(messages: list[DecodedPayload], peer: str) -> list[DecodedPayload]:

@@ -116,8 +116,12 @@ def replica_of(peer: str, record: Mapping | None) -> Replica:
 
 
 class Verifier:
-    def __init__(self, config: Config, dataset: TokenDataset, model: nn.Module) -> None:
-        """`model`: the whole decoder as anchors train it (T_fix included), used with θ as parameters."""
+    def __init__(
+        self, config: Config, dataset: TokenDataset, model: nn.Module, secret: bytes | None = None
+    ) -> None:
+        """`model`: the whole decoder as anchors train it (T_fix included), used with θ as parameters.
+        `secret`: fixed only by benchmarks that compare two runs on the same draws; a coordinator's is new
+        in each life."""
         self.config = config
         self.dataset = dataset
         self.model = model
@@ -126,7 +130,9 @@ class Verifier:
         self.counts: dict[str, int] = {}  # scores behind each average
         self.earned = EarnedWeight(config.outer.probation_rounds)
         self.recent_scale: float | None = None  # the last scored round's yardstick (`improvement_scale`)
-        self._secret = os.urandom(16)  # draws, scoring batches, held-out text: nobody can aim at them
+        self._secret = secret or os.urandom(
+            16
+        )  # draws, scoring batches, held-out text: nobody can aim at them
         self.last_seconds = 0.0  # scoring time of the last round
 
     def restore(self, state: Mapping[str, tuple[float | None, int, int | None]]) -> None:

@@ -489,9 +489,11 @@ def run_sybil(args: argparse.Namespace) -> int:
         )
     extra = report["scenarios"].get("predictable")
     if extra:
+        shares = ", ".join(f"{d['honest_credit_share_of_clean']:.1%}" for d in extra["draws"])
         print(
-            f"predictable: {extra['harmful_rounds_scored']} of {extra['harmful_rounds']} harmful rounds "
-            "scored"
+            f"predictable (means over {len(extra['draws'])} sets of draws): "
+            f"{extra['harmful_rounds_scored']} of {extra['harmful_rounds']} harmful rounds scored, "
+            f"{extra['harmful_rounds_sealed']} sealed; honest credit per draw {shares}"
         )
     framing = report["scenarios"].get("framing")
     if framing:
