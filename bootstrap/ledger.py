@@ -43,6 +43,7 @@ from typing import Any
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from bootstrap.earned_weight import STRIKE_SCORE
 from hetnode.errors import HetnodeError
 
 log = logging.getLogger(__name__)
@@ -100,8 +101,11 @@ _REJECTIONS = "SELECT reason, COUNT(*) FROM verdicts WHERE reason IS NOT NULL GR
 # what the verifier knew of each peer after its newest verdict: its average, how many scores are behind
 # it and the weight it had earned (a restarted coordinator takes them up again)
 _STANDING = """
-SELECT v.peer, v.average, r.scored, v.weight FROM verdicts AS v
-JOIN (SELECT peer, MAX(round) AS last, COUNT(score) AS scored FROM verdicts GROUP BY peer) AS r
+SELECT v.peer, v.average, r.scored, v.weight, r.strikes FROM verdicts AS v
+JOIN (
+  SELECT peer, MAX(round) AS last, COUNT(score) AS scored, COUNT(CASE WHEN score < ? THEN 1 END) AS strikes
+  FROM verdicts GROUP BY peer
+) AS r
   ON v.peer = r.peer AND v.round = r.last
 """
 
@@ -504,11 +508,15 @@ class Ledger:
             rows = conn.execute(_SCORES).fetchall()
         return {peer: PeerScore(average, reason, int(rejected)) for peer, average, reason, rejected in rows}
 
-    def verifier_state(self) -> dict[str, tuple[float | None, int, int | None]]:
-        """{peer: (score average, scores behind it, weight earned)} after each peer's newest verdict."""
+    def verifier_state(self) -> dict[str, tuple[float | None, int, int | None, int]]:
+        """{peer: (score average, scores behind it, weight earned, strikes)} after each peer's newest
+        verdict (strikes: its scores below `STRIKE_SCORE`, `bootstrap/earned_weight.py`)."""
         with self._reading() as conn:
-            rows = conn.execute(_STANDING).fetchall()
-        return {peer: (average, int(scored), weight) for peer, average, scored, weight in rows}
+            rows = conn.execute(_STANDING, (STRIKE_SCORE,)).fetchall()
+        return {
+            peer: (average, int(scored), weight, int(strikes))
+            for peer, average, scored, weight, strikes in rows
+        }
 
     def rejections(self) -> dict[str, int]:
         """Rejected contributions by reason, all rounds (every reason present, zeros included)."""

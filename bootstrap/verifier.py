@@ -26,7 +26,8 @@ yardstick are sealed (a run's first rounds, when nobody has history; a chain lef
 died), while their credit still waits for their record.
 
 Which replicas are scored is drawn per round from our secret, after the announcements are fixed: each
-with chance verify_sample / R, at least `outer.verify_min_chance` (small swarms: all); replicas on
+with chance verify_sample · w / W for its share of the round's weight (equal weights: verify_sample / R),
+at least `outer.verify_min_chance` (small swarms: all); replicas on
 probation have a budget of their own, up to `verify_sample` of them a round. Being scored in
 round r says nothing about round r+1. Draws, batches and held-out text are published only with the scores.
 
@@ -135,14 +136,16 @@ class Verifier:
         )  # draws, scoring batches, held-out text: nobody can aim at them
         self.last_seconds = 0.0  # scoring time of the last round
 
-    def restore(self, state: Mapping[str, tuple[float | None, int, int | None]]) -> None:
-        """Take up what an earlier life knew ({peer: (average, scores, weight)}, `Ledger.verifier_state`):
-        a restart must not hand every identity a clean slate."""
-        for peer, (average, scored, _) in state.items():
+    def restore(self, state: Mapping[str, tuple[float | None, int, int | None, int]]) -> None:
+        """Take up what an earlier life knew ({peer: (average, scores, weight, strikes)},
+        `Ledger.verifier_state`): a restart must not hand every identity a clean slate."""
+        for peer, (average, scored, _, _) in state.items():
             if average is not None and scored > 0:
                 self.averages[peer] = average
                 self.counts[peer] = scored
-        self.earned.restore({peer: weight for peer, (_, _, weight) in state.items()})
+        self.earned.restore(
+            {peer: row[2] for peer, row in state.items()}, {peer: row[3] for peer, row in state.items()}
+        )
 
     def weights(self, peers: Sequence[str]) -> dict[str, int]:
         """The weight each of these sealed peers carries in the seal (`EarnedWeight.in_seal`)."""
@@ -273,7 +276,7 @@ class Verifier:
         started = time.perf_counter()
         trial = self._trial(round_, params, contributions, replicas)
         newcomers = {k for k, peers in trial.members.items() if not any(self.earned.weight(p) for p in peers)}
-        picked = self._sample(round_, sorted(set(trial.members) - newcomers)) + self._newcomers(
+        picked = self._sample(round_, sorted(set(trial.members) - newcomers), trial.weight) + self._newcomers(
             round_, sorted(newcomers)
         )
         anchors = [key for key in picked if trial.is_anchor(key)]
@@ -381,15 +384,21 @@ class Verifier:
         step = self.config.outer.lr * TRIAL_STEP
         return _Trial(updates, peer_weight, members, merged, weight, norms, median, shapes, step)
 
-    def _sample(self, round_: int, keys: Sequence[str]) -> list[str]:
+    def _sample(
+        self, round_: int, keys: Sequence[str], weights: Mapping[str, int] | None = None
+    ) -> list[str]:
         """The replicas scored this round: all while they are at most `outer.verify_sample`; beyond, each
-        with chance max(verify_sample / R, verify_min_chance), drawn from our secret (so nobody can tell
-        when it will be scored next, whatever it saw before)."""
+        with chance max(verify_sample · w / W, verify_min_chance) for its share w / W of the weight (equal
+        weights: verify_sample / R), drawn from our secret (so nobody can tell when it will be scored next,
+        whatever it saw before). Scrutiny follows influence: an identity that holds more of the round is
+        checked more often, at the same cost of about verify_sample scores a round."""
         o = self.config.outer
         if len(keys) <= o.verify_sample:
             return list(keys)
-        chance = max(o.verify_sample / len(keys), o.verify_min_chance)
-        return [key for key in keys if self._draw(b"score", round_, key) < chance]
+        held = {key: max((weights or {}).get(key, 1), 1) for key in keys}
+        total = sum(held.values())
+        chance = {key: max(o.verify_sample * held[key] / total, o.verify_min_chance) for key in keys}
+        return [key for key in keys if self._draw(b"score", round_, key) < chance[key]]
 
     def _newcomers(self, round_: int, keys: Sequence[str]) -> list[str]:
         """Replicas on probation scored this round: all while they are at most `outer.verify_sample`,

@@ -112,15 +112,17 @@ class OuterConfig:
     # (TRUST §4: stale, copied, free-riding or harmful updates); off only to measure what it prevents.
     verify: bool = True
     # How many replicas the coordinator scores in one round, on average (a chain counts once). Small swarms
-    # are scored whole; in larger ones each replica is drawn with chance verify_sample / R, never below
+    # are scored whole; in larger ones each replica is drawn with chance verify_sample · w / W (its share of
+    # the round's earned weight; equal weights: verify_sample / R), never below
     # `verify_min_chance`, from a secret after the announcements are fixed: nobody can tell when it will be
     # scored next, whatever it saw before (cost: about max(verify_sample, verify_min_chance · R) a round).
     verify_sample: int = 16
     verify_min_chance: float = 0.25
     # Weight is earned by verified history (docs/security.md, "Free identities"): a new identity is on
     # probation (scored, not sealed) until a round of its scores non-negative, then weighs 1 and gains 1 per
-    # such round up to this; a negative score halves what it earned (not below 1). Weight, not headcount,
-    # is what the aggregate, the clip and the verifier's medians count, and credit goes with it.
+    # such round up to this; a negative score halves what it earned (not below 1), and a score far below a
+    # free rider's (a strike) halves this ceiling for good. Weight, not headcount, is what the aggregate,
+    # the clip and the verifier's medians count, and credit goes with it.
     probation_rounds: int = 8
     # How each coordinate combines the contributions, after every contribution is scaled down to the median
     # norm (TRUST §3, docs/sync.md). "mean" (default, the SparseLoCo paper's (1/N)Σ): each identity holds

@@ -241,8 +241,9 @@ def test_verdicts_keep_scores_and_reasons(tmp_path):
         # what a restarted verifier takes up: each peer's newest average, its scores and the weight earned
         ledger.record_verdicts([Verdict("p-honest", 2, None, 0.9, 0.8, weight=3)])
         state = ledger.verifier_state()
-        assert state["p-honest"] == (0.8, 3, 3) and state["p-noise"] == (-1.1, 2, None)
-        assert state["p-copy"] == (None, 0, None)
+        assert state["p-honest"] == (0.8, 3, 3, 0) and state["p-noise"][:3] == (-1.1, 2, None)
+        assert state["p-noise"][3] >= 1  # a score below STRIKE_SCORE is kept as a strike
+        assert state["p-copy"] == (None, 0, None, 0)
 
 
 def test_a_schema_3_ledger_gains_the_weight_column(tmp_path):
@@ -261,6 +262,6 @@ def test_a_schema_3_ledger_gains_the_weight_column(tmp_path):
     conn.commit()
     conn.close()
     with Ledger(path) as ledger:
-        assert ledger.verifier_state() == {"old": (0.5, 1, None)}
+        assert ledger.verifier_state() == {"old": (0.5, 1, None, 0)}
         ledger.record_verdicts([Verdict("old", 1, None, 0.7, 0.6, weight=2)])
-        assert ledger.verifier_state()["old"] == (0.6, 2, 2)
+        assert ledger.verifier_state()["old"] == (0.6, 2, 2, 0)

@@ -123,9 +123,10 @@ def test_a_chain_is_one_replica():
 
 
 def test_large_swarms_are_scored_in_a_secret_draw_no_one_can_predict(setup):
-    """Beyond `verify_sample` replicas each is scored with chance max(verify_sample / R, verify_min_chance),
-    drawn anew every round from the coordinator's secret: being scored in round r says nothing about r+1
-    (before, the least recently scored went first: a replica scored in r knew it was safe in r+1)."""
+    """Beyond `verify_sample` replicas each is scored with chance max(verify_sample · w / W,
+    verify_min_chance) for its share of the weight (equal weights: verify_sample / R), drawn anew every
+    round from the coordinator's secret: being scored in round r says nothing about r+1 (before, the least
+    recently scored went first: a replica scored in r knew it was safe in r+1)."""
     config, dataset, model = setup
     config = replace(config, "outer", verify_sample=2, verify_min_chance=0.25)
     keys = [f"replica-{i}" for i in range(5)]
@@ -145,6 +146,12 @@ def test_large_swarms_are_scored_in_a_secret_draw_no_one_can_predict(setup):
     many = [f"replica-{i}" for i in range(100)]
     share = sum(len(verifier._sample(r, many)) for r in range(200)) / (200 * len(many))
     assert abs(share - 0.25) < 0.03
+    # scrutiny follows influence: one identity holding 8 of 12 weight units is scored every round, the
+    # others at the floor; the cost stays about verify_sample a round
+    heavy = dict.fromkeys(keys, 1) | {"replica-0": 8}
+    drawn = [set(verifier._sample(r, keys, heavy)) for r in range(400)]
+    assert all("replica-0" in d for d in drawn)
+    assert abs(sum(len(d) - 1 for d in drawn) / (400 * 4) - 0.25) < 0.05
 
     theta = GlobalModel(config)
     newcomer = "replica-new"
