@@ -44,7 +44,7 @@ from hetnode.daemon.view import PeerDirectory, SwarmView
 from hetnode.daemon.view_changes import ChangeLog
 from hetnode.net.node import SwarmNode
 from hetnode.net.records import new_head_record
-from hetnode.planning.rounds import Announcement, replica_tokens, shard_order
+from hetnode.planning.rounds import Announcement, lost_records, replica_tokens, shard_order
 from hetnode.replica.global_model import GlobalModel
 from hetnode.service.datadir import DataDir
 from hetnode.service.lifecycle import sleep_or_stop, sleep_or_wake
@@ -115,6 +115,7 @@ class RoundKeeper:
         self._head: tuple[int, dict[str, str]] | None = None  # the round and digests the head states
         self._directory_changed = asyncio.Event()
         self._sealed = -1  # the newest round we sealed, in the head as soon as the seal is out
+        self._expected_before: set[str] = set()  # whom the last look expected (`_expected`)
         self._load_checkpoint(restored)
         node.set_payloads(self.sealer.serve)
         node.set_state(self._serve_state)
@@ -203,14 +204,22 @@ class RoundKeeper:
             await books.close()  # the rounds waiting are credited; the phase in hand ends
             await asyncio.to_thread(self._checkpoint)  # a clean stop loses no round: the newest θ
 
+    def _expected(self, view: SwarmView, round_: int) -> set[str]:
+        """Whom the seal of `round_` waits for: the view's expected replicas, and those expected last time
+        whose record the view lost without a word of leaving (a DHT that hid or dropped it: its records
+        live seconds, its announcements come straight to us). One that is really gone misses this round
+        and is not waited for again (`Sealer.waiting_for`)."""
+        expected = view.expected_contributors(round_, self.config.outer.overlap)
+        expected |= lost_records(self._expected_before, view.peers, view.departed, self.sealer.missed)
+        self._expected_before = expected
+        return expected
+
     async def _poll(self, round_: int, seen: dict[str, Announcement]) -> None:
         """One look at the announcements of `round_`; seal it when it is time."""
         await self.sealer.collect(round_, seen)
         if not seen:
             return
-        expected = self.sealer.waiting_for(
-            (await self.view.get()).expected_contributors(round_, self.config.outer.overlap)
-        )
+        expected = self.sealer.waiting_for(self._expected(await self.view.get(), round_))
         if not self.sealer.ready(expected, seen):
             return
         started = time.monotonic()

@@ -35,6 +35,9 @@ log = logging.getLogger(__name__)
 
 ANNOUNCE_TTL_S = 300.0
 POLL_S = 1.0  # seals are nudged to us: polling is the fallback (a lost nudge, a stand-in sealer)
+# a DHT read on the wait for a seal: longer, and the DHT counts as hiding the entry (the direct path is
+# asked); nodes next to a key that answer late must not hold a replica past its round
+ROUND_READ_S = 3.0
 
 
 async def read_seal(node: SwarmNode, sealer: str) -> dict[str, Any] | None:
@@ -86,6 +89,7 @@ class SealWaiter:
         self.peer_id = node.identity.peer_id
         self._sealed = asyncio.Event()  # the sealer nudged us: a seal is in the DHT
         self.nudges = 0
+        self._storing: asyncio.Task | None = None  # our announcement's DHT store, in the background
 
     def nudged(self) -> None:
         """The sealer told us a seal is in the DHT: wake the wait."""
@@ -103,30 +107,40 @@ class SealWaiter:
         woken = False  # by the sealer's nudge
         while not stop.is_set():
             if time.monotonic() - announced_at > ANNOUNCE_TTL_S / 3:  # (re)announce until sealed
-                # served directly and the coordinator nudged first: the DHT's store (slow when nodes
-                # next to the key misbehave) must not make us late for the seal
+                # served directly and the coordinator nudged first; the DHT's store (slow when nodes
+                # next to the key misbehave) runs beside the wait: it must not make us late for the seal
                 expires_at = time.time() + ANNOUNCE_TTL_S
                 self.node.serve_own("announce", announcement, expires_at)
                 self.node.nudge([self.coordinator], "announce", round_)
-                await self.node.store_own("announce", announcement, ANNOUNCE_TTL_S, expires_at=expires_at)
+                self._store_announcement(announcement, expires_at)
                 announced_at = time.monotonic()
             view = await self.view.get()
             stand_in = self.stand_in(view)
             allowed = [self.coordinator] + ([stand_in] if stand_in else [])
             # unless the sealer nudged us, the coordinator's head says whether the seal is out yet
             sealed = None
+            slow = False  # a DHT read ran out of time: the entry counts as hidden
             if stand_in is None and not woken:
-                sealed = await sealed_round(self.node, self.coordinator, latest=polls % 4 == 0)
+                try:
+                    sealed = await asyncio.wait_for(
+                        sealed_round(self.node, self.coordinator, latest=polls % 4 == 0), ROUND_READ_S
+                    )
+                except TimeoutError:
+                    slow = True
             if sealed is None or sealed >= round_:
                 # a timed poll (a lost nudge) takes the first copy it finds, not every replica's whole
                 # seal; when the head or a nudge says it is out, a stale first copy sends us everywhere
                 told = woken or sealed is not None  # that the seal is out: its first copy will do
-                found = self._seal_in(await self.node.read_field("seal", latest=nudged and not told), allowed)
-                if found is None and told:
-                    found = self._seal_in(await self.node.read_field("seal", latest=True), allowed)
-                # directly only when the seal should be out (a nudge, the head) or the head is hidden too:
-                # not every waiting replica asking the coordinator for its seal every few polls
-                if found is None and (told or (sealed is None and polls % 4 == 0)):
+                found = None
+                try:
+                    found = self._seal_in(await self._read_seals(latest=nudged and not told), allowed)
+                    if found is None and told:
+                        found = self._seal_in(await self._read_seals(latest=True), allowed)
+                except TimeoutError:
+                    slow = True
+                # directly only when the seal should be out (a nudge, the head), the head is hidden too or
+                # the DHT is slow: not every waiting replica asking the coordinator every few polls
+                if found is None and (told or slow or (sealed is None and polls % 4 == 0)):
                     found = self._seal_in(await self._direct_seals(allowed), allowed)
                 if found is not None:
                     return found
@@ -160,6 +174,19 @@ class SealWaiter:
             # must not hide it from us
             nudged = woken or stand_in is not None or polls % 4 == 0
         return None
+
+    def _store_announcement(self, announcement: dict, expires_at: float) -> None:
+        """Store our announcement in the DHT in the background, one store at a time (a store of an older
+        announcement still running is dropped for this one)."""
+        if self._storing is not None and not self._storing.done():
+            self._storing.cancel()
+        store = self.node.store_own("announce", announcement, ANNOUNCE_TTL_S, expires_at=expires_at)
+        self._storing = asyncio.create_task(store, name="store-announcement")
+        self._storing.add_done_callback(lambda done: done.cancelled() or done.exception())
+
+    async def _read_seals(self, latest: bool) -> dict[str, Any]:
+        """The seals in the DHT, within ROUND_READ_S (TimeoutError beyond)."""
+        return await asyncio.wait_for(self.node.read_field("seal", latest=latest), ROUND_READ_S)
 
     async def _direct_seals(self, allowed: list[str]) -> dict[str, Any]:
         """Each allowed sealer's current seal, asked of it directly (the path beside the DHT)."""

@@ -9,7 +9,7 @@ import logging
 import math
 import time
 from collections.abc import Awaitable, Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from hetnode.config import Config
@@ -32,6 +32,7 @@ class SwarmView:
     peers: dict[str, dict[str, Any]]  # peer id -> record (offline peers left out)
     stages_per_chain: int
     n_layers: int
+    departed: set[str] = field(default_factory=set)  # peers whose record says they went offline
 
     @classmethod
     def from_entries(
@@ -42,6 +43,8 @@ class SwarmView:
             record = view.admit(peer_id, entry.value)
             if record is not None:
                 view.peers[peer_id] = record
+            elif isinstance(entry.value, dict) and entry.value.get("role") == "offline":
+                view.departed.add(peer_id)
         return view
 
     def admit(self, peer_id: str, value: Any) -> dict[str, Any] | None:

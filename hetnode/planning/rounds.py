@@ -111,6 +111,17 @@ def seal_now(
     return now - first >= (deadline_s if ceiling_s is None else ceiling_s)
 
 
+def lost_records(
+    expected_before: Iterable[str], in_view: Iterable[str], departed: Iterable[str], missed: Iterable[str]
+) -> set[str]:
+    """The replicas a seal waited for last time whose record the view has lost without a word of leaving
+    (no offline record): still waited for, until they miss a round. Records live seconds and a DHT can
+    hide or drop them (TRUST §5), while announcements come to the sealer directly; a replica that is gone
+    costs one deadline."""
+    gone = set(in_view) | set(departed) | set(missed)
+    return {peer for peer in expected_before if peer not in gone}
+
+
 @dataclass
 class FetchDeadline:
     """How long sealing waits for the payloads still on their way once it starts.

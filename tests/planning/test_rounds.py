@@ -7,6 +7,7 @@ from hetnode.planning.rounds import (
     ArrivalDeadline,
     FetchDeadline,
     held_back_s,
+    lost_records,
     seal_now,
     sealed_order,
 )
@@ -101,3 +102,10 @@ def test_the_fetch_deadline_admits_the_slowest_admitted_link_and_a_median_not_a_
 
 def test_a_late_author_is_held_back_longer_each_round_it_stays_late():
     assert [held_back_s(n, 5.0, 120.0) for n in (1, 2, 3, 4, 5, 6)] == [5, 10, 20, 40, 80, 120]
+
+
+def test_a_replica_whose_record_the_dht_lost_is_still_waited_for_until_it_misses_a_round():
+    before = {"a", "b", "c", "d"}
+    # b's record is gone without a word (hidden or dropped), c left (offline record), d missed a round
+    assert lost_records(before, in_view={"a"}, departed={"c"}, missed={"d"}) == {"b"}
+    assert lost_records(before, in_view=before, departed=(), missed=()) == set()  # all there: none lost
