@@ -6,8 +6,8 @@ credited), then weighs 1 and gains 1 per such round up to `full` (`outer.probati
 score halves what it earned (never below 1 once earned: its average, not one round, judges it). A score
 below `STRIKE_SCORE`, far below a free rider's, is a strike: each halves the identity's ceiling for good
 (full, full/2, …, 0), so one that sends harmful work only when it expects not to be scored can afford few
-strikes being caught (no honest replica scored below +0.12 in ~400 scores of the swarm tests; sign flips
-−0.16 to −0.79). The seal
+strikes being caught (no honest replica scored below +0.12 in the rounds.jsonl scores of 14 swarm-test
+runs; sign flips −0.16 to −0.79). The seal
 carries each contribution's weight, and the aggregate, its median clip, the verifier's medians and the
 credit count weight, not headcount. k identities with h verified rounds each therefore hold at most
 k·min(h, full) of the round's weight, bought with k·h rounds of verified work.
