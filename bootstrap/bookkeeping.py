@@ -75,6 +75,7 @@ class RoundWork:
     rejected: dict[str, str] = field(default_factory=dict)  # valid contributions the seal's screens left out
     scorable: list[tuple[str, list[DecodedPayload]]] = field(default_factory=list)  # what the verifier scores
     replicas: dict[str, Replica] = field(default_factory=dict)
+    steps: dict[str, int] = field(default_factory=dict)  # the inner steps each scorable one claims
     credits: list[Contribution] = field(default_factory=list)  # every sealed contribution's schedule
     sealed_at: float = 0.0
     digests: dict[str, str] = field(default_factory=dict)  # θ^t's, as published
@@ -283,7 +284,9 @@ class Bookkeeper:
         scores: dict[str, float] = {}
         if holds and full and work.step is not None and self.verifier is not None and work.scorable:
             try:
-                scores = self.verifier.score(work.round, self.theta, work.scorable, work.replicas)
+                scores = self.verifier.score(
+                    work.round, self.theta, work.scorable, work.replicas, work.steps or None
+                )
                 line["verify_seconds"] = round(self.verifier.last_seconds, 3)
             except Exception:  # its contributions stay unscored: judged on the averages so far
                 log.exception("round %d: scoring failed", work.round)

@@ -203,32 +203,41 @@ def credit_round(
     names: Mapping[str, str],
     weights: Mapping[str, int] | None = None,
     full_weight: int = 1,
+    steps: Mapping[str, int] | None = None,
 ) -> list[Contribution]:
     """The ledger rows of one sealed round, from the protocol alone: `schedule` tokens per replica (H x
     batch x seq), the model's shards in order with their parameter counts (`sizes`), and each sealed
     contribution's payloads by shard. Credit goes with weight: a contribution of weight w out of
     `full_weight` earns w / full_weight of its tokens (a newcomer's credit grows with its verified
-    history, as its weight does; `weights` None: full weight each). Claimed tokens and steps play no part;
-    `names` (display names from the peers' records) are advice and earn nothing."""
-    per_shard = shard_tokens(schedule, sizes)
+    history, as its weight does; `weights` None: full weight each). Paced rounds (`steps`: the sealed
+    steps per contribution, within the cap) scale a replica's schedule by its steps over H; otherwise
+    claimed tokens and steps play no part. `names` (display names from the peers' records) are advice and
+    earn nothing."""
+    per_step = schedule // max(1, inner_steps)
     whole = {shard for shard, _ in sizes}
 
     def share(peer: str) -> tuple[int, int]:
         weight = full_weight if weights is None else min(weights.get(peer, full_weight), full_weight)
         return weight, full_weight
 
-    return [
-        Contribution(
-            peer=peer,
-            name=names.get(peer) or peer[-8:],
-            role="anchor" if set(payloads) >= whole else "stage",
-            tokens=credited_tokens(per_shard, payloads) * share(peer)[0] // share(peer)[1],
-            inner_steps=inner_steps,
-            bytes_sent=sum(len(data) for data in payloads.values()),
-            replica_tokens=schedule,
+    rows = []
+    for peer, payloads in contributions:
+        taken = inner_steps if steps is None else steps.get(peer, inner_steps)
+        trained = schedule if taken == inner_steps else per_step * taken
+        rows.append(
+            Contribution(
+                peer=peer,
+                name=names.get(peer) or peer[-8:],
+                role="anchor" if set(payloads) >= whole else "stage",
+                tokens=credited_tokens(shard_tokens(trained, sizes), payloads)
+                * share(peer)[0]
+                // share(peer)[1],
+                inner_steps=taken,
+                bytes_sent=sum(len(data) for data in payloads.values()),
+                replica_tokens=trained,
+            )
         )
-        for peer, payloads in contributions
-    ]
+    return rows
 
 
 @dataclass(frozen=True)

@@ -280,6 +280,9 @@ class RoundKeeper:
             # weight, a chain's split over its stages (the evaluated line says what the score let through)
             "tokens": sum(c.tokens for c in credits),
             "weights": weights,  # each contribution's weight in the aggregate, earned by verified history
+            # each contribution's inner steps (capped), and the budget the seal set for the rounds to come
+            "steps": {c["peer"]: c["steps"] for c in sealed.record["contributions"]},
+            "budget_s": sealed.record.get("budget_s"),
             "eval_loss": None,  # the evaluated line brings it
             "seal_seconds": round(time.monotonic() - started, 3),
             "layer_digests": digests,
@@ -304,6 +307,7 @@ class RoundKeeper:
             rejected=dict(sealed.rejected),
             scorable=scorable,
             replicas={peer: replica_of(peer, peers.get(peer)) for peer, _ in scorable},
+            steps=sealed.steps,
             credits=credits,
             sealed_at=sealed.record["sealed_at"],
             digests=digests,
@@ -334,7 +338,9 @@ class RoundKeeper:
         if entry is not None:
             entry.update({k: v for k, v in line.items() if k != "round"})
 
-    async def _rescue(self, round_: int, contributions: list[tuple[str, list[DecodedPayload]]]) -> set[str]:
+    async def _rescue(
+        self, round_: int, contributions: list[tuple[str, list[DecodedPayload]]], steps: dict[str, int]
+    ) -> set[str]:
         """The peers among `contributions` whose work helps on its own (once per round and set of peers:
         the sealer asks again at every poll while the round stays open)."""
         key = (round_, tuple(sorted(peer for peer, _ in contributions)))
@@ -346,7 +352,7 @@ class RoundKeeper:
             replicas = {peer: replica_of(peer, peers.get(peer)) for peer, _ in contributions}
             self._rescued = {
                 key: await asyncio.to_thread(
-                    verifier.helps, round_, self.global_model.params, contributions, replicas
+                    verifier.helps, round_, self.global_model.params, contributions, replicas, steps
                 )
             }
         return self._rescued[key]
@@ -361,7 +367,11 @@ class RoundKeeper:
         schedule, steps = replica_tokens(self.config), self.config.outer.inner_steps
         weights = {c["peer"]: c["weight"] for c in sealed.record["contributions"]}
         full = self.config.outer.probation_rounds
-        return credit_round(schedule, sizes, steps, sealed.contributions, names, weights, full)
+        # paced: each replica's own steps, but none past H: steps are claims, and what an update shows of
+        # them cannot be told from noise at this scale (docs/sync.md, "Paced rounds"), so a claim can
+        # earn no more than one replica's schedule, as before paced rounds
+        taken = {p: min(n, steps) for p, n in sealed.steps.items()} if self.config.outer.paced else None
+        return credit_round(schedule, sizes, steps, sealed.contributions, names, weights, full, taken)
 
     def _append_history(self, entry: dict[str, Any], durable: bool = False) -> None:
         """`durable`: on disk before this returns, power cut included (a seal line, ahead of its seal)."""

@@ -45,6 +45,7 @@ import copy
 import hashlib
 import itertools
 import logging
+import math
 import os
 import time
 from collections.abc import Mapping, Sequence
@@ -158,10 +159,12 @@ class Verifier:
         round_: int,
         contributions: Sequence[Contribution],
         seen_at: Mapping[str, float] | None = None,
+        steps: Mapping[str, int] | None = None,
     ) -> dict[str, str]:
         """{peer: reason} for the contributions to leave out of this round's seal. `contributions` are in
         announcement order; `seen_at`: when the sealer first saw each (a copy cannot come before its
-        original, which it needs the bytes of)."""
+        original, which it needs the bytes of); `steps`: the inner steps each claims (paced rounds; None:
+        H each)."""
         reasons: dict[str, str] = {}
         for peer, decoded in contributions:
             if any(message.base != round_ - 1 for message in decoded):
@@ -171,7 +174,8 @@ class Verifier:
         order = [peer for peer, _ in contributions if peer in updates]
         for peer in self._duplicates(round_, order, updates, weights, seen_at or {}):
             reasons[peer] = "copy"
-        for peer in self._off_norm(updates, weights):
+        pace = self._pace({peer: self._steps(steps, peer) for peer in updates}, weights)
+        for peer in self._off_norm(updates, weights, pace):
             reasons.setdefault(peer, "norm")
         for peer in updates:
             if self.judged_negative(peer):
@@ -236,14 +240,17 @@ class Verifier:
             )
         return out
 
-    def _off_norm(self, updates: Mapping[str, Sparse], weights: Mapping[str, int]) -> set[str]:
+    def _off_norm(
+        self, updates: Mapping[str, Sparse], weights: Mapping[str, int], pace: Mapping[str, float]
+    ) -> set[str]:
         """Peers whose norm is outside [median / NORM_BELOW, median · NORM_ABOVE] in most shards they sent,
         the median taken per tensor over whoever sent it, by weight (a chain stage sends only its layers;
-        identities without history cannot move it)."""
+        identities without history cannot move it). Norms are taken per `pace` (paced rounds: a replica
+        that took fewer steps moves less, and is not odd for it)."""
         by_tensor: dict[str, dict[str, float]] = {}
         for peer, update in updates.items():
             for name, values in update.items():
-                by_tensor.setdefault(name, {})[peer] = update_norm({name: values})
+                by_tensor.setdefault(name, {})[peer] = update_norm({name: values}) / pace[peer]
         strikes: dict[str, int] = {}
         sent: dict[str, int] = {}
         for norms in by_tensor.values():
@@ -269,12 +276,14 @@ class Verifier:
         params: Mapping[str, torch.Tensor],
         contributions: Sequence[Contribution],
         replicas: Mapping[str, Replica],
+        steps: Mapping[str, int] | None = None,
     ) -> dict[str, float]:
         """Score the drawn replicas' contributions on θ (`params`, before this round's step): an anchor's
         update whole, a chain's stage by stage; update each scored peer's average and earned weight and
-        return {peer: score}. Blocking: run it in a worker thread."""
+        return {peer: score}. `steps`: the inner steps each sealed peer claimed (paced rounds; None: H).
+        Blocking: run it in a worker thread."""
         started = time.perf_counter()
-        trial = self._trial(round_, params, contributions, replicas)
+        trial = self._trial(round_, params, contributions, replicas, steps)
         newcomers = {k for k, peers in trial.members.items() if not any(self.earned.weight(p) for p in peers)}
         picked = self._sample(round_, sorted(set(trial.members) - newcomers), trial.weight) + self._newcomers(
             round_, sorted(newcomers)
@@ -283,7 +292,9 @@ class Verifier:
         chains = [key for key in picked if not trial.is_anchor(key)]
         held_out = self._held_out(round_)
         before = batch_loss(self.model, params, held_out)
-        own = {key: self._assigned(round_, replicas[trial.members[key][0]]) for key in picked}
+        own = {
+            key: self._assigned(round_, replicas[trial.members[key][0]], trial.steps[key]) for key in picked
+        }
         own_before: dict[str, float] = {}  # loss(θ) on each replica's batch: once, whatever is tried on it
 
         def improvement(update: Sparse, key: str) -> float:
@@ -291,9 +302,10 @@ class Verifier:
             delta = trial.clipped(update, key)
             if key not in own_before:
                 own_before[key] = batch_loss(self.model, params, own[key])
-            return loss_improvement(
-                self.model, params, delta, trial.step, own[key], before=own_before[key]
-            ) + loss_improvement(self.model, params, delta, trial.step, held_out, before=before)
+            return (
+                loss_improvement(self.model, params, delta, trial.step, own[key], before=own_before[key])
+                + loss_improvement(self.model, params, delta, trial.step, held_out, before=before)
+            ) / trial.pace[key]
 
         whole = {key: improvement(trial.merged[key], key) for key in picked}
         scores: dict[str, float] = {}
@@ -330,21 +342,23 @@ class Verifier:
         params: Mapping[str, torch.Tensor],
         contributions: Sequence[Contribution],
         replicas: Mapping[str, Replica],
+        steps: Mapping[str, int] | None = None,
     ) -> set[str]:
         """The peers whose replica's update (a chain's stages together), applied alone, would score
         non-negative against the last scored round's yardstick (no other work to measure it against: for
         a round nobody with a record is left in; before any round was scored, any improvement counts).
         Averages are not touched. Blocking: run it in a worker thread."""
-        trial = self._trial(round_, params, contributions, replicas)
+        trial = self._trial(round_, params, contributions, replicas, steps)
         held_out = self._held_out(round_)
         before = batch_loss(self._seal_model, params, held_out)
         improvements = {}
         for key, update in trial.merged.items():
             delta = trial.clipped(update, key)
-            own = self._assigned(round_, replicas[trial.members[key][0]])
-            improvements[key] = loss_improvement(
-                self._seal_model, params, delta, trial.step, own
-            ) + loss_improvement(self._seal_model, params, delta, trial.step, held_out, before=before)
+            own = self._assigned(round_, replicas[trial.members[key][0]], trial.steps[key])
+            improvements[key] = (
+                loss_improvement(self._seal_model, params, delta, trial.step, own)
+                + loss_improvement(self._seal_model, params, delta, trial.step, held_out, before=before)
+            ) / trial.pace[key]
         scale = self.recent_scale
         passed = (
             {key for key, value in improvements.items() if value > 0}
@@ -359,6 +373,7 @@ class Verifier:
         params: Mapping[str, torch.Tensor],
         contributions: Sequence[Contribution],
         replicas: Mapping[str, Replica],
+        steps: Mapping[str, int] | None = None,
     ) -> _Trial:
         updates = {peer: _sparse_of(decoded) for peer, decoded in contributions}
         peer_weight = self.earned.counted(updates)
@@ -382,7 +397,35 @@ class Verifier:
         )
         shapes = {name: tuple(t.shape) for name, t in params.items()}
         step = self.config.outer.lr * TRIAL_STEP
-        return _Trial(updates, peer_weight, members, merged, weight, norms, median, shapes, step)
+        # a chain trains H micro-batches a round; its stages claim them alike
+        key_steps = {key: min(self._steps(steps, p) for p in peers) for key, peers in members.items()}
+        pace = self._pace(key_steps, weight, faster=False)
+        return _Trial(
+            updates, peer_weight, members, merged, weight, norms, median, shapes, step, key_steps, pace
+        )
+
+    def _steps(self, steps: Mapping[str, int] | None, peer: str) -> int:
+        """The inner steps `peer` claims, within [1, the cap] (None, or absent: H)."""
+        o = self.config.outer
+        claimed = o.inner_steps if steps is None else steps.get(peer, o.inner_steps)
+        return min(max(int(claimed), 1), o.step_cap)
+
+    @staticmethod
+    def _pace(steps: Mapping[str, int], weights: Mapping[str, int], faster: bool = True) -> dict[str, float]:
+        """Paced rounds: each replica's steps against the round's weighted median, square-rooted (an
+        update's norm and its improvement grow with steps, less than in proportion), so that a slow
+        honest replica is not screened out for being slow nor a fast one for being fast. `faster` False:
+        at most 1 (an improvement is measured after the clip to the median norm, which a fast replica's
+        extra steps do not get past; measured in tests/daemon/test_paced_training.py). 1 each when all
+        took the same steps."""
+        if len(set(steps.values())) <= 1:
+            return dict.fromkeys(steps, 1.0)
+        keys = list(steps)
+        held = [weights.get(k, 0) for k in keys]
+        held = held if any(held) else [1] * len(held)
+        typical = float(weighted_median(torch.tensor([float(steps[k]) for k in keys]), held))
+        ratio = {k: steps[k] / typical for k in keys}
+        return {k: math.sqrt(r if faster else min(r, 1.0)) for k, r in ratio.items()}
 
     def _sample(
         self, round_: int, keys: Sequence[str], weights: Mapping[str, int] | None = None
@@ -415,10 +458,11 @@ class Verifier:
         ).digest()
         return int.from_bytes(digest[:8], "big") / 2**64
 
-    def _assigned(self, round_: int, replica: Replica) -> list[tuple]:
-        """One of the batches the replica was assigned in `round_` (its data slot and round are public),
-        which one drawn from our secret: work that helps only on some of its batches is caught too."""
-        batches = assigned_batches(replica.key, round_, self.config.outer.inner_steps)
+    def _assigned(self, round_: int, replica: Replica, steps: int) -> list[tuple]:
+        """One of the batches the replica was assigned in `round_` for the `steps` it claims (its data
+        slot and round are public), which one drawn from our secret: work that helps only on some of its
+        batches is caught too, and so is a claim of steps that were not taken, on its batches' share."""
+        batches = assigned_batches(replica.key, round_, steps, self.config.outer.step_cap)
         index = batches[int(self._draw(b"batch", round_, replica.key) * len(batches))]
         inputs, targets = self.dataset.train_batch(replica.slot, NUM_DATA_SLOTS, index)
         return [(inputs[:SCORE_SEQUENCES], targets[:SCORE_SEQUENCES])]
@@ -463,6 +507,8 @@ class _Trial:
     median: float
     shapes: dict[str, tuple[int, ...]]
     step: float
+    steps: dict[str, int]  # replica key -> the inner steps it claims (within [1, the cap])
+    pace: dict[str, float]  # replica key -> its steps' pace (`Verifier._pace`)
 
     def is_anchor(self, key: str) -> bool:
         return self.members[key] == [key]

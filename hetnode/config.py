@@ -137,6 +137,36 @@ class OuterConfig:
     # rebases onto θ^t when the seal lands, keeping its progress since announcing (docs/sync.md,
     # "Overlap"); at most one unapplied round ahead. false: the lockstep round (train, wait, apply).
     overlap: bool = False
+    # How long a round's training is (docs/sync.md, "Paced rounds"). "steps": every replica trains exactly
+    # inner_steps (H) a round, so a round lasts as long as the slowest replica. "paced": the sealer
+    # publishes with each seal a time budget for the rounds to come (the weighted median of the time a
+    # replica takes for H steps, within [min_round_s, max_round_s]); each replica trains as many steps as
+    # fit, between min_inner_steps and max_inner_steps, and sits a round out when even the floor will not
+    # fit. The learning-rate schedule then moves by sealed round, not by a replica's own step count.
+    schedule: Literal["steps", "paced"] = "steps"
+    min_inner_steps: int = 0  # paced: the floor (0: H // 4, at least 1)
+    max_inner_steps: int = 0  # paced: the cap, and the stride of a round's batches (0: 2 · H)
+    min_round_s: float = 0.5  # paced: the budget's bounds
+    max_round_s: float = 600.0
+
+    @property
+    def paced(self) -> bool:
+        return self.schedule == "paced"
+
+    @property
+    def step_floor(self) -> int:
+        """The fewest inner steps a replica announces (H under "steps")."""
+        if not self.paced:
+            return self.inner_steps
+        return self.min_inner_steps or max(1, self.inner_steps // 4)
+
+    @property
+    def step_cap(self) -> int:
+        """The most inner steps a replica trains in a round, and how far apart the batches of successive
+        rounds start (H under "steps": the batches are those of before)."""
+        if not self.paced:
+            return self.inner_steps
+        return self.max_inner_steps or 2 * self.inner_steps
 
 
 @dataclass(frozen=True)
@@ -419,6 +449,23 @@ def validate(config: Config, source: str) -> None:
     _require(0 < o.max_value <= 1e30, source, "outer.max_value", f"must be in (0, 1e30], got {o.max_value}")
     rules = typing.get_args(typing.get_type_hints(OuterConfig)["aggregation"])
     _require(o.aggregation in rules, source, "outer.aggregation", f"must be one of {list(rules)}")
+    schedules = typing.get_args(typing.get_type_hints(OuterConfig)["schedule"])
+    _require(o.schedule in schedules, source, "outer.schedule", f"must be one of {list(schedules)}")
+    for key in ("min_inner_steps", "max_inner_steps"):
+        _require(getattr(o, key) >= 0, source, f"outer.{key}", "must be >= 0 (0: the default)")
+    _require(
+        o.step_floor <= o.inner_steps <= o.step_cap,
+        source,
+        "outer.min_inner_steps",
+        f"must satisfy min_inner_steps <= inner_steps <= max_inner_steps, got {o.step_floor} <= "
+        f"{o.inner_steps} <= {o.step_cap}",
+    )
+    _require(
+        0 < o.min_round_s <= o.max_round_s <= 86400,
+        source,
+        "outer.min_round_s",
+        f"must satisfy 0 < min_round_s <= max_round_s <= 86400, got {o.min_round_s}, {o.max_round_s}",
+    )
 
     _validate_samples(config.samples, source)
 

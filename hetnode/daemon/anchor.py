@@ -101,6 +101,14 @@ class AnchorLoop:
         try:
             while not stop.is_set():
                 trained = await task
+                if trained.sat_out:  # paced, and too slow for the budget: the round goes on without us
+                    if self.metrics is not None:
+                        self.metrics.rounds_sat_out.inc()
+                    if not await self.rounds.sit_out(trained.round, stop):
+                        return
+                    inbox.post(await asyncio.to_thread(self._rebase, training, stale, ()))
+                    task = self._train(training, self.global_model.params_round + 1, inbox)
+                    continue
                 if self.fault == "copy":
                     await self._copy_instead(trained, stop)
                 announcement, record = self._announce(trained)
@@ -133,6 +141,7 @@ class AnchorLoop:
             await asyncio.to_thread(writer.close)
 
     def _train(self, training: AnchorTraining, round_: int, inbox: RebaseInbox) -> asyncio.Future:
+        training.budget_s = self.rounds.round_budget_s  # paced: the newest budget a seal gave us
         return asyncio.ensure_future(asyncio.to_thread(training.train_round, round_, inbox))
 
     def _rebase(
@@ -153,7 +162,8 @@ class AnchorLoop:
             "round": trained.round,
             "shards": digests,
             "tokens": trained.tokens,  # this round's: what the ledger will credit
-            "steps": self.config.outer.inner_steps,
+            "steps": trained.steps,
+            "train_s": float(round(trained.timing.train_s, 3)),  # paced rounds learn the budget from it
         }
         timing = trained.timing
         log.info(

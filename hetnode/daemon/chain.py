@@ -353,7 +353,8 @@ class ChainLoop:
             "round": round_,
             "shards": {shard: sha256_hex(data) for shard, data in payloads.items()},
             "tokens": training.tokens - tokens_before,
-            "steps": self.config.outer.inner_steps,
+            "steps": self.config.outer.inner_steps,  # a chain trains H micro-batches a round
+            "train_s": float(round(trained_s, 3)),  # the chain's pace, for a paced round's budget
         }
         log.info(
             "round %d: stage %d trained in %.1f s%s (%.1f s waiting for the round before): "

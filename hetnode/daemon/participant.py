@@ -31,6 +31,7 @@ from hetnode.daemon.sealing import Sealer
 from hetnode.daemon.view import PeerDirectory, SwarmView
 from hetnode.errors import HetnodeError, WireError
 from hetnode.net.node import SwarmNode
+from hetnode.net.records import MAX_ROUND_S
 from hetnode.net.signing import open_payload, sign_payload
 from hetnode.net.streams import PeerRequestError
 from hetnode.planning.fetch import DEMOTED_ROUNDS, Holder, fetch_order, holders_of
@@ -142,6 +143,7 @@ class RoundParticipant:
         self.last_seal_wait_s = 0.0  # of the last wait_for_seal
         self.last_apply = (0.0, 0, 0.0)  # (seconds, bytes fetched, seconds fetching) of the last apply
         self.last_contributors = 1  # in the last seal we applied
+        self.round_budget_s: float | None = None  # paced rounds: the newest budget a seal gave us
         # authors of the last seals we applied: they fetch this round's payloads from us, so stream slots
         # are kept for them (and the sealers) that a crowd of strangers cannot fill
         self._recent_authors: collections.deque[frozenset[str]] = collections.deque(maxlen=PREFERRED_SEALS)
@@ -228,10 +230,32 @@ class RoundParticipant:
         await self.verify_agreement(stop)  # else at the start of the next round
         return Outcome(True, included)
 
+    def _take_budget(self, seal: dict) -> None:
+        """Paced rounds: the budget a seal sets for the rounds to come (a seal without one, a stand-in's,
+        leaves the last one standing). Taken from every seal we move to, applied or caught up to: a
+        replica too slow to be sealed must still learn the budget that would fit it in."""
+        budget = seal.get("budget_s")
+        if isinstance(budget, float) and 0 < budget <= MAX_ROUND_S:
+            self.round_budget_s = budget
+
+    async def sit_out(self, round_: int, stop: asyncio.Event) -> bool:
+        """Take no part in `round_` (paced: this replica is too slow for the budget): wait for its seal and
+        apply it, or catch up. False: stopped."""
+        sealed = await self.wait_for_seal(round_, None, stop)
+        if sealed is None:
+            return False
+        try:
+            await self.apply(*sealed)
+        except RoundFailed as exc:
+            log.warning("round %d: %s; catching up from the sealer", round_, exc)
+            await self.catch_up(stop)
+        return not stop.is_set()
+
     async def wait_for_seal(
-        self, round_: int, announcement: dict, stop: asyncio.Event
+        self, round_: int, announcement: dict | None, stop: asyncio.Event
     ) -> tuple[str, dict] | None:
-        """(sealer, seal) for `round_` or later, announcing until then; None when stopped.
+        """(sealer, seal) for `round_` or later, announcing until then (None: nothing to announce); None
+        when stopped.
 
         The coordinator seals; when it is silent (its record has expired) the lowest-id live stand-in of the
         manifest seals in its place, and every replica accepts that seal too. Seals from anyone else, and
@@ -311,6 +335,7 @@ class RoundParticipant:
             raise RoundFailed(f"a sealed payload cannot be applied: {exc}") from None
         self.held.keep_applied(round_, held)  # what we applied we serve to others fetching the round
         self.sealer.recent_weights = weights  # what we seal with, should we stand in for the coordinator
+        self._take_budget(seal)
         self.global_model.seal_hash = seal_digest(seal)
         self.last_apply = (time.monotonic() - started, fetched, fetch_s)
         # our weight in a shard's aggregate is about 1 / its senders (a chain's stages each send a part)
@@ -422,6 +447,7 @@ class RoundParticipant:
             try:
                 await fetch_state(self.node, sealer, self.global_model, seal["round"], digests)
                 self.global_model.seal_hash = seal_digest(seal)
+                self._take_budget(seal)
                 log.info("caught up: holding θ after round %d", self.global_model.params_round)
                 return True
             except (PeerRequestError, WireError) as exc:

@@ -22,7 +22,7 @@ from hetnode.model.decoder import build_model
 from hetnode.model.shards import shard_names
 from hetnode.model.subspace import SubspaceConstraint
 from hetnode.planning.layer_split import split_layers
-from hetnode.planning.rounds import assigned_batches
+from hetnode.planning.rounds import another_step, assigned_batches, schedule_position, sits_out
 from hetnode.replica.global_model import GlobalModel, base_fixed_embedding
 from hetnode.training.faults import PSEUDO_GRADIENT_FAULTS, corrupt
 from hetnode.training.local_rounds import AheadFrom, LocalRounds, Rebase, RebaseInbox, RoundTiming
@@ -65,10 +65,15 @@ class TrainedRound:
     round landed while it trained (a catch-up), and the work goes on as that round's."""
 
     round: int
-    payloads: dict[str, bytes]
+    payloads: dict[str, bytes]  # empty: the round was sat out (paced, too slow for the budget)
     timing: RoundTiming
     tokens: int
     loss: float
+    steps: int
+
+    @property
+    def sat_out(self) -> bool:
+        return not self.payloads
 
 
 class AnchorTraining:
@@ -108,6 +113,8 @@ class AnchorTraining:
         self.local = LocalRounds(params, self.feedback, ahead_from, config.outer.lr)
         self.shards = shard_names(self.local.params)
         self.last_loss = float("nan")
+        self.budget_s: float | None = None  # paced: the newest round budget (set before each round)
+        self.step_s: float | None = None  # paced: our inner step's time, a moving average
         self.on_rebased: Callable[[dict], None] | None = None  # gets the local state to save, per rebase
 
     def rebase_from(
@@ -149,23 +156,46 @@ class AnchorTraining:
         if self.on_rebased is not None:
             self.on_rebased(self.local_state())
 
-    def train_round(self, round_: int, inbox: RebaseInbox | None = None) -> TrainedRound:
+    def train_round(
+        self, round_: int, inbox: RebaseInbox | None = None, steps: int | None = None
+    ) -> TrainedRound:
         """Train round `round_` from the working weights (blocking: run it in a worker thread), taking the
-        rebases `inbox` delivers between inner steps; compress only once θ of the round before is here."""
-        H = self.config.outer.inner_steps
+        rebases `inbox` delivers between inner steps; compress only once θ of the round before is here.
+        `steps`: exactly this many inner steps, within the cap (benchmarks that fix each replica's pace);
+        else H, or under paced rounds as many as the budget allows."""
+        o = self.config.outer
+        H, floor, most, budget = o.inner_steps, o.step_floor, o.step_cap, self.budget_s
         timing = RoundTiming(started_at=time.time())
         tokens_before = self.trainer.tokens
         round_ = max(round_, self.local.next_round)
+        if steps is not None:
+            floor = most = min(max(steps, 1), o.step_cap)
+        elif o.paced and sits_out(budget, self.step_s, floor):
+            log.warning(
+                "round %d: sitting it out: %d steps take about %.1f s here, the round's budget is %.1f s",
+                round_,
+                floor,
+                floor * (self.step_s or 0.0),
+                budget or 0.0,
+            )
+            return TrainedRound(round_, {}, timing, 0, self.last_loss, 0)
         # a late joiner trains at the swarm's point of the schedule, not in a warmup of its own
         self.trainer.schedule_offset = max(0, round_ * H - self.trainer.step)
-        for step in range(H):
+        began_round = time.monotonic()
+        step = 0
+        while another_step(step, time.monotonic() - began_round, self.step_s, budget, floor, most, H):
             if self.local.take_rebases(inbox, timing, step):
                 self._rebased()
                 round_ = max(round_, self.local.next_round)
             began = time.monotonic()
-            batch = assigned_batches(self.peer_id, round_, H)[step]
-            self.last_loss = self.trainer.train_step(batch_index=batch).loss
-            timing.train_s += time.monotonic() - began
+            batch = assigned_batches(self.peer_id, round_, step + 1, o.step_cap)[step]
+            # paced: the schedule moves by round, whatever our pace (`schedule_position`)
+            position = schedule_position(round_, step, H, o.step_cap) if o.paced else None
+            self.last_loss = self.trainer.train_step(batch_index=batch, position=position).loss
+            took = time.monotonic() - began
+            timing.train_s += took
+            self.step_s = took if self.step_s is None else 0.8 * self.step_s + 0.2 * took
+            step += 1
         before = len(timing.rebased_at_step)
         self.local.wait_for_base(inbox, round_, timing)
         if len(timing.rebased_at_step) > before:
@@ -188,7 +218,9 @@ class AnchorTraining:
             )
             for shard, names in self.shards.items()
         }
-        return TrainedRound(round_, payloads, timing, self.trainer.tokens - tokens_before, self.last_loss)
+        return TrainedRound(
+            round_, payloads, timing, self.trainer.tokens - tokens_before, self.last_loss, step
+        )
 
     def restore_unsent(self) -> None:
         """Every payload not yet settled was not sealed: back into the error-feedback buffers."""

@@ -97,16 +97,18 @@ class SealWaiter:
         self._sealed.set()
 
     async def wait(
-        self, round_: int, announcement: dict, stop: asyncio.Event, waiting_since: float
+        self, round_: int, announcement: dict | None, stop: asyncio.Event, waiting_since: float
     ) -> tuple[str, dict] | None:
-        """(sealer, seal) for `round_` or later, announcing until then; None when stopped."""
+        """(sealer, seal) for `round_` or later, announcing until then (None: a round sat out, nothing
+        to announce); None when stopped."""
         seen: dict[str, Announcement] = {}
         announced_at = 0.0
         polls = 0
         nudged = True  # the first read looks everywhere, as does every read a nudge brings
         woken = False  # by the sealer's nudge
         while not stop.is_set():
-            if time.monotonic() - announced_at > ANNOUNCE_TTL_S / 3:  # (re)announce until sealed
+            # (re)announce until sealed
+            if announcement is not None and time.monotonic() - announced_at > ANNOUNCE_TTL_S / 3:
                 # served directly and the coordinator nudged first; the DHT's store (slow when nodes
                 # next to the key misbehave) runs beside the wait: it must not make us late for the seal
                 expires_at = time.time() + ANNOUNCE_TTL_S

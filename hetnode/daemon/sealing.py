@@ -34,7 +34,7 @@ import logging
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from hetnode.config import Config
@@ -45,6 +45,7 @@ from hetnode.planning.rounds import (
     Announcement,
     ArrivalDeadline,
     FetchDeadline,
+    RoundBudget,
     held_back_s,
     seal_now,
     sealed_order,
@@ -69,9 +70,12 @@ Checked = tuple[Announcement, dict[str, bytes], list[DecodedPayload]]  # (claim,
 # what an announcement's check yields: (payloads, decoded, seconds from announcement to checked)
 CheckOutcome = tuple[dict[str, bytes], list[DecodedPayload], float]
 # (round, valid contributions in announcement order) -> {peer: reason} to leave out of the seal (TRUST §4)
-Screen = Callable[[int, list[tuple[str, list[DecodedPayload]]], dict[str, float]], dict[str, str]]
+# (round, contributions, when each was seen, the inner steps each claims) -> {peer: why it is left out}
+Screen = Callable[
+    [int, list[tuple[str, list[DecodedPayload]]], dict[str, float], dict[str, int]], dict[str, str]
+]
 # (round, contributions left out only for their author's record) -> the peers whose work helps on its own
-Rescue = Callable[[int, list[tuple[str, list[DecodedPayload]]]], Awaitable[set[str]]]
+Rescue = Callable[[int, list[tuple[str, list[DecodedPayload]]], dict[str, int]], Awaitable[set[str]]]
 # the sealed peers -> the weight each carries in the aggregate (earned by verified history, TRUST §4)
 Weigh = Callable[[list[str]], dict[str, int]]
 RESCUABLE = ("score", "probation")  # screen reasons about an author's record, not about the work itself
@@ -85,6 +89,7 @@ class SealedRound:
     prepared: PreparedRound  # the checked aggregate: committing it is the coordinator's apply
     rejected: dict[str, str]  # valid contributions the screen left out: peer -> reason
     valid: list[tuple[str, list[DecodedPayload]]]  # every valid contribution, sealed or screened out
+    steps: dict[str, int] = field(default_factory=dict)  # the inner steps each valid one claims, capped
 
     @property
     def digest(self) -> str:
@@ -127,6 +132,8 @@ class Sealer:
         self.deadline = ArrivalDeadline(
             floor_s=max(1.0, n.heartbeat_s), ceiling_s=max(30.0, 10 * n.boundary_s)
         )
+        o = config.outer
+        self.budget = RoundBudget(o.inner_steps, o.min_round_s, o.max_round_s) if o.paced else None
         author_bytes = sum(spec.max_payload_bytes() for spec in global_model.sparse_specs.values())
         self.fetch_deadline = FetchDeadline(
             floor_s=FetchDeadline.floor_for(author_bytes, n.stage_min_up_mbps, max(1.0, n.heartbeat_s)),
@@ -214,7 +221,13 @@ class Sealer:
                 # it restarted and trained the round again: the new payload replaces the old one
                 log.info("round %d: peer %s re-announced; checking its new payload", round_, peer)
             seen[peer] = Announcement(
-                peer, round_, dict(value["shards"]), value["tokens"], now, value.get("steps", 0)
+                peer,
+                round_,
+                dict(value["shards"]),
+                value["tokens"],
+                now,
+                value.get("steps", 0),
+                value.get("train_s") or 0.0,
             )
             self._start_check(seen[peer])
         for key in [key for key in self._checks if key[0] < round_]:  # rounds gone by
@@ -319,6 +332,8 @@ class Sealer:
             self.fetch_deadline.observe(took)
             good.append((announcement, payloads, decoded))
         valid = [(a.peer_id, decoded) for a, _, decoded in good]
+        cap = self.config.outer.step_cap
+        steps = {a.peer_id: min(max(a.steps, 0), cap) for a, _, _ in good}
         rejected = self._screened(round_, good)
         if good and len(rejected) == len(good):
             rejected = await self._rescued(round_, good, rejected)
@@ -344,6 +359,8 @@ class Sealer:
                     "shards": dict(a.shards),
                     "tokens": a.tokens,
                     "weight": weights[a.peer_id],
+                    # claimed; what counts is capped (its batches, its credit: `sealed_steps`)
+                    "steps": steps[a.peer_id],
                 }
                 for a, _, _ in good
             ],
@@ -351,7 +368,12 @@ class Sealer:
             "sealed_at": time.time(),
             "prev": self.global_model.seal_hash or "",
         }
-        return SealedRound(record, [(a.peer_id, p) for a, p, _ in good], excluded, prepared, rejected, valid)
+        if self.budget is not None:
+            self.budget.observe((a.train_s, steps[a.peer_id], weights[a.peer_id]) for a, _, _ in good)
+            if self.budget.seconds is not None:
+                record["budget_s"] = float(round(self.budget.seconds, 3))
+        contributions = [(a.peer_id, p) for a, p, _ in good]
+        return SealedRound(record, contributions, excluded, prepared, rejected, valid, steps)
 
     async def publish(self, sealed: SealedRound, seen: dict[str, Announcement]) -> None:
         """Store the seal and nudge its announcers (they look now instead of at their next poll)."""
@@ -409,6 +431,7 @@ class Sealer:
                 round_,
                 [(a.peer_id, decoded) for a, _, decoded in by_arrival],
                 {a.peer_id: a.seen_at for a, _, _ in by_arrival},
+                {a.peer_id: a.steps for a, _, _ in by_arrival},
             )
         except Exception:  # a verifier bug must not stop sealing: seal unscreened and say so
             log.exception("round %d: screening failed; sealing without it", round_)
@@ -439,7 +462,7 @@ class Sealer:
         if self.rescue is None or not candidates:
             return rejected
         try:
-            helping = await self.rescue(round_, candidates)
+            helping = await self.rescue(round_, candidates, {a.peer_id: a.steps for a, _, _ in good})
         except Exception:  # a verifier bug must not seal what the screen refused
             log.exception("round %d: judging the screened-out contributions failed", round_)
             return rejected

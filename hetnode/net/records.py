@@ -118,6 +118,7 @@ MAX_TOKENS = (
     2**40
 )  # per record or announcement: far above any round (H × batch × sequence), far below overflow
 MAX_STEPS = 2**20
+MAX_ROUND_S = 86400.0  # a day: the most a round's training may last or claim
 
 
 class PeerRecord(pydantic.BaseModel):
@@ -158,6 +159,8 @@ class AnnounceRecord(pydantic.BaseModel):
     shards: dict[ShardName, Sha256]  # type: ignore[valid-type]
     tokens: pydantic.conint(strict=True, ge=0, le=MAX_TOKENS)  # type: ignore[valid-type]
     steps: pydantic.conint(strict=True, ge=0, le=MAX_STEPS)  # type: ignore[valid-type]
+    # seconds the replica spent in those steps (paced rounds learn their budget from it; absent: unknown)
+    train_s: pydantic.confloat(strict=True, ge=0, le=MAX_ROUND_S) | None = None  # type: ignore[valid-type]
 
     _cap_shards = pydantic.validator("shards", pre=True, allow_reuse=True)(_at_most_shards)
 
@@ -168,6 +171,8 @@ class Contribution(pydantic.BaseModel):
     tokens: pydantic.conint(strict=True, ge=0, le=MAX_TOKENS)  # type: ignore[valid-type]
     # its weight in the aggregate, earned by verified history (absent in seals of older sealers: 1)
     weight: pydantic.conint(strict=True, ge=1, le=MAX_SEAL_WEIGHT) | None = None  # type: ignore[valid-type]
+    # the inner steps behind it (paced rounds: its batches and its credit; absent: the manifest's H)
+    steps: pydantic.conint(strict=True, ge=0, le=MAX_STEPS) | None = None  # type: ignore[valid-type]
 
     _cap_shards = pydantic.validator("shards", pre=True, allow_reuse=True)(_at_most_shards)
 
@@ -180,6 +185,8 @@ class SealRecord(pydantic.BaseModel):
     excluded: pydantic.conlist(pydantic.constr(strict=True, max_length=128), max_items=1024)  # type: ignore[valid-type]
     sealed_at: pydantic.StrictFloat
     prev: pydantic.constr(strict=True, regex=r"^([0-9a-f]{64})?$")  # type: ignore[valid-type]  # the seal before
+    # paced rounds: the seconds of training a round gets from now on (absent: a round is H steps)
+    budget_s: pydantic.confloat(strict=True, gt=0, le=MAX_ROUND_S) | None = None  # type: ignore[valid-type]
 
 
 class HeadRecord(pydantic.BaseModel):
@@ -231,6 +238,12 @@ class RunRecords(pydantic.BaseModel):
     seal: dict[BytesWithPublicKey, SealRecord]
     head: dict[BytesWithPublicKey, HeadRecord]
     changes: dict[BytesWithPublicKey, ChangesRecord]
+
+    def dict(self, **kwargs: Any) -> dict[str, Any]:  # type: ignore[override]
+        """hivemind's schema check compares this with the stored value and refuses any difference: an
+        optional field a record leaves out (one added later, e.g. a seal's `budget_s`) must stay out."""
+        kwargs.setdefault("exclude_unset", True)
+        return super().dict(**kwargs)
 
 
 DIRECT_MODELS: dict[str, type[pydantic.BaseModel]] = {

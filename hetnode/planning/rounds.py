@@ -15,6 +15,7 @@ left out, so no author holds a seal hostage by serving slowly.
 from __future__ import annotations
 
 import hashlib
+import math
 from collections import deque
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -24,17 +25,104 @@ from hetnode.config import Config
 BATCH_OFFSETS = 2**20  # replicas that share a data slot start this far apart in its stream of batches
 
 
-def assigned_batches(replica: str, round_: int, inner_steps: int) -> range:
+def assigned_batches(replica: str, round_: int, inner_steps: int, stride: int | None = None) -> range:
     """The batch indices (within its data slot) `replica` (a peer id, or a chain id) trains in `round_`:
     public, so a verifier can score a contribution on the very batches it was trained on (TRUST §4).
+
+    Round t's batches start at t · `stride` (the most steps a round may have; default `inner_steps`) and
+    the replica takes the first `inner_steps` of them: however many steps each round had, the rounds'
+    batches never overlap, and the steps a replica claims name exactly the batches it trained.
 
     Slots are few (256) and peers many: two replicas often share a slot, and would train the very same
     batches (identical work, which verification rightly takes for a copy). Each replica therefore starts
     at its own offset in the slot's stream; every epoch of the stream is a fresh permutation, so offsets
     far apart mean other windows."""
+    if stride is not None and not 0 <= inner_steps <= stride:
+        raise ValueError(f"{inner_steps} steps do not fit a round of at most {stride}")
     digest = hashlib.sha256(b"hetnode-batches:" + replica.encode()).digest()
-    start = int.from_bytes(digest[:4], "big") % BATCH_OFFSETS + round_ * inner_steps
+    start = int.from_bytes(digest[:4], "big") % BATCH_OFFSETS + round_ * (stride or inner_steps)
     return range(start, start + inner_steps)
+
+
+SIT_OUT_SLACK = 1.25  # paced: a replica whose floor of steps would overrun the budget by more sits out
+
+
+@dataclass
+class RoundBudget:
+    """Paced rounds: the wall-clock seconds a round's training gets, learned from the swarm.
+
+    Each sealed contribution says how long its replica spent in inner steps and how many it took; from
+    that, the time the replica would take for H steps. The budget is the median of those times over the
+    last `keep` rounds, counted by seal weight (identities without a verified history weigh nothing, so
+    strangers cannot move it), within [floor_s, ceiling_s]: a typical replica trains about H steps, a
+    faster one more (up to the cap), a slower one fewer (down to the floor), and all announce together.
+    None until a round with timings was sealed."""
+
+    inner_steps: int
+    floor_s: float
+    ceiling_s: float
+    keep: int = 4
+    rounds: deque[list[tuple[float, int]]] = field(default_factory=deque)
+
+    def observe(self, timings: Iterable[tuple[float, int, int]]) -> None:
+        """One sealed round's (seconds in inner steps, steps, weight) per contribution that has them."""
+        samples = [
+            (seconds * self.inner_steps / steps, weight)
+            for seconds, steps, weight in timings
+            if steps > 0 and weight > 0 and math.isfinite(seconds) and seconds > 0
+        ]
+        if samples:
+            self.rounds.append(samples)
+            while len(self.rounds) > self.keep:
+                self.rounds.popleft()
+
+    @property
+    def seconds(self) -> float | None:
+        samples = sorted(sample for round_ in self.rounds for sample in round_)
+        if not samples:
+            return None
+        half, counted = sum(w for _, w in samples) / 2, 0
+        for seconds, weight in samples:  # the lower weighted median: an actual replica's time
+            counted += weight
+            if counted >= half:
+                return min(self.ceiling_s, max(self.floor_s, seconds))
+        return None  # unreachable: the weights sum to 2 · half
+
+
+def sits_out(budget_s: float | None, step_s: float | None, floor: int) -> bool:
+    """Paced: whether a replica whose inner steps take `step_s` sits this round out, because even its
+    floor of steps would overrun the budget by more than SIT_OUT_SLACK (instead of stretching the round)."""
+    if budget_s is None or step_s is None:
+        return False
+    return floor * step_s > SIT_OUT_SLACK * budget_s
+
+
+def another_step(
+    steps: int,
+    elapsed_s: float,
+    step_s: float | None,
+    budget_s: float | None,
+    floor: int,
+    cap: int,
+    nominal: int,
+) -> bool:
+    """Paced: whether a replica that has taken `steps` in `elapsed_s` of its round takes one more: always
+    below the floor, never at the cap, else while the next one (of about `step_s`) ends within the budget.
+    No budget yet (a new run) or no timing yet: the nominal H."""
+    if steps >= cap:
+        return False
+    if steps < floor:
+        return True
+    if budget_s is None or step_s is None:
+        return steps < nominal
+    return elapsed_s + step_s <= budget_s
+
+
+def schedule_position(round_: int, step: int, inner_steps: int, cap: int) -> int:
+    """The learning-rate schedule's position of inner step `step` of round `round_`, the same for every
+    replica whatever its pace: round t covers [t·H, (t+1)·H) whether it takes 1 step or the cap, so a
+    fast replica does not run ahead of the swarm's schedule and a slow one does not fall behind it."""
+    return round_ * inner_steps + min(step, cap - 1) * inner_steps // cap
 
 
 @dataclass(frozen=True)
@@ -47,6 +135,7 @@ class Announcement:
     tokens: int
     seen_at: float  # when the sealer first saw it (its own clock)
     steps: int = 0  # inner steps behind it (the ledger credits them)
+    train_s: float = 0.0  # seconds its replica spent in them (paced rounds learn the budget from it)
 
 
 @dataclass

@@ -60,6 +60,11 @@ class PeerMetrics:
         self.rounds_left_out = Counter(
             "hetnode_sync_rounds_left_out", "Rounds sealed without our payload", registry=training
         )
+        self.rounds_sat_out = Counter(
+            "hetnode_sync_rounds_sat_out",
+            "Paced rounds we took no part in: even our floor of inner steps did not fit the round's budget",
+            registry=training,
+        )
         self.digest_mismatches = Counter(
             "hetnode_digest_mismatch",
             "Rounds after which our layer digests differed from the coordinator's (θ was downloaded again)",

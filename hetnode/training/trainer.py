@@ -78,9 +78,10 @@ class InnerTrainer:
             step, inner.lr, inner.warmup_steps, self.config.train.max_steps, inner.min_lr_ratio
         )
 
-    def train_step(self, batch_index: int | None = None) -> StepResult:
+    def train_step(self, batch_index: int | None = None, position: int | None = None) -> StepResult:
         """One optimiser step on the batches that (slot, `batch_index`) selects for each of this trainer's
-        slots (default: its own step count; a replica in a swarm passes the round's assigned batches)."""
+        slots (default: its own step count; a replica in a swarm passes the round's assigned batches), at
+        the schedule's `position` (default: step + schedule_offset; paced rounds pass the swarm's)."""
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
         total_loss, tokens = 0.0, 0
@@ -98,7 +99,7 @@ class InnerTrainer:
             self.constraint.project_gradients(self.model)
         if self.config.inner.grad_clip > 0:
             nn.utils.clip_grad_norm_(self.model.parameters(), self.config.inner.grad_clip)
-        lr = self.lr_at(self.step + self.schedule_offset)
+        lr = self.lr_at(self.step + self.schedule_offset if position is None else position)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         self.optimizer.step()

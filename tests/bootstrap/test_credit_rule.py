@@ -127,3 +127,19 @@ def test_a_ledger_of_schema_2_gains_the_column_and_its_rows_read_as_their_own_to
         ledger.record_round(1, 2.0, [Contribution("old", "o", "stage", 300, 1, 1, replica_tokens=1000)])
         (old,) = ledger.standings()
         assert (old.tokens, old.replica_tokens, old.rounds) == (800, 1500, 2)
+
+
+def test_paced_rounds_credit_each_replica_its_own_steps_and_a_chain_its_h(tiny):
+    schedule, sizes = tiny  # H = 10
+    per_step = schedule // 10
+    chain = (["embed", "0", "1", "2"], ["3", "head"])
+    sealed = [("fast", payloads(dict(sizes))), ("slow", payloads(dict(sizes)))]
+    sealed += [(f"stage-{i}", payloads(s)) for i, s in enumerate(chain)]
+    steps = {"fast": 20, "slow": 3, "stage-0": 10, "stage-1": 10}
+    rows = {r.peer: r for r in credit_round(schedule, sizes, 10, sealed, {}, steps=steps)}
+    assert (rows["fast"].tokens, rows["fast"].inner_steps) == (20 * per_step, 20)
+    assert (rows["slow"].tokens, rows["slow"].replica_tokens) == (3 * per_step, 3 * per_step)
+    assert rows["stage-0"].tokens + rows["stage-1"].tokens == schedule  # a chain: its H, as before
+    # weight still scales credit: a newcomer at half weight earns half its steps' tokens
+    half = credit_round(schedule, sizes, 10, sealed[:1], {}, {"fast": 1}, 2, steps)[0]
+    assert half.tokens == 10 * per_step

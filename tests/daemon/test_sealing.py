@@ -186,10 +186,12 @@ def test_when_every_author_is_screened_out_only_work_that_helps_on_its_own_is_se
                 verifier.counts[node.identity.peer_id] = MIN_SCORES
             asked = []
 
-            async def rescue(round_, contributions):
+            async def rescue(round_, contributions, steps):
                 asked.append(sorted(peer for peer, _ in contributions))
                 replicas = {peer: Replica(peer, data_slot(peer)) for peer, _ in contributions}
-                return await asyncio.to_thread(verifier.helps, round_, model.params, contributions, replicas)
+                return await asyncio.to_thread(
+                    verifier.helps, round_, model.params, contributions, replicas, steps
+                )
 
             sealer = Sealer(config, sealer_node, model)
             sealer.screen, sealer.rescue = verifier.screen, rescue

@@ -330,3 +330,29 @@ def test_slots_kept_for_preferred_peers_are_not_taken_by_others():
     assert scope.reserve("c") is None and scope.reserve("sealer", preferred=True)
     with pytest.raises(ValueError, match="streams_preferred"):
         NodeBudgets(streams_global=8, streams_preferred=8)
+
+
+def test_paced_fields_are_optional_and_strict_in_the_dhts_schema():
+    """hivemind refuses a record its schema would change: a seal, contribution or announcement without the
+    paced fields (a "steps" run) is stored as it is, and with them only when they are the right type."""
+    from hivemind.dht.schema import SchemaValidator
+
+    from hetnode.net.records import RunRecords, record_key
+
+    identity = ephemeral_identity()
+    validator = SchemaValidator(RunRecords, allow_extra_keys=False, prefix="run")
+
+    def valid(field: str, value: dict) -> bool:
+        key = DHTID.generate(source=record_key("run", field)).to_bytes()
+        subkey = MSGPackSerializer.dumps(owner_subkey(identity))
+        return validator.validate(DHTRecord(key, subkey, MSGPackSerializer.dumps(value), time.time() + 60))
+
+    contribution = {"peer": "p", "shards": {"embed": "0" * 64}, "tokens": 1, "weight": 1}
+    seal = {"round": 1, "contributions": [contribution], "excluded": [], "sealed_at": 1.0, "prev": ""}
+    announce = {"round": 1, "shards": {"embed": "0" * 64}, "tokens": 1, "steps": 1}
+    assert valid("seal", seal) and valid("announce", announce)
+    paced = {**seal, "contributions": [{**contribution, "steps": 7}], "budget_s": 3.5}
+    assert valid("seal", paced) and valid("announce", {**announce, "train_s": 2.25})
+    assert not valid("seal", {**paced, "budget_s": 3})  # an int where a float belongs
+    assert not valid("seal", {**paced, "budget_s": -1.0})
+    assert not valid("announce", {**announce, "train_s": 1e9})

@@ -1,0 +1,74 @@
+"""Paced rounds in process: an anchor trains as many steps as its round's budget allows (within the floor
+and the cap), on the batches its steps name, at the swarm's point of the schedule, or sits the round out;
+the verifier judges a slow honest replica and a fast one per step, so neither is screened out for its pace."""
+
+from __future__ import annotations
+
+import pytest
+
+from bootstrap.verifier import Replica, Verifier
+from hetnode.config import replace
+from hetnode.daemon.rounds import AnchorTraining, data_slot
+from hetnode.data.dataset import TokenDataset
+from hetnode.model.decoder import build_model
+from hetnode.planning.rounds import schedule_position
+from hetnode.replica.global_model import GlobalModel, base_fixed_embedding
+
+
+@pytest.fixture(scope="module")
+def paced(tiny_config):
+    config = replace(
+        tiny_config, "outer", schedule="paced", inner_steps=4, min_inner_steps=2, max_inner_steps=8
+    )
+    config = replace(config, "inner", warmup_steps=50)  # a rising learning rate shows the position
+    dataset = TokenDataset.build(config.data, config.model.vocab_size, config.run.seed)
+    return config, dataset
+
+
+def _trained(config, dataset, peer, theta, budget_s, step_s=None):
+    training = AnchorTraining(config, dataset, peer)
+    training.rebase(training.rebase_from(theta, next_round=theta.params_round + 1))
+    training.budget_s, training.step_s = budget_s, step_s
+    return training, training.train_round(theta.params_round + 1)
+
+
+def test_an_anchor_trains_to_its_budget_within_floor_and_cap_at_the_swarms_schedule(paced):
+    config, dataset = paced
+    o = config.outer
+    theta = GlobalModel(config)
+    theta.params_round = 6  # the swarm is at round 7
+    fresh, first = _trained(config, dataset, "anchor-a", theta, budget_s=None)
+    assert first.steps == o.inner_steps  # no budget yet: H
+    roomy, long = _trained(config, dataset, "anchor-b", theta, budget_s=3600.0, step_s=0.001)
+    assert long.steps == o.step_cap and roomy.trainer.step == o.step_cap
+    # its last step ran at the swarm's position for round 7, not at its own step count
+    lr = roomy.trainer.optimizer.param_groups[0]["lr"]
+    assert lr == roomy.trainer.lr_at(schedule_position(7, o.step_cap - 1, o.inner_steps, o.step_cap))
+    assert lr < roomy.trainer.lr_at(8 * o.inner_steps)  # never ahead of the next round's
+    tight, short = _trained(config, dataset, "anchor-c", theta, budget_s=1e-3, step_s=0.5e-3)
+    assert short.steps == o.step_floor and short.payloads  # the floor, announced
+    slow, sat = _trained(config, dataset, "anchor-d", theta, budget_s=1.0, step_s=10.0)
+    assert sat.sat_out and sat.steps == 0 and slow.trainer.step == 0  # trains nothing, says so
+
+
+def test_a_slow_and_a_fast_honest_replica_are_judged_per_step(paced):
+    """1, 8 and 32 steps in one round: judged by norm alone, the one-step replica's update is far below the
+    median (measured: screened out, scoring −0.04); per step it is in, and scores positive."""
+    config, dataset = paced
+    config = replace(config, "outer", inner_steps=8, min_inner_steps=1, max_inner_steps=32)
+    theta = GlobalModel(config)
+    budgets = {"even-a": None, "even-b": None, "even-c": None, "slow-d": 1e-3, "fast-e": 3600.0}
+    steps, contributions = {}, []
+    for peer, budget in budgets.items():
+        _, trained = _trained(config, dataset, peer, theta, budget_s=budget, step_s=budget and 1e-4)
+        steps[peer] = trained.steps
+        contributions.append((peer, theta.decode_contribution(peer, trained.round, trained.payloads)))
+    assert sorted(set(steps.values())) == [1, 8, 32]
+    model = build_model(config.model, seed=config.run.seed)
+    model.fixed_embedding = base_fixed_embedding(config)
+    verifier = Verifier(config, dataset, model)
+    round_ = theta.params_round + 1
+    assert verifier.screen(round_, contributions, None, steps) == {}
+    replicas = {peer: Replica(peer, data_slot(peer)) for peer, _ in contributions}
+    scores = verifier.score(round_, theta.params, contributions, replicas, steps)
+    assert set(scores) == set(budgets) and min(scores.values()) >= 0, scores

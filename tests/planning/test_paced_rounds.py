@@ -1,0 +1,101 @@
+"""Paced rounds (`outer.schedule = "paced"`), the pure parts: a round's batches whatever its steps, the
+budget learned from the swarm, when a replica takes another step or sits out, and the schedule's position."""
+
+import pytest
+
+from hetnode.config import load_config, replace
+from hetnode.errors import ConfigError
+from hetnode.planning.rounds import (
+    SIT_OUT_SLACK,
+    RoundBudget,
+    another_step,
+    assigned_batches,
+    schedule_position,
+    sits_out,
+)
+
+
+def test_rounds_of_any_steps_never_share_a_batch_and_a_claim_names_exactly_its_batches():
+    cap = 12
+    seen: set[int] = set()
+    for round_, steps in enumerate([1, 12, 3, 7, 12, 5]):
+        batches = assigned_batches("peer-a", round_, steps, cap)
+        assert len(batches) == steps and not seen & set(batches)
+        seen |= set(batches)
+        # the first k of a longer claim are the batches of a claim of k: steps name a prefix
+        assert list(assigned_batches("peer-a", round_, cap, cap))[:steps] == list(batches)
+    with pytest.raises(ValueError):
+        assigned_batches("peer-a", 0, cap + 1, cap)
+    # without a stride (the "steps" schedule) the batches are the ones of before
+    assert assigned_batches("peer-a", 3, 10) == assigned_batches("peer-a", 3, 10, 10)
+
+
+def test_the_budget_is_the_weighted_median_time_for_h_steps_and_strangers_cannot_move_it():
+    budget = RoundBudget(inner_steps=10, floor_s=1.0, ceiling_s=100.0)
+    assert budget.seconds is None  # no round with timings yet: replicas train H steps
+    # (seconds, steps, weight): 5 s for 10 steps, 2 s for 5 steps (4 s for H), 40 s for 10 steps
+    budget.observe([(5.0, 10, 4), (2.0, 5, 4), (40.0, 10, 1)])
+    assert budget.seconds == 5.0
+    # a crowd of weightless identities claiming an hour each, and nonsense, change nothing
+    budget.observe([(3600.0, 1, 0)] * 50 + [(float("nan"), 10, 8), (-1.0, 10, 8), (9.0, 0, 8)])
+    assert budget.seconds == 5.0
+    budget.observe([(0.01, 10, 8)])  # the last rounds together: one fast round moves it, not all the way
+    assert budget.seconds == 4.0
+    fast = RoundBudget(inner_steps=10, floor_s=1.0, ceiling_s=100.0)
+    fast.observe([(0.01, 10, 8)])  # within the floor and the ceiling
+    assert fast.seconds == 1.0
+    for _ in range(budget.keep):  # only the last rounds count
+        budget.observe([(500.0, 10, 8)])
+    assert budget.seconds == 100.0
+
+
+def test_a_replica_steps_to_the_budget_within_the_floor_and_the_cap():
+    kw = {"floor": 2, "cap": 8, "nominal": 4}
+
+    def steps_in(budget_s, step_s):
+        steps, elapsed = 0, 0.0
+        while another_step(steps, elapsed, step_s, budget_s, **kw):
+            steps, elapsed = steps + 1, elapsed + (step_s or 1.0)
+        return steps
+
+    assert steps_in(None, 1.0) == 4 and steps_in(10.0, None) == 4  # no budget or no timing: H
+    assert steps_in(4.0, 1.0) == 4
+    assert steps_in(2.5, 1.0) == 2  # never past the budget...
+    assert steps_in(1.0, 1.0) == 2  # ...but the floor always
+    assert steps_in(100.0, 1.0) == 8  # never past the cap
+    assert not sits_out(4.0, 1.0, 2) and not sits_out(None, 9.0, 2) and not sits_out(4.0, None, 2)
+    assert sits_out(4.0, 4.0 * SIT_OUT_SLACK / 2 + 0.01, 2)  # its floor would overrun the budget
+
+
+def test_the_schedule_moves_by_round_whatever_the_pace():
+    H, cap = 10, 20
+    for round_ in (0, 7):
+        positions = [schedule_position(round_, step, H, cap) for step in range(cap)]
+        assert positions == sorted(positions)
+        assert positions[0] == round_ * H and positions[-1] < (round_ + 1) * H
+        assert schedule_position(round_, 10**6, H, cap) == positions[-1]  # past the cap: no further
+    assert schedule_position(3, 2, H, H) == 3 * H + 2  # at the cap of H: one position per step
+
+
+def test_paced_config_defaults_and_checks(tiny_config):
+    paced = replace(tiny_config, "outer", schedule="paced", inner_steps=10)
+    assert (paced.outer.step_floor, paced.outer.step_cap) == (2, 20)
+    steps = replace(tiny_config, "outer", inner_steps=10)
+    assert (steps.outer.step_floor, steps.outer.step_cap) == (10, 10)
+
+
+@pytest.mark.parametrize(
+    "outer, key",
+    [
+        ('schedule = "hurried"', "outer.schedule"),
+        ('schedule = "paced"\ninner_steps = 10\nmin_inner_steps = 11', "outer.min_inner_steps"),
+        ('schedule = "paced"\ninner_steps = 10\nmax_inner_steps = 9', "outer.min_inner_steps"),
+        ("min_round_s = 0", "outer.min_round_s"),
+        ("min_round_s = 20.0\nmax_round_s = 10.0", "outer.min_round_s"),
+    ],
+)
+def test_paced_config_errors_name_the_key(tmp_path, outer, key):
+    path = tmp_path / "bad.toml"
+    path.write_text(f"[outer]\n{outer}\n")
+    with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+        load_config(path)
