@@ -219,11 +219,13 @@ class RoundKeeper:
         await self.sealer.collect(round_, seen)
         if not seen:
             return
-        expected = self.sealer.waiting_for(self._expected(await self.view.get(), round_))
+        view = await self.view.get()
+        expected = self.sealer.waiting_for(self._expected(view, round_))
         if not self.sealer.ready(expected, seen):
             return
         started = time.monotonic()
-        sealed = await self.sealer.decide(round_, seen)
+        replicas = {peer: replica_of(peer, view.peers.get(peer)).key for peer in seen}
+        sealed = await self.sealer.decide(round_, seen, replicas)
         if sealed is None:
             return
         entry, work = await self._commit(sealed, started)
@@ -279,7 +281,8 @@ class RoundKeeper:
             # tokens credited by the schedule and the seal's weights: a replica's worth per anchor at full
             # weight, a chain's split over its stages (the evaluated line says what the score let through)
             "tokens": sum(c.tokens for c in credits),
-            "weights": weights,  # each contribution's weight in the aggregate, earned by verified history
+            # each contribution's weight in the aggregate: earned by verified history (paced: × its steps)
+            "weights": weights,
             # each contribution's inner steps (capped), and the budget the seal set for the rounds to come
             "steps": {c["peer"]: c["steps"] for c in sealed.record["contributions"]},
             "budget_s": sealed.record.get("budget_s"),
@@ -365,7 +368,8 @@ class RoundKeeper:
         order = shard_order(self.config.model.n_layers)
         sizes = [(shard, self.global_model.dense_bytes([shard]) // 4) for shard in order]
         schedule, steps = replica_tokens(self.config), self.config.outer.inner_steps
-        weights = {c["peer"]: c["weight"] for c in sealed.record["contributions"]}
+        # credit goes with the weight earned by history (paced seals' weights also count steps)
+        weights = sealed.earned or {c["peer"]: c["weight"] for c in sealed.record["contributions"]}
         full = self.config.outer.probation_rounds
         # paced: each replica's own steps, but none past H: steps are claims, and what an update shows of
         # them cannot be told from noise at this scale (docs/sync.md, "Paced rounds"), so a claim can

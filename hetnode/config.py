@@ -461,6 +461,13 @@ def validate(config: Config, source: str) -> None:
         f"{o.inner_steps} <= {o.step_cap}",
     )
     _require(
+        not o.paced or o.step_cap * o.probation_rounds <= 1024,
+        source,
+        "outer.max_inner_steps",
+        "times outer.probation_rounds must be <= 1024 under paced rounds (a seal's weight counts steps), "
+        f"got {o.step_cap} x {o.probation_rounds}",
+    )
+    _require(
         0 < o.min_round_s <= o.max_round_s <= 86400,
         source,
         "outer.min_round_s",

@@ -8,6 +8,8 @@
 - `relative_scores`: improvements made comparable across rounds (the loss falls as training goes on): each
   divided by the round's median magnitude, minus a margin, so that work which helps far less than the
   typical contribution scores below zero.
+- `steps_shown`: paced rounds: how many inner steps an update's norm shows, against the round's others (a
+  claim of steps is checked against it).
 """
 
 from __future__ import annotations
@@ -21,6 +23,10 @@ from torch.func import functional_call
 
 SparseValues = tuple[torch.Tensor, torch.Tensor]  # (flat indices, float32 values)
 SCORE_MARGIN = 0.1  # a contribution must help at least this fraction of the round's typical one
+# An update's norm grows as work^k, work the summed learning rate of its steps (`steps_shown`): k ≈ 0.84
+# over 1-20 steps from one θ a few rounds in, within ±2 % between replicas at equal steps (tiny;
+# benchmarks/results/paced_weighting, "improvement_vs_steps"); what a round's own pairs do not tell
+NORM_STEPS_EXPONENT = 0.84
 
 
 def update_norm(update: Mapping[str, SparseValues]) -> float:
@@ -92,3 +98,70 @@ def relative_scores(
         return {}
     scale = improvement_scale(improvements) if scale is None else max(scale, 1e-12)
     return {key: value / scale - margin for key, value in improvements.items()}
+
+
+def steps_shown(
+    updates: Mapping[str, Mapping[str, SparseValues]],
+    claimed: Mapping[str, float],
+    weights: Mapping[str, int],
+) -> dict[str, float]:
+    """The work each update's norm shows, in the unit of `claimed` (paced rounds, where each replica claims
+    its own steps: the sealer counts them weighed by the learning rate they ran at).
+
+    An update's norm grows as work^k with k between 1/2 and 1: ≈ 1 in a run's first steps (Adam's first
+    steps agree), 0.84 a few rounds in, ≈ 0.6 in steady state, where error feedback carries earlier rounds'
+    residue (measured: docs/sync.md, "Paced rounds"). So each update is judged against the others alone,
+    never itself: from them, per tensor, k (the upper weighted median of log norm ratio / log work ratio
+    over their pairs whose work differs by half or more) and one unit's norm (the upper weighted median of
+    norm / claimed^k: identities that claim more than they did sit below it); the update shows
+    (norm / unit)^(1/k) units on each tensor, and the median over its tensors. Weighted: identities without
+    a verified history (weight 0) move nothing; one identity cannot move its own judgement. An update with
+    no other to be judged against shows what it claims."""
+    per_tensor: dict[str, dict[str, float]] = {}
+    for peer, update in updates.items():
+        for name, values in update.items():
+            if claimed.get(peer, 0) > 0:
+                per_tensor.setdefault(name, {})[peer] = update_norm({name: values})
+    held = {p: max(weights.get(p, 0), 0) for p in updates}
+    if not any(held.values()):
+        held = dict.fromkeys(updates, 1)  # only newcomers: all count alike
+    shown: dict[str, list[float]] = {peer: [] for peer in updates}
+    for norms in per_tensor.values():
+        for peer, norm in norms.items():
+            others = {p: n for p, n in norms.items() if p != peer and held[p] > 0}
+            if not others or norm <= 0:
+                continue
+            k = _exponent(others, claimed, held)
+            unit = _weighted_quantile(
+                [(n / claimed[p] ** k, held[p]) for p, n in others.items()], 0.5, upper=True
+            )
+            if unit > 0:
+                shown[peer].append((norm / unit) ** (1 / k))
+    return {peer: sorted(v)[len(v) // 2] if v else float(claimed.get(peer, 0)) for peer, v in shown.items()}
+
+
+def _exponent(norms: Mapping[str, float], claimed: Mapping[str, float], held: Mapping[str, int]) -> float:
+    """k in norm ∝ work^k from these updates' pairs whose work differs by half or more, within [1/2, 1]
+    (NORM_STEPS_EXPONENT when no pair does)."""
+    peers = sorted(p for p in norms if norms[p] > 0)
+    slopes = [
+        (math.log(norms[a] / norms[b]) / math.log(claimed[a] / claimed[b]), min(held[a], held[b]))
+        for i, a in enumerate(peers)
+        for b in peers[i + 1 :]
+        if abs(math.log(claimed[a] / claimed[b])) >= math.log(1.5)
+    ]
+    if not slopes:
+        return NORM_STEPS_EXPONENT
+    # upper: an identity that claims more than it did flattens the pairs it is in
+    return min(1.0, max(0.5, _weighted_quantile(slopes, 0.5, upper=True)))
+
+
+def _weighted_quantile(samples: Sequence[tuple[float, int]], q: float, upper: bool = False) -> float:
+    """The lower (`upper`: upper) weighted `q`-quantile of (value, weight) samples: an actual value."""
+    ordered = sorted(samples, reverse=upper)
+    total, counted = sum(w for _, w in ordered), 0
+    for value, weight in ordered:
+        counted += weight
+        if counted >= q * total:
+            return value
+    return ordered[-1][0]

@@ -1,15 +1,17 @@
 """`hetnode bench utilization`: how much of the wall time a replica trains, lockstep against overlapped
 rounds, side by side in one run (issue 31; root, the netns lab, real daemons).
 
-The lab: a coordinator, two anchors on 50 Mbit/s links and a chain of two stages on 8 Mbit/s links, every
-host 10 ms one way from the lab's core (the user-space WAN emulator, `hetnode/bench/wan_emulator.py`), so
-any two of them are 40 ms RTT apart. Each daemon runs under a CPU quota of its own
-(`hetnode/bench/cpu_quota.py`): while it waits for the network nobody else can use its share.
+The lab: a coordinator, three anchors on 50 Mbit/s links (the third held to a quarter of the others' CPU
+share: a slower machine) and a chain of two stages on 8 Mbit/s links, every host 10 ms one way from the
+lab's core (the user-space WAN emulator, `hetnode/bench/wan_emulator.py`), so any two of them are 40 ms RTT
+apart. Each daemon runs under a CPU quota of its own (`hetnode/bench/cpu_quota.py`): while it waits for the
+network nobody else can use its share.
 
-Three swarm runs, each a fresh swarm: `outer.overlap = false` (lockstep) and `true` (overlap) for the same
-wall-clock budget, counted from the first seal once all four replicas trained and synced a round (a chain
-slower than the anchors is not in every seal); then a shorter run of
-the overlap rule with `outer.verify = false`, for the coordinator's seal-to-seal time without verification.
+Five swarm runs, each a fresh swarm, for the same wall-clock budget counted from the first seal once every
+replica trained and synced a round: the rules `lockstep` (H steps, train then sync), `overlap`
+(`outer.overlap`), `paced` (`outer.schedule = "paced"`: a round has a time budget and each replica trains
+the steps that fit, docs/sync.md "Paced rounds") and `paced+overlap`; then a shorter run of the overlap
+rule with `outer.verify = false`, for the coordinator's seal-to-seal time without verification.
 The figures come from each daemon's own `rounds-local.jsonl` and the coordinator's `rounds.jsonl`
 (`hetnode/bench/utilization_figures.py`); each replica's layer digests are checked against the
 coordinator's at the end of each run. Results: `utilization.json` and `utilization.png`.
@@ -47,9 +49,16 @@ from hetnode.bench.wan import LinkProfile
 from hetnode.config import Config, dump_config, replace
 from hetnode.errors import ConfigError, HetnodeError
 
-ANCHORS = ("anchor-1", "anchor-2")
+ANCHORS = ("anchor-1", "anchor-2", "anchor-3")
+SLOW_ANCHOR = "anchor-3"  # held to `slow_anchor_share` of the others' CPU
 STAGES = ("stage-1", "stage-2")
-RULES = {"lockstep": False, "overlap": True}  # label -> outer.overlap
+# label -> (outer.overlap, outer.schedule)
+RULES = {
+    "lockstep": (False, "steps"),
+    "overlap": (True, "steps"),
+    "paced": (False, "paced"),
+    "paced+overlap": (True, "paced"),
+}
 NO_VERIFY_RULE = "overlap"  # the rule of the third run (verification off): the targets' configuration
 ONE_THREAD = ["env", "OMP_NUM_THREADS=1"]  # a fraction of a core: one torch thread, not one per core
 # the soak's control-plane timings: heartbeats every 2 s cost five quota-bound daemons little CPU
@@ -73,6 +82,7 @@ class UtilizationPlan:
     stage_mbit: float = 8.0
     rtt_ms: float = 40.0  # between any two hosts
     replica_cpu: float = 0.3  # of a core, each anchor and stage (its p2pd included)
+    slow_anchor_share: float = 0.25  # the third anchor's CPU, of `replica_cpu`
     coordinator_cpu: float = 0.4
     batch_size: int = 8
     seq_len: int = 128
@@ -82,8 +92,8 @@ class UtilizationPlan:
 
 
 def plan_for(quick: bool) -> UtilizationPlan:
-    # three swarms in ten minutes on two cores: each ~40 s to its start seal, then its budget, ~30 s
-    # to read the digests (not for the third) and 5 s to stop
+    # five swarms in about fifteen minutes on two cores: each ~40 s to its start seal, then its budget,
+    # ~30 s to read the digests (not for the last) and 5 s to stop
     if quick:
         return UtilizationPlan(
             budget_s=120.0, no_verify_budget_s=40.0, start_timeout_s=180.0, chain_wait_s=30.0
@@ -109,7 +119,7 @@ def check_plan(config: Config, plan: UtilizationPlan, cores: int | None = None) 
             "measured rounds after the warm-up: use --budget 30 or more",
         )
     cores = cores or os.cpu_count() or 1
-    wanted = plan.replica_cpu * (len(ANCHORS) + len(STAGES)) + plan.coordinator_cpu
+    wanted = sum(shares(plan).values())
     if wanted > cores - HEADROOM_CORES:
         raise HetnodeError(
             f"the quotas add up to {wanted:.2f} cores; this machine has {cores}, and "
@@ -117,8 +127,14 @@ def check_plan(config: Config, plan: UtilizationPlan, cores: int | None = None) 
         )
 
 
-def lab_config(config: Config, plan: UtilizationPlan, overlap: bool, verify: bool) -> Config:
+def lab_config(
+    config: Config, plan: UtilizationPlan, overlap: bool, verify: bool, schedule: str = "steps"
+) -> Config:
     config = replace(config, "outer", inner_steps=plan.inner_steps, overlap=overlap, verify=verify)
+    # paced: down to one step (the slow anchor's share of a round), up to twice H
+    config = replace(
+        config, "outer", schedule=schedule, min_inner_steps=1, max_inner_steps=2 * plan.inner_steps
+    )
     config = replace(config, "pipeline", stages=len(STAGES))
     config = replace(config, "data", batch_size=plan.batch_size, seq_len=plan.seq_len)
     floor = plan.anchor_mbit / 2  # the anchors' 50 Mbit/s is an anchor's link here
@@ -134,7 +150,8 @@ def lab_links(plan: UtilizationPlan) -> dict[str, LinkProfile]:
 
 
 def shares(plan: UtilizationPlan) -> dict[str, float]:
-    return {"coordinator": plan.coordinator_cpu} | dict.fromkeys((*ANCHORS, *STAGES), plan.replica_cpu)
+    every = {"coordinator": plan.coordinator_cpu} | dict.fromkeys((*ANCHORS, *STAGES), plan.replica_cpu)
+    return every | {SLOW_ANCHOR: plan.replica_cpu * plan.slow_anchor_share}
 
 
 # --- one run -----------------------------------------------------------------------------------------
@@ -175,6 +192,7 @@ def run_rule(
     return {
         "label": label,
         "overlap": config.outer.overlap,
+        "schedule": config.outer.schedule,
         "verify": config.outer.verify,
         "budget_s": budget_s,
         "peer_ids": swarm.ids,
@@ -200,7 +218,7 @@ def _wait_for_start(
     sync a round within the plan's start timeout."""
     deadline = time.monotonic() + plan.start_timeout_s
     anchors_at: float | None = None
-    say(f"{label}: waiting for both anchors and the chain to train and sync a round")
+    say(f"{label}: waiting for the anchors and the chain to train and sync a round")
     while time.monotonic() < deadline:
         check_running(swarm.processes)
         history = swarm.history()
@@ -296,7 +314,7 @@ def logged_mismatches(log: Path) -> int:
 def run_benchmark(
     config: Config, plan: UtilizationPlan, out: Path, progress: bool = True, command: str | None = None
 ) -> dict[str, Any]:
-    """The three runs, `utilization.json` and `utilization.png` in `out`; `command`: the command line, for
+    """The five runs, `utilization.json` and `utilization.png` in `out`; `command`: the command line, for
     the record."""
     check_plan(config, plan)  # before root: a plan is a plan
     check_lab_possible()
@@ -305,18 +323,20 @@ def run_benchmark(
     out.mkdir(parents=True, exist_ok=True)
     work = out / "work"
     runs: dict[str, dict[str, Any]] = {}
-    quiet = lab_config(config, plan, overlap=RULES[NO_VERIFY_RULE], verify=False)
+    overlap, paced = RULES[NO_VERIFY_RULE]
+    quiet = lab_config(config, plan, overlap=overlap, verify=False, schedule=paced)
     schedule = [
-        (label, lab_config(config, plan, overlap=overlap, verify=True), plan.budget_s, True)
-        for label, overlap in RULES.items()
+        (label, lab_config(config, plan, overlap=overlap, verify=True, schedule=paced), plan.budget_s, True)
+        for label, (overlap, paced) in RULES.items()
     ]
     # the third run reads only its seal-to-seal time: its digests go unchecked (a status read costs ~30 s)
     schedule.append((f"{NO_VERIFY_RULE}-no-verify", quiet, plan.no_verify_budget_s, False))
     with interruptible():  # SIGTERM unwinds as Ctrl+C does: every lab and cgroup below is removed
         for label, rule_config, budget_s, check in schedule:
+            o = rule_config.outer
             say(
-                f"{label}: outer.overlap = {str(rule_config.outer.overlap).lower()}, outer.verify = "
-                f"{str(rule_config.outer.verify).lower()}, H = {plan.inner_steps}, {budget_s:g} s"
+                f"{label}: outer.overlap = {str(o.overlap).lower()}, outer.schedule = {o.schedule}, "
+                f"outer.verify = {str(o.verify).lower()}, H = {plan.inner_steps}, {budget_s:g} s"
             )
             try:
                 runs[label] = run_rule(rule_config, plan, work / label, label, budget_s, say, check)

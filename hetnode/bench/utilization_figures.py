@@ -60,6 +60,8 @@ def replica_figures(name: str, role: str, records: Sequence[Record]) -> dict[str
         "role": role,
         "compute_utilization": utilization(records),
         "tokens_per_s": tokens / wall if wall > 0 else None,
+        "tokens": tokens,
+        "inner_steps": [int(r.get("steps") or 0) for r in records],  # per measured round
         "rounds_included": sum(bool(r.get("included")) for r in records),
         "rounds": len(records),
         "train_s": sum(float(r["train_s"]) for r in records),
@@ -174,6 +176,9 @@ def judge(rules: Mapping[str, Mapping[str, Any]]) -> tuple[dict[str, Any], dict[
         "seal_to_seal_verify_over_no_verify": ratio(*seal),
     }
     digests = sum(int(rule["digest_disagreements"] or 0) for rule in rules.values())
+    if "paced+overlap" in rules:  # issue 35: every machine at its own pace
+        paced_ratios, paced_targets = judge_paced(rules, anchors)
+        ratios |= paced_ratios
     targets = {
         "anchor_utilization_overlap": target(anchors(over), 0.90, (anchors(over) or 0) >= 0.90),
         "swarm_tokens_per_s_ratio": target(
@@ -193,5 +198,42 @@ def judge(rules: Mapping[str, Mapping[str, Any]]) -> tuple[dict[str, Any], dict[
             (ratios["seal_to_seal_verify_over_no_verify"] or 0) <= 1.10,
         ),
         "digest_disagreements": target(float(digests), 0.0, digests == 0),
+    }
+    if "paced+overlap" in rules:
+        targets |= paced_targets
+    return ratios, targets
+
+
+def judge_paced(
+    rules: Mapping[str, Mapping[str, Any]], anchors: Any
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """paced+overlap against lockstep and overlap, as issue 35 states the targets: every anchor (the slow
+    one included) ≥ 0.90; the slow anchor and the chain in every measured seal; swarm tokens/s ≥ 1.3×
+    overlap's; eval loss within 2 % of lockstep's at equal tokens and lower at equal wall time."""
+    lock, over, paced = rules["lockstep"], rules["overlap"], rules["paced+overlap"]
+    slow = [r["seal_share"] for r in paced["replicas"] if r["name"] == "anchor-3" or r["role"] == "stage"]
+    in_every = min(slow) if slow and None not in slow else None
+    ratios = {
+        "paced_overlap_swarm_tokens_per_s_over_overlap": ratio(
+            paced["swarm_tokens_per_s"], over["swarm_tokens_per_s"]
+        ),
+        "paced_overlap_eval_loss_at_equal_tokens": ratio(
+            paced["eval_loss_at_equal_tokens"], lock["eval_loss_at_equal_tokens"]
+        ),
+        "paced_overlap_eval_loss_at_equal_wall": ratio(
+            paced["eval_loss_at_equal_wall"], lock["eval_loss_at_equal_wall"]
+        ),
+    }
+    tokens = ratios["paced_overlap_swarm_tokens_per_s_over_overlap"]
+    equal_tokens = ratios["paced_overlap_eval_loss_at_equal_tokens"]
+    equal_wall = ratios["paced_overlap_eval_loss_at_equal_wall"]
+    targets = {
+        "paced_overlap_every_anchor_utilization": target(anchors(paced), 0.90, (anchors(paced) or 0) >= 0.90),
+        "paced_overlap_slow_anchor_and_chain_in_every_seal": target(in_every, 1.0, (in_every or 0) >= 1.0),
+        "paced_overlap_swarm_tokens_per_s_over_overlap": target(tokens, 1.3, (tokens or 0) >= 1.3),
+        "paced_overlap_eval_loss_at_equal_tokens": target(
+            equal_tokens, 1.02, abs((equal_tokens or 0) - 1) <= 0.02
+        ),
+        "paced_overlap_eval_loss_at_equal_wall": target(equal_wall, 1.0, (equal_wall or 1) < 1.0),
     }
     return ratios, targets

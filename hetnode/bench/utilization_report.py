@@ -29,6 +29,8 @@ from hetnode.config import Config  # noqa: E402
 from hetnode.model import count_parameters  # noqa: E402
 
 DISAGREES = ("disagrees", "half-applied")
+RULE_ORDER = ("lockstep", "overlap", "paced", "paced+overlap")
+COLOURS = {"lockstep": "tab:blue", "overlap": "tab:orange", "paced": "tab:green", "paced+overlap": "tab:red"}
 COMMAND = "sudo .venv/bin/hetnode bench utilization"
 
 
@@ -38,12 +40,23 @@ def rule_summary(run: Mapping[str, Any], warmup_rounds: int) -> dict[str, Any]:
     if "error" in run:
         return dict.fromkeys(_R_KEYS) | {"replicas": [], "eval_loss_curve": [], "error": run["error"]}
     first = run["start_round"] + warmup_rounds
+    seals = measured_seals(run["history"], first, run["end"])
+    ids = run.get("peer_ids") or {}
     replicas = []
     for name, records in run["round_logs"].items():
         rounds = measured(records, first, run["end"])
         role = next((r["role"] for r in records), "stage" if name.startswith("stage") else "anchor")
-        replicas.append(replica_figures(name, role, rounds))
-    seals = measured_seals(run["history"], first, run["end"])
+        figures = replica_figures(name, role, rounds)
+        # the share of the measured seals its work is in (the slow anchor and the chain: every one?)
+        peer = ids.get(name)
+        figures["seal_share"] = (
+            sum(peer in e["contributors"] for e in seals) / len(seals) if peer and seals else None
+        )
+        replicas.append(figures)
+    total = sum(r["tokens"] for r in replicas if r["role"] == "anchor")
+    total += max((r["tokens"] for r in replicas if r["role"] == "stage"), default=0)  # a chain once
+    for figures in replicas:
+        figures["token_share"] = figures["tokens"] / total if total else None
     checks = run["digest_checks"]
     logged = sum(run["digest_mismatches_logged"].values())
     return {
@@ -88,9 +101,10 @@ _R_KEYS = (
 def summarise(
     config: Config, plan: Any, runs: Mapping[str, Mapping[str, Any]], command: str = COMMAND
 ) -> dict[str, Any]:
-    """The whole `utilization.json`: `{"rules": {"lockstep": R, "overlap": R}}`, the run without
-    verification, the ratios overlap / lockstep and each target's verdict."""
-    rules = {label: rule_summary(runs[label], plan.warmup_rounds) for label in ("lockstep", "overlap")}
+    """The whole `utilization.json`: `{"rules": {"lockstep": R, "overlap": R, "paced": R, "paced+overlap":
+    R}}` (those that ran), the run without verification, the ratios against lockstep and overlap and each
+    target's verdict."""
+    rules = {label: rule_summary(runs[label], plan.warmup_rounds) for label in RULE_ORDER if label in runs}
     quiet_label = next((label for label in runs if label.endswith("-no-verify")), None)
     quiet = rule_summary(runs[quiet_label], plan.warmup_rounds) if quiet_label else None
     if quiet is not None:
@@ -143,7 +157,7 @@ _QUIET_KEYS = ("seal_to_seal_s", "swarm_tokens_per_s", "verify_s", "measured_sea
 def plot(report: Mapping[str, Any], path: Path) -> None:
     """Eval loss against wall time and against tokens for both rules; each replica's utilisation."""
     fig, axes = plt.subplots(1, 3, figsize=(17, 4.8))
-    colours = {"lockstep": "tab:blue", "overlap": "tab:orange"}
+    colours = COLOURS
     for label, rule in report["rules"].items():
         curve = rule["eval_loss_curve"]
         for ax, axis in ((axes[0], "wall_s"), (axes[1], "tokens")):
@@ -161,16 +175,16 @@ def plot(report: Mapping[str, Any], path: Path) -> None:
     axes[0].set_title("eval loss against wall time")
     axes[1].set_title("eval loss against tokens")
     names = max(([r["name"] for r in rule["replicas"]] for rule in report["rules"].values()), key=len)
-    width = 0.38
+    width = 0.8 / max(1, len(report["rules"]))
     for i, (label, rule) in enumerate(report["rules"].items()):
         by_name = {r["name"]: r["compute_utilization"] for r in rule["replicas"]}
         values = [by_name.get(name) for name in names]
-        xs = [j + (i - 0.5) * width for j in range(len(values))]
+        xs = [j + (i - (len(report["rules"]) - 1) / 2) * width for j in range(len(values))]
         axes[2].bar(xs, [v or 0.0 for v in values], width, color=colours[label], label=label)
         for x, value in zip(xs, values, strict=True):
             if value is None:  # no measured rounds (a chain that could not keep up, a run that stalled)
                 axes[2].text(x, 0.02, "no rounds", rotation=90, ha="center", va="bottom", fontsize=7)
-    axes[2].axhline(0.9, color="grey", linestyle=":", label="target (overlap, anchors)")
+    axes[2].axhline(0.9, color="grey", linestyle=":", label="target (anchors)")
     axes[2].set_xticks(range(len(names)), names)
     axes[2].set(ylim=(0, 1.05), title="compute utilisation (inner-step s / wall s)")
     axes[2].legend(fontsize=8)

@@ -1,4 +1,5 @@
-"""`hetnode bench utilization`: lockstep against overlapped rounds, side by side in the netns lab (root)."""
+"""`hetnode bench utilization`: lockstep, overlapped, paced and paced+overlapped rounds, side by side in the
+netns lab (root)."""
 
 from __future__ import annotations
 
@@ -15,10 +16,10 @@ CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs"
 def register(benches: argparse._SubParsersAction) -> None:
     parser = benches.add_parser(
         "utilization",
-        help="compute utilisation of lockstep vs overlapped rounds on slow links, a CPU quota each (root)",
+        help="compute utilisation of lockstep, overlapped and paced rounds on slow links (root)",
     )
     parser.add_argument(
-        "--quick", action="store_true", help="120 s per rule, 45 s without verification (about 8 minutes)"
+        "--quick", action="store_true", help="120 s per rule, 45 s without verification (about 15 minutes)"
     )
     parser.add_argument("--config", type=Path, default=None, help="run config (default tiny)")
     parser.add_argument(
@@ -69,7 +70,18 @@ def print_summary(report: dict[str, Any]) -> None:
         for rule in rules.values():
             r = next((r for r in rule["replicas"] if r["name"] == name), {})
             cells.append(f"{_show(r.get('compute_utilization')):>14} {_show(r.get('tokens_per_s'), 0):>8}")
+        steps = {
+            label: r["inner_steps"]
+            for label, rule in rules.items()
+            for r in rule["replicas"]
+            if r["name"] == name and r.get("inner_steps")
+        }
         print(f"{name:<10} {role:<7} " + " ".join(cells))
+        if any(label.startswith("paced") for label in steps):
+            per_rule = "  ".join(
+                f"{label} {min(v)}-{max(v)}" for label, v in steps.items() if label.startswith("paced")
+            )
+            print(f"{'':<18} inner steps a round: {per_rule}")
     for label, rule in rules.items():
         if rule.get("error"):
             print(f"{label}: not measured: {rule['error'].splitlines()[0]}")
@@ -92,6 +104,6 @@ def print_summary(report: dict[str, Any]) -> None:
     )
     for name, t in report["targets"].items():
         verdict = {True: "met", False: "NOT met", None: "not measured"}[t["met"]]
-        print(f"  {name:<34} {_show(t['value'], 3):>8} (limit {t['limit']:g}) {verdict}")
+        print(f"  {name:<50} {_show(t['value'], 3):>8} (limit {t['limit']:g}) {verdict}")
     if report.get("note"):
         print(f"note: {report['note']}")

@@ -44,6 +44,7 @@ from hetnode.errors import HetnodeError, UpdateRefused, WireError
 from hetnode.model.shards import ModelPart
 from hetnode.net.node import SwarmNode
 from hetnode.net.streams import OpenStream, PeerRequestError, read_frame, write_frame
+from hetnode.planning.rounds import another_step
 from hetnode.replica.global_model import GlobalModel, sha256_hex
 from hetnode.service.lifecycle import sleep_or_stop
 from hetnode.service.metrics import PeerMetrics
@@ -53,7 +54,13 @@ from hetnode.service.state_writer import LatestStateWriter
 from hetnode.training.local_rounds import Rebase
 from hetnode.training.schedule import stage_window
 from hetnode.training.stage_worker import Frame
-from hetnode.wire.activation_frame import FrameKind, decode_frame, encode_frame, frame_size_limit
+from hetnode.wire.activation_frame import (
+    FrameKind,
+    decode_frame,
+    encode_frame,
+    encode_round_end,
+    frame_size_limit,
+)
 
 log = logging.getLogger(__name__)
 
@@ -157,6 +164,11 @@ class ChainLoop:
         self._requested_round = -1
         self.round_done = asyncio.Event()
         self.backwards = 0
+        self.received = 0  # act frames of the open round (stages after the first)
+        # micro-batches of the open round: H, or under paced rounds what the first stage says at its end
+        self.target: int | None = None
+        self.mb_s: float | None = None  # paced, first stage: the time between two micro-batches fed
+        self.drain_s = 0.0  # paced, first stage: from the last micro-batch fed to the round's end, last round
         self.window: asyncio.Semaphore | None = None
         self.failed: asyncio.Future[str] | None = None
         self.upstream: OpenStream | None = None
@@ -321,7 +333,8 @@ class ChainLoop:
         compute_before, send_before = self.compute_s, self.send_s
         async with self.compute:
             await asyncio.to_thread(training.begin_round, round_, self._drift_of(round_))
-        self.backwards = 0
+        self.backwards = self.received = 0
+        self.target = None if self.config.outer.paced else self.config.outer.inner_steps
         self.round_done.clear()
         self.window = asyncio.Semaphore(
             stage_window(len(self.layout.members), self.layout.index, self.config.pipeline.max_in_flight)
@@ -332,7 +345,9 @@ class ChainLoop:
         self.round_open.set()
         if self.layout.first:
             await self._feed(round_)
+        fed = time.monotonic()
         await self._until(self.round_done)
+        self.drain_s = time.monotonic() - fed
         trained_s = time.monotonic() - started
         # at most one unapplied round: this one is compressed on θ of the round before
         waited = time.monotonic()
@@ -353,7 +368,7 @@ class ChainLoop:
             "round": round_,
             "shards": {shard: sha256_hex(data) for shard, data in payloads.items()},
             "tokens": training.tokens - tokens_before,
-            "steps": self.config.outer.inner_steps,  # a chain trains H micro-batches a round
+            "steps": self.target,  # micro-batches: H, or under paced rounds as many as fit
             "train_s": float(round(trained_s, 3)),  # the chain's pace, for a paced round's budget
         }
         log.info(
@@ -509,22 +524,46 @@ class ChainLoop:
 
     async def _feed(self, round_: int) -> None:
         """First stage: send the round's embedding drift, then start H micro-batches, never more than the
-        stage's window unanswered."""
+        stage's window unanswered. Paced rounds: as many as end within the round's budget (the last
+        round's drain counted), between the floor and the cap, then the round's end frame with the count."""
         training = self.training
+        o = self.config.outer
         if training.drift is not None:
             await self._send(self.downstream, encode_frame("drift", round_, 0, training.drift))
-        for _ in range(self.config.outer.inner_steps):
+        budget = self.rounds.round_budget_s
+        began = last = time.monotonic()
+        fed = 0
+        while another_step(
+            fed,
+            time.monotonic() - began + self.drain_s,
+            self.mb_s,
+            budget,
+            o.step_floor,
+            o.step_cap,
+            o.inner_steps,
+        ):
             await self._enter_window()
             async with self.compute:
                 mb, batch = training.next_batch()
                 frame = await self._computed(training.forward, mb, batch)
             await self._send(self.downstream, encode_frame("act", round_, mb, *_frame_parts(frame)))
+            fed += 1
+            now = time.monotonic()
+            took, last = now - last, now
+            self.mb_s = took if self.mb_s is None else 0.8 * self.mb_s + 0.2 * took
+            if not o.paced and fed == o.inner_steps:
+                return
+        if o.paced:
+            await self._send(self.downstream, encode_round_end(round_, fed))
+            self._round_has(fed)
 
     async def _read_activations(self) -> None:
         """Stages after the first: forward what arrives; the last stage also runs the backward at once."""
         training = self.training
         limits = training.limits
         kinds: tuple[FrameKind, ...] = ("act", "drift") if limits.d_model else ("act",)
+        if self.config.outer.paced:
+            kinds += ("end",)
         while True:
             data = await self._receive(self.upstream, frame_size_limit(limits, kinds))
             try:
@@ -534,7 +573,11 @@ class ChainLoop:
             if frame.kind == "drift":
                 await self._take_drift(frame.round, frame.tensor, data)
                 continue
+            if frame.kind == "end":
+                await self._take_round_end(frame.round, frame.mb, data)
+                continue
             await self._wait_for_round(frame.round)
+            self.received += 1
             if not self.layout.last:  # the last stage answers at once: it never holds a micro-batch
                 await self._enter_window()
             incoming = Frame(frame.mb, frame.tensor, frame.tokens, frame.targets)
@@ -559,6 +602,23 @@ class ChainLoop:
         self.drift = (round_, drift)
         if not self.layout.last:
             await self._send(self.downstream, data)
+
+    async def _take_round_end(self, round_: int, count: int, data: bytes) -> None:
+        """Paced rounds: the first stage says the open round had `count` micro-batches; every one of them
+        has arrived before this frame (one stream, in order). Passed on down the chain."""
+        o = self.config.outer
+        if not self.round_open.is_set() or round_ != self.round_ or self.target is not None:
+            raise ChainBroken(f"a round-end frame for round {round_}, which is not the round open here")
+        if count != self.received or not o.step_floor <= count <= o.step_cap:
+            raise ChainBroken(f"round {round_} ends at {count} micro-batches; {self.received} arrived")
+        if not self.layout.last:
+            await self._send(self.downstream, data)
+        self._round_has(count)
+
+    def _round_has(self, count: int) -> None:
+        """The open round has `count` micro-batches: it is done once that many backward passes are."""
+        self.target = count
+        self._done_when_drained()
 
     async def _read_gradients(self) -> None:
         """Stages before the last: back-propagate each gradient that returns, pass it on upstream."""
@@ -594,7 +654,10 @@ class ChainLoop:
 
     def _count_backward(self) -> None:
         self.backwards += 1
-        if self.backwards >= self.config.outer.inner_steps:
+        self._done_when_drained()
+
+    def _done_when_drained(self) -> None:
+        if self.target is not None and self.backwards >= self.target:
             self.round_open.clear()  # at once: a frame of the next round asks for it, it is no stray
             self.round_done.set()
 
@@ -604,8 +667,9 @@ class ChainLoop:
         if self.round_open.is_set():
             if self.round_ != round_:
                 raise ChainBroken(f"a frame of round {round_} arrived while training round {self.round_}")
-            if self.backwards >= self.config.outer.inner_steps:
-                raise ChainBroken(f"more than H micro-batches in round {self.round_}")
+            most = self.config.outer.step_cap if self.target is None else self.target
+            if self.received >= most:
+                raise ChainBroken(f"more than {most} micro-batches in round {self.round_}")
             return
         self._requested_round = round_
         self._round_requested.set()

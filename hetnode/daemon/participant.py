@@ -334,7 +334,11 @@ class RoundParticipant:
         except (WireError, ApplyError) as exc:  # θ is untouched: apply is all or nothing
             raise RoundFailed(f"a sealed payload cannot be applied: {exc}") from None
         self.held.keep_applied(round_, held)  # what we applied we serve to others fetching the round
-        self.sealer.recent_weights = weights  # what we seal with, should we stand in for the coordinator
+        # what we seal with, should we stand in for the coordinator: the weight earned by history (paced
+        # seals' weights also count each contribution's steps)
+        steps = {c["peer"]: c.get("steps") or 1 for c in seal["contributions"]}
+        paced = self.config.outer.paced
+        self.sealer.recent_weights = {p: max(1, w // steps[p]) if paced else w for p, w in weights.items()}
         self._take_budget(seal)
         self.global_model.seal_hash = seal_digest(seal)
         self.last_apply = (time.monotonic() - started, fetched, fetch_s)

@@ -22,10 +22,11 @@ from hetnode.model.decoder import build_model
 from hetnode.model.shards import shard_names
 from hetnode.model.subspace import SubspaceConstraint
 from hetnode.planning.layer_split import split_layers
-from hetnode.planning.rounds import another_step, assigned_batches, schedule_position, sits_out
+from hetnode.planning.rounds import another_step, assigned_batches, sits_out
 from hetnode.replica.global_model import GlobalModel, base_fixed_embedding
 from hetnode.training.faults import PSEUDO_GRADIENT_FAULTS, corrupt
 from hetnode.training.local_rounds import AheadFrom, LocalRounds, Rebase, RebaseInbox, RoundTiming
+from hetnode.training.schedule import schedule_position
 from hetnode.training.trainer import InnerTrainer
 from hetnode.training.working_copy import WorkingCopy
 from hetnode.wire.sync_payload import SyncPayload, encode_payload

@@ -30,13 +30,16 @@ seal waits only for the last authors' payloads; a re-announcement (a restarted r
 from __future__ import annotations
 
 import asyncio
+import bisect
+import itertools
 import logging
 import time
 from collections import deque
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from hetnode.algo.scoring import steps_shown
 from hetnode.config import Config
 from hetnode.errors import WireError
 from hetnode.net.node import StoredValue, SwarmNode
@@ -51,6 +54,7 @@ from hetnode.planning.rounds import (
     sealed_order,
 )
 from hetnode.replica.global_model import ApplyError, GlobalModel, PreparedRound, sha256_hex
+from hetnode.training.schedule import schedule_position, warmup_cosine
 from hetnode.wire.seals import seal_digest
 from hetnode.wire.sync_payload import DecodedPayload
 
@@ -78,7 +82,66 @@ Screen = Callable[
 Rescue = Callable[[int, list[tuple[str, list[DecodedPayload]]], dict[str, int]], Awaitable[set[str]]]
 # the sealed peers -> the weight each carries in the aggregate (earned by verified history, TRUST §4)
 Weigh = Callable[[list[str]], dict[str, int]]
+# a claim of steps counts up to this much over what its update's norm shows (honest norms at equal steps
+# differ by ±2 %: benchmarks/results/paced_weighting)
+STEPS_SLACK = 1.15
 RESCUABLE = ("score", "probation")  # screen reasons about an author's record, not about the work itself
+
+
+def paced_weights(config: Config, earned: dict[str, int], steps: dict[str, int]) -> dict[str, int]:
+    """Each sealed contribution's weight in the aggregate: earned by verified history, and under paced
+    rounds times its (verified) steps, measured better than 1/N at equal tokens
+    (benchmarks/paced_weighting.py; docs/sync.md, "Paced rounds"). At most probation_rounds × the cap."""
+    if not config.outer.paced:
+        return dict(earned)
+    return {peer: w * max(1, steps.get(peer, config.outer.inner_steps)) for peer, w in earned.items()}
+
+
+def round_lr(config: Config, round_: int) -> list[float]:
+    """The learning rate of each inner step a replica may take in paced round `round_`, up to the cap
+    (every replica's schedule, `schedule_position`)."""
+    o, inner = config.outer, config.inner
+    return [
+        warmup_cosine(
+            schedule_position(round_, i, o.inner_steps, o.step_cap),
+            inner.lr,
+            inner.warmup_steps,
+            config.train.max_steps,
+            inner.min_lr_ratio,
+        )
+        for i in range(o.step_cap)
+    ]
+
+
+def verified_steps(
+    config: Config,
+    round_: int,
+    updates: Mapping[str, Mapping[str, tuple]],
+    claimed: Mapping[str, int],
+    weights: Mapping[str, int],
+) -> dict[str, int]:
+    """Paced round `round_`: the steps each update counts, min(claimed, the most whose summed learning rate
+    is within STEPS_SLACK × what its norm shows), at least 1 (`steps_shown`; docs/sync.md)."""
+    work = list(itertools.accumulate(round_lr(config, round_), initial=0.0))  # work[n]: lr of n steps
+    shown = steps_shown(updates, {p: work[claimed[p]] for p in updates}, weights)
+    return {
+        p: max(1, min(claimed[p], bisect.bisect_right(work, shown[p] * STEPS_SLACK) - 1)) for p in updates
+    }
+
+
+def per_replica(
+    good: list[Checked], steps: dict[str, int], earned: dict[str, int], replica_of: Mapping[str, str]
+) -> list[tuple[float, int, int]]:
+    """(seconds in inner steps, steps, weight) per replica for the round's budget: a chain once, at its
+    slowest stage's time, its fewest steps and its lightest stage's weight."""
+    by_replica: dict[str, list[tuple[float, int, int]]] = {}
+    for a, _, _ in good:
+        key = replica_of.get(a.peer_id, a.peer_id)
+        by_replica.setdefault(key, []).append((a.train_s, steps[a.peer_id], earned[a.peer_id]))
+    return [
+        (max(t for t, _, _ in parts), min(n for _, n, _ in parts), min(w for _, _, w in parts))
+        for parts in by_replica.values()
+    ]
 
 
 @dataclass(frozen=True)
@@ -90,6 +153,7 @@ class SealedRound:
     rejected: dict[str, str]  # valid contributions the screen left out: peer -> reason
     valid: list[tuple[str, list[DecodedPayload]]]  # every valid contribution, sealed or screened out
     steps: dict[str, int] = field(default_factory=dict)  # the inner steps each valid one claims, capped
+    earned: dict[str, int] = field(default_factory=dict)  # each sealed one's weight by verified history
 
     @property
     def digest(self) -> str:
@@ -133,7 +197,11 @@ class Sealer:
             floor_s=max(1.0, n.heartbeat_s), ceiling_s=max(30.0, 10 * n.boundary_s)
         )
         o = config.outer
-        self.budget = RoundBudget(o.inner_steps, o.min_round_s, o.max_round_s) if o.paced else None
+        self.budget = (
+            RoundBudget(o.inner_steps, o.min_round_s, o.max_round_s, o.step_cap / o.inner_steps)
+            if o.paced
+            else None
+        )
         author_bytes = sum(spec.max_payload_bytes() for spec in global_model.sparse_specs.values())
         self.fetch_deadline = FetchDeadline(
             floor_s=FetchDeadline.floor_for(author_bytes, n.stage_min_up_mbps, max(1.0, n.heartbeat_s)),
@@ -292,10 +360,13 @@ class Sealer:
             await self.publish(sealed, seen)
         return sealed
 
-    async def decide(self, round_: int, seen: dict[str, Announcement]) -> SealedRound | None:
+    async def decide(
+        self, round_: int, seen: dict[str, Announcement], replica_of: Mapping[str, str] | None = None
+    ) -> SealedRound | None:
         """Validate every announced contribution, aggregate the valid ones, keep their payloads to serve
         and write the seal record; nothing is stored yet (the coordinator first puts on disk what its
-        catch-up needs after a crash, then calls `publish`).
+        catch-up needs after a crash, then calls `publish`). `replica_of`: peer -> its replica (a chain's
+        stages: the chain), so that a paced round's budget counts a chain once (None: each on its own).
 
         None when no contribution was valid: nothing is sealed, and the excluded announcements are dropped
         from `seen` so the round stays open for whoever announces next."""
@@ -339,7 +410,10 @@ class Sealer:
             rejected = await self._rescued(round_, good, rejected)
         excluded += sorted(rejected)
         good = [g for g in good if g[0].peer_id not in rejected]
-        weights = self._weights([a.peer_id for a, _, _ in good])
+        earned = self._weights([a.peer_id for a, _, _ in good])
+        if self.config.outer.paced:  # steps are claims: each counts only the steps its update shows
+            steps |= self._verified_steps(round_, good, steps, earned, replica_of or {})
+        weights = paced_weights(self.config, earned, steps)
         good, prepared = await self._prepare(round_, good, excluded, weights)
         if prepared is None:
             for peer in excluded:
@@ -359,7 +433,7 @@ class Sealer:
                     "shards": dict(a.shards),
                     "tokens": a.tokens,
                     "weight": weights[a.peer_id],
-                    # claimed; what counts is capped (its batches, its credit: `sealed_steps`)
+                    # capped, and under paced rounds no more than its update shows (`_verified_steps`)
                     "steps": steps[a.peer_id],
                 }
                 for a, _, _ in good
@@ -369,11 +443,11 @@ class Sealer:
             "prev": self.global_model.seal_hash or "",
         }
         if self.budget is not None:
-            self.budget.observe((a.train_s, steps[a.peer_id], weights[a.peer_id]) for a, _, _ in good)
+            self.budget.observe(per_replica(good, steps, earned, replica_of or {}))
             if self.budget.seconds is not None:
                 record["budget_s"] = float(round(self.budget.seconds, 3))
         contributions = [(a.peer_id, p) for a, p, _ in good]
-        return SealedRound(record, contributions, excluded, prepared, rejected, valid, steps)
+        return SealedRound(record, contributions, excluded, prepared, rejected, valid, steps, earned)
 
     async def publish(self, sealed: SealedRound, seen: dict[str, Announcement]) -> None:
         """Store the seal and nudge its announcers (they look now instead of at their next poll)."""
@@ -439,6 +513,35 @@ class Sealer:
         for peer, reason in sorted(rejected.items()):
             log.warning("round %d: leaving out %s's contribution: %s", round_, peer, reason)
         return rejected
+
+    def _verified_steps(
+        self,
+        round_: int,
+        good: list[Checked],
+        claimed: dict[str, int],
+        earned: dict[str, int],
+        replica_of: Mapping[str, str],
+    ) -> dict[str, int]:
+        """Paced rounds: each sealed contribution's steps. An anchor's, no more than its update's norm
+        shows against the round's other anchors (`verified_steps`): a replica that claims more steps than
+        it took gains neither weight nor credit by it. A chain stage's, its chain's fewest: a chain's
+        stages train one count of micro-batches, which every later stage counts as they arrive (a stage's
+        update, trained in a subspace by another optimiser, is no yardstick for an anchor's, nor the
+        reverse)."""
+        chain_of = {a.peer_id: replica_of.get(a.peer_id, a.peer_id) for a, _, _ in good}
+        anchors = [a for a in good if chain_of[a[0].peer_id] == a[0].peer_id]
+        updates = {
+            a.peer_id: {n: v for m in decoded for n, v in m.sparse.items()} for a, _, decoded in anchors
+        }
+        verified = verified_steps(self.config, round_, updates, claimed, earned)
+        fewest: dict[str, int] = {}
+        for peer, key in chain_of.items():
+            if peer not in verified:
+                fewest[key] = min(fewest.get(key, claimed[peer]), claimed[peer])
+        verified |= {peer: fewest[key] for peer, key in chain_of.items() if peer not in verified}
+        for peer in sorted(p for p in verified if verified[p] < claimed[p]):
+            log.info("%s claims %d steps, its update shows %d", peer[-8:], claimed[peer], verified[peer])
+        return verified
 
     def _weights(self, peers: list[str]) -> dict[str, int]:
         """Each sealed peer's weight in the aggregate (1 each when a bug leaves none to give)."""

@@ -149,10 +149,13 @@ class StageTraining:
         if self.local.theta is None:
             raise RuntimeError("a stage trains only once it stands on θ (rebase first)")
         # the first stage feeds the round's assigned batches of the chain's slot (public: verifiable)
-        H = self.config.outer.inner_steps
-        self.next_mb = assigned_batches(self.chain, round_, H).start
+        o = self.config.outer
+        H = o.inner_steps
+        self.next_mb = assigned_batches(self.chain, round_, H, o.step_cap).start
         # a chain formed at round r trains at the swarm's point of the schedule, not in a warmup of its own
         self.worker.schedule_offset = max(0, round_ * H - self.worker.version)
+        # paced: however many micro-batches the round has, it covers the round's part of the schedule
+        self.worker.paced_round = (round_, self.worker.version, H, o.step_cap) if o.paced else None
         self.drift = None
         c = self.worker.constraint
         if c is not None:

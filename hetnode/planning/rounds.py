@@ -51,21 +51,23 @@ SIT_OUT_SLACK = 1.25  # paced: a replica whose floor of steps would overrun the 
 class RoundBudget:
     """Paced rounds: the wall-clock seconds a round's training gets, learned from the swarm.
 
-    Each sealed contribution says how long its replica spent in inner steps and how many it took; from
-    that, the time the replica would take for H steps. The budget is the median of those times over the
-    last `keep` rounds, counted by seal weight (identities without a verified history weigh nothing, so
-    strangers cannot move it), within [floor_s, ceiling_s]: a typical replica trains about H steps, a
-    faster one more (up to the cap), a slower one fewer (down to the floor), and all announce together.
-    None until a round with timings was sealed."""
+    Each sealed replica (a chain once) says how long it spent in inner steps and how many it took; from
+    that, the time it would take for H steps. Counted by seal weight (identities without a verified
+    history weigh nothing, so strangers cannot move it) over the last `keep` rounds, the budget is the
+    median of those times, so the typical replica trains about H steps, a faster one more and a slower one
+    fewer; but at most what the fastest quarter (by weight) needs for the cap (`cap_ratio` × H), so that
+    where most replicas are slow the fast ones are not held at the cap waiting for them. Within
+    [floor_s, ceiling_s]. None until a round with timings was sealed."""
 
     inner_steps: int
     floor_s: float
     ceiling_s: float
+    cap_ratio: float = 2.0  # max_inner_steps / H
     keep: int = 4
     rounds: deque[list[tuple[float, int]]] = field(default_factory=deque)
 
     def observe(self, timings: Iterable[tuple[float, int, int]]) -> None:
-        """One sealed round's (seconds in inner steps, steps, weight) per contribution that has them."""
+        """One sealed round's (seconds in inner steps, steps, weight) per replica that has them."""
         samples = [
             (seconds * self.inner_steps / steps, weight)
             for seconds, steps, weight in timings
@@ -81,12 +83,18 @@ class RoundBudget:
         samples = sorted(sample for round_ in self.rounds for sample in round_)
         if not samples:
             return None
-        half, counted = sum(w for _, w in samples) / 2, 0
-        for seconds, weight in samples:  # the lower weighted median: an actual replica's time
-            counted += weight
-            if counted >= half:
-                return min(self.ceiling_s, max(self.floor_s, seconds))
-        return None  # unreachable: the weights sum to 2 · half
+        budget = min(_quantile(samples, 0.5), self.cap_ratio * _quantile(samples, 0.25))
+        return min(self.ceiling_s, max(self.floor_s, budget))
+
+
+def _quantile(samples: list[tuple[float, int]], q: float) -> float:
+    """The lower weighted `q`-quantile of sorted (value, weight) samples: an actual sample's value."""
+    total, counted = sum(w for _, w in samples), 0
+    for value, weight in samples:
+        counted += weight
+        if counted >= q * total:
+            return value
+    return samples[-1][0]
 
 
 def sits_out(budget_s: float | None, step_s: float | None, floor: int) -> bool:
@@ -116,13 +124,6 @@ def another_step(
     if budget_s is None or step_s is None:
         return steps < nominal
     return elapsed_s + step_s <= budget_s
-
-
-def schedule_position(round_: int, step: int, inner_steps: int, cap: int) -> int:
-    """The learning-rate schedule's position of inner step `step` of round `round_`, the same for every
-    replica whatever its pace: round t covers [t·H, (t+1)·H) whether it takes 1 step or the cap, so a
-    fast replica does not run ahead of the swarm's schedule and a slow one does not fall behind it."""
-    return round_ * inner_steps + min(step, cap - 1) * inner_steps // cap
 
 
 @dataclass(frozen=True)

@@ -16,6 +16,13 @@ def warmup_cosine(step: int, base_lr: float, warmup: int, total: int, min_ratio:
     return floor + (base_lr - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
+def schedule_position(round_: int, step: int, inner_steps: int, cap: int) -> int:
+    """The learning-rate schedule's position of inner step `step` of round `round_`, the same for every
+    replica whatever its pace: round t covers [t·H, (t+1)·H) whether it takes 1 step or the cap, so a
+    fast replica does not run ahead of the swarm's schedule and a slow one does not fall behind it."""
+    return round_ * inner_steps + min(step, cap - 1) * inner_steps // cap
+
+
 def stage_window(stages: int, index: int, max_in_flight: int = 0) -> int:
     """Micro-batches stage `index` of `stages` keeps unanswered (forwarded, not yet back-propagated).
 

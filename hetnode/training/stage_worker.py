@@ -28,7 +28,7 @@ from hetnode.config import Config
 from hetnode.errors import UpdateRefused
 from hetnode.model.decoder import DecoderStage, build_stage
 from hetnode.model.subspace import SubspaceConstraint
-from hetnode.training.schedule import warmup_cosine
+from hetnode.training.schedule import schedule_position, warmup_cosine
 
 FLOAT32_MAX = torch.finfo(torch.float32).max
 
@@ -74,6 +74,8 @@ class StageWorker:
         self.compress = compress
         self.wire_dtype = wire_dtype
         self.schedule_offset = 0  # the swarm's schedule position minus ours (see InnerTrainer)
+        # paced rounds: (round, our version when it began, H, the cap): the schedule moves by round
+        self.paced_round: tuple[int, int, int, int] | None = None
         self.version = 0  # optimiser updates applied so far
         self.in_flight: dict[int, _InFlight] = {}
         self.staleness: list[tuple[int, int]] = []  # (micro-batch, updates between its forward and backward)
@@ -144,7 +146,11 @@ class StageWorker:
         projected = time.perf_counter()
         if self.grad_clip > 0:
             nn.utils.clip_grad_norm_(self.stage.parameters(), self.grad_clip)
-        lr = self.lr_at(self.version + self.schedule_offset)
+        if self.paced_round is None:
+            lr = self.lr_at(self.version + self.schedule_offset)
+        else:
+            round_, began, inner_steps, cap = self.paced_round
+            lr = self.lr_at(schedule_position(round_, self.version - began, inner_steps, cap))
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         self.optimizer.step()

@@ -23,7 +23,9 @@ import torch
 from hetnode.errors import WireError
 
 FRAME_VERSION = 1
-FrameKind = Literal["act", "grad", "drift"]
+# act, grad: a micro-batch down and its gradient up; drift: a round's embedding drift, before its first act;
+# end (paced rounds): after a round's last act, how many micro-batches the round had (its `mb` field)
+FrameKind = Literal["act", "grad", "drift", "end"]
 MAX_DRIFT_VALUE = 1e4  # |T_S − P(T_S)| of any sane embedding is far below this
 # `act` and `grad` frames are bounded from the model's width d. A coordinate of a vector is at most its norm,
 # √d·rms, and so is a subspace coefficient (x − T_fix[tok])·U (U orthonormal): bounding the rms of the
@@ -82,7 +84,7 @@ class DecodedFrame:
     kind: FrameKind
     round: int
     mb: int
-    tensor: torch.Tensor  # (B, T, width) in the frame dtype; (V, d) fp32 for drift
+    tensor: torch.Tensor  # (B, T, width) in the frame dtype; (V, d) fp32 for drift; empty for end
     tokens: torch.Tensor | None
     targets: torch.Tensor | None
 
@@ -126,6 +128,13 @@ def encode_frame(
     return msgpack.packb(message, use_bin_type=True)
 
 
+def encode_round_end(round_: int, count: int) -> bytes:
+    """The first stage's word, after round `round_`'s last act frame, that the round had `count`
+    micro-batches (paced rounds: a chain trains as many as the budget allows)."""
+    message = {"type": "frame", "v": FRAME_VERSION, "kind": "end", "round": round_, "mb": count}
+    return msgpack.packb(message, use_bin_type=True)
+
+
 def _id_bytes(ids: torch.Tensor) -> bytes:
     return ids.to(torch.int32).cpu().numpy().astype("<u2").tobytes()
 
@@ -164,6 +173,8 @@ def decode_frame(
         raise WireError("round", f"frame of round {round_}, this stage is in round {expect_round}")
     if kind == "drift":
         return _drift_frame(message, limits, round_)
+    if kind == "end":  # the count is checked by the stage, against what it received
+        return DecodedFrame("end", round_, mb, torch.empty(0), None, None)
     if message.get("dtype") != limits.dtype:
         raise WireError("dtype", f"expected {limits.dtype!r}, got {message.get('dtype')!r}")
     shape = message.get("shape")

@@ -7,12 +7,14 @@ from __future__ import annotations
 import pytest
 
 from bootstrap.verifier import Replica, Verifier
+from hetnode.algo.scoring import steps_shown
 from hetnode.config import replace
 from hetnode.daemon.rounds import AnchorTraining, data_slot
+from hetnode.daemon.sealing import STEPS_SLACK, verified_steps
 from hetnode.data.dataset import TokenDataset
 from hetnode.model.decoder import build_model
-from hetnode.planning.rounds import schedule_position
 from hetnode.replica.global_model import GlobalModel, base_fixed_embedding
+from hetnode.training.schedule import schedule_position
 
 
 @pytest.fixture(scope="module")
@@ -72,3 +74,29 @@ def test_a_slow_and_a_fast_honest_replica_are_judged_per_step(paced):
     replicas = {peer: Replica(peer, data_slot(peer)) for peer, _ in contributions}
     scores = verifier.score(round_, theta.params, contributions, replicas, steps)
     assert set(scores) == set(budgets) and min(scores.values()) >= 0, scores
+
+
+def test_a_claim_of_more_steps_than_taken_shows_in_the_updates_norm(paced):
+    """Updates of 2, 4 and 8 steps from one θ, in a warm-up (the learning rate rises step by step), claimed
+    truly, and one of 4 claimed as 8: each counts the steps it took, whatever was claimed; strangers (weight
+    0) claiming one step for a big update cannot change what one step's norm is."""
+    config, dataset = paced
+    theta = GlobalModel(config)
+    taken = {"two": 2, "four": 4, "eight": 8, "liar": 4}
+    claimed = taken | {"liar": 8}
+    updates = {}
+    for peer, steps in taken.items():
+        training = AnchorTraining(config, dataset, peer)
+        training.rebase(training.rebase_from(theta, next_round=0))
+        trained = training.train_round(0, steps=steps)
+        decoded = theta.decode_contribution(peer, 0, trained.payloads)
+        updates[peer] = {n: v for m in decoded for n, v in m.sparse.items()}
+    honest = dict.fromkeys(taken, 1)
+    counted = verified_steps(config, 0, updates, claimed, honest)
+    assert counted == taken, counted  # the liar: the 4 it took, not the 8 it claimed
+    # without the learning rate (steps as if all at one rate), a warm-up's rising rate misjudges them
+    shown = steps_shown(updates, claimed, honest)
+    assert shown["two"] < 2 / STEPS_SLACK or shown["eight"] > 8 * STEPS_SLACK, shown
+    strangers = {f"stranger-{i}": updates["eight"] for i in range(5)}
+    crowd = verified_steps(config, 0, updates | strangers, claimed | dict.fromkeys(strangers, 1), honest)
+    assert {p: crowd[p] for p in taken} == taken

@@ -10,9 +10,9 @@ from hetnode.planning.rounds import (
     RoundBudget,
     another_step,
     assigned_batches,
-    schedule_position,
     sits_out,
 )
+from hetnode.training.schedule import schedule_position
 
 
 def test_rounds_of_any_steps_never_share_a_batch_and_a_claim_names_exactly_its_batches():
@@ -39,14 +39,19 @@ def test_the_budget_is_the_weighted_median_time_for_h_steps_and_strangers_cannot
     # a crowd of weightless identities claiming an hour each, and nonsense, change nothing
     budget.observe([(3600.0, 1, 0)] * 50 + [(float("nan"), 10, 8), (-1.0, 10, 8), (9.0, 0, 8)])
     assert budget.seconds == 5.0
-    budget.observe([(0.01, 10, 8)])  # the last rounds together: one fast round moves it, not all the way
-    assert budget.seconds == 4.0
-    fast = RoundBudget(inner_steps=10, floor_s=1.0, ceiling_s=100.0)
-    fast.observe([(0.01, 10, 8)])  # within the floor and the ceiling
-    assert fast.seconds == 1.0
-    for _ in range(budget.keep):  # only the last rounds count
+    for _ in range(budget.keep):  # only the last rounds count, within the floor and the ceiling
         budget.observe([(500.0, 10, 8)])
     assert budget.seconds == 100.0
+    budget.observe([(0.01, 10, 8)] * 3)
+    assert budget.seconds == 1.0
+
+
+def test_where_most_replicas_are_slow_the_fast_ones_still_fit_their_cap():
+    budget = RoundBudget(inner_steps=10, floor_s=1.0, ceiling_s=100.0, cap_ratio=2.0)
+    # one fast replica (4 s for H) that has earned more, two slow ones (20 s for H): the median is slow,
+    # but the fast one would reach its cap of 2H in 8 s and then wait: the budget is 8 s
+    budget.observe([(4.0, 10, 8), (20.0, 10, 5), (20.0, 10, 5)])
+    assert budget.seconds == 8.0
 
 
 def test_a_replica_steps_to_the_budget_within_the_floor_and_the_cap():

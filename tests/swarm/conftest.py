@@ -136,13 +136,21 @@ class Swarm:
         return self.start("bootstrap", [*args, *extra], command=command)
 
     def join(
-        self, name: str, peer: str, bandwidth: str = "auto", listen: str = LOOPBACK, extra=(), prefix=None
+        self,
+        name: str,
+        peer: str,
+        bandwidth: str = "auto",
+        listen: str = LOOPBACK,
+        extra=(),
+        prefix=None,
+        command=None,
     ):
+        """`command`: what runs instead of `hetnode` (a test's hook script that then runs the CLI)."""
         args = ["join", "--peer", peer, "--name", name, "--bandwidth", bandwidth, "--listen", listen]
         args += ["--data-dir", str(self.tmp_path / name), "--data-cache", str(self.data_dir)]
         if "--metrics-port" not in extra:
             args += ["--metrics-port", "0"]  # every test daemon serves /metrics (READY says where)
-        return self.start(name, [*args, *extra], prefix)
+        return self.start(name, [*args, *extra], prefix, command)
 
     def status(self, peer: str, prefix: list[str] | None = None) -> dict:
         result = subprocess.run(

@@ -18,8 +18,10 @@ FAST_ROUNDS = {"inner_steps": 10}
 TOKENS_PER_REPLICA = 10 * 16 * 128  # H micro-batches x batch x sequence
 
 
-def start_anchor_and_chain(swarm, stages: int = 2, max_in_flight: int = 0, overlap: bool = False):
-    outer = {**FAST_ROUNDS, "overlap": overlap}
+def start_anchor_and_chain(
+    swarm, stages: int = 2, max_in_flight: int = 0, overlap: bool = False, schedule: str = "steps"
+):
+    outer = {**FAST_ROUNDS, "overlap": overlap, "schedule": schedule}
     config = swarm.config(outer=outer, pipeline={"stages": stages, "max_in_flight": max_in_flight})
     boot = swarm.bootstrap(config)
     boot.wait_ready()
@@ -103,12 +105,24 @@ def weight_delays(swarm, edges) -> list[int]:
     return [by_stage[s] for s in sorted(by_stage)]
 
 
-def test_an_overlapped_chain_of_three_runs_1f1b_and_trains_each_round_while_the_last_syncs(swarm):
-    boot, anchor, edges = start_anchor_and_chain(swarm, stages=3, overlap=True)
+def test_an_overlapped_paced_chain_of_three_runs_1f1b_and_trains_each_round_while_the_last_syncs(swarm):
+    """Paced too (`outer.schedule = "paced"`): the first stage feeds the micro-batches that fit the round's
+    budget and ends the round with their count, which every stage trains, announces and is sealed with."""
+    boot, anchor, edges = start_anchor_and_chain(swarm, stages=3, overlap=True, schedule="paced")
     chain = {edge.peer_id for edge in edges}
     history = swarm.wait_for_history(
         lambda h: sum(chain <= set(e["contributors"]) for e in h) >= 3, 300, "3 rounds with the chain"
     )
+    H, cap = FAST_ROUNDS["inner_steps"], 2 * FAST_ROUNDS["inner_steps"]
+    with_chain = [e for e in history if chain <= set(e["contributors"])]
+    for entry in with_chain:  # every stage of a round counted the same micro-batches, within floor and cap
+        counts = {entry["steps"][peer] for peer in chain}
+        assert len(counts) == 1 and 1 <= counts.pop() <= cap, entry
+    assert any(e["budget_s"] for e in history)
+    logged = [{r["round"]: r["steps"] for r in read_rounds(swarm.tmp_path / e.name)} for e in edges]
+    shared = set(logged[0]) & set(logged[1]) & set(logged[2])
+    assert shared and all(len({log[r] for log in logged}) == 1 for r in shared), logged
+    assert all(1 <= log[r] <= cap for log in logged for r in log) and H
     logs = "".join(edge.tail(400) for edge in edges)
     assert all(f"stage {s} of 3 connected" in logs for s in range(3))
     assert "in-flight work dropped" not in logs

@@ -1,9 +1,14 @@
 """Paced rounds over real daemons (`outer.schedule = "paced"`, docs/sync.md "Paced rounds"): an anchor held
 to a quarter of a core trains fewer steps than a free one in the same rounds, instead of holding every
-round to its pace; both are in every seal, hold the coordinator's θ bit for bit, and are credited their
-own steps."""
+round to its pace; both are in every seal, hold the coordinator's θ bit for bit, and are weighed and
+credited by their own steps. A third anchor on a quarter core announces twice the steps it took (a test
+hook, `anchor_hooks.py`): the seal counts only the steps its update shows, so it gains neither weight nor
+credit over the honest one of its speed."""
 
 import os
+import re
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -14,61 +19,81 @@ pytestmark = [
     pytest.mark.slow,
     pytest.mark.skipif(
         os.geteuid() != 0 or not (CPU_ROOT / "cpu.cfs_quota_us").exists(),
-        reason="needs root and the cgroup-v1 cpu controller (a fixed CPU share for the slow anchor)",
+        reason="needs root and the cgroup-v1 cpu controller (a fixed CPU share for the slow anchors)",
     ),
 ]
 
-PACED = {"schedule": "paced", "inner_steps": 20, "min_inner_steps": 1, "max_inner_steps": 40}
+ROOT = Path(__file__).resolve().parents[2]
+OVERCLAIM = [sys.executable, str(ROOT / "tests" / "swarm" / "anchor_hooks.py")]
+H = 20
+PACED = {"schedule": "paced", "inner_steps": H, "min_inner_steps": 1, "max_inner_steps": 2 * H}
 
 
-def test_a_quarter_core_anchor_trains_fewer_steps_in_the_same_rounds_and_is_in_every_seal(swarm):
-    with CpuQuotas({"slow": 0.25}) as quotas:
+def test_slow_anchors_train_fewer_steps_in_the_same_rounds_and_a_claim_of_more_gains_nothing(swarm):
+    with CpuQuotas({"slow": 0.25, "liar": 0.25}) as quotas:
         boot = swarm.bootstrap(swarm.config(outer=PACED))
         boot.wait_ready()
         fast = swarm.join("fast", boot.maddr, "1000")
         slow = swarm.join("slow", boot.maddr, "1000", prefix=quotas.prefix("slow"))
-        fast.wait_ready()
-        slow.wait_ready()
-        both = {fast.peer_id, slow.peer_id}
+        liar = swarm.join("liar", boot.maddr, "1000", prefix=quotas.prefix("liar"), command=OVERCLAIM)
+        for daemon in (fast, slow, liar):
+            daemon.wait_ready()
+        everyone = {fast.peer_id, slow.peer_id, liar.peer_id}
 
-        def paced_rounds(history):
-            # rounds sealed with both anchors once a budget was set (the first rounds run H steps)
-            return [e for e in history if set(e["contributors"]) == both and e["round"] > 0 and e["budget_s"]]
+        def paced_rounds(history):  # sealed with all three once a budget was set (the first run H steps)
+            return [e for e in history if set(e["contributors"]) == everyone and e["budget_s"]]
 
         history = swarm.wait_for_history(
-            lambda h: len(paced_rounds(h)) >= 4, timeout=240, what="four paced rounds with both anchors"
+            lambda h: len(paced_rounds(h)) >= 5, timeout=300, what="five paced rounds with all three anchors"
         )
         paced = paced_rounds(history)
+        taken = {
+            int(m[1]): int(m[2])
+            for m in re.finditer(r"overclaim: round (\d+) took (\d+) steps", liar.tail(400))
+        }
         for entry in paced:
-            steps = entry["steps"]
-            assert all(1 <= n <= 40 for n in steps.values()), entry
+            steps, weights, credits = entry["steps"], entry["weights"], entry["credits"]
+            assert all(1 <= n <= 2 * H for n in steps.values()), entry
             assert steps[slow.peer_id] < steps[fast.peer_id], entry  # the same round, fewer steps
-        # once both had trained, every seal had both: the slow one did not stretch a round nor miss one
-        first = min(e["round"] for e in history if set(e["contributors"]) == both)
+            # weight counts steps (earned weight × steps), credit follows them up to H
+            assert weights[slow.peer_id] < weights[fast.peer_id], entry
+            assert credits[slow.peer_id]["steps"] == steps[slow.peer_id]
+            assert credits[fast.peer_id]["steps"] == min(steps[fast.peer_id], H)
+            # the liar claimed twice what it took; the seal counted what its update shows (its error
+            # feedback carries some of the rounds before: a round may show a step or two more)
+            took = taken[entry["round"]]
+            assert steps[liar.peer_id] < 2 * took or took == 1, (entry, took)
+        # over the rounds, the liar weighs and earns no more than the honest anchor of its speed
+        liar_credit = sum(e["credits"][liar.peer_id]["tokens"] for e in paced)
+        slow_credit = sum(e["credits"][slow.peer_id]["tokens"] for e in paced)
+        assert liar_credit <= 1.3 * slow_credit, (liar_credit, slow_credit)
+        liar_weight = sum(e["weights"][liar.peer_id] for e in paced)
+        assert liar_weight <= 1.3 * sum(e["weights"][slow.peer_id] for e in paced)
+        # once all had trained, every seal had all three: the slow ones neither stretched nor missed a round
+        first = min(e["round"] for e in history if set(e["contributors"]) == everyone)
         later = [e for e in history if e["round"] > first]
-        assert later and all(set(e["contributors"]) == both for e in later), later
-        budgets = [e["budget_s"] for e in paced]
-        assert all(0.5 <= b <= 600 for b in budgets), budgets
+        assert later and all(set(e["contributors"]) == everyone for e in later), later
+        assert all(0.5 <= e["budget_s"] <= 600 for e in paced)
 
         document = swarm.wait_for(
             boot.maddr,
             lambda d: all(
                 (p.get("params_round") or -1) >= paced[-1]["round"]
                 for p in d["peers"]
-                if p["name"] in ("fast", "slow")
+                if p["name"] in ("fast", "slow", "liar")
             ),
             timeout=60,
-            what="both anchors hold the last paced round",
+            what="the anchors hold the last paced round",
         )
-        swarm.agree_with_coordinator(document, {"fast", "slow"})
-
-        # each announced the steps it took (its round log) and the seal carried them
-        logged = {r["round"]: r["steps"] for r in read_rounds(swarm.tmp_path / "slow")}
-        for entry in paced:
-            if entry["round"] in logged:
-                assert logged[entry["round"]] == entry["steps"][slow.peer_id], (entry, logged)
-        # credit follows steps (up to H): the slow anchor's rows name its own steps
-        for entry in paced:
-            rows = entry["credits"]
-            assert rows[slow.peer_id]["steps"] == entry["steps"][slow.peer_id]
-            assert rows[fast.peer_id]["steps"] == min(entry["steps"][fast.peer_id], 20)
+        swarm.agree_with_coordinator(document, {"fast", "slow", "liar"})
+        # each honest anchor announced the steps it took (its round log), and the seal took them: its
+        # update shows them
+        for daemon in (fast, slow):
+            logged = {r["round"]: r["steps"] for r in read_rounds(swarm.tmp_path / daemon.name)}
+            for entry in paced:
+                if entry["round"] in logged:
+                    assert logged[entry["round"]] == entry["steps"][daemon.peer_id], (
+                        daemon.name,
+                        entry,
+                        logged,
+                    )
