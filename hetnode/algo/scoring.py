@@ -21,6 +21,8 @@ import torch
 from torch import nn
 from torch.func import functional_call
 
+from hetnode.algo.quantiles import weighted_quantile
+
 SparseValues = tuple[torch.Tensor, torch.Tensor]  # (flat indices, float32 values)
 SCORE_MARGIN = 0.1  # a contribution must help at least this fraction of the round's typical one
 # An update's norm grows as work^k, work the summed learning rate of its steps (`steps_shown`): k ≈ 0.84
@@ -132,7 +134,7 @@ def steps_shown(
             if not others or norm <= 0:
                 continue
             k = _exponent(others, claimed, held)
-            unit = _weighted_quantile(
+            unit = weighted_quantile(
                 [(n / claimed[p] ** k, held[p]) for p, n in others.items()], 0.5, upper=True
             )
             if unit > 0:
@@ -153,15 +155,4 @@ def _exponent(norms: Mapping[str, float], claimed: Mapping[str, float], held: Ma
     if not slopes:
         return NORM_STEPS_EXPONENT
     # upper: an identity that claims more than it did flattens the pairs it is in
-    return min(1.0, max(0.5, _weighted_quantile(slopes, 0.5, upper=True)))
-
-
-def _weighted_quantile(samples: Sequence[tuple[float, int]], q: float, upper: bool = False) -> float:
-    """The lower (`upper`: upper) weighted `q`-quantile of (value, weight) samples: an actual value."""
-    ordered = sorted(samples, reverse=upper)
-    total, counted = sum(w for _, w in ordered), 0
-    for value, weight in ordered:
-        counted += weight
-        if counted >= q * total:
-            return value
-    return ordered[-1][0]
+    return min(1.0, max(0.5, weighted_quantile(slopes, 0.5, upper=True)))

@@ -20,6 +20,7 @@ from collections import deque
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
+from hetnode.algo.quantiles import weighted_quantile
 from hetnode.config import Config
 
 BATCH_OFFSETS = 2**20  # replicas that share a data slot start this far apart in its stream of batches
@@ -83,18 +84,8 @@ class RoundBudget:
         samples = sorted(sample for round_ in self.rounds for sample in round_)
         if not samples:
             return None
-        budget = min(_quantile(samples, 0.5), self.cap_ratio * _quantile(samples, 0.25))
+        budget = min(weighted_quantile(samples, 0.5), self.cap_ratio * weighted_quantile(samples, 0.25))
         return min(self.ceiling_s, max(self.floor_s, budget))
-
-
-def _quantile(samples: list[tuple[float, int]], q: float) -> float:
-    """The lower weighted `q`-quantile of sorted (value, weight) samples: an actual sample's value."""
-    total, counted = sum(w for _, w in samples), 0
-    for value, weight in samples:
-        counted += weight
-        if counted >= q * total:
-            return value
-    return samples[-1][0]
 
 
 def sits_out(budget_s: float | None, step_s: float | None, floor: int) -> bool:
