@@ -213,9 +213,9 @@ def _wait_for_start(
     swarm: RunningSwarm, plan: UtilizationPlan, label: str, say: Callable[[str], None]
 ) -> tuple[dict[str, Any], str]:
     """(the start seal, who ran at it): the first seal once every replica has trained and synced a
-    round (`start_seal`); if the chain has not `chain_wait_s` after the anchors did (it cannot keep up
-    with them), the newest seal then, without it. Ends with the daemons' roles when not even the anchors
-    sync a round within the plan's start timeout."""
+    round (`start_seal`); if the slow anchor or the chain has not `chain_wait_s` after the other anchors
+    did (it cannot keep up with them), the newest seal then, without it. Ends with the daemons' roles when
+    not even the other anchors sync a round within the plan's start timeout."""
     deadline = time.monotonic() + plan.start_timeout_s
     anchors_at: float | None = None
     say(f"{label}: waiting for the anchors and the chain to train and sync a round")
@@ -227,14 +227,16 @@ def _wait_for_start(
         if first is not None:
             say(f"{label}: every replica runs; measuring from round {first['round']}'s seal")
             return first, "every replica"
-        if anchors_at is None and start_seal(history, {a: logs[a] for a in ANCHORS}) is not None:
+        fast = {a: logs[a] for a in ANCHORS if a != SLOW_ANCHOR}
+        if anchors_at is None and start_seal(history, fast) is not None:
             anchors_at = time.monotonic()
         if anchors_at is not None and time.monotonic() - anchors_at >= plan.chain_wait_s:
+            late = [name for name in (SLOW_ANCHOR, *STAGES) if not logs[name]]
             say(
-                f"{label}: the chain synced no round in {plan.chain_wait_s:g} s after the anchors did; "
-                f"measuring from round {history[-1]['round']}'s seal all the same"
+                f"{label}: {', '.join(late)} synced no round in {plan.chain_wait_s:g} s after the other "
+                f"anchors did; measuring from round {history[-1]['round']}'s seal all the same"
             )
-            return history[-1], "anchors only: the chain had synced no round"
+            return history[-1], f"without {', '.join(late)}: no round synced yet"
         time.sleep(1.0)
     raise LabStalled(
         f"{label}: the anchors trained and synced no round within {plan.start_timeout_s:.0f} s; the "
