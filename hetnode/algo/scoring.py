@@ -25,10 +25,12 @@ from hetnode.algo.quantiles import weighted_quantile
 
 SparseValues = tuple[torch.Tensor, torch.Tensor]  # (flat indices, float32 values)
 SCORE_MARGIN = 0.1  # a contribution must help at least this fraction of the round's typical one
-# An update's norm grows as work^k, work the summed learning rate of its steps (`steps_shown`): k ≈ 0.84
-# over 1-20 steps from one θ a few rounds in, within ±2 % between replicas at equal steps (tiny;
-# benchmarks/results/paced_weighting, "improvement_vs_steps"); what a round's own pairs do not tell
-NORM_STEPS_EXPONENT = 0.84
+# An update's norm grows as work^k, work the summed learning rate of its steps (`steps_shown`), k between
+# 1/2 and 1. Where a round's others do not measure k, an update is judged at each of these and counted the
+# most any shows: an honest replica far faster than all the others is not cut by a guessed k (a steady-state
+# swarm's k ≈ 0.7 against a guess of 0.84 counted 20 honest steps as 13), and a claim no k in the range
+# supports is still refused.
+UNMEASURED_EXPONENTS = (0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
 
 
 def update_norm(update: Mapping[str, SparseValues]) -> float:
@@ -114,9 +116,10 @@ def steps_shown(
     steps agree), 0.84 a few rounds in, ≈ 0.6 in steady state, where error feedback carries earlier rounds'
     residue (measured: docs/sync.md, "Paced rounds"). So each update is judged against the others alone,
     never itself: from them, per tensor, k (the upper weighted median of log norm ratio / log work ratio
-    over their pairs whose work differs by half or more) and one unit's norm (the upper weighted median of
-    norm / claimed^k: identities that claim more than they did sit below it); the update shows
-    (norm / unit)^(1/k) units on each tensor, and the median over its tensors. Weighted: identities without
+    over their pairs whose work differs by half or more; where none does, each k in UNMEASURED_EXPONENTS
+    and the most any shows) and one unit's norm (the upper weighted median of norm / claimed^k: identities
+    that claim more than they did sit below it); the update shows (norm / unit)^(1/k) units on each tensor,
+    and the median over its tensors. Weighted: identities without
     a verified history (weight 0) move nothing; one identity cannot move its own judgement. An update with
     no other to be judged against shows what it claims."""
     per_tensor: dict[str, dict[str, float]] = {}
@@ -133,18 +136,27 @@ def steps_shown(
             others = {p: n for p, n in norms.items() if p != peer and held[p] > 0}
             if not others or norm <= 0:
                 continue
-            k = _exponent(others, claimed, held)
-            unit = weighted_quantile(
-                [(n / claimed[p] ** k, held[p]) for p, n in others.items()], 0.5, upper=True
-            )
-            if unit > 0:
-                shown[peer].append((norm / unit) ** (1 / k))
+            measured = _exponent(others, claimed, held)
+            ks = UNMEASURED_EXPONENTS if measured is None else (measured,)
+            on_tensor = [w for k in ks if (w := _work_at(k, norm, others, claimed, held)) is not None]
+            if on_tensor:
+                shown[peer].append(max(on_tensor))
     return {peer: sorted(v)[len(v) // 2] if v else float(claimed.get(peer, 0)) for peer, v in shown.items()}
 
 
-def _exponent(norms: Mapping[str, float], claimed: Mapping[str, float], held: Mapping[str, int]) -> float:
+def _work_at(
+    k: float, norm: float, others: Mapping[str, float], claimed: Mapping[str, float], held: Mapping[str, int]
+) -> float | None:
+    """The work a norm shows at exponent k, one unit's norm taken from the others (None: they show none)."""
+    unit = weighted_quantile([(n / claimed[p] ** k, held[p]) for p, n in others.items()], 0.5, upper=True)
+    return (norm / unit) ** (1 / k) if unit > 0 else None
+
+
+def _exponent(
+    norms: Mapping[str, float], claimed: Mapping[str, float], held: Mapping[str, int]
+) -> float | None:
     """k in norm ∝ work^k from these updates' pairs whose work differs by half or more, within [1/2, 1]
-    (NORM_STEPS_EXPONENT when no pair does)."""
+    (None when no pair does)."""
     peers = sorted(p for p in norms if norms[p] > 0)
     slopes = [
         (math.log(norms[a] / norms[b]) / math.log(claimed[a] / claimed[b]), min(held[a], held[b]))
@@ -153,6 +165,6 @@ def _exponent(norms: Mapping[str, float], claimed: Mapping[str, float], held: Ma
         if abs(math.log(claimed[a] / claimed[b])) >= math.log(1.5)
     ]
     if not slopes:
-        return NORM_STEPS_EXPONENT
+        return None
     # upper: an identity that claims more than it did flattens the pairs it is in
     return min(1.0, max(0.5, weighted_quantile(slopes, 0.5, upper=True)))
