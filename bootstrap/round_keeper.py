@@ -225,7 +225,9 @@ class RoundKeeper:
             return
         started = time.monotonic()
         replicas = {peer: replica_of(peer, view.peers.get(peer)).key for peer in seen}
-        sealed = await self.sealer.decide(round_, seen, replicas)
+        # paced: replicas sitting out say how long their floor of steps takes; the budget lets them in
+        floors = [r["floor_s"] for r in view.peers.values() if isinstance(r.get("floor_s"), float)]
+        sealed = await self.sealer.decide(round_, seen, replicas, floors)
         if sealed is None:
             return
         entry, work = await self._commit(sealed, started)

@@ -3,7 +3,7 @@ arithmetic is in `hetnode/bench/utilization_figures.py`)."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -34,6 +34,18 @@ COLOURS = {"lockstep": "tab:blue", "overlap": "tab:orange", "paced": "tab:green"
 COMMAND = "sudo .venv/bin/hetnode bench utilization"
 
 
+def left_out_reasons(peer: str, seals: Sequence[Mapping[str, Any]]) -> dict[str, int]:
+    """Why `peer`'s announced work was not in the seals that left it out: the screen's reason, or "late"
+    (excluded before the screen: its payload did not arrive in time or did not check)."""
+    reasons: dict[str, int] = {}
+    for entry in seals:
+        late = "late" if peer in entry.get("excluded", ()) else None
+        reason = (entry.get("rejected") or {}).get(peer) or late
+        if reason is not None:
+            reasons[reason] = reasons.get(reason, 0) + 1
+    return reasons
+
+
 def rule_summary(run: Mapping[str, Any], warmup_rounds: int) -> dict[str, Any]:
     """One run's `R`: each replica's figures over its measured rounds, the swarm's, the seals'; for a run
     that stalled, its reason and nothing measured."""
@@ -52,6 +64,7 @@ def rule_summary(run: Mapping[str, Any], warmup_rounds: int) -> dict[str, Any]:
         figures["seal_share"] = (
             sum(peer in e["contributors"] for e in seals) / len(seals) if peer and seals else None
         )
+        figures["left_out"] = left_out_reasons(peer, seals) if peer else {}
         replicas.append(figures)
     total = sum(r["tokens"] for r in replicas if r["role"] == "anchor")
     total += max((r["tokens"] for r in replicas if r["role"] == "stage"), default=0)  # a chain once

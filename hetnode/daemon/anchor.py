@@ -31,6 +31,7 @@ from hetnode.daemon.rounds import AnchorTraining, TrainedRound, write_state
 from hetnode.daemon.view import PeerDirectory
 from hetnode.data.dataset import TokenDataset
 from hetnode.net.node import SwarmNode
+from hetnode.net.records import MAX_ROUND_S
 from hetnode.replica.global_model import GlobalModel, sha256_hex
 from hetnode.service.metrics import PeerMetrics
 from hetnode.service.presence import Presence
@@ -104,6 +105,7 @@ class AnchorLoop:
                 if trained.sat_out:  # paced, and too slow for the budget: the round goes on without us
                     if self.metrics is not None:
                         self.metrics.rounds_sat_out.inc()
+                    await self.presence.update(floor_s=self._floor_s(training))  # the budget may let us in
                     if not await self.rounds.sit_out(trained.round, stop):
                         return
                     inbox.post(await asyncio.to_thread(self._rebase, training, stale, ()))
@@ -130,6 +132,7 @@ class AnchorLoop:
                     tokens=training.tokens,
                     outer_step=self.global_model.params_round,
                     utilization=self.rounds.utilization,
+                    floor_s=self._floor_s(training),
                 )
         except TrainingStopped:
             return
@@ -139,6 +142,12 @@ class AnchorLoop:
             for rebase in inbox.drain():  # θ applied but not yet stood on: its state is the newest
                 training.rebase(rebase)
             await asyncio.to_thread(writer.close)
+
+    def _floor_s(self, training: AnchorTraining) -> float | None:
+        """Paced: the seconds our floor of inner steps takes at our measured pace (in our record)."""
+        if not self.config.outer.paced or training.step_s is None:
+            return None
+        return min(MAX_ROUND_S, max(1e-3, self.config.outer.step_floor * training.step_s))
 
     def _train(self, training: AnchorTraining, round_: int, inbox: RebaseInbox) -> asyncio.Future:
         training.budget_s = self.rounds.round_budget_s  # paced: the newest budget a seal gave us

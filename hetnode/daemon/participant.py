@@ -205,11 +205,8 @@ class RoundParticipant:
         sealed = await self.wait_for_seal(round_, announcement, stop)
         if sealed is None:
             return None
-        try:
-            included = await self.apply(*sealed)
-        except RoundFailed as exc:
-            log.warning("round %d: %s; catching up from the sealer", round_, exc)
-            await self.catch_up(stop)
+        included = await self._apply_or_catch_up(round_, sealed, stop)
+        if included is None:
             return Outcome(False, await self.settle_unsent(round_, sealed[1]))
         if not included:
             # Left out of the seal: what we sent never reached θ, so it goes back into error feedback.
@@ -244,12 +241,20 @@ class RoundParticipant:
         sealed = await self.wait_for_seal(round_, None, stop)
         if sealed is None:
             return False
+        await self._apply_or_catch_up(round_, sealed, stop)
+        return not stop.is_set()
+
+    async def _apply_or_catch_up(
+        self, round_: int, sealed: tuple[str, dict], stop: asyncio.Event
+    ) -> bool | None:
+        """Apply the seal that came for `round_`; when it cannot be applied here, catch up from the sealer.
+        Whether our contribution is in it; None: caught up instead."""
         try:
-            await self.apply(*sealed)
+            return await self.apply(*sealed)
         except RoundFailed as exc:
             log.warning("round %d: %s; catching up from the sealer", round_, exc)
             await self.catch_up(stop)
-        return not stop.is_set()
+            return None
 
     async def wait_for_seal(
         self, round_: int, announcement: dict | None, stop: asyncio.Event

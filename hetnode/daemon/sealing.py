@@ -35,7 +35,7 @@ import itertools
 import logging
 import time
 from collections import deque
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -361,12 +361,17 @@ class Sealer:
         return sealed
 
     async def decide(
-        self, round_: int, seen: dict[str, Announcement], replica_of: Mapping[str, str] | None = None
+        self,
+        round_: int,
+        seen: dict[str, Announcement],
+        replica_of: Mapping[str, str] | None = None,
+        floors: Iterable[float] = (),
     ) -> SealedRound | None:
         """Validate every announced contribution, aggregate the valid ones, keep their payloads to serve
         and write the seal record; nothing is stored yet (the coordinator first puts on disk what its
         catch-up needs after a crash, then calls `publish`). `replica_of`: peer -> its replica (a chain's
-        stages: the chain), so that a paced round's budget counts a chain once (None: each on its own).
+        stages: the chain), so that a paced round's budget counts a chain once (None: each on its own);
+        `floors`: the seconds live replicas say their floor of steps takes (`RoundBudget.seconds_for`).
 
         None when no contribution was valid: nothing is sealed, and the excluded announcements are dropped
         from `seen` so the round stays open for whoever announces next."""
@@ -444,8 +449,8 @@ class Sealer:
         }
         if self.budget is not None:
             self.budget.observe(per_replica(good, steps, earned, replica_of or {}))
-            if self.budget.seconds is not None:
-                record["budget_s"] = float(round(self.budget.seconds, 3))
+            if (budget := self.budget.seconds_for(floors)) is not None:
+                record["budget_s"] = float(round(budget, 3))
         contributions = [(a.peer_id, p) for a, p, _ in good]
         return SealedRound(record, contributions, excluded, prepared, rejected, valid, steps, earned)
 

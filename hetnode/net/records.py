@@ -148,6 +148,9 @@ class PeerRecord(pydantic.BaseModel):
     # a replica's compute utilisation over its last rounds (seconds in inner steps / wall seconds,
     # `hetnode.service.round_log.rolling_utilization`): advice for people, nothing decides on it
     utilization: pydantic.confloat(strict=True, ge=0, le=1) | None = None  # type: ignore[valid-type]
+    # paced rounds: seconds this replica needs for its floor of inner steps (its measured pace); the
+    # budget rises to let it in, never past what the fastest need for their cap (`RoundBudget`)
+    floor_s: pydantic.confloat(strict=True, gt=0, le=MAX_ROUND_S) | None = None  # type: ignore[valid-type]
 
     _cap_digests = pydantic.validator("layer_digests", pre=True, allow_reuse=True)(_at_most_shards)
 

@@ -81,10 +81,19 @@ class RoundBudget:
 
     @property
     def seconds(self) -> float | None:
+        return self.seconds_for(())
+
+    def seconds_for(self, floors: Iterable[float]) -> float | None:
+        """The budget, raised to let in the live replicas whose floor of steps takes `floors` seconds (each
+        says so in its record: it sits out while its floor does not fit), but never past what the fastest
+        quarter needs for the cap: a claim of slowness, which nobody can check, makes the fast train up to
+        their cap and rounds that much longer, never idle."""
         samples = sorted(sample for round_ in self.rounds for sample in round_)
         if not samples:
             return None
-        budget = min(weighted_quantile(samples, 0.5), self.cap_ratio * weighted_quantile(samples, 0.25))
+        most = self.cap_ratio * weighted_quantile(samples, 0.25)
+        waiting = max((f for f in floors if math.isfinite(f) and f > 0), default=0.0)
+        budget = min(max(weighted_quantile(samples, 0.5), waiting), most)
         return min(self.ceiling_s, max(self.floor_s, budget))
 
 

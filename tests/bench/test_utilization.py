@@ -16,7 +16,7 @@ from hetnode.bench import utilization
 from hetnode.bench import utilization_figures as fig
 from hetnode.bench.cpu_quota import CPU_ROOT, CpuQuotas, parse_cpu_stat, quota_us, stray_folders
 from hetnode.bench.lab_swarm import merged_history
-from hetnode.bench.utilization_report import plot, summarise
+from hetnode.bench.utilization_report import left_out_reasons, plot, summarise
 from hetnode.cli.bench_utilization import print_summary
 from hetnode.cli.main import build_parser
 from hetnode.config import load_config
@@ -264,3 +264,14 @@ def test_a_run_that_stalled_is_reported_beside_the_ones_that_worked(tmp_path: Pa
     assert "overlap: not measured" in capsys.readouterr().out
     plot(report, tmp_path / "u.png")
     assert (tmp_path / "u.png").stat().st_size > 0
+
+
+def test_a_replica_left_out_of_a_seal_is_reported_with_the_reason():
+    seals = [
+        {"contributors": ["a"], "excluded": ["s"], "rejected": {"s": "score"}},
+        {"contributors": ["a"], "excluded": ["s"], "rejected": {}},  # not screened: late or unchecked
+        {"contributors": ["a", "s"], "excluded": [], "rejected": {}},
+        {"contributors": ["a"], "excluded": ["s"], "rejected": {"s": "score"}},
+    ]
+    assert left_out_reasons("s", seals) == {"score": 2, "late": 1}
+    assert left_out_reasons("a", seals) == {}

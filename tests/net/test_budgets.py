@@ -234,6 +234,7 @@ def _peer_record(n_shards: int, digest_chars: int = 16, stages: int = 0) -> dict
         "layer_digests": {s: "a" * digest_chars for s in shards},
         "tokens": 2**40,
         "utilization": 1.0,
+        "floor_s": 86400.0,
     }
 
 
@@ -356,3 +357,7 @@ def test_paced_fields_are_optional_and_strict_in_the_dhts_schema():
     assert not valid("seal", {**paced, "budget_s": 3})  # an int where a float belongs
     assert not valid("seal", {**paced, "budget_s": -1.0})
     assert not valid("announce", {**announce, "train_s": 1e9})
+    peer = _peer_record(4)  # a replica sitting out says how long its floor of steps takes
+    assert valid("peers", peer) and valid("peers", {k: v for k, v in peer.items() if k != "floor_s"})
+    for bad in (0.0, -1.0, 1e9, float("nan"), float("inf"), 5):
+        assert not valid("peers", {**peer, "floor_s": bad}), bad

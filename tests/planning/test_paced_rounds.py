@@ -54,6 +54,16 @@ def test_where_most_replicas_are_slow_the_fast_ones_still_fit_their_cap():
     assert budget.seconds == 8.0
 
 
+def test_a_replica_sitting_out_raises_the_budget_to_its_floor_never_past_the_fastest_cap():
+    budget = RoundBudget(inner_steps=10, floor_s=1.0, ceiling_s=100.0, cap_ratio=2.0)
+    budget.observe([(4.0, 10, 8), (4.0, 10, 8)])  # two replicas, 4 s for H: the median
+    assert budget.seconds_for([]) == budget.seconds == 4.0
+    assert budget.seconds_for([6.0, 1.0]) == 6.0  # a replica whose floor takes 6 s: let in
+    # a claim of any slowness (unchecked: a stranger's record) at most holds the fast ones to their cap
+    assert budget.seconds_for([3600.0]) == 8.0
+    assert budget.seconds_for([float("nan"), float("inf"), -5.0, 0.0]) == 4.0  # nonsense is no floor
+
+
 def test_a_replica_steps_to_the_budget_within_the_floor_and_the_cap():
     kw = {"floor": 2, "cap": 8, "nominal": 4}
 
