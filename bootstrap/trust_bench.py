@@ -39,6 +39,7 @@ from bootstrap.verifier import Replica, Verifier  # noqa: E402
 from hetnode.config import Config, replace  # noqa: E402
 from hetnode.daemon.faulty import StaleTheta  # noqa: E402
 from hetnode.daemon.rounds import AnchorTraining, data_slot  # noqa: E402
+from hetnode.daemon.sealing import paced_weights, verified_steps  # noqa: E402
 from hetnode.data import TokenDataset  # noqa: E402
 from hetnode.model.decoder import build_model  # noqa: E402
 from hetnode.replica.global_model import ApplyError, GlobalModel, base_fixed_embedding  # noqa: E402
@@ -58,6 +59,9 @@ class TrustPlan:
     modes: tuple[str, ...]
     batch_size: int | None = None  # None: the config's
     score_lag: int = SCORE_LAG
+    # paced rounds at mixed speeds: each honest replica's steps per round as a share of H (cycled), the
+    # attacker at H; the seal counts verified steps and weighs by them as the sealer does (empty: H each)
+    speeds: tuple[float, ...] = ()
 
 
 def plan_for(
@@ -66,6 +70,7 @@ def plan_for(
     modes: tuple[str, ...] = (),
     inner_steps: int | None = None,
     score_lag: int = SCORE_LAG,
+    speeds: tuple[float, ...] = (),
 ) -> TrustPlan:
     unknown = sorted(set(modes) - set(WORK_FAULTS))
     if unknown:
@@ -74,9 +79,21 @@ def plan_for(
         raise ValueError(f"--inner-steps must be >= 1, got {inner_steps}")
     if score_lag < 0:
         raise ValueError(f"--score-lag must be >= 0, got {score_lag}")
+    if not all(0 < x <= 2 for x in speeds):
+        raise ValueError(f"--speeds must each be in (0, 2] (a share of H, up to the cap 2H), got {speeds}")
     if quick:  # 13 runs of 5 replicas: small batches keep it to minutes on two cores
-        return TrustPlan(4, rounds or 6, inner_steps or 5, modes or WORK_FAULTS, 4, score_lag)
-    return TrustPlan(4, rounds or 10, inner_steps, modes or WORK_FAULTS, score_lag=score_lag)
+        return TrustPlan(4, rounds or 6, inner_steps or 5, modes or WORK_FAULTS, 4, score_lag, speeds)
+    return TrustPlan(4, rounds or 10, inner_steps, modes or WORK_FAULTS, score_lag=score_lag, speeds=speeds)
+
+
+def steps_of(config: Config, plan: TrustPlan, peers: list[str]) -> dict[str, int] | None:
+    """Paced: each replica's inner steps per round (the attacker, last, at H); None: H each."""
+    if not plan.speeds:
+        return None
+    o = config.outer
+    honest = [p for p in peers if p != ATTACKER]
+    shares = {p: plan.speeds[i % len(plan.speeds)] for i, p in enumerate(honest)} | {ATTACKER: 1.0}
+    return {p: min(o.step_cap, max(o.step_floor, round(o.inner_steps * shares[p]))) for p in peers}
 
 
 @dataclass
@@ -86,6 +103,8 @@ class RunResult:
     verify_seconds: list[float]
     train_seconds: list[float]  # per round: the slowest replica's training
     uncredited: list[dict[str, str]] = field(default_factory=list)  # per round: sealed, credit refused
+    counted: list[dict[str, int]] = field(default_factory=list)  # paced, per round: steps the seal counted
+    steps: dict[str, int] = field(default_factory=dict)  # paced: the steps each replica trains and claims
 
 
 @dataclass
@@ -122,19 +141,21 @@ def run_one(
         """Score the oldest round waiting, as the worker does: on θ before its step; its seconds."""
         work = waiting.popleft()
         started = time.perf_counter()
-        scores = verifier.score(work.round, work.theta_before, work.scorable, replicas)
+        scores = verifier.score(work.round, work.theta_before, work.scorable, replicas, steps)
         seconds = time.perf_counter() - started
         for v in verifier.verdicts(work.round, work.sealed, work.rejected, scores):
             if v.reason is not None and v.peer not in work.rejected:
                 result.uncredited[work.round][v.peer] = v.reason
         return seconds
 
+    steps = steps_of(config, plan, peers)
+    result.steps = steps or {}
     for round_ in range(plan.rounds):
         payloads, slowest = {}, 0.0
         for peer in peers:
             started = time.perf_counter()
             source = stale.train_from(theta) if (peer == ATTACKER and stale) else theta
-            payloads[peer] = trainers[peer].run_round(round_, source)
+            payloads[peer] = trainers[peer].run_round(round_, source, steps and steps[peer])
             slowest = max(slowest, time.perf_counter() - started)
         if fault == "copy":  # honest peer-h0's payload under the attacker's name
             payloads[ATTACKER] = {
@@ -145,10 +166,16 @@ def run_one(
         started = time.perf_counter()
         # arrival order: the attacker last (a copier needs its victim's payload first)
         seen = {p: float(i) for i, (p, _) in enumerate(contributions)}
-        rejected = verifier.screen(round_, contributions, seen) if verifier else {}
+        rejected = verifier.screen(round_, contributions, seen, steps) if verifier else {}
         verify_s = time.perf_counter() - started
         sealed = [(p, d) for p, d in contributions if p not in rejected]
         weights = verifier.weights([p for p, _ in sealed]) if verifier else None
+        if steps is not None:  # as the sealer: steps only as far as the update shows them, weight by them
+            earned = weights or dict.fromkeys((p for p, _ in sealed), 1)
+            updates = {p: {n: v for m in d for n, v in m.sparse.items()} for p, d in sealed}
+            counted = verified_steps(config, round_, updates, {p: steps[p] for p in updates}, earned)
+            weights = paced_weights(config, earned, counted)
+            result.counted.append(counted)
         try:
             prepared = theta.prepare(round_, sealed, weights)
         except ApplyError:  # as the sealer does: whoever alone makes the step non-finite is out
@@ -214,6 +241,12 @@ def rounds_with_weight(run: RunResult) -> int:
     return sum(1 for r in run.rejected if ATTACKER not in r)
 
 
+def steps_counted(run: RunResult) -> float | None:
+    """Paced: the least share of its steps any honest sealed contribution was counted (1: all, always)."""
+    shares = [n / run.steps[p] for r in run.counted for p, n in r.items() if p != ATTACKER]
+    return min(shares, default=None)
+
+
 def false_exclusions(run: RunResult) -> int:
     """Honest contributions left out of a seal or refused credit."""
     refused = [*run.rejected, *run.uncredited]
@@ -226,6 +259,9 @@ def run_benchmark(config: Config, plan: TrustPlan, out_dir: Path, progress: bool
         config = replace(config, "outer", inner_steps=plan.inner_steps)
     if plan.batch_size is not None:
         config = replace(config, "data", batch_size=plan.batch_size)
+    if plan.speeds:  # mixed speeds: paced rounds, each replica its own steps
+        H = config.outer.inner_steps
+        config = replace(config, "outer", schedule="paced", min_inner_steps=1, max_inner_steps=2 * H)
     dataset = TokenDataset.build(config.data, config.model.vocab_size, seed=config.run.seed)
     model = build_model(config.model, seed=config.run.seed)
     model.fixed_embedding = base_fixed_embedding(config)
@@ -245,8 +281,11 @@ def run_benchmark(config: Config, plan: TrustPlan, out_dir: Path, progress: bool
         "rounds": plan.rounds,
         "inner_steps": config.outer.inner_steps,
         "score_lag": plan.score_lag,
+        "speeds": list(plan.speeds),
+        "steps": steps_of(config, plan, [f"peer-h{i}" for i in range(plan.honest)] + [ATTACKER]),
         "final_eval_loss_clean": clean.losses[-1],
         "false_exclusions_clean": false_exclusions(clean),
+        "honest_steps_counted_clean": steps_counted(clean),
         "verify_share_clean": _share(clean),
         "modes": {},
         "curves": {key: run.losses for key, run in results.items()},
@@ -263,6 +302,7 @@ def run_benchmark(config: Config, plan: TrustPlan, out_dir: Path, progress: bool
             "loss_vs_clean": verified.losses[-1] / clean.losses[-1] - 1,
             "loss_vs_clean_unverified": unverified.losses[-1] / clean.losses[-1] - 1,
             "false_exclusions": false_exclusions(verified),
+            "honest_steps_counted": steps_counted(verified),
             "verify_share": _share(verified),
             "reasons": sorted(
                 {r[ATTACKER] for r in [*verified.rejected, *verified.uncredited] if ATTACKER in r}

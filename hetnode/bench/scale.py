@@ -36,6 +36,7 @@ from tqdm import tqdm  # noqa: E402
 from hetnode.bench import scale_control  # noqa: E402
 from hetnode.bench.fluid import link_seconds, simulate  # noqa: E402
 from hetnode.bench.scale_fetch import QUANTUM_OF_LIMIT, daemon_fetch  # noqa: E402
+from hetnode.bench.scale_pace import PACE_CONFIGS, pace_report  # noqa: E402
 from hetnode.bench.scale_schedules import (  # noqa: E402
     MODES,
     SEALED_DOWNLOADS,
@@ -297,11 +298,26 @@ def run_benchmark(
         },
         "rows": rows,
         "targets": targets(rows, plan, sizes),
+        # each round rule's anchor idle share beside chains (issue 35), on the smallest swarm with chains
+        "pace": {
+            name: pace_report(configs[name], s.parameters, row, plan.links.stage_mbit)
+            for name, s in sizes.items()
+            if name in PACE_CONFIGS and (row := _smallest_with_chains(rows, name)) is not None
+        },
         "lab_check": lab_check(lab) if lab is not None else None,
     }
     (out_dir / "scale.json").write_text(json.dumps(report, indent=2))
     plot(report, out_dir / "scale.png")
     return report
+
+
+def _smallest_with_chains(rows: list[dict], name: str) -> dict | None:
+    """The any-holder row of `name` at the smallest R with chains (the smallest R when none has; None
+    without any-holder rows)."""
+    mine = sorted(
+        (r for r in rows if r["config"] == name and r["mode"] == "any-holder"), key=lambda r: r["replicas"]
+    )
+    return next((r for r in mine if r["chains"]), mine[0] if mine else None)
 
 
 def _simulated_crossover(rows: list[dict], name: str, sparse: str) -> int | None:

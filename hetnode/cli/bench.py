@@ -89,6 +89,12 @@ def register(commands: argparse._SubParsersAction) -> None:
         help="sealed rounds before a round's score reaches the screens (default 1: the coordinator's worker)",
     )
     trust.add_argument(
+        "--speeds",
+        default="",
+        help="paced rounds at mixed speeds: the honest replicas' steps as shares of H, e.g. 0.25,1,1,2 "
+        "(default: every replica H steps)",
+    )
+    trust.add_argument(
         "--sybil",
         action="store_true",
         help="attacks by many identities instead (duplicates, a Sybil majority, rotating identities, "
@@ -251,6 +257,18 @@ def run_scale(args: argparse.Namespace) -> int:
             for target, t in checks.items():
                 verdict = "met" if t["met"] else "NOT met"
                 print(f"  {mode:<20} {target}: {t['value']:.3f} (limit {t['limit']:.3f}) {verdict}")
+    for name, pace in report["pace"].items():
+        print(f"{name}: {pace['anchors']} anchors beside {pace['chains']} chains, per rule (assumed speeds):")
+        at_cap = [
+            (f"paced+overlap, cap {c['cap']} ({why[4:]})", c)
+            for why, c in pace["paced+overlap_at_cap"].items()
+        ]
+        for label, r in [*pace["rules"].items(), *at_cap]:
+            chain = r["chain_micro_batches"]
+            print(
+                f"  {label:<36} anchor idle {r['anchor_idle']:>6.1%}  round {r['round_s']:>7.1f} s  "
+                f"anchor steps {r['anchor_steps']:>5}  chain micro-batches {'-' if chain is None else chain}"
+            )
     print(f"wrote {args.out / 'scale.json'} and {args.out / 'scale.png'}")
     return 0
 
@@ -444,17 +462,23 @@ def run_trust(args: argparse.Namespace) -> int:
     from bootstrap import trust_bench  # the coordinator's verifier, measured in process
 
     try:
+        speeds = tuple(float(x) for x in _names(args.speeds))
         plan = trust_bench.plan_for(
-            args.quick, args.rounds, _names(args.modes), args.inner_steps, args.score_lag
+            args.quick, args.rounds, _names(args.modes), args.inner_steps, args.score_lag, speeds
         )
     except ValueError as exc:
-        raise ConfigError("--modes/--inner-steps/--score-lag", "bench trust", str(exc)) from None
+        raise ConfigError("--modes/--inner-steps/--score-lag/--speeds", "bench trust", str(exc)) from None
     report = trust_bench.run_benchmark(_config(args), plan, args.out, progress=not args.no_progress)
     print(
         f"clean: final eval loss {report['final_eval_loss_clean']:.4f}, "
         f"false exclusions {report['false_exclusions_clean']}, "
         f"verify share {report['verify_share_clean']:.1%}; scores {plan.score_lag} round(s) behind the seal"
     )
+    if report["steps"]:
+        print(
+            f"paced at mixed speeds: steps {report['steps']}; the least share of its steps an honest "
+            f"contribution was counted: {report['honest_steps_counted_clean']}"
+        )
     header = ("mode", "weight", "out from", "no credit", "loss verified", "unverified", "vs clean", "false")
     print("{:<10} {:>6} {:>8} {:>9} {:>13} {:>10} {:>9} {:>5} {:>7}".format(*header, "verify"))
     for mode, r in report["modes"].items():

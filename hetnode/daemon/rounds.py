@@ -141,10 +141,13 @@ class AnchorTraining:
             1.0 / max(1, contributors),
         )
 
-    def run_round(self, round_: int, theta: GlobalModel | OldTheta) -> dict[str, bytes]:
-        """Lockstep in one call (blocking): stand on `theta`, train round `round_`, return its payload."""
+    def run_round(
+        self, round_: int, theta: GlobalModel | OldTheta, steps: int | None = None
+    ) -> dict[str, bytes]:
+        """Lockstep in one call (blocking): stand on `theta`, train round `round_` (`steps`: exactly so
+        many, as `train_round`), return its payload."""
         self.rebase(self.rebase_from(theta, next_round=round_))
-        return self.train_round(round_).payloads
+        return self.train_round(round_, steps=steps).payloads
 
     def rebase(self, rebase: Rebase) -> None:
         """Stand on a new θ now (the training thread idle, or from inside it)."""

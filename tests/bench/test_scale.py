@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from hetnode.algo.sparseloco import SparseLoCoCodec
-from hetnode.bench import scale, scale_control
+from hetnode.bench import scale, scale_control, scale_pace
 from hetnode.bench.fluid import NodeGroup, Transfer, link_seconds, simulate
 from hetnode.bench.scale_calibrate import calibration_report, cores_of, lab_config, remodel
 from hetnode.bench.scale_cpu import RoundCpu, measure_round_cpu
@@ -287,6 +287,8 @@ def test_cli_quick_writes_json_and_plot(tmp_path: Path):
     assert set(report["configs"]["178m"]["crossover_R"]) >= {"anchor", "stages"}
     assert set(report["targets"]["178m"]) == {*scale.MODES, "any-holder (daemon)"}
     assert all(r.get("daemon") for r in report["rows"] if r["mode"] == "any-holder")
+    # each round rule at 178m beside chains (the small config has no GPU-scale projection)
+    assert set(report["pace"]) == {"178m"} and set(report["pace"]["178m"]["rules"]) == set(scale_pace.RULES)
 
 
 TRIP = SealTrip(store_s=0.04, read_s=0.01)

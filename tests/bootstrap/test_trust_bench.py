@@ -55,3 +55,23 @@ def test_the_score_lag_is_checked():
     assert (
         trust_bench.plan_for(True).score_lag == 1 and trust_bench.plan_for(True, score_lag=0).score_lag == 0
     )
+
+
+def test_trust_bench_at_mixed_speeds_runs_paced_and_counts_each_honest_replicas_steps(
+    tiny_config: Config, tmp_path: Path
+):
+    plan = trust_bench.plan_for(True, rounds=3, modes=("signflip",), inner_steps=4, speeds=(0.25, 1.0, 2.0))
+    plan = trust_bench.TrustPlan(**{**plan.__dict__, "honest": 3, "batch_size": 2})
+    report = trust_bench.run_benchmark(tiny_config, plan, tmp_path, progress=False)
+    assert report["steps"] == {"peer-h0": 1, "peer-h1": 4, "peer-h2": 8, trust_bench.ATTACKER: 4}
+    # the seal counted an honest contribution's steps as the sealer does: at most what it trained
+    counted = report["honest_steps_counted_clean"]
+    assert counted is not None and 0 < counted <= 1
+    assert report["modes"]["signflip"]["honest_steps_counted"] is not None
+
+
+def test_speeds_are_shares_of_h_up_to_the_cap():
+    with pytest.raises(ValueError, match="speeds"):
+        trust_bench.plan_for(True, speeds=(0.5, 3.0))
+    with pytest.raises(ValueError, match="speeds"):
+        trust_bench.plan_for(True, speeds=(0.0,))
