@@ -43,6 +43,7 @@ from hetnode.data.dataset import TokenDataset
 from hetnode.errors import HetnodeError, UpdateRefused, WireError
 from hetnode.model.shards import ModelPart
 from hetnode.net.node import SwarmNode
+from hetnode.net.records import MAX_ROUND_S
 from hetnode.net.streams import OpenStream, PeerRequestError, read_frame, write_frame
 from hetnode.planning.rounds import another_step
 from hetnode.replica.global_model import GlobalModel, sha256_hex
@@ -504,7 +505,15 @@ class ChainLoop:
             tokens=self.training.tokens if self.training is not None else None,
             outer_step=max(self.global_model.params_round, 0),
             utilization=self.rounds.utilization,
+            floor_s=self._floor_s(),
         )
+
+    def _floor_s(self) -> float | None:
+        """Paced, first stage: the seconds the chain's floor of micro-batches takes at its measured pace,
+        the drain included (in its record: the budget may rise to let the chain in)."""
+        if not self.config.outer.paced or not self.layout.first or self.mb_s is None:
+            return None
+        return min(MAX_ROUND_S, max(1e-3, self.config.outer.step_floor * self.mb_s + self.drain_s))
 
     async def _until(self, event: asyncio.Event) -> None:
         """Wait for `event`, or raise ChainBroken if the chain failed meanwhile."""
@@ -596,8 +605,12 @@ class ChainLoop:
                 )
 
     async def _take_drift(self, round_: int, drift: torch.Tensor, data: bytes) -> None:
-        """Keep the embedding drift of the round about to start and pass it on down the chain."""
-        if round_ <= self.global_model.params_round or (self.round_open.is_set() and round_ <= self.round_):
+        """Keep the embedding drift of the round about to start and pass it on down the chain. Overlapped,
+        a round the swarm sealed without us while the first stage started it is trained along
+        (`_next_round`), so its drift is taken too."""
+        held = self.global_model.params_round
+        oldest = held - 1 if self.config.outer.overlap else held + 1
+        if round_ < oldest or (self.round_open.is_set() and round_ <= self.round_):
             raise ChainBroken(f"an embedding drift for round {round_}, which is not the next round")
         self.drift = (round_, drift)
         if not self.layout.last:

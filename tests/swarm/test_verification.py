@@ -16,7 +16,7 @@ import pytest
 
 pytestmark = pytest.mark.slow
 
-FAST_ROUNDS = {"inner_steps": 6}
+FAST_ROUNDS = {"inner_steps": 10}
 FAULTS = ("noise", "signflip", "scaled", "stale", "freerider")
 WITHIN_ROUNDS = 3
 HONEST_ROUNDS = 20
