@@ -226,7 +226,11 @@ class RoundKeeper:
         started = time.monotonic()
         replicas = {peer: replica_of(peer, view.peers.get(peer)).key for peer in seen}
         # paced: replicas sitting out say how long their floor of steps takes; the budget lets them in
-        floors = [r["floor_s"] for r in view.peers.values() if isinstance(r.get("floor_s"), float)]
+        floors = [
+            r["floor_s"]
+            for r in view.peers.values()
+            if r["role"] in ("anchor", "stage") and isinstance(r.get("floor_s"), float)
+        ]
         sealed = await self.sealer.decide(round_, seen, replicas, floors)
         if sealed is None:
             return

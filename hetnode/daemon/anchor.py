@@ -32,6 +32,7 @@ from hetnode.daemon.view import PeerDirectory
 from hetnode.data.dataset import TokenDataset
 from hetnode.net.node import SwarmNode
 from hetnode.net.records import MAX_ROUND_S
+from hetnode.planning.rounds import floor_seconds
 from hetnode.replica.global_model import GlobalModel, sha256_hex
 from hetnode.service.metrics import PeerMetrics
 from hetnode.service.presence import Presence
@@ -145,9 +146,8 @@ class AnchorLoop:
 
     def _floor_s(self, training: AnchorTraining) -> float | None:
         """Paced: the seconds our floor of inner steps takes at our measured pace (in our record)."""
-        if not self.config.outer.paced or training.step_s is None:
-            return None
-        return min(MAX_ROUND_S, max(1e-3, self.config.outer.step_floor * training.step_s))
+        o = self.config.outer
+        return floor_seconds(o.step_floor, training.step_s, MAX_ROUND_S) if o.paced else None
 
     def _train(self, training: AnchorTraining, round_: int, inbox: RebaseInbox) -> asyncio.Future:
         training.budget_s = self.rounds.round_budget_s  # paced: the newest budget a seal gave us

@@ -45,7 +45,7 @@ from hetnode.model.shards import ModelPart
 from hetnode.net.node import SwarmNode
 from hetnode.net.records import MAX_ROUND_S
 from hetnode.net.streams import OpenStream, PeerRequestError, read_frame, write_frame
-from hetnode.planning.rounds import another_step
+from hetnode.planning.rounds import another_step, floor_seconds
 from hetnode.replica.global_model import GlobalModel, sha256_hex
 from hetnode.service.lifecycle import sleep_or_stop
 from hetnode.service.metrics import PeerMetrics
@@ -511,9 +511,10 @@ class ChainLoop:
     def _floor_s(self) -> float | None:
         """Paced, first stage: the seconds the chain's floor of micro-batches takes at its measured pace,
         the drain included (in its record: the budget may rise to let the chain in)."""
-        if not self.config.outer.paced or not self.layout.first or self.mb_s is None:
+        o = self.config.outer
+        if not o.paced or not self.layout.first:
             return None
-        return min(MAX_ROUND_S, max(1e-3, self.config.outer.step_floor * self.mb_s + self.drain_s))
+        return floor_seconds(o.step_floor, self.mb_s, MAX_ROUND_S, self.drain_s)
 
     async def _until(self, event: asyncio.Event) -> None:
         """Wait for `event`, or raise ChainBroken if the chain failed meanwhile."""

@@ -417,7 +417,10 @@ class Sealer:
         good = [g for g in good if g[0].peer_id not in rejected]
         earned = self._weights([a.peer_id for a, _, _ in good])
         if self.config.outer.paced:  # steps are claims: each counts only the steps its update shows
-            steps |= self._verified_steps(round_, good, steps, earned, replica_of or {})
+            # off the loop: judging each update against all the others grows as the cube of their number
+            steps |= await asyncio.to_thread(
+                self._verified_steps, round_, good, steps, earned, replica_of or {}
+            )
         weights = paced_weights(self.config, earned, steps)
         good, prepared = await self._prepare(round_, good, excluded, weights)
         if prepared is None:

@@ -97,6 +97,16 @@ class RoundBudget:
         return min(self.ceiling_s, max(self.floor_s, budget))
 
 
+def floor_seconds(
+    floor: int, pace_s: float | None, ceiling_s: float, overhead_s: float = 0.0
+) -> float | None:
+    """Paced: the seconds a replica's floor of steps takes at its measured pace (per step, plus a fixed
+    `overhead_s` a round), within (0, `ceiling_s`]: what it says in its record (None: not measured yet)."""
+    if pace_s is None:
+        return None
+    return min(ceiling_s, max(1e-3, floor * pace_s + overhead_s))
+
+
 def sits_out(budget_s: float | None, step_s: float | None, floor: int) -> bool:
     """Paced: whether a replica whose inner steps take `step_s` sits this round out, because even its
     floor of steps would overrun the budget by more than SIT_OUT_SLACK (instead of stretching the round)."""

@@ -10,6 +10,7 @@ from hetnode.planning.rounds import (
     RoundBudget,
     another_step,
     assigned_batches,
+    floor_seconds,
     sits_out,
 )
 from hetnode.training.schedule import schedule_position
@@ -62,6 +63,9 @@ def test_a_replica_sitting_out_raises_the_budget_to_its_floor_never_past_the_fas
     # a claim of any slowness (unchecked: a stranger's record) at most holds the fast ones to their cap
     assert budget.seconds_for([3600.0]) == 8.0
     assert budget.seconds_for([float("nan"), float("inf"), -5.0, 0.0]) == 4.0  # nonsense is no floor
+    # what a replica puts in its record: floor × pace (+ a chain's drain), within what the schema takes
+    assert floor_seconds(2, None, 600.0) is None and floor_seconds(2, 1.5, 600.0, 0.5) == 3.5
+    assert floor_seconds(2, 1e6, 600.0) == 600.0 and floor_seconds(2, 0.0, 600.0) > 0
 
 
 def test_a_replica_steps_to_the_budget_within_the_floor_and_the_cap():
