@@ -75,6 +75,10 @@ class UtilizationPlan:
     # 21 %; that rest does not shrink with H, so H = 5 puts it near 35-45 %. Each report checks the share
     # it measured (`H_check`).
     inner_steps: int = 5
+    # paced: a replica's cap of inner steps a round, in H (max_inner_steps = cap_ratio × H). The slow anchor
+    # needs ~9 fast steps for its one (0.25 of the share): at 2H the budget raised to its floor put the
+    # fast anchors at their cap, waiting (utilisation 0.69-0.70, benchmarks/results/utilization-paced-3)
+    cap_ratio: int = 4
     budget_s: float = 600.0  # per rule, from the first seal once every replica trained and synced a round
     no_verify_budget_s: float = 240.0
     warmup_rounds: int = 2  # after that start seal, before rounds are measured
@@ -111,6 +115,8 @@ def check_plan(config: Config, plan: UtilizationPlan, cores: int | None = None) 
     check_chain_possible(replace(config, "pipeline", stages=len(STAGES)), len(STAGES), "bench utilization")
     if plan.inner_steps < 1:
         raise ConfigError("--inner-steps", "outer.inner_steps", f"must be at least 1, got {plan.inner_steps}")
+    if plan.cap_ratio < 1:
+        raise ConfigError("--cap", "outer.max_inner_steps", f"must be at least 1 (× H), got {plan.cap_ratio}")
     if plan.budget_s < 30 or plan.no_verify_budget_s < 20:
         raise ConfigError(
             "--budget",
@@ -131,9 +137,13 @@ def lab_config(
     config: Config, plan: UtilizationPlan, overlap: bool, verify: bool, schedule: str = "steps"
 ) -> Config:
     config = replace(config, "outer", inner_steps=plan.inner_steps, overlap=overlap, verify=verify)
-    # paced: down to one step (the slow anchor's share of a round), up to twice H
+    # paced: down to one step (the slow anchor's share of a round), up to cap_ratio × H
     config = replace(
-        config, "outer", schedule=schedule, min_inner_steps=1, max_inner_steps=2 * plan.inner_steps
+        config,
+        "outer",
+        schedule=schedule,
+        min_inner_steps=1,
+        max_inner_steps=plan.cap_ratio * plan.inner_steps,
     )
     config = replace(config, "pipeline", stages=len(STAGES))
     config = replace(config, "data", batch_size=plan.batch_size, seq_len=plan.seq_len)

@@ -27,6 +27,9 @@ def register(benches: argparse._SubParsersAction) -> None:
     )
     parser.add_argument("--inner-steps", type=int, default=None, help="H (default: the plan's, 5)")
     parser.add_argument(
+        "--cap", type=int, default=None, help="paced: the cap of inner steps a round, in H (default 4)"
+    )
+    parser.add_argument(
         "--budget",
         type=float,
         default=None,
@@ -44,6 +47,8 @@ def run(args: argparse.Namespace) -> int:
     plan = utilization.plan_for(args.quick)
     if args.inner_steps is not None:
         plan = dataclasses.replace(plan, inner_steps=args.inner_steps)
+    if args.cap is not None:
+        plan = dataclasses.replace(plan, cap_ratio=args.cap)
     if args.budget is not None:
         plan = dataclasses.replace(
             plan, budget_s=args.budget, no_verify_budget_s=max(20.0, args.budget / 2.5)

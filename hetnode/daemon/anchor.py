@@ -145,9 +145,12 @@ class AnchorLoop:
             await asyncio.to_thread(writer.close)
 
     def _floor_s(self, training: AnchorTraining) -> float | None:
-        """Paced: the seconds our floor of inner steps takes at our measured pace (in our record)."""
+        """Paced: the seconds our floor of inner steps and the round's compression take at our measured
+        pace (in our record)."""
         o = self.config.outer
-        return floor_seconds(o.step_floor, training.step_s, MAX_ROUND_S) if o.paced else None
+        if not o.paced:
+            return None
+        return floor_seconds(o.step_floor, training.step_s, MAX_ROUND_S, training.close_s or 0.0)
 
     def _train(self, training: AnchorTraining, round_: int, inbox: RebaseInbox) -> asyncio.Future:
         training.budget_s = self.rounds.round_budget_s  # paced: the newest budget a seal gave us

@@ -116,6 +116,9 @@ class AnchorTraining:
         self.last_loss = float("nan")
         self.budget_s: float | None = None  # paced: the newest round budget (set before each round)
         self.step_s: float | None = None  # paced: our inner step's time, a moving average
+        # paced: from our last inner step to payloads ready (compress, encode), a moving average: on a
+        # slow machine a good part of its round, which its record's floor must include
+        self.close_s: float | None = None
         self.on_rebased: Callable[[dict], None] | None = None  # gets the local state to save, per rebase
 
     def rebase_from(
@@ -205,6 +208,7 @@ class AnchorTraining:
         if len(timing.rebased_at_step) > before:
             self._rebased()
         round_ = max(round_, self.local.next_round)
+        closing = time.monotonic()
         if self.fault is None:
             compressed = self.local.compress(round_)
         else:  # a faulty peer keeps no error feedback: what it sends is exactly its fault, round after round
@@ -222,6 +226,8 @@ class AnchorTraining:
             )
             for shard, names in self.shards.items()
         }
+        took = time.monotonic() - closing
+        self.close_s = took if self.close_s is None else 0.8 * self.close_s + 0.2 * took
         return TrainedRound(
             round_, payloads, timing, self.trainer.tokens - tokens_before, self.last_loss, step
         )

@@ -13,6 +13,7 @@ from hetnode.daemon.rounds import AnchorTraining, data_slot
 from hetnode.daemon.sealing import STEPS_SLACK, verified_steps
 from hetnode.data.dataset import TokenDataset
 from hetnode.model.decoder import build_model
+from hetnode.planning.rounds import floor_seconds
 from hetnode.replica.global_model import GlobalModel, base_fixed_embedding
 from hetnode.training.schedule import schedule_position
 
@@ -49,6 +50,9 @@ def test_an_anchor_trains_to_its_budget_within_floor_and_cap_at_the_swarms_sched
     assert lr < roomy.trainer.lr_at(8 * o.inner_steps)  # never ahead of the next round's
     tight, short = _trained(config, dataset, "anchor-c", theta, budget_s=1e-3, step_s=0.5e-3)
     assert short.steps == o.step_floor and short.payloads  # the floor, announced
+    # what the round's close took (compress, encode) is measured: a record's floor includes it
+    assert tight.close_s is not None and tight.close_s > 0
+    assert floor_seconds(o.step_floor, tight.step_s, 600.0, tight.close_s) > o.step_floor * tight.step_s
     slow, sat = _trained(config, dataset, "anchor-d", theta, budget_s=1.0, step_s=10.0)
     assert sat.sat_out and sat.steps == 0 and slow.trainer.step == 0  # trains nothing, says so
 

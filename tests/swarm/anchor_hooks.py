@@ -1,6 +1,7 @@
 """`python tests/swarm/anchor_hooks.py hetnode-args...`: the hetnode CLI with one fault a test needs and
 production code has no flag for: the anchor announces twice the inner steps (and tokens) it took, and says
-on stderr what it really took (`overclaim: round R took N steps`)."""
+on stderr what it really took (`overclaim: round R took N steps`); its record claims that its floor of steps
+takes a day (`floor_s`), to stretch every round."""
 
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ def overclaim(self: anchor.AnchorLoop, trained):  # noqa: ANN001, ANN202
 
 
 anchor.AnchorLoop._announce = overclaim
+anchor.AnchorLoop._floor_s = lambda self, training: 86400.0  # noqa: ARG005
 
 if __name__ == "__main__":
     sys.exit(main())

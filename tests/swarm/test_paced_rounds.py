@@ -1,9 +1,10 @@
 """Paced rounds over real daemons (`outer.schedule = "paced"`, docs/sync.md "Paced rounds"): an anchor held
 to a quarter of a core trains fewer steps than a free one in the same rounds, instead of holding every
 round to its pace; both are in every seal, hold the coordinator's θ bit for bit, and are weighed and
-credited by their own steps. A third anchor on a quarter core announces twice the steps it took (a test
-hook, `anchor_hooks.py`): the seal counts only the steps its update shows, so it gains neither weight nor
-credit over the honest one of its speed."""
+credited by their own steps. A third anchor on a quarter core announces twice the steps it took and a
+floor of steps that takes a day (a test hook, `anchor_hooks.py`): the seal counts only the steps its update
+shows, so it gains neither weight nor credit over the honest one of its speed, and the budget never grows
+past the fastest anchor's time for its cap."""
 
 import os
 import re
@@ -40,8 +41,9 @@ def test_slow_anchors_train_fewer_steps_in_the_same_rounds_and_a_claim_of_more_g
             daemon.wait_ready()
         everyone = {fast.peer_id, slow.peer_id, liar.peer_id}
 
-        def paced_rounds(history):  # sealed with all three once a budget was set (the first run H steps)
-            return [e for e in history if set(e["contributors"]) == everyone and e["budget_s"]]
+        def paced_rounds(history):  # sealed with all three, trained under the budget of the seal before
+            budgeted = {e["round"] + 1 for e in history if e["budget_s"]}  # (the first rounds run H steps)
+            return [e for e in history if set(e["contributors"]) == everyone and e["round"] in budgeted]
 
         history = swarm.wait_for_history(
             lambda h: len(paced_rounds(h)) >= 5, timeout=300, what="five paced rounds with all three anchors"
@@ -57,8 +59,8 @@ def test_slow_anchors_train_fewer_steps_in_the_same_rounds_and_a_claim_of_more_g
             assert steps[slow.peer_id] < steps[fast.peer_id], entry  # the same round, fewer steps
             # weight counts steps (earned weight × steps), credit follows them up to H
             assert weights[slow.peer_id] < weights[fast.peer_id], entry
-            assert credits[slow.peer_id]["steps"] == steps[slow.peer_id]
-            assert credits[fast.peer_id]["steps"] == min(steps[fast.peer_id], H)
+            for daemon in (slow, fast):
+                assert credits[daemon.peer_id]["steps"] == min(steps[daemon.peer_id], H), (daemon.name, entry)
             # the liar claimed twice what it took; the seal counted what its update shows (its error
             # feedback carries some of the rounds before: a round may show a step or two more)
             took = taken[entry["round"]]
@@ -73,7 +75,12 @@ def test_slow_anchors_train_fewer_steps_in_the_same_rounds_and_a_claim_of_more_g
         first = min(e["round"] for e in history if set(e["contributors"]) == everyone)
         later = [e for e in history if e["round"] > first]
         assert later and all(set(e["contributors"]) == everyone for e in later), later
-        assert all(0.5 <= e["budget_s"] <= 600 for e in paced)
+        budgets = [e["budget_s"] for e in history if e["round"] + 1 in {p["round"] for p in paced}]
+        assert budgets and all(0.5 <= b <= 600 for b in budgets), budgets
+        # the liar's day-long floor raises the budget at most to the fast anchor's time for its cap
+        fast_log = {r["round"]: r for r in read_rounds(swarm.tmp_path / fast.name)}
+        step_s = max(r["train_s"] / r["steps"] for r in fast_log.values() if r["steps"])
+        assert all(b <= 1.5 * 2 * H * step_s for b in budgets), (step_s, budgets)
 
         document = swarm.wait_for(
             boot.maddr,
@@ -87,12 +94,15 @@ def test_slow_anchors_train_fewer_steps_in_the_same_rounds_and_a_claim_of_more_g
         )
         swarm.agree_with_coordinator(document, {"fast", "slow", "liar"})
         # each honest anchor announced the steps it took (its round log), and the seal took them: its
-        # update shows them
+        # update shows them. In the first two paced rounds error feedback still carries the first round's
+        # H steps, which inflate the slower anchors' norms, the yardstick: a faster one may show fewer
+        # (measured under load: 14 of 15, 22 of 26), never less than 4/5, and exactly from then on
         for daemon in (fast, slow):
             logged = {r["round"]: r["steps"] for r in read_rounds(swarm.tmp_path / daemon.name)}
-            for entry in paced:
+            for n, entry in enumerate(paced):
                 if entry["round"] in logged:
-                    assert logged[entry["round"]] == entry["steps"][daemon.peer_id], (
+                    counted, took = entry["steps"][daemon.peer_id], logged[entry["round"]]
+                    assert counted == took or (n < 2 and 0.8 * took <= counted < took), (
                         daemon.name,
                         entry,
                         logged,
