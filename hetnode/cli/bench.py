@@ -102,6 +102,16 @@ def register(commands: argparse._SubParsersAction) -> None:
     )
     trust.add_argument("--no-progress", action="store_true")
     trust.set_defaults(handler=run_trust)
+    chain_score = benches.add_parser(
+        "chain-score",
+        help="how much a chain's round helps θ against an anchor's, as the verifier scores it, per "
+        "compression mode and chain optimiser (in process)",
+    )
+    chain_score.add_argument("--quick", action="store_true", help="one warm-up length (~1 min)")
+    chain_score.add_argument("--config", type=Path, default=None, help="run config (default tiny)")
+    chain_score.add_argument("--out", type=Path, default=Path("benchmarks/results"), help="output folder")
+    chain_score.add_argument("--no-progress", action="store_true")
+    chain_score.set_defaults(handler=run_chain_score)
     network = benches.add_parser(
         "network", help="the daemons in a tc-shaped netns lab vs hivemind's all-reduce (needs root)"
     )
@@ -453,6 +463,22 @@ def run_staleness(args: argparse.Namespace) -> int:
         loss, share = r["final_eval_loss"], r["optimizer_share"] * 100
         print(f"{name:<20} {loss:>9.4f} {its if its else '-':>12} {share:>9.1f}%")
     print(f"wrote {args.out / 'staleness.json'} and {args.out / 'staleness.png'}")
+    return 0
+
+
+def run_chain_score(args: argparse.Namespace) -> int:
+    from bootstrap import chain_score_bench  # the coordinator's verifier, measured in process
+    from hetnode.config import load_config
+
+    config = load_config(args.config or CONFIG_DIR / "tiny.toml")
+    plan = chain_score_bench.plan_for(args.quick)
+    report = chain_score_bench.run_benchmark(config, plan, args.out, progress=not args.no_progress)
+    print(f"{'mode/chain optimiser':<28} {'least score':>11} {'median share of an anchor':>26}")
+    for key, entry in report["summary"].items():
+        share = entry["median_share"]
+        print(f"{key:<28} {entry['least_score']:>11.3f} {'n/a' if share is None else f'{share:.2f}':>26}")
+    print(f"(a chain scoring below 0 is left out of the seal; margin {report['margin']})")
+    print(f"wrote {args.out / 'chain_score.json'} and {args.out / 'chain_score.png'}")
     return 0
 
 

@@ -1,0 +1,32 @@
+"""`hetnode bench chain-score` end to end on a tiny plan: it writes the JSON and PNG it promises, scores each
+chain beside the three anchors with the verifier's own `score`, and a chain that does an anchor's math
+(no compression, AdamW: one model split in two) is scored as one."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from bootstrap import chain_score_bench
+from hetnode.config import Config
+
+pytestmark = pytest.mark.slow
+
+
+def test_each_chain_is_scored_beside_three_anchors_and_an_unconstrained_one_helps(
+    tiny_config: Config, tmp_path: Path
+):
+    plan = chain_score_bench.ChainScorePlan(
+        inner_steps=3, warm_steps=(8,), modes=("selective", "none"), optimizers=("adamw",), batch_size=4
+    )
+    report = chain_score_bench.run_benchmark(tiny_config, plan, tmp_path, progress=False)
+    saved = json.loads((tmp_path / "chain_score.json").read_text())
+    assert saved["summary"].keys() == {"selective/adamw", "none/adamw"}
+    assert (tmp_path / "chain_score.png").stat().st_size > 1000
+    for mode in ("selective", "none"):
+        rows = [r for r in report["rows"] if r["mode"] == mode]
+        assert sorted(r["role"] for r in rows) == ["anchor"] * 3 + ["stage"] * 2, rows
+        anchors = sorted(r["score"] for r in rows if r["role"] == "anchor")
+        assert anchors[1] == pytest.approx(1 - report["margin"], abs=0.5)  # the yardstick is theirs
+    plain = [r for r in report["rows"] if r["mode"] == "none" and r["role"] == "stage"]
+    assert all(r["score"] > 0 and r["share_of_anchors"] > 0.5 for r in plain), plain
