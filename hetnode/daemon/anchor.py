@@ -32,7 +32,7 @@ from hetnode.daemon.view import PeerDirectory
 from hetnode.data.dataset import TokenDataset
 from hetnode.net.node import SwarmNode
 from hetnode.net.records import MAX_ROUND_S
-from hetnode.planning.rounds import floor_seconds
+from hetnode.planning.rounds import busy_floor, floor_seconds
 from hetnode.replica.global_model import GlobalModel, sha256_hex
 from hetnode.service.metrics import PeerMetrics
 from hetnode.service.presence import Presence
@@ -145,12 +145,13 @@ class AnchorLoop:
             await asyncio.to_thread(writer.close)
 
     def _floor_s(self, training: AnchorTraining) -> float | None:
-        """Paced: the seconds our floor of inner steps and the round's compression take at our measured
-        pace (in our record)."""
+        """Paced: the seconds our floor of inner steps and the round's close take at our measured pace (in
+        our record): the floor that keeps our steps at BUSY_SHARE of the round, however slow we are."""
         o = self.config.outer
         if not o.paced:
             return None
-        return floor_seconds(o.step_floor, training.step_s, MAX_ROUND_S, training.close_s or 0.0)
+        floor = busy_floor(o.step_floor, o.step_cap, training.step_s, training.close_s)
+        return floor_seconds(floor, training.step_s, MAX_ROUND_S, training.close_s or 0.0)
 
     def _train(self, training: AnchorTraining, round_: int, inbox: RebaseInbox) -> asyncio.Future:
         training.budget_s = self.rounds.round_budget_s  # paced: the newest budget a seal gave us

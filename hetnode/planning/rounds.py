@@ -46,6 +46,10 @@ def assigned_batches(replica: str, round_: int, inner_steps: int, stride: int | 
 
 
 SIT_OUT_SLACK = 1.25  # paced: a replica whose floor of steps would overrun the budget by more sits out
+# paced: the share of its round a replica's inner steps should fill. A round's close (compress, encode) is
+# a fixed cost; a slow machine at one step a round spends a good part of it closing (a quarter core: 1 s of
+# a 4.5 s round, utilisation 0.75), so it asks for a floor of steps that fills this share
+BUSY_SHARE = 0.9
 
 
 @dataclass
@@ -105,6 +109,16 @@ def floor_seconds(
     if pace_s is None:
         return None
     return min(ceiling_s, max(1e-3, floor * pace_s + overhead_s))
+
+
+def busy_floor(floor: int, cap: int, step_s: float | None, close_s: float | None) -> int:
+    """Paced: the fewest inner steps at which a replica whose steps take `step_s` and whose round's close
+    takes `close_s` fills BUSY_SHARE of its round with steps: at least `floor`, at most `cap` (the floor a
+    replica asks the budget to fit in its record; the config's floor is still what it must reach)."""
+    if not step_s or not close_s or step_s <= 0 or close_s <= 0:
+        return floor
+    wanted = math.ceil(BUSY_SHARE * close_s / ((1 - BUSY_SHARE) * step_s) - 1e-9)
+    return min(cap, max(floor, wanted))
 
 
 def sits_out(budget_s: float | None, step_s: float | None, floor: int) -> bool:

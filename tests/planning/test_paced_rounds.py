@@ -6,10 +6,12 @@ import pytest
 from hetnode.config import load_config, replace
 from hetnode.errors import ConfigError
 from hetnode.planning.rounds import (
+    BUSY_SHARE,
     SIT_OUT_SLACK,
     RoundBudget,
     another_step,
     assigned_batches,
+    busy_floor,
     floor_seconds,
     sits_out,
 )
@@ -66,6 +68,16 @@ def test_a_replica_sitting_out_raises_the_budget_to_its_floor_never_past_the_fas
     # what a replica puts in its record: floor × pace (+ a chain's drain), within what the schema takes
     assert floor_seconds(2, None, 600.0) is None and floor_seconds(2, 1.5, 600.0, 0.5) == 3.5
     assert floor_seconds(2, 1e6, 600.0) == 600.0 and floor_seconds(2, 0.0, 600.0) > 0
+
+
+def test_a_slow_replica_asks_for_the_floor_that_keeps_it_busy():
+    # a quarter core: 3.5 s a step, 1 s to close a round; at 1 step it would train 0.78 of its round
+    assert busy_floor(1, 20, 3.5, 1.0) == 3  # 3 steps: 10.5 / 11.5 = 0.91
+    assert 3 * 3.5 / (3 * 3.5 + 1.0) >= BUSY_SHARE > 2 * 3.5 / (2 * 3.5 + 1.0)
+    assert busy_floor(1, 20, 0.5, 0.05) == 1  # a close of a tenth of a step: the config's floor does
+    assert busy_floor(4, 20, 0.5, 0.05) == 4  # never below the config's floor
+    assert busy_floor(1, 6, 0.1, 10.0) == 6  # never past the cap
+    assert busy_floor(2, 8, None, 1.0) == busy_floor(2, 8, 1.0, None) == busy_floor(2, 8, 0.0, 1.0) == 2
 
 
 def test_a_replica_steps_to_the_budget_within_the_floor_and_the_cap():
