@@ -52,6 +52,7 @@ from hetnode.errors import ConfigError, HetnodeError
 ANCHORS = ("anchor-1", "anchor-2", "anchor-3")
 SLOW_ANCHOR = "anchor-3"  # held to `slow_anchor_share` of the others' CPU
 STAGES = ("stage-1", "stage-2")
+RUN_RECORD = "run.json"  # per rule, in its work folder: what the report is made from
 # label -> (outer.overlap, outer.schedule)
 RULES = {
     "lockstep": (False, "steps"),
@@ -355,7 +356,32 @@ def run_benchmark(
             except LabStalled as exc:  # reported with the runs that worked, not instead of them
                 say(f"{label}: {exc}")
                 runs[label] = {"label": label, "error": str(exc)}
-    report = summarise(config, plan, runs, command or "hetnode bench utilization")
+            # what the report is made from, kept: `--resummarise` reads it again after a change of measure
+            (work / label).mkdir(parents=True, exist_ok=True)
+            (work / label / RUN_RECORD).write_text(json.dumps(runs[label]))
+    return write_report(config, plan, runs, out, command or "hetnode bench utilization")
+
+
+def write_report(
+    config: Config, plan: UtilizationPlan, runs: dict[str, dict[str, Any]], out: Path, command: str
+) -> dict[str, Any]:
+    report = summarise(config, plan, runs, command)
     (out / "utilization.json").write_text(json.dumps(report, indent=2))
     plot(report, out / "utilization.png")
     return report
+
+
+def resummarise(config: Config, out: Path) -> dict[str, Any]:
+    """`utilization.json` and `.png` again from the runs a benchmark left in `out/work` (their
+    `run.json`), under the plan and command it recorded: a change of measure without a new lab run."""
+    runs = {
+        path.parent.name: json.loads(path.read_text()) for path in sorted(out.glob(f"work/*/{RUN_RECORD}"))
+    }
+    if not runs or not (out / "utilization.json").exists():
+        raise HetnodeError(
+            f"no {RUN_RECORD} under {out / 'work'} or no utilization.json in {out}: "
+            f"run the benchmark with --out {out} first"
+        )
+    earlier = json.loads((out / "utilization.json").read_text())
+    plan = UtilizationPlan(**earlier["plan"])
+    return write_report(config, plan, runs, out, earlier["command"] + " (resummarised)")

@@ -9,7 +9,10 @@ Definitions (BENCHMARKS.md says the same):
 - its **tokens/s** is Σ tokens / the same wall seconds: what it trained per second of the run, waiting
   included (the round log's own `tokens_per_s` is per second of training);
 - the **swarm's tokens/s** is the tokens of the sealed rounds after the first measured seal, over the time
-  between that seal and the last: tokens the global model took in, each counted once;
+  between that seal and the last: tokens the global model took in, each counted once. A seal's tokens are
+  those its contributions trained, by the steps it counted (an anchor's steps, a chain stage's as its
+  share of the chain: `sealed_tokens`), not the credit: credit is scaled by earned weight and, under paced
+  rounds, stops at H steps, so it would undercount the fast replicas' work and a newcomer's;
 - **eval loss at equal tokens / wall** is each rule's eval loss interpolated (linearly, between sealed
   rounds) at the largest token count / wall time both rules reached; wall time counts from each run's
   start seal (the first once every replica had trained and synced a round);
@@ -19,7 +22,7 @@ Definitions (BENCHMARKS.md says the same):
 from __future__ import annotations
 
 import statistics
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 Record = Mapping[str, Any]
@@ -107,19 +110,41 @@ def p50(values: Sequence[float]) -> float | None:
     return statistics.median(values) if values else None
 
 
-def swarm_tokens_per_s(seals: Sequence[Record]) -> float | None:
+def credited_tokens(entry: Record) -> float:
+    return float(entry.get("tokens") or 0)
+
+
+def sealed_tokens(per_step: int, share: Mapping[str, float]) -> Callable[[Record], float]:
+    """A seal's tokens as its contributions trained them: `per_step` tokens (batch × sequence) for each
+    step the seal counted, times the contributor's `share` of the model (a chain stage's: 1 / its chain's
+    stages; anyone else's: 1). An entry without counted steps: its credited tokens."""
+
+    def tokens(entry: Record) -> float:
+        steps = entry.get("steps")
+        if not steps:
+            return credited_tokens(entry)
+        return per_step * sum(n * share.get(peer, 1.0) for peer, n in steps.items())
+
+    return tokens
+
+
+def swarm_tokens_per_s(
+    seals: Sequence[Record], tokens: Callable[[Record], float] = credited_tokens
+) -> float | None:
     """Tokens of the seals after the first, over the seconds from the first seal to the last."""
     if len(seals) < 2:
         return None
     wall = float(seals[-1]["time"]) - float(seals[0]["time"])
-    return sum(int(e.get("tokens") or 0) for e in seals[1:]) / wall if wall > 0 else None
+    return sum(tokens(e) for e in seals[1:]) / wall if wall > 0 else None
 
 
-def loss_curve(history: Sequence[Record], t0: float) -> list[dict[str, float]]:
+def loss_curve(
+    history: Sequence[Record], t0: float, tokens_of: Callable[[Record], float] = credited_tokens
+) -> list[dict[str, float]]:
     """Per sealed round with an eval loss: wall seconds since `t0`, tokens sealed so far, the loss."""
-    out, tokens = [], 0
+    out, tokens = [], 0.0
     for entry in history:
-        tokens += int(entry.get("tokens") or 0)
+        tokens += tokens_of(entry)
         loss = entry.get("eval_loss")
         if isinstance(loss, int | float):
             out.append({"wall_s": float(entry["time"]) - t0, "tokens": float(tokens), "loss": float(loss)})

@@ -23,6 +23,7 @@ from hetnode.bench.utilization_figures import (  # noqa: E402
     p50,
     replica_figures,
     seal_intervals,
+    sealed_tokens,
     swarm_tokens_per_s,
 )
 from hetnode.config import Config  # noqa: E402
@@ -46,14 +47,16 @@ def left_out_reasons(peer: str, seals: Sequence[Mapping[str, Any]]) -> dict[str,
     return reasons
 
 
-def rule_summary(run: Mapping[str, Any], warmup_rounds: int) -> dict[str, Any]:
+def rule_summary(run: Mapping[str, Any], warmup_rounds: int, per_step: int) -> dict[str, Any]:
     """One run's `R`: each replica's figures over its measured rounds, the swarm's, the seals'; for a run
-    that stalled, its reason and nothing measured."""
+    that stalled, its reason and nothing measured. `per_step`: tokens an inner step trains (batch × seq)."""
     if "error" in run:
         return dict.fromkeys(_R_KEYS) | {"replicas": [], "eval_loss_curve": [], "error": run["error"]}
     first = run["start_round"] + warmup_rounds
     seals = measured_seals(run["history"], first, run["end"])
     ids = run.get("peer_ids") or {}
+    stages = [ids[name] for name in run["round_logs"] if name.startswith("stage") and name in ids]
+    tokens = sealed_tokens(per_step, {peer: 1 / len(stages) for peer in stages})  # the lab's one chain
     replicas = []
     for name, records in run["round_logs"].items():
         rounds = measured(records, first, run["end"])
@@ -74,7 +77,7 @@ def rule_summary(run: Mapping[str, Any], warmup_rounds: int) -> dict[str, Any]:
     logged = sum(run["digest_mismatches_logged"].values())
     return {
         "replicas": replicas,
-        "swarm_tokens_per_s": swarm_tokens_per_s(seals),
+        "swarm_tokens_per_s": swarm_tokens_per_s(seals, tokens),
         "eval_loss_at_equal_tokens": None,  # filled in against the other rule (`summarise`)
         "eval_loss_at_equal_wall": None,
         "seal_to_seal_s": p50(seal_intervals(seals)),
@@ -97,7 +100,9 @@ def rule_summary(run: Mapping[str, Any], warmup_rounds: int) -> dict[str, Any]:
         "cpu_throttling": run.get("throttling"),
         "load_average": run.get("load_average"),
         # the rounds sealed within the budget: the swarm runs on while its digests are read
-        "eval_loss_curve": loss_curve([e for e in run["history"] if e["time"] <= run["end"]], run["t0"]),
+        "eval_loss_curve": loss_curve(
+            [e for e in run["history"] if e["time"] <= run["end"]], run["t0"], tokens
+        ),
         "error": None,
     }
 
@@ -117,9 +122,14 @@ def summarise(
     """The whole `utilization.json`: `{"rules": {"lockstep": R, "overlap": R, "paced": R, "paced+overlap":
     R}}` (those that ran), the run without verification, the ratios against lockstep and overlap and each
     target's verdict."""
-    rules = {label: rule_summary(runs[label], plan.warmup_rounds) for label in RULE_ORDER if label in runs}
+    per_step = plan.batch_size * plan.seq_len
+    rules = {
+        label: rule_summary(runs[label], plan.warmup_rounds, per_step)
+        for label in RULE_ORDER
+        if label in runs
+    }
     quiet_label = next((label for label in runs if label.endswith("-no-verify")), None)
-    quiet = rule_summary(runs[quiet_label], plan.warmup_rounds) if quiet_label else None
+    quiet = rule_summary(runs[quiet_label], plan.warmup_rounds, per_step) if quiet_label else None
     if quiet is not None:
         rules[quiet_label.removesuffix("-no-verify")]["seal_to_seal_s_no_verify"] = quiet["seal_to_seal_s"]
     curves = {label: rule["eval_loss_curve"] for label, rule in rules.items()}

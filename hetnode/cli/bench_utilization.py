@@ -35,6 +35,11 @@ def register(benches: argparse._SubParsersAction) -> None:
         default=None,
         help="wall seconds per rule once every replica runs (default 600, --quick 120)",
     )
+    parser.add_argument(
+        "--resummarise",
+        action="store_true",
+        help="no lab: write the report again from the runs an earlier benchmark left in --out (its work/)",
+    )
     parser.add_argument("--no-progress", action="store_true")
     parser.set_defaults(handler=run)
 
@@ -44,6 +49,11 @@ def run(args: argparse.Namespace) -> int:
     from hetnode.config import load_config
 
     config = load_config(args.config or CONFIG_DIR / "tiny.toml")
+    if args.resummarise:
+        report = utilization.resummarise(config, args.out)
+        print_summary(report)
+        print(f"wrote {args.out / 'utilization.json'} and {args.out / 'utilization.png'}")
+        return 0
     plan = utilization.plan_for(args.quick)
     if args.inner_steps is not None:
         plan = dataclasses.replace(plan, inner_steps=args.inner_steps)

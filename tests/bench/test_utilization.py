@@ -4,6 +4,7 @@ plan's refusals, its report's shape; and, as root, that a CPU quota caps a proce
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import subprocess
 import sys
@@ -82,6 +83,19 @@ def test_the_swarm_is_measured_from_the_first_seal_once_every_replica_runs():
     curve = fig.loss_curve(HISTORY, t0=110.0)
     assert [p["wall_s"] for p in curve] == [-10.0, 0.0, 8.0, 24.0]  # round 4 was not evaluated
     assert [p["tokens"] for p in curve] == [2000, 5000, 8000, 13000]
+
+
+def test_a_seals_tokens_are_the_steps_it_counted_not_its_credit():
+    # paced: a fast anchor's 20 steps, a slow one's 2, a chain of two stages at 12 micro-batches; the
+    # credit (tokens) stops at H = 5 steps and is scaled by earned weight
+    entry = {"steps": {"a1": 20, "a3": 2, "s1": 12, "s2": 12}, "tokens": 1234, "time": 0.0}
+    tokens = fig.sealed_tokens(100, {"s1": 0.5, "s2": 0.5})
+    assert tokens(entry) == 100 * (20 + 2 + 12)  # the chain once
+    assert tokens({"tokens": 1234}) == fig.credited_tokens(entry) == 1234  # no steps: the credit
+    seals = [dict(entry, time=0.0), dict(entry, time=10.0)]
+    assert fig.swarm_tokens_per_s(seals, tokens) == pytest.approx(3400 / 10)
+    assert fig.swarm_tokens_per_s(seals) == pytest.approx(1234 / 10)
+    assert [p["tokens"] for p in fig.loss_curve([dict(entry, eval_loss=3.0)], 0.0, tokens)] == [3400]
 
 
 def test_losses_are_compared_where_both_rules_reached():
@@ -189,6 +203,22 @@ def test_the_report_holds_both_rules_the_run_without_verification_and_says_when_
     assert summarise(load_config(TINY), plan, runs)["note"] is None
 
 
+def test_a_report_is_written_again_from_the_runs_a_benchmark_left(tmp_path: Path):
+    plan = dataclasses.replace(utilization.plan_for(quick=True), cap_ratio=3)
+    runs = {"lockstep": _run("lockstep", False, False, 0.0), "overlap": _run("overlap", True, True, 1.0)}
+    first = utilization.write_report(load_config(TINY), plan, runs, tmp_path, "hetnode bench utilization x")
+    for label, run in runs.items():
+        (tmp_path / "work" / label).mkdir(parents=True)
+        (tmp_path / "work" / label / utilization.RUN_RECORD).write_text(json.dumps(run))
+    (tmp_path / "utilization.png").unlink()
+    again = utilization.resummarise(load_config(TINY), tmp_path)
+    assert again["rules"] == json.loads(json.dumps(first["rules"])) and again["plan"]["cap_ratio"] == 3
+    assert again["command"] == "hetnode bench utilization x (resummarised)"
+    assert (tmp_path / "utilization.png").exists()
+    with pytest.raises(HetnodeError, match="no run.json"):
+        utilization.resummarise(load_config(TINY), tmp_path / "work" / "lockstep")
+
+
 def test_a_coordinator_that_evaluates_beside_the_seal_has_its_evaluation_folded_into_the_seal():
     rows = [
         {"round": 1, "contributors": ["a"], "time": 10.0, "eval_loss": None},
@@ -220,6 +250,8 @@ def test_the_plan_refuses_what_cannot_measure_utilisation():
 def test_the_command_line_parses():
     args = build_parser().parse_args(["bench", "utilization", "--quick", "--inner-steps", "12", "--out", "x"])
     assert args.quick and args.inner_steps == 12 and args.out == Path("x")
+    args = build_parser().parse_args(["bench", "utilization", "--resummarise", "--cap", "3", "--out", "x"])
+    assert args.resummarise and args.cap == 3
 
 
 def test_a_quota_is_a_share_of_the_period():
