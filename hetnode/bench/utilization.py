@@ -80,6 +80,10 @@ class UtilizationPlan:
     # needs ~9 fast steps for its one (0.25 of the share): at 2H the budget raised to its floor put the
     # fast anchors at their cap, waiting (utilisation 0.69-0.70, benchmarks/results/utilization-paced-3)
     cap_ratio: int = 4
+    rules: tuple[str, ...] = tuple(RULES)  # which of RULES run, in this order
+    # paced+overlap again at each of these caps (labelled `paced+overlap@<c>H`): the cap's trade of
+    # tokens a second against loss per token, side by side in one run
+    extra_caps: tuple[int, ...] = ()
     budget_s: float = 600.0  # per rule, from the first seal once every replica trained and synced a round
     no_verify_budget_s: float = 240.0
     warmup_rounds: int = 2  # after that start seal, before rounds are measured
@@ -116,8 +120,17 @@ def check_plan(config: Config, plan: UtilizationPlan, cores: int | None = None) 
     check_chain_possible(replace(config, "pipeline", stages=len(STAGES)), len(STAGES), "bench utilization")
     if plan.inner_steps < 1:
         raise ConfigError("--inner-steps", "outer.inner_steps", f"must be at least 1, got {plan.inner_steps}")
-    if plan.cap_ratio < 1:
-        raise ConfigError("--cap", "outer.max_inner_steps", f"must be at least 1 (× H), got {plan.cap_ratio}")
+    if plan.cap_ratio < 1 or any(c < 1 for c in plan.extra_caps):
+        caps = ", ".join(str(c) for c in (plan.cap_ratio, *plan.extra_caps))
+        raise ConfigError("--cap", "outer.max_inner_steps", f"must be at least 1 (× H), got {caps}")
+    unknown = [label for label in plan.rules if label not in RULES]
+    if unknown or not {"lockstep", "overlap"} <= set(plan.rules):
+        raise ConfigError(
+            "--rules",
+            "bench utilization",
+            f"got {','.join(plan.rules)}: choose from {','.join(RULES)}, lockstep and overlap included "
+            "(every ratio is against them)",
+        )
     if plan.budget_s < 30 or plan.no_verify_budget_s < 20:
         raise ConfigError(
             "--budget",
@@ -135,7 +148,12 @@ def check_plan(config: Config, plan: UtilizationPlan, cores: int | None = None) 
 
 
 def lab_config(
-    config: Config, plan: UtilizationPlan, overlap: bool, verify: bool, schedule: str = "steps"
+    config: Config,
+    plan: UtilizationPlan,
+    overlap: bool,
+    verify: bool,
+    schedule: str = "steps",
+    cap_ratio: int | None = None,
 ) -> Config:
     config = replace(config, "outer", inner_steps=plan.inner_steps, overlap=overlap, verify=verify)
     # paced: down to one step (the slow anchor's share of a round), up to cap_ratio × H
@@ -144,12 +162,16 @@ def lab_config(
         "outer",
         schedule=schedule,
         min_inner_steps=1,
-        max_inner_steps=plan.cap_ratio * plan.inner_steps,
+        max_inner_steps=(cap_ratio or plan.cap_ratio) * plan.inner_steps,
     )
     config = replace(config, "pipeline", stages=len(STAGES))
     config = replace(config, "data", batch_size=plan.batch_size, seq_len=plan.seq_len)
     floor = plan.anchor_mbit / 2  # the anchors' 50 Mbit/s is an anchor's link here
     return replace(config, "network", anchor_min_up_mbps=floor, anchor_min_down_mbps=floor, **LAB_NETWORK)
+
+
+def capped_label(cap: int) -> str:
+    return f"paced+overlap@{cap}H"
 
 
 def lab_links(plan: UtilizationPlan) -> dict[str, LinkProfile]:
@@ -341,7 +363,11 @@ def run_benchmark(
     schedule = [
         (label, lab_config(config, plan, overlap=overlap, verify=True, schedule=paced), plan.budget_s, True)
         for label, (overlap, paced) in RULES.items()
+        if label in plan.rules
     ]
+    for cap in plan.extra_caps:
+        capped = lab_config(config, plan, overlap=True, verify=True, schedule="paced", cap_ratio=cap)
+        schedule.append((capped_label(cap), capped, plan.budget_s, True))
     # the third run reads only its seal-to-seal time: its digests go unchecked (a status read costs ~30 s)
     schedule.append((f"{NO_VERIFY_RULE}-no-verify", quiet, plan.no_verify_budget_s, False))
     with interruptible():  # SIGTERM unwinds as Ctrl+C does: every lab and cgroup below is removed
@@ -383,5 +409,6 @@ def resummarise(config: Config, out: Path) -> dict[str, Any]:
             f"run the benchmark with --out {out} first"
         )
     earlier = json.loads((out / "utilization.json").read_text())
-    plan = UtilizationPlan(**earlier["plan"])
+    tuples = {k: tuple(v) for k, v in earlier["plan"].items() if isinstance(v, list)}
+    plan = UtilizationPlan(**(earlier["plan"] | tuples))
     return write_report(config, plan, runs, out, earlier["command"] + " (resummarised)")

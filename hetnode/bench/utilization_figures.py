@@ -185,10 +185,7 @@ def target(value: float | None, limit: float, holds: bool | None) -> dict[str, A
 def judge(rules: Mapping[str, Mapping[str, Any]]) -> tuple[dict[str, Any], dict[str, Any]]:
     """(ratios, targets) of overlap against lockstep, as the issue states the targets."""
     lock, over = rules["lockstep"], rules["overlap"]
-
-    def anchors(rule: Mapping[str, Any]) -> float | None:
-        values = [r["compute_utilization"] for r in rule["replicas"] if r["role"] == "anchor"]
-        return min(values) if values and None not in values else None
+    anchors = min_anchor_utilization
 
     tokens = lock["eval_loss_at_equal_tokens"], over["eval_loss_at_equal_tokens"]
     wall = lock["eval_loss_at_equal_wall"], over["eval_loss_at_equal_wall"]
@@ -227,6 +224,40 @@ def judge(rules: Mapping[str, Mapping[str, Any]]) -> tuple[dict[str, Any], dict[
     if "paced+overlap" in rules:
         targets |= paced_targets
     return ratios, targets
+
+
+def min_anchor_utilization(rule: Mapping[str, Any]) -> float | None:
+    values = [r["compute_utilization"] for r in rule["replicas"] if r["role"] == "anchor"]
+    return min(values) if values and None not in values else None
+
+
+def cap_sweep(rules: Mapping[str, Mapping[str, Any]], cap_ratio: int) -> dict[str, Any]:
+    """paced+overlap at each cap that ran (`paced+overlap` at `cap_ratio`, `paced+overlap@<c>H` at c):
+    {label: {"cap", "swarm_tokens_per_s_over_overlap", "eval_loss_at_equal_tokens_over_lockstep",
+    "eval_loss_at_equal_wall_over_lockstep", "min_anchor_utilization"}}: the trade a cap makes."""
+    if "lockstep" not in rules or "overlap" not in rules:
+        return {}
+    lock, over = rules["lockstep"], rules["overlap"]
+    sweep = {}
+    for label, rule in rules.items():
+        if label == "paced+overlap":
+            cap = cap_ratio
+        elif label.startswith("paced+overlap@") and label.endswith("H"):
+            cap = int(label.removeprefix("paced+overlap@").removesuffix("H"))
+        else:
+            continue
+        sweep[label] = {
+            "cap": cap,
+            "swarm_tokens_per_s_over_overlap": ratio(rule["swarm_tokens_per_s"], over["swarm_tokens_per_s"]),
+            "eval_loss_at_equal_tokens_over_lockstep": ratio(
+                rule["eval_loss_at_equal_tokens"], lock["eval_loss_at_equal_tokens"]
+            ),
+            "eval_loss_at_equal_wall_over_lockstep": ratio(
+                rule["eval_loss_at_equal_wall"], lock["eval_loss_at_equal_wall"]
+            ),
+            "min_anchor_utilization": min_anchor_utilization(rule),
+        }
+    return dict(sorted(sweep.items(), key=lambda item: item[1]["cap"]))
 
 
 def judge_paced(

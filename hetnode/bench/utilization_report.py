@@ -14,6 +14,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 from hetnode.bench.utilization_figures import (  # noqa: E402
+    cap_sweep,
     judge,
     loss_at_equal,
     loss_curve,
@@ -32,6 +33,7 @@ from hetnode.model import count_parameters  # noqa: E402
 DISAGREES = ("disagrees", "half-applied")
 RULE_ORDER = ("lockstep", "overlap", "paced", "paced+overlap")
 COLOURS = {"lockstep": "tab:blue", "overlap": "tab:orange", "paced": "tab:green", "paced+overlap": "tab:red"}
+MORE_COLOURS = ("tab:purple", "tab:brown", "tab:pink", "tab:olive", "tab:cyan", "tab:grey")  # the extra caps
 COMMAND = "sudo .venv/bin/hetnode bench utilization"
 
 
@@ -123,11 +125,9 @@ def summarise(
     R}}` (those that ran), the run without verification, the ratios against lockstep and overlap and each
     target's verdict."""
     per_step = plan.batch_size * plan.seq_len
-    rules = {
-        label: rule_summary(runs[label], plan.warmup_rounds, per_step)
-        for label in RULE_ORDER
-        if label in runs
-    }
+    order = [label for label in RULE_ORDER if label in runs]
+    order += [label for label in runs if label not in RULE_ORDER and not label.endswith("-no-verify")]
+    rules = {label: rule_summary(runs[label], plan.warmup_rounds, per_step) for label in order}
     quiet_label = next((label for label in runs if label.endswith("-no-verify")), None)
     quiet = rule_summary(runs[quiet_label], plan.warmup_rounds, per_step) if quiet_label else None
     if quiet is not None:
@@ -171,6 +171,7 @@ def summarise(
         ),
         "ratios": ratios,
         "targets": targets,
+        "cap_sweep": cap_sweep(rules, plan.cap_ratio),
     }
 
 
@@ -180,7 +181,8 @@ _QUIET_KEYS = ("seal_to_seal_s", "swarm_tokens_per_s", "verify_s", "measured_sea
 def plot(report: Mapping[str, Any], path: Path) -> None:
     """Eval loss against wall time and against tokens for both rules; each replica's utilisation."""
     fig, axes = plt.subplots(1, 3, figsize=(17, 4.8))
-    colours = COLOURS
+    extra = [label for label in report["rules"] if label not in COLOURS]
+    colours = COLOURS | dict(zip(extra, MORE_COLOURS, strict=False))
     for label, rule in report["rules"].items():
         curve = rule["eval_loss_curve"]
         for ax, axis in ((axes[0], "wall_s"), (axes[1], "tokens")):

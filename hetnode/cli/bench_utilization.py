@@ -10,6 +10,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from hetnode.errors import ConfigError
+
 CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs"
 
 
@@ -28,6 +30,17 @@ def register(benches: argparse._SubParsersAction) -> None:
     parser.add_argument("--inner-steps", type=int, default=None, help="H (default: the plan's, 5)")
     parser.add_argument(
         "--cap", type=int, default=None, help="paced: the cap of inner steps a round, in H (default 4)"
+    )
+    parser.add_argument(
+        "--rules",
+        default=None,
+        help="comma-separated rules to run (default lockstep,overlap,paced,paced+overlap; lockstep and "
+        "overlap always)",
+    )
+    parser.add_argument(
+        "--caps",
+        default=None,
+        help="comma-separated caps in H: paced+overlap again at each, labelled paced+overlap@<c>H (e.g. 2,3)",
     )
     parser.add_argument(
         "--budget",
@@ -59,6 +72,10 @@ def run(args: argparse.Namespace) -> int:
         plan = dataclasses.replace(plan, inner_steps=args.inner_steps)
     if args.cap is not None:
         plan = dataclasses.replace(plan, cap_ratio=args.cap)
+    if args.rules is not None:
+        plan = dataclasses.replace(plan, rules=tuple(r.strip() for r in args.rules.split(",") if r.strip()))
+    if args.caps is not None:
+        plan = dataclasses.replace(plan, extra_caps=_caps(args.caps))
     if args.budget is not None:
         plan = dataclasses.replace(
             plan, budget_s=args.budget, no_verify_budget_s=max(20.0, args.budget / 2.5)
@@ -68,6 +85,15 @@ def run(args: argparse.Namespace) -> int:
     print_summary(report)
     print(f"wrote {args.out / 'utilization.json'} and {args.out / 'utilization.png'}")
     return 0
+
+
+def _caps(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(c) for c in text.split(",") if c.strip())
+    except ValueError:
+        raise ConfigError(
+            "--caps", "bench utilization", f"whole numbers of H, e.g. 2,3; got {text!r}"
+        ) from None
 
 
 def _show(value: Any, digits: int = 2) -> str:
@@ -117,6 +143,13 @@ def print_summary(report: dict[str, Any]) -> None:
         f"H = {report['config']['H']}: a lockstep anchor round spends {share} of its wall time in sync "
         f"(planned 0.30-0.60: {'yes' if h['met'] else 'no'})"
     )
+    for label, c in (report.get("cap_sweep") or {}).items():
+        print(
+            f"cap {c['cap']}H ({label}): tokens/s {_show(c['swarm_tokens_per_s_over_overlap'])}x overlap, "
+            f"eval loss {_show(c['eval_loss_at_equal_tokens_over_lockstep'], 3)}x lockstep at equal tokens, "
+            f"{_show(c['eval_loss_at_equal_wall_over_lockstep'], 3)}x at equal wall, "
+            f"anchors' utilisation >= {_show(c['min_anchor_utilization'])}"
+        )
     for name, t in report["targets"].items():
         verdict = {True: "met", False: "NOT met", None: "not measured"}[t["met"]]
         print(f"  {name:<50} {_show(t['value'], 3):>8} (limit {t['limit']:g}) {verdict}")

@@ -203,9 +203,28 @@ def test_the_report_holds_both_rules_the_run_without_verification_and_says_when_
     assert summarise(load_config(TINY), plan, runs)["note"] is None
 
 
+def test_a_cap_sweep_reports_each_caps_trade_against_lockstep_and_overlap():
+    rules = {
+        "lockstep": _rule(0.5, 100.0, 4.0, 4.0, 10),
+        "overlap": _rule(0.9, 150.0, 4.1, 3.9, 10),
+        "paced+overlap": _rule(0.95, 240.0, 4.4, 3.96, 10),
+        "paced+overlap@2H": _rule(0.8, 180.0, 4.12, 3.8, 10),
+    }
+    sweep = fig.cap_sweep(rules, cap_ratio=4)
+    assert list(sweep) == ["paced+overlap@2H", "paced+overlap"]  # by cap
+    two, four = sweep["paced+overlap@2H"], sweep["paced+overlap"]
+    assert (two["cap"], four["cap"]) == (2, 4)
+    assert two["swarm_tokens_per_s_over_overlap"] == pytest.approx(1.2)
+    assert four["eval_loss_at_equal_tokens_over_lockstep"] == pytest.approx(1.1)
+    assert two["eval_loss_at_equal_wall_over_lockstep"] == pytest.approx(0.95)
+    assert four["min_anchor_utilization"] == 0.95
+    assert fig.cap_sweep({"lockstep": rules["lockstep"]}, 4) == {}
+
+
 def test_a_report_is_written_again_from_the_runs_a_benchmark_left(tmp_path: Path):
-    plan = dataclasses.replace(utilization.plan_for(quick=True), cap_ratio=3)
+    plan = dataclasses.replace(utilization.plan_for(quick=True), cap_ratio=3, extra_caps=(2,))
     runs = {"lockstep": _run("lockstep", False, False, 0.0), "overlap": _run("overlap", True, True, 1.0)}
+    runs["paced+overlap@2H"] = _run("paced+overlap@2H", True, True, 1.5)  # an extra cap: reported, plotted
     first = utilization.write_report(load_config(TINY), plan, runs, tmp_path, "hetnode bench utilization x")
     for label, run in runs.items():
         (tmp_path / "work" / label).mkdir(parents=True)
@@ -213,6 +232,8 @@ def test_a_report_is_written_again_from_the_runs_a_benchmark_left(tmp_path: Path
     (tmp_path / "utilization.png").unlink()
     again = utilization.resummarise(load_config(TINY), tmp_path)
     assert again["rules"] == json.loads(json.dumps(first["rules"])) and again["plan"]["cap_ratio"] == 3
+    assert list(again["rules"]) == ["lockstep", "overlap", "paced+overlap@2H"]
+    assert again["cap_sweep"]["paced+overlap@2H"]["cap"] == 2 and list(again["plan"]["extra_caps"]) == [2]
     assert again["command"] == "hetnode bench utilization x (resummarised)"
     assert (tmp_path / "utilization.png").exists()
     with pytest.raises(HetnodeError, match="no run.json"):
@@ -239,7 +260,14 @@ def test_the_plan_refuses_what_cannot_measure_utilisation():
         utilization.check_plan(config, dataclasses.replace(plan, budget_s=10.0), cores=2)
     with pytest.raises(HetnodeError, match="quotas add up"):
         utilization.check_plan(config, dataclasses.replace(plan, replica_cpu=0.5), cores=2)
+    with pytest.raises(ConfigError, match="--rules"):
+        utilization.check_plan(config, dataclasses.replace(plan, rules=("lockstep", "paced")), cores=2)
+    with pytest.raises(ConfigError, match="--cap"):
+        utilization.check_plan(config, dataclasses.replace(plan, extra_caps=(2, 0)), cores=2)
+    capped = utilization.lab_config(config, plan, overlap=True, verify=True, schedule="paced", cap_ratio=2)
+    assert capped.outer.max_inner_steps == 2 * plan.inner_steps
     lab = utilization.lab_config(config, plan, overlap=True, verify=False)
+    assert lab.outer.max_inner_steps == plan.cap_ratio * plan.inner_steps
     assert lab.outer.overlap and not lab.outer.verify and lab.outer.inner_steps == plan.inner_steps
     assert lab.network.anchor_min_up_mbps <= plan.anchor_mbit  # 50 Mbit/s anchors are anchors here
     links = utilization.lab_links(plan)
@@ -252,6 +280,10 @@ def test_the_command_line_parses():
     assert args.quick and args.inner_steps == 12 and args.out == Path("x")
     args = build_parser().parse_args(["bench", "utilization", "--resummarise", "--cap", "3", "--out", "x"])
     assert args.resummarise and args.cap == 3
+    args = build_parser().parse_args(
+        ["bench", "utilization", "--rules", "lockstep,overlap,paced+overlap", "--caps", "2,3"]
+    )
+    assert args.rules == "lockstep,overlap,paced+overlap" and args.caps == "2,3"
 
 
 def test_a_quota_is_a_share_of_the_period():
