@@ -146,23 +146,11 @@ class ChainLoop:
         self.send_s = 0.0  # writing frames to neighbours, since the chain started
         self.peer_id = node.identity.peer_id
         # the stage's slice of θ only: its memory and its sealed download scale with its layers
-        # and θ's embedding when boundaries are compressed: each stage builds the round's T_fix' from it
-        self.global_model = GlobalModel(
-            config,
-            opener=payload_opener(node.run or "", config),
-            part=stage_part(layout.splits, layout.index, config.pipeline.compression != "none"),
-        )
+        self.coordinator, self.directory = coordinator, directory
+        # built by `run`, off the event loop (`_build`)
+        self.global_model: GlobalModel
+        self.rounds: RoundParticipant
         self.drift_base: tuple[int, int] | None = None  # (round, the θ round its T_fix' comes from)
-        self.rounds = RoundParticipant(
-            config,
-            node,
-            coordinator,
-            self.global_model,
-            may_stand_in=False,
-            data_dir=data_dir,
-            metrics=metrics,
-            directory=directory,
-        )
         self.training: StageTraining | None = None
         self.syncing: asyncio.Task[bool] | None = None  # the round announced last, while the next trains
         self.last_round = -1  # the newest round this stage trained (announced, or sealed before its end)
@@ -188,9 +176,30 @@ class ChainLoop:
 
     # --- lifecycle ---------------------------------------------------------------------------------
 
+    async def _build(self) -> None:
+        """Our slice of θ in a worker thread (a big model's seeded initialisation would stop the heartbeat on
+        the event loop), then the round participant that serves our payloads. Our slice is our layers, and
+        θ's embedding when boundaries are compressed: each stage builds the round's T_fix' from it."""
+        c, layout = self.config, self.layout
+        part = stage_part(layout.splits, layout.index, c.pipeline.compression != "none")
+        self.global_model = await asyncio.to_thread(
+            GlobalModel, c, payload_opener(self.node.run or "", c), part
+        )
+        self.rounds = RoundParticipant(
+            c,
+            self.node,
+            self.coordinator,
+            self.global_model,
+            may_stand_in=False,
+            data_dir=self.data_dir,
+            metrics=self.metrics,
+            directory=self.directory,
+        )
+
     async def run(self, stop: asyncio.Event) -> str:
         """Train with the chain until stopped or broken; returns why it ended."""
         self.failed = asyncio.get_running_loop().create_future()
+        await self._build()
         layout = self.layout
         dataset = None
         if layout.first:
