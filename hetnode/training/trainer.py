@@ -71,7 +71,9 @@ class InnerTrainer:
         self.dataset = dataset
         self.slots = tuple(slots)
         self.num_slots = num_slots
-        self.optimizer = build_optimizer(self.model, config.inner)
+        # a step sees batch × seq tokens per slot: the rotated optimiser's bases fit its FLOP budget of that
+        tokens = config.data.batch_size * config.data.seq_len * len(self.slots)
+        self.optimizer = build_optimizer(self.model, config.inner, tokens_per_step=tokens)
         # Compress-everything mode keeps an anchor's residual writers in span(U) too.
         self.constraint = constraint
         if constraint is not None:
