@@ -215,7 +215,7 @@ class StageTraining:
         self.next_mb += 1
         return mb, batch
 
-    def forward(self, mb: int, incoming: Frame | tuple[torch.Tensor, torch.Tensor]) -> Frame | float:
+    def forward(self, mb: int, incoming: Frame | tuple[torch.Tensor, torch.Tensor]) -> Frame | torch.Tensor:
         tokens = incoming[0] if isinstance(incoming, tuple) else incoming.tokens
         self.tokens += tokens.numel()
         return self.worker.forward(mb, incoming)
