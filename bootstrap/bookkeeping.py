@@ -10,6 +10,12 @@ credits the verified contributions, evaluates, samples and checkpoints θ^t from
 evaluated line to the history (`hetnode/wire/round_history.py`). Memory: one copy of θ beyond the
 coordinator's own (the evaluator's model, which it always had), plus the step of each round queued.
 
+Evaluation and its sample come every `train.eval_every_rounds` (K) rounds: on the rounds that are multiples
+of K, or when the worker skipped that one, the next round it takes in full. Scoring and credit stay every
+round. With `--device cuda` the forwards (scoring, evaluation, samples) run on a copy of the model on the GPU
+(`bootstrap/device_forwards.py`); the copy of θ that steps, is checked against the seal's digests and is
+checkpointed stays on CPU in fp32, so digests and checkpoints do not depend on the device.
+
 Behind: at most MAX_PENDING rounds wait. When it falls further behind, the keeper hands over a snapshot of
 θ^{t-1} with round t (`needs_base`) and the older rounds waiting are superseded; of the rounds it takes at
 once, the newest is scored and evaluated and the older ones are only stepped and credited on the scores
@@ -39,6 +45,7 @@ from typing import Any
 import torch
 
 from bootstrap.checkpoint_store import keep_tokenizer, store_params
+from bootstrap.device_forwards import batches_on, forward_model
 from bootstrap.ledger import Contribution, Ledger, Verdict
 from bootstrap.samples import RoundSampler
 from bootstrap.swarm_metrics import SwarmMetrics
@@ -50,6 +57,7 @@ from hetnode.errors import CheckpointError
 from hetnode.model.decoder import build_model
 from hetnode.model.shards import layer_digests
 from hetnode.replica.global_model import PreparedRound, base_fixed_embedding
+from hetnode.training.precision import autocast_for
 from hetnode.wire.round_history import EVALUATED
 from hetnode.wire.sync_payload import DecodedPayload
 
@@ -107,7 +115,8 @@ def credit_rows(credits: Iterable[Contribution]) -> dict[str, dict[str, Any]]:
 
 class Bookkeeper:
     """The worker. `record` is called on the event loop with each round's evaluated line (the keeper
-    appends it to the history); `checkpoints` is the checkpoint folder's root."""
+    appends it to the history); `checkpoints` is the checkpoint folder's root; `device` where the forwards
+    run (a checked `--device`: `hetnode.cli.device.resolve_device`; settable until `build`)."""
 
     def __init__(
         self,
@@ -117,8 +126,10 @@ class Bookkeeper:
         run: str | None,
         record: Callable[[dict[str, Any]], None],
         metrics: SwarmMetrics | None = None,
+        device: torch.device | str = "cpu",
     ) -> None:
         self.config = config
+        self.device = torch.device(device)
         self.ledger = ledger
         self.checkpoints = checkpoints
         self.run_id = run
@@ -126,7 +137,8 @@ class Bookkeeper:
         self.metrics = metrics
         self.verifier: Verifier | None = None
         self.sampler: RoundSampler | None = None
-        self.model: torch.nn.Module | None = None
+        self.model: torch.nn.Module | None = None  # on CPU: its weights are θ
+        self.forwards: torch.nn.Module | None = None  # the model on the device (on CPU: `model` itself)
         self.theta: dict[str, torch.Tensor] = {}  # the model's weights: the worker's copy of θ
         self.held: int | None = None  # the round of θ the copy holds (None: out of step, awaiting a snapshot)
         self.checkpoint_lock = threading.Lock()  # one checkpoint writer at a time (the keeper's on stop too)
@@ -137,6 +149,7 @@ class Bookkeeper:
         self._stopping = threading.Event()
         self._in_hand = 0  # rounds handed over and not finished
         self._checkpointed = -1
+        self._evaluated = -1  # the newest round whose evaluation was tried
         self._task: asyncio.Task | None = None
         self._eval_batches: list = []
 
@@ -144,7 +157,7 @@ class Bookkeeper:
 
     def build(self, params: Mapping[str, torch.Tensor], round_: int) -> None:
         """The corpus, the eval batches, the worker's model holding θ = `params` (after `round_`), its
-        sampler and, with `outer.verify`, the verifier."""
+        copy on the device, the sampler and, with `outer.verify`, the verifier (both on that copy)."""
         c = self.config
         self.dataset = TokenDataset.build(c.data, c.model.vocab_size, c.run.seed)
         try:  # served with the checkpoints: an export over HTTP must never rebuild it from a data config
@@ -160,15 +173,20 @@ class Bookkeeper:
         self.model = model
         self.theta = {name: p.detach() for name, p in model.named_parameters()}
         self._load(params, round_)
-        self._tail = self._checkpointed = round_
-        self._eval_batches = self.dataset.eval_batches(c.train.eval_batches)
-        self.sampler = RoundSampler(c.samples, c.run.seed, self.dataset.tokenizer, model)
+        self._tail = self._checkpointed = self._evaluated = round_
+        self.forwards = forward_model(model, self.device)
+        self._eval_batches = batches_on(self.dataset.eval_batches(c.train.eval_batches), self.device)
+        self.sampler = RoundSampler(c.samples, c.run.seed, self.dataset.tokenizer, self.forwards)
         if c.outer.verify:
-            self.verifier = Verifier(c, self.dataset, model)
+            self.verifier = Verifier(c, self.dataset, self.forwards)
             try:  # what the verifier knew before a restart: nobody's record starts clean again
                 self.verifier.restore(self.ledger.verifier_state())
             except Exception:
                 log.exception("cannot read the verifier's records from the ledger: every peer starts anew")
+        if self.device.type != "cpu":
+            log.info(
+                "scoring, evaluation and samples on %s; θ, its steps and checkpoints on CPU", self.device
+            )
 
     @torch.no_grad()
     def _load(self, params: Mapping[str, torch.Tensor], round_: int) -> None:
@@ -285,7 +303,7 @@ class Bookkeeper:
         if holds and full and work.step is not None and self.verifier is not None and work.scorable:
             try:
                 scores = self.verifier.score(
-                    work.round, self.theta, work.scorable, work.replicas, work.steps or None
+                    work.round, self.forward_theta(), work.scorable, work.replicas, work.steps or None
                 )
                 line["verify_seconds"] = round(self.verifier.last_seconds, 3)
             except Exception:  # its contributions stay unscored: judged on the averages so far
@@ -293,7 +311,7 @@ class Bookkeeper:
         stepped = holds and self._step(work)
         if not work.catch_up:
             line |= self._credit(work, scores)
-        if stepped and full:
+        if stepped and full and self._evaluation_due(work.round):
             line |= self._evaluate(work.round)
         if stepped and not self._stopping.is_set() and self._checkpoint_due(work):
             self._checkpoint(work)
@@ -356,8 +374,14 @@ class Bookkeeper:
             "tokens": sum(c.tokens for c in credits),  # credited: verified work only
         }
 
+    def _evaluation_due(self, round_: int) -> bool:
+        """Whether `round_` reaches a multiple of `train.eval_every_rounds` not evaluated yet."""
+        every = self.config.train.eval_every_rounds
+        return round_ // every > self._evaluated // every
+
     def _evaluate(self, round_: int) -> dict[str, Any]:
         out: dict[str, Any] = {}
+        self._evaluated = round_  # a failure costs this round's evaluation: the next is K rounds on
         try:
             out["eval_loss"] = self.evaluate()
             if self.metrics is not None:
@@ -376,13 +400,26 @@ class Bookkeeper:
 
     @torch.no_grad()
     def evaluate(self) -> float:
-        """Eval loss of the copy's θ over the eval batches (Stopped when the coordinator stops)."""
+        """Eval loss of the copy's θ over the eval batches, on the device (Stopped when the coordinator
+        stops)."""
+        self.forward_theta()
         total = 0.0
         for inputs, targets in self._eval_batches:
             if self._stopping.is_set():
                 raise Stopped
-            total += self.model.loss(inputs, targets).item()
+            with autocast_for(self.device):
+                total += self.forwards.loss(inputs, targets).item()
         return total / len(self._eval_batches)
+
+    @torch.no_grad()
+    def forward_theta(self) -> dict[str, torch.Tensor]:
+        """The copy's θ in the device's model, its weights returned (on CPU they are θ); never copied back."""
+        if self.forwards is self.model:
+            return self.theta
+        weights = {name: p.detach() for name, p in self.forwards.named_parameters()}
+        for name, tensor in weights.items():
+            tensor.copy_(self.theta[name])
+        return weights
 
     def _checkpoint_due(self, work: RoundWork) -> bool:
         every = self.config.outer.checkpoint_every_rounds

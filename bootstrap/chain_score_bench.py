@@ -31,10 +31,9 @@ from bootstrap.verifier import Replica, Verifier  # noqa: E402
 from hetnode.algo.scoring import SCORE_MARGIN  # noqa: E402
 from hetnode.config import Config, replace  # noqa: E402
 from hetnode.daemon.rounds import AnchorTraining, data_slot  # noqa: E402
-from hetnode.daemon.stage_training import StageTraining  # noqa: E402
+from hetnode.daemon.stage_training import StageTraining, stage_part  # noqa: E402
 from hetnode.data import TokenDataset  # noqa: E402
 from hetnode.model.decoder import build_model  # noqa: E402
-from hetnode.model.shards import ModelPart  # noqa: E402
 from hetnode.replica.global_model import GlobalModel, base_fixed_embedding  # noqa: E402
 
 log = logging.getLogger(__name__)
@@ -156,7 +155,7 @@ def warm_chain(
     n = config.model.n_layers
     splits = (range(0, n // 2), range(n // 2, n))
     stages = [StageTraining(config, splits, i, chain, dataset if i == 0 else None) for i in range(2)]
-    parts = [GlobalModel(config, part=ModelPart.of_stage(splits, i)) for i in range(2)]
+    parts = [GlobalModel(config, part=stage_part(splits, i, s.compressed)) for i, s in enumerate(stages)]
     for stage, part in zip(stages, parts, strict=True):
         stage.rebase(stage.rebase_from(part))
     train_chain_round(stages, 0, warm)
@@ -175,7 +174,7 @@ def train_chain_round(stages: list[StageTraining], round_: int, micro_batches: i
     backward: weight delay 1, as on the wire), then each stage's payloads."""
     first, last = stages
     first.begin_round(round_)
-    last.begin_round(round_, first.drift)
+    last.begin_round(round_, first.drift_base)
     waiting: list[tuple[int, torch.Tensor]] = []
     for _ in range(micro_batches):
         mb, batch = first.next_batch()

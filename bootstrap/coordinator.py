@@ -15,6 +15,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from bootstrap.admissions import Admissions, read_allowlist
@@ -63,6 +64,7 @@ class BootstrapOptions:
     allowlist: Path | None = None  # peer ids admitted in "allowlist" mode
     new_run: bool = False  # start a new run in data_dir, the old run's files moved aside (run_state.py)
     resume: bool = False  # go on from the data dir's latest checkpoint; an error when it holds none
+    device: str = "cpu"  # where scoring, evaluation and samples run (checked: `hetnode.cli.device`)
 
 
 def listen_address(requested: str, state: dict) -> str:
@@ -194,18 +196,22 @@ class Coordinator:
         with Ledger(data_dir.path / LEDGER_FILE) as ledger:
             peer_metrics = PeerMetrics(lambda: presence.record, lambda: node.traffic, trains=False)
             swarm_metrics = SwarmMetrics(peer_metrics, ledger)
-            keeper = RoundKeeper(
-                self.config,
-                node,
-                presence,
-                data_dir,
-                ledger,
-                swarm_metrics,
-                self.options.stand_ins,
-                directory,
-                restored=self._restored,
+            # θ is built in a worker thread (tens of seconds for a big model), our record kept alive meanwhile
+            keeper = await presence.beating(
+                RoundKeeper.create(
+                    self.config,
+                    node,
+                    presence,
+                    data_dir,
+                    ledger,
+                    swarm_metrics,
+                    self.options.stand_ins,
+                    directory,
+                    restored=self._restored,
+                )
             )
             self._restored = None  # the keeper copied θ: one copy in memory
+            keeper.bookkeeping.device = torch.device(self.options.device)  # before `keeper.run` builds it
             board = StatusBoard(ledger, stale_after_s=max(60.0, 6 * n.heartbeat_s))
             servers = self._http_servers(board, peer_metrics, checkpoints_root(data_dir.path))
             try:

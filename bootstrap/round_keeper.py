@@ -86,9 +86,11 @@ class RoundKeeper:
         stand_ins: tuple[str, ...] = (),
         directory: PeerDirectory | None = None,
         restored: Restored | None = None,
+        global_model: GlobalModel | None = None,
     ) -> None:
         """`directory`: the coordinator's reads of the peer records (one of our own if not given);
-        `restored`: θ from the data dir's checkpoint (`checkpoint_store.restore`), taken over here."""
+        `restored`: θ from the data dir's checkpoint (`checkpoint_store.restore`), taken over here;
+        `global_model`: θ built already (`create` builds it off the event loop), else built here."""
         self.config = config
         self.node = node
         self.presence = presence
@@ -97,7 +99,9 @@ class RoundKeeper:
         self.metrics = metrics
         self.history: deque[dict[str, Any]] = deque(read_history(data_dir.path), maxlen=HISTORY_KEPT)
         self.stand_ins = tuple(sorted(set(stand_ins) - {node.identity.peer_id}))
-        self.global_model = GlobalModel(config, opener=payload_opener(node.run or "", config))
+        if global_model is None:
+            global_model = GlobalModel(config, opener=payload_opener(node.run or "", config))
+        self.global_model = global_model
         self.sealer = Sealer(config, node, self.global_model)
         self.sealed_in_this_life = False  # from then on, no other seal or θ is ever adopted
         after = (self._publish_theta, self._append_history, self._caught_up)
@@ -122,6 +126,14 @@ class RoundKeeper:
         node.set_inclusion(self.included)
         self._announced = asyncio.Event()  # a replica nudged us: its announcement is in the DHT
         node.set_nudge_handler(self._on_nudge)
+
+    @classmethod
+    async def create(cls, config: Config, node: SwarmNode, *args: Any, **kwargs: Any) -> RoundKeeper:
+        """A keeper (the arguments are `__init__`'s) whose θ is built in a worker thread: a big model's
+        seeded initialisation takes tens of seconds (1b: a float64 draw of ~35 s), which on the event
+        loop would stop the heartbeat past the coordinator's record lifetime."""
+        theta = await asyncio.to_thread(GlobalModel, config, payload_opener(node.run or "", config))
+        return cls(config, node, *args, global_model=theta, **kwargs)
 
     def included(self, round_: int, replica: str) -> bool | None:
         """Whether `replica` is in our seal of `round_` (None: not a round we sealed, or too old)."""

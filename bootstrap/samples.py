@@ -1,9 +1,10 @@
 """Short samples of text from the global θ, one per evaluated round, so people watching the status page see
 the model learn (a loss curve says less to most of them).
 
-The coordinator samples on the evaluator's model (a CPU copy of the whole model, which holds θ of the
-round) right after evaluating, in its bookkeeping worker beside the seal (`bootstrap/bookkeeping.py`). Each
-sample is seeded by run seed + round, so anyone holding θ of that round and the config gets the same text.
+The coordinator samples on the evaluator's model (a copy of the whole model on its `--device`, loaded with θ
+of the round) right after evaluating, in its bookkeeping worker beside the seal (`bootstrap/bookkeeping.py`).
+Each sample is seeded by run seed + round, so anyone holding θ of that round and the config gets the same
+text on the same kind of device (CUDA's bf16 forwards may draw other tokens than CPU's fp32 ones).
 A sample is kept in the round's evaluated line of `rounds.jsonl` (`"sample"`), so a restarted coordinator
 shows the ones it had.
 """
@@ -21,6 +22,7 @@ from hetnode.config import SamplesConfig
 from hetnode.data.tokenizer import Tokenizer
 from hetnode.model.decoder import DecoderStage
 from hetnode.model.sampling import sample_tokens
+from hetnode.training.precision import autocast_for
 
 log = logging.getLogger(__name__)
 
@@ -43,8 +45,8 @@ class RoundSampler:
 
     @torch.no_grad()
     def sample(self, params: Mapping[str, torch.Tensor], round_: int) -> dict[str, Any] | None:
-        """The sample of θ = `params` after `round_` (None when sampling is off). Loads θ itself: the
-        verifier shares the model and may have left other weights in it."""
+        """The sample of θ = `params` after `round_` (None when sampling is off), drawn on the model's
+        device. Loads θ itself: the verifier shares the model and may have left other weights in it."""
         if not self.enabled:
             return None
         started = time.perf_counter()
@@ -52,14 +54,15 @@ class RoundSampler:
             if params[name].data_ptr() != param.data_ptr():  # the worker passes the model's own weights
                 param.copy_(params[name])
         seed = self.run_seed + round_
-        ids = sample_tokens(
-            self.model,
-            self.prompt_ids,
-            self.cfg.tokens,
-            temperature=self.cfg.temperature,
-            seed=seed,
-            stop_id=self.tokenizer.eos_id,
-        )
+        with autocast_for(next(self.model.parameters()).device):
+            ids = sample_tokens(
+                self.model,
+                self.prompt_ids,
+                self.cfg.tokens,
+                temperature=self.cfg.temperature,
+                seed=seed,
+                stop_id=self.tokenizer.eos_id,
+            )
         return {
             "prompt": self.cfg.prompt,
             "text": self.tokenizer.decode(ids),  # invalid UTF-8 is replaced, never raised

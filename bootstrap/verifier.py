@@ -37,6 +37,10 @@ Threads: `score` runs in the worker's thread and is the only writer of the avera
 and `helps` run for the seal meanwhile and only read them (single dict reads and writes, atomic in
 CPython). `score` runs the model it was given; `helps` runs a twin of it (the same tensors, its own module
 objects), since `functional_call` swaps a module's parameters while it runs.
+
+Device (`hetnode bootstrap --device`): the forwards run where the model it was given lives, θ and each
+trial's update copied there (`bootstrap/device_forwards.py`), in bf16 autocast on CUDA; every decision on
+their results (norms, medians, scales, averages, weights) is taken on CPU in float64 or Python floats.
 """
 
 from __future__ import annotations
@@ -54,13 +58,13 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from bootstrap.device_forwards import batches_on, dense_on, model_device, on_device
 from bootstrap.earned_weight import EarnedWeight
 from bootstrap.ledger import Verdict
 from hetnode.algo.aggregate import weighted_median
 from hetnode.algo.scoring import (
     SCORE_MARGIN,
     batch_loss,
-    dense_update,
     improvement_scale,
     index_overlap,
     loss_improvement,
@@ -71,6 +75,7 @@ from hetnode.config import Config
 from hetnode.daemon.rounds import NUM_DATA_SLOTS, data_slot
 from hetnode.data.dataset import TokenDataset
 from hetnode.planning.rounds import assigned_batches
+from hetnode.training.precision import autocast_for
 from hetnode.wire.sync_payload import DecodedPayload
 
 log = logging.getLogger(__name__)
@@ -121,12 +126,13 @@ class Verifier:
     def __init__(
         self, config: Config, dataset: TokenDataset, model: nn.Module, secret: bytes | None = None
     ) -> None:
-        """`model`: the whole decoder as anchors train it (T_fix included), used with θ as parameters.
-        `secret`: fixed only by benchmarks that compare two runs on the same draws; a coordinator's is new
-        in each life."""
+        """`model`: the whole decoder as anchors train it (T_fix included), used with θ as parameters; the
+        forwards run on its device. `secret`: fixed only by benchmarks that compare two runs on the same
+        draws; a coordinator's is new in each life."""
         self.config = config
         self.dataset = dataset
         self.model = model
+        self.device = model_device(model)
         self._seal_model = _twin(model)  # for `helps`, which runs at the seal while `score` may run
         self.averages: dict[str, float] = {}
         self.counts: dict[str, int] = {}  # scores behind each average
@@ -283,6 +289,7 @@ class Verifier:
         return {peer: score}. `steps`: the inner steps each sealed peer claimed (paced rounds; None: H).
         Blocking: run it in a worker thread."""
         started = time.perf_counter()
+        params = on_device(params, self.device)  # θ is never copied back
         trial = self._trial(round_, params, contributions, replicas, steps)
         newcomers = {k for k, peers in trial.members.items() if not any(self.earned.weight(p) for p in peers)}
         picked = self._sample(round_, sorted(set(trial.members) - newcomers), trial.weight) + self._newcomers(
@@ -291,7 +298,8 @@ class Verifier:
         anchors = [key for key in picked if trial.is_anchor(key)]
         chains = [key for key in picked if not trial.is_anchor(key)]
         held_out = self._held_out(round_)
-        before = batch_loss(self.model, params, held_out)
+        with autocast_for(self.device):
+            before = batch_loss(self.model, params, held_out)
         own = {
             key: self._assigned(round_, replicas[trial.members[key][0]], trial.steps[key]) for key in picked
         }
@@ -299,13 +307,14 @@ class Verifier:
 
         def improvement(update: Sparse, key: str) -> float:
             """Loss improvement of `update` (clipped as replica `key`'s) on `key`'s batch and the held-out."""
-            delta = trial.clipped(update, key)
-            if key not in own_before:
-                own_before[key] = batch_loss(self.model, params, own[key])
-            return (
-                loss_improvement(self.model, params, delta, trial.step, own[key], before=own_before[key])
-                + loss_improvement(self.model, params, delta, trial.step, held_out, before=before)
-            ) / trial.pace[key]
+            delta = trial.clipped(update, key, self.device)
+            with autocast_for(self.device):
+                if key not in own_before:
+                    own_before[key] = batch_loss(self.model, params, own[key])
+                return (
+                    loss_improvement(self.model, params, delta, trial.step, own[key], before=own_before[key])
+                    + loss_improvement(self.model, params, delta, trial.step, held_out, before=before)
+                ) / trial.pace[key]
 
         whole = {key: improvement(trial.merged[key], key) for key in picked}
         scores: dict[str, float] = {}
@@ -348,17 +357,19 @@ class Verifier:
         non-negative against the last scored round's yardstick (no other work to measure it against: for
         a round nobody with a record is left in; before any round was scored, any improvement counts).
         Averages are not touched. Blocking: run it in a worker thread."""
+        params = on_device(params, self.device)
         trial = self._trial(round_, params, contributions, replicas, steps)
         held_out = self._held_out(round_)
-        before = batch_loss(self._seal_model, params, held_out)
         improvements = {}
-        for key, update in trial.merged.items():
-            delta = trial.clipped(update, key)
-            own = self._assigned(round_, replicas[trial.members[key][0]], trial.steps[key])
-            improvements[key] = (
-                loss_improvement(self._seal_model, params, delta, trial.step, own)
-                + loss_improvement(self._seal_model, params, delta, trial.step, held_out, before=before)
-            ) / trial.pace[key]
+        with autocast_for(self.device):
+            before = batch_loss(self._seal_model, params, held_out)
+            for key, update in trial.merged.items():
+                delta = trial.clipped(update, key, self.device)
+                own = self._assigned(round_, replicas[trial.members[key][0]], trial.steps[key])
+                improvements[key] = (
+                    loss_improvement(self._seal_model, params, delta, trial.step, own)
+                    + loss_improvement(self._seal_model, params, delta, trial.step, held_out, before=before)
+                ) / trial.pace[key]
         scale = self.recent_scale
         passed = (
             {key for key, value in improvements.items() if value > 0}
@@ -465,13 +476,13 @@ class Verifier:
         batches = assigned_batches(replica.key, round_, steps, self.config.outer.step_cap)
         index = batches[int(self._draw(b"batch", round_, replica.key) * len(batches))]
         inputs, targets = self.dataset.train_batch(replica.slot, NUM_DATA_SLOTS, index)
-        return [(inputs[:SCORE_SEQUENCES], targets[:SCORE_SEQUENCES])]
+        return batches_on([(inputs[:SCORE_SEQUENCES], targets[:SCORE_SEQUENCES])], self.device)
 
     def _held_out(self, round_: int) -> list[tuple]:
         """One eval batch, drawn per round with our secret (the eval split is never trained on)."""
         batches = self.dataset.eval_batches(self.dataset.num_eval_batches)
         inputs, targets = batches[int(self._draw(b"held-out", round_, "") * len(batches))]
-        return [(inputs[:SCORE_SEQUENCES], targets[:SCORE_SEQUENCES])]
+        return batches_on([(inputs[:SCORE_SEQUENCES], targets[:SCORE_SEQUENCES])], self.device)
 
     def verdicts(
         self,
@@ -513,9 +524,10 @@ class _Trial:
     def is_anchor(self, key: str) -> bool:
         return self.members[key] == [key]
 
-    def clipped(self, update: Sparse, key: str) -> dict[str, torch.Tensor]:
-        """`update` (a replica's, or a part of it) dense, scaled by its replica's clip factor (never up)."""
-        delta = dense_update(update, self.shapes)
+    def clipped(self, update: Sparse, key: str, device: torch.device) -> dict[str, torch.Tensor]:
+        """`update` (a replica's, or a part of it) dense on `device`, scaled by its replica's clip factor
+        (never up)."""
+        delta = dense_on(update, self.shapes, device)
         norm = self.norms[key]
         if norm > self.median > 0:
             delta = {name: t * (self.median / norm) for name, t in delta.items()}

@@ -76,6 +76,9 @@ class InnerConfig:
     rotation: Literal["two_sided", "one_sided"] = "two_sided"  # rotated_adamw only
     rotation_refresh: int = 10  # steps between basis refreshes
     rotation_decay: float = 0.999  # decay of the GG^T / G^TG statistics
+    # Most FLOPs the rotation may add to a step (6·params·tokens), per matrix: two-sided, else one-sided,
+    # else one-sided in diagonal blocks (algo/rotation_cost.py); applied where a step's tokens are known.
+    rotation_budget: float = 0.10
 
 
 @dataclass(frozen=True)
@@ -87,6 +90,9 @@ class TrainConfig:
     eval_batches: int = 8
     checkpoint_every: int = 100
     log_every: int = 10
+    # The coordinator evaluates θ (and draws its sample) after every this many sealed rounds, not after
+    # each: with a real held-out set (`eval_batches`) evaluation costs more than the round's scoring.
+    eval_every_rounds: int = 1
 
 
 @dataclass(frozen=True)
@@ -406,8 +412,10 @@ def validate(config: Config, source: str) -> None:
     _require(0 <= i.nadam_beta1 < 1, source, "inner.nadam_beta1", "must be in [0, 1)")
     _require(i.rotation_refresh >= 1, source, "inner.rotation_refresh", "must be >= 1")
     _require(0 <= i.rotation_decay < 1, source, "inner.rotation_decay", "must be in [0, 1)")
+    _require(i.rotation_budget > 0, source, "inner.rotation_budget", f"must be > 0, got {i.rotation_budget}")
 
-    for key in ("max_steps", "eval_every", "eval_batches", "checkpoint_every", "log_every"):
+    counts = ("max_steps", "eval_every", "eval_batches", "checkpoint_every", "log_every", "eval_every_rounds")
+    for key in counts:
         value = getattr(t, key)
         _require(value > 0, source, f"train.{key}", f"must be > 0, got {value}")
 

@@ -4,7 +4,8 @@
 * ``nadam``: Adam with Nesterov momentum and a high constant β1 (``nadam_beta1`` = 0.99), the strongest
   asynchronous-pipeline baseline in arXiv 2602.03515: the look-ahead partly compensates for the weight delay.
 * ``rotated_adamw``: `RotatedAdamW` (basis rotation, arXiv 2602.03515) on the attention and MLP matrices,
-  plain AdamW arithmetic on embeddings, norms and the head, all in one optimiser object.
+  plain AdamW arithmetic on embeddings, norms and the head, all in one optimiser object; its bases are
+  trimmed to ``rotation_budget`` of a step's FLOPs when the caller passes the tokens of a step.
 
 Weight decay is decoupled everywhere and applies to matrices only.
 """
@@ -107,8 +108,14 @@ class NAdamW(torch.optim.Optimizer):
         return loss
 
 
-def build_optimizer(model: nn.Module, cfg: InnerConfig, name: str | None = None) -> torch.optim.Optimizer:
-    """The inner optimiser `name` (default: ``cfg.optimizer``) over all trainable parameters of `model`."""
+def build_optimizer(
+    model: nn.Module, cfg: InnerConfig, name: str | None = None, tokens_per_step: int | None = None
+) -> torch.optim.Optimizer:
+    """The inner optimiser `name` (default: ``cfg.optimizer``) over all trainable parameters of `model`.
+
+    `tokens_per_step` (batch × sequence of one optimiser step): with it, ``rotated_adamw`` fits each matrix's
+    bases to ``cfg.rotation_budget`` of that step's FLOPs (`rotation_cost.plan_bases`); without it, the
+    configured ``cfg.rotation`` for every matrix."""
     name = cfg.optimizer if name is None else name
     if name == "adamw":
         return torch.optim.AdamW(
@@ -127,5 +134,7 @@ def build_optimizer(model: nn.Module, cfg: InnerConfig, name: str | None = None)
             stat_decay=cfg.rotation_decay,
             refresh_every=cfg.rotation_refresh,
             one_sided=cfg.rotation == "one_sided",
+            budget=cfg.rotation_budget,
+            tokens_per_step=tokens_per_step,
         )
     raise ValueError(f"unknown inner optimizer {name!r}; choose one of {', '.join(OPTIMIZERS)}")

@@ -23,8 +23,17 @@ Choices made here (all of them documented because they change numbers):
   ``v_new = (P_L∘P_L) v (P_R∘P_R)ᵀ``. The squared overlaps are doubly stochastic, so the total second-moment
   mass is kept, and when the new basis is only a re-ordering (or sign flip) of the old one this is exactly the
   SOAP-style permutation of v.
-* The one-sided variant rotates only the smaller side (the left one when m ≤ n) and keeps the identity on the
-  other, cutting the extra memory from m² + n² to min(m, n)² (times two: statistic and basis).
+* The one-sided variant rotates only the smaller side (the left one when m < n, else the right one, as the
+  authors' code does) and keeps the identity on the other, cutting the extra memory from m² + n² to
+  min(m, n)² (times two: statistic and basis).
+* With ``tokens_per_step`` and ``budget`` set, each matrix takes the richest bases whose FLOPs stay within
+  ``budget`` of its step (`rotation_cost.plan_bases`): two-sided, one-sided, or one-sided in block-diagonal
+  bases (the statistics, bases and overlaps are then stacks of b×b blocks, shape (s/b, b, b)).
+* Against the authors' code (github.com/joonkyoo/basis-rotation, ``optim/basis_rotation.py``): the same
+  order within a step, statistics taken in every step, refreshes one step later (1, 1+k, ... here; 1, k,
+  2k, ... there). Their ε is added to the un-corrected √v with the step scaled by √(1−β2ᵗ)/(1−β1ᵗ), i.e. an
+  ε larger by 1/√(1−β2ᵗ) in the first ~1/(1−β2) steps; ours keeps a frozen basis exactly AdamW in rotated
+  coordinates. Their refresh sorts the old basis and permutes v before the QR and does not re-project v.
 * Parameters that are not matrices, and every parameter of a group with ``rotate=False``, get plain AdamW
   (the identical update to ``torch.optim.AdamW`` with decoupled decay). ``identity_bases=True`` sets the
   default ``rotate=False``; tests use it to check the AdamW equivalence.
@@ -36,6 +45,8 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
+
+from hetnode.algo.rotation_cost import Bases, full_bases, plan_bases
 
 
 def check_adam_hyperparameters(
@@ -52,7 +63,8 @@ class RotatedAdamW(torch.optim.Optimizer):
     """AdamW whose second moment lives in the eigenbasis of E[GGᵀ] / E[GᵀG] (arXiv 2602.03515).
 
     Group options: ``lr``, ``betas``, ``eps``, ``weight_decay``, ``stat_decay``, ``refresh_every``,
-    ``one_sided`` and ``rotate`` (False: plain AdamW for that group, e.g. embeddings, norms and the head).
+    ``one_sided``, ``rotate`` (False: plain AdamW for that group, e.g. embeddings, norms and the head),
+    and ``budget`` with ``tokens_per_step`` (both set: each matrix's bases by `plan_bases`).
     """
 
     def __init__(
@@ -66,12 +78,16 @@ class RotatedAdamW(torch.optim.Optimizer):
         refresh_every: int = 10,
         one_sided: bool = False,
         identity_bases: bool = False,
+        budget: float | None = None,
+        tokens_per_step: int | None = None,
     ) -> None:
         check_adam_hyperparameters(lr, betas, eps, weight_decay)
         if not 0.0 <= stat_decay < 1.0:
             raise ValueError(f"stat_decay {stat_decay} must lie in [0, 1)")
         if refresh_every < 1:
             raise ValueError(f"refresh_every must be >= 1, got {refresh_every}")
+        if (budget is not None and budget <= 0) or (tokens_per_step is not None and tokens_per_step < 1):
+            raise ValueError(f"budget must be > 0 and tokens_per_step >= 1, got {budget}, {tokens_per_step}")
         defaults = {
             "lr": lr,
             "betas": tuple(betas),
@@ -81,6 +97,8 @@ class RotatedAdamW(torch.optim.Optimizer):
             "refresh_every": refresh_every,
             "one_sided": one_sided,
             "rotate": not identity_bases,
+            "budget": budget,
+            "tokens_per_step": tokens_per_step,
         }
         super().__init__(params, defaults)
 
@@ -135,42 +153,64 @@ class RotatedAdamW(torch.optim.Optimizer):
 def to_basis(x: torch.Tensor, q_left: torch.Tensor | None, q_right: torch.Tensor | None) -> torch.Tensor:
     """Q_Lᵀ x Q_R, with None standing for the identity (the unrotated side of the one-sided variant)."""
     if q_left is not None:
-        x = q_left.T @ x
+        x = left_apply(q_left.mT, x)
     if q_right is not None:
-        x = x @ q_right
+        x = right_apply(x, q_right)
     return x
 
 
 def from_basis(x: torch.Tensor, q_left: torch.Tensor | None, q_right: torch.Tensor | None) -> torch.Tensor:
     """Q_L x Q_Rᵀ: the inverse of `to_basis` (both bases are orthogonal)."""
     if q_left is not None:
-        x = q_left @ x
+        x = left_apply(q_left, x)
     if q_right is not None:
-        x = x @ q_right.T
+        x = right_apply(x, q_right.mT)
     return x
 
 
-def rotated_sides(shape: torch.Size | tuple[int, ...], one_sided: bool) -> tuple[bool, bool]:
-    """Which sides (left, right) of a matrix get a basis; one-sided keeps only the smaller one."""
-    if len(shape) != 2:
-        return False, False
-    if not one_sided:
-        return True, True
-    return (True, False) if shape[0] <= shape[1] else (False, True)
+def left_apply(mats: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """M x, where M is one s×s matrix or the block diagonal of a (s/b, b, b) stack."""
+    if mats.ndim == 2:
+        return mats @ x
+    blocks, size, _ = mats.shape
+    return (mats @ x.reshape(blocks, size, -1)).reshape(x.shape)
+
+
+def right_apply(x: torch.Tensor, mats: torch.Tensor) -> torch.Tensor:
+    """x M, where M is one s×s matrix or the block diagonal of a (s/b, b, b) stack."""
+    if mats.ndim == 2:
+        return x @ mats
+    blocks, size, _ = mats.shape
+    columns = x.reshape(x.shape[0], blocks, size).transpose(0, 1)  # (s/b, rows, b)
+    return (columns @ mats).transpose(0, 1).reshape(x.shape)
+
+
+def bases_for(shape: torch.Size | tuple[int, ...], group: dict[str, Any]) -> Bases:
+    """The block sizes of a parameter's bases: none for non-matrices and unrotated groups, else the
+    configured sides, or `plan_bases` when the group has a budget and the tokens of a step."""
+    if len(shape) != 2 or not group["rotate"]:
+        return Bases(0, 0)
+    m, n = shape
+    budget, tokens = group.get("budget"), group.get("tokens_per_step")
+    if budget is None or tokens is None:
+        return full_bases(m, n, group["one_sided"])
+    return plan_bases(m, n, tokens, budget, group["refresh_every"], group["one_sided"])
 
 
 def _init_state(state: dict[str, Any], p: torch.Tensor, group: dict[str, Any]) -> None:
     state["step"] = 0
     state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-    left, right = rotated_sides(p.shape, group["one_sided"]) if group["rotate"] else (False, False)
+    bases = bases_for(p.shape, group)
     # v is kept in float32 when rotated: it is filled from float32 rotations, not from the raw gradient.
-    sq_dtype = torch.float32 if left or right else p.dtype
+    sq_dtype = torch.float32 if bases.rotated else p.dtype
     state["exp_avg_sq"] = torch.zeros(p.shape, dtype=sq_dtype, device=p.device)
-    for side, on, dim in (("L", left, 0), ("R", right, 1)):
-        if on:
-            size = p.shape[dim]
-            state[f"stat_{side}"] = torch.zeros(size, size, dtype=torch.float32, device=p.device)
-            state[f"Q_{side}"] = torch.eye(size, dtype=torch.float32, device=p.device)
+    sides = (("L", bases.left, p.shape[0]), ("R", bases.right, p.shape[1])) if bases.rotated else ()
+    for side, block, size in sides:
+        if block:  # a full basis is one s×s matrix; a blocked one a (s/b, b, b) stack
+            shape = (size, size) if block == size else (size // block, block, block)
+            state[f"stat_{side}"] = torch.zeros(shape, dtype=torch.float32, device=p.device)
+            eye = torch.eye(block, dtype=torch.float32, device=p.device)
+            state[f"Q_{side}"] = eye.expand(shape).contiguous()
 
 
 def _update_statistics(state: dict[str, Any], grad: torch.Tensor, decay: float) -> None:
@@ -182,8 +222,15 @@ def _update_statistics(state: dict[str, Any], grad: torch.Tensor, decay: float) 
         if state[key].dtype != torch.float32:  # load_state_dict casts state to the parameter's dtype
             state[key] = state[key].float()
             state[f"Q_{side}"] = state[f"Q_{side}"].float()
-        outer = g @ g.T if side == "L" else g.T @ g
-        state[key].mul_(decay).add_(outer, alpha=1.0 - decay)
+        stat = state[key]
+        size = stat.shape[-1]
+        if side == "L":  # the diagonal blocks of G Gᵀ
+            rows = g.reshape(-1, size, g.shape[1])
+            outer = rows @ rows.mT
+        else:  # the diagonal blocks of Gᵀ G
+            cols = g.reshape(g.shape[0], -1, size).transpose(0, 1)
+            outer = cols.mT @ cols
+        stat.mul_(decay).add_(outer.reshape(stat.shape), alpha=1.0 - decay)
     if state["exp_avg_sq"].dtype != torch.float32:
         state["exp_avg_sq"] = state["exp_avg_sq"].float()
 
@@ -213,16 +260,18 @@ def reproject_second_moment(
     """v in the new basis: (P_L∘P_L) v (P_R∘P_R)ᵀ with P = Q_newᵀ Q_old; a side whose bases are None is kept.
 
     Exact for a basis that is a permutation (with sign flips) of the old one; keeps the total of v otherwise.
+    Blocked bases, (s/b, b, b) stacks, move v block by block.
     """
     if left_old is not None and left_new is not None:
-        v = (left_new.T @ left_old).square_() @ v
+        v = left_apply((left_new.mT @ left_old).square_(), v)
     if right_old is not None and right_new is not None:
-        v = v @ (right_new.T @ right_old).square_().T
+        v = right_apply(v, (right_new.mT @ right_old).square_().mT)
     return v.clamp(min=0.0)
 
 
 def eigenbasis(stat: torch.Tensor) -> torch.Tensor | None:
-    """Eigenvectors of a symmetric PSD matrix as columns, by descending eigenvalue; None if eigh fails."""
+    """Eigenvectors of a symmetric PSD matrix (or of each in a stack) as columns, by descending eigenvalue;
+    None if eigh fails."""
     try:
         _, vectors = torch.linalg.eigh(stat)
     except torch.linalg.LinAlgError:
@@ -231,9 +280,11 @@ def eigenbasis(stat: torch.Tensor) -> torch.Tensor | None:
 
 
 def power_qr_step(stat: torch.Tensor, old: torch.Tensor) -> torch.Tensor | None:
-    """One power-iteration step Q ← qr(stat·Q_old), columns re-sorted by diag(Qᵀ stat Q) descending."""
+    """One power-iteration step Q ← qr(stat·Q_old), columns re-sorted by diag(Qᵀ stat Q) descending
+    (per block for a stack)."""
     if not torch.isfinite(stat).all():
         return None
     q, _ = torch.linalg.qr(stat @ old)
-    estimated = (q * (stat @ q)).sum(dim=0)
-    return q[:, torch.argsort(estimated, descending=True)].contiguous()
+    estimated = (q * (stat @ q)).sum(dim=-2)
+    order = torch.argsort(estimated, dim=-1, descending=True)
+    return torch.gather(q, -1, order.unsqueeze(-2).expand_as(q)).contiguous()

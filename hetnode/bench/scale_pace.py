@@ -3,11 +3,12 @@ H100-class anchors on 1 Gbit/s beside chains whose stages sit on 20 Mbit/s links
 
 Per round, each replica's work and the sync (docs/scale.md, "Round rules"):
 - an anchor: inner steps of 6·P·B·T FLOPs each at `ANCHOR_FLOPS`;
-- a chain: the drift frame (V×d fp32) down every hop before the first micro-batch, the pipeline's fill, then
-  one micro-batch per `mb_s`, its slowest stage's pace: compute (6·P_s·B·T at `STAGE_FLOPS`) or a link
-  carrying one act frame one way and one grad frame the other (the real frame codec's bytes);
+- a chain: the pipeline's fill, then one micro-batch per `mb_s`, its slowest stage's pace: compute
+  (6·P_s·B·T at `STAGE_FLOPS`) or a link carrying one act frame one way and one grad frame the other (the
+  real frame codec's bytes). No V×d drift frame: every stage holds θ's embedding and builds T_fix' itself;
 - the sync: the scale model's any-holder round for this swarm (`round_s` of its row). Overlapped, a stage's
-  own sync bytes share its link with the activations.
+  own sync bytes share its link with the activations; a later stage's include the round's sealed
+  embedding payloads (one per replica), which it now downloads to keep θ's embedding.
 Rules, as the daemon runs them: `lockstep` (H steps, then sync), `overlap` (H steps, the sync behind the
 next round's), `paced` (a time budget from `RoundBudget`, each replica the steps that fit, a replica whose
 floor does not fit sits out, then sync) and `paced+overlap`. An anchor's idle share is 1 − its training
@@ -25,6 +26,7 @@ from typing import Any
 import torch
 
 from hetnode.bench.scale_schedules import MBIT
+from hetnode.bench.scale_sizes import signed_payload_bytes
 from hetnode.config import Config
 from hetnode.planning.rounds import SIT_OUT_SLACK, RoundBudget
 from hetnode.wire.activation_frame import encode_frame
@@ -45,7 +47,7 @@ class Pace:
     anchor_step_s: float
     mb_s: float  # the chain's steady pace per micro-batch
     frame_s: float  # a stage link's time for one micro-batch's frame
-    chain_fixed_s: float  # per round: the drift frame down every hop, the pipeline's fill and drain
+    chain_fixed_s: float  # per round: the pipeline's fill and drain
     sync_s: float  # the round's sync
     stage_sync_s: float  # a stage link's time for its own sync bytes
 
@@ -58,26 +60,35 @@ class Pace:
         return busy + max(0.0, self.stage_sync_s - slack)
 
 
-def frame_bytes(config: Config) -> tuple[int, int]:
-    """(one act or grad frame, the drift frame) as the codec writes them, compressed to rank k in bf16."""
+def frame_bytes(config: Config) -> int:
+    """One act or grad frame as the codec writes it, compressed to rank k in bf16."""
     d, p = config.data, config.pipeline
     width = p.subspace_rank if p.compression != "none" else config.model.d_model
     tokens = torch.zeros(d.batch_size, d.seq_len, dtype=torch.long)
-    act = len(encode_frame("act", 0, 0, torch.zeros(d.batch_size, d.seq_len, width, dtype=torch.bfloat16),
-                           tokens, tokens))  # fmt: skip
-    drift = config.model.vocab_size * config.model.d_model * 4 + 256  # fp32, and the map around it
-    return act, drift
+    return len(encode_frame("act", 0, 0, torch.zeros(d.batch_size, d.seq_len, width, dtype=torch.bfloat16),
+                            tokens, tokens))  # fmt: skip
+
+
+def embedding_sync_bytes(config: Config, replicas: int) -> int:
+    """What a later stage of a compressed chain downloads a round to keep θ's embedding: the round's sealed
+    embedding payload of every replica (anchors, and each chain's first stage)."""
+    if config.pipeline.compression == "none":
+        return 0
+    m, o = config.model, config.outer
+    shape = {"embed.weight": (m.vocab_size, m.d_model)}
+    return replicas * signed_payload_bytes("embed", shape, o.topk, o.tile)
 
 
 def pace_of(config: Config, parameters: int, row: Mapping[str, Any], stage_mbit: float) -> Pace:
     """The quantities of `config`'s swarm from the scale model's any-holder row for it."""
     o, d, stages = config.outer, config.data, config.pipeline.stages
     flops = 6 * parameters * d.batch_size * d.seq_len
-    act, drift = frame_bytes(config)
+    act = frame_bytes(config)
     link = stage_mbit * MBIT
     frame_s = act / link  # acts one way, grads the other: full duplex
     mb_s = max(frame_s, flops / stages / STAGE_FLOPS)
-    stage_sync = max(row["stage_download_bytes"], row["stage_upload_bytes"]) / link
+    download = row["stage_download_bytes"] + embedding_sync_bytes(config, row["anchors"] + row["chains"])
+    stage_sync = max(download, row["stage_upload_bytes"]) / link
     return Pace(
         inner_steps=o.inner_steps,
         floor=o.min_inner_steps or max(1, o.inner_steps // 4),
@@ -85,7 +96,7 @@ def pace_of(config: Config, parameters: int, row: Mapping[str, Any], stage_mbit:
         anchor_step_s=flops / ANCHOR_FLOPS,
         mb_s=mb_s,
         frame_s=frame_s,
-        chain_fixed_s=(stages - 1) * (drift / link + 2 * mb_s),
+        chain_fixed_s=(stages - 1) * 2 * mb_s,
         sync_s=row["round_s"],
         stage_sync_s=stage_sync,
     )

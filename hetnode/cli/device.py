@@ -1,4 +1,5 @@
-"""`--device cuda`: refused with its fix when it cannot run; a CPU-only torch is not a missing GPU."""
+"""`--device cuda`: refused with its fix when it cannot run; a CPU-only torch is not a missing GPU.
+`--device auto` (`hetnode bootstrap`): cuda where it can run, else cpu."""
 
 from __future__ import annotations
 
@@ -29,15 +30,29 @@ def cuda_problem(cuda_build: str | None, device_count: int) -> str | None:
     return None
 
 
-def check_device(device: str) -> None:
-    """Raise ConfigError (exit code 2) when `device` is cuda and this machine cannot run it."""
-    if device != "cuda":
-        return
+def cuda_problem_here() -> str | None:
+    """`cuda_problem` of this machine's torch and GPUs."""
     import torch
 
     build = torch.version.cuda
     # is_available() is False when the driver is missing or older than the build, whatever the count says
     count = torch.cuda.device_count() if build is not None and torch.cuda.is_available() else 0
-    problem = cuda_problem(build, count)
+    return cuda_problem(build, count)
+
+
+def check_device(device: str) -> None:
+    """Raise ConfigError (exit code 2) when `device` is cuda and this machine cannot run it."""
+    if device != "cuda":
+        return
+    problem = cuda_problem_here()
     if problem is not None:
         raise ConfigError("--device", "device", problem)
+
+
+def resolve_device(device: str) -> str:
+    """The device `--device cpu|cuda|auto` runs on: cpu; cuda, checked as `check_device` does; auto: cuda
+    where it can run, else cpu."""
+    if device == "auto":
+        return "cuda" if cuda_problem_here() is None else "cpu"
+    check_device(device)
+    return device

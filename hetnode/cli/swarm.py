@@ -92,6 +92,14 @@ def register(commands: argparse._SubParsersAction) -> None:
         help="who may take part: open (default), allowlist FILE (peer ids, one per line), or tokens "
         "(volunteers join with `join --token` from `bootstrap token --name NAME`)",
     )
+    boot.add_argument(
+        "--device",
+        choices=("cpu", "cuda", "auto"),
+        default="cpu",
+        help="where the coordinator scores contributions, evaluates and samples (default %(default)s; cuda "
+        "needs a CUDA build of torch and a GPU; auto: cuda when it can run, else cpu). θ, the outer step, "
+        "digests and checkpoints stay on CPU in fp32",
+    )
     boot.add_argument("--name", default=None, help="bootstrap token: the volunteer's name on the leaderboard")
     boot.add_argument("--days", type=float, default=7.0, help="bootstrap token: days it stays valid")
     boot.add_argument("--protocol-version", type=int, default=None, help=argparse.SUPPRESS)  # tests only
@@ -202,6 +210,7 @@ def register(commands: argparse._SubParsersAction) -> None:
 
 def run_bootstrap(args: argparse.Namespace) -> int:
     from bootstrap.coordinator import DEFAULT_LISTEN, BootstrapOptions, Coordinator
+    from hetnode.cli.device import resolve_device
     from hetnode.net import loop
     from hetnode.wire.manifest import PROTOCOL_VERSION
 
@@ -213,6 +222,7 @@ def run_bootstrap(args: argparse.Namespace) -> int:
         raise ConfigError("--resume", "resume", "goes on with the stored run, and --new-run begins another")
     stand_ins = tuple(peer_id_flag(peer, "--stand-in") for peer in args.stand_in)
     admission, allowlist = admission_mode(args.admit)
+    device = resolve_device(args.device)
     options = BootstrapOptions(
         config_path=args.config,
         data_dir=args.data_dir.expanduser(),
@@ -228,6 +238,7 @@ def run_bootstrap(args: argparse.Namespace) -> int:
         allowlist=allowlist,
         new_run=args.new_run,
         resume=args.resume,
+        device=device,
     )
     return loop.run(Coordinator(options).run())
 

@@ -68,24 +68,35 @@ class AnchorLoop:
         # faults of `hetnode.training.faults` one whose valid payloads verification must catch
         self.fault = fault
         self.metrics = metrics
-        self.global_model = GlobalModel(config, opener=payload_opener(node.run or "", config))
+        self.coordinator, self.stand_ins, self.directory = coordinator, stand_ins, directory
+        # built by `run`, off the event loop (`_build`)
+        self.global_model: GlobalModel
+        self.rounds: RoundParticipant
+
+    async def _build(self) -> AnchorTraining:
+        """θ, the data and our working replica, each built in a worker thread: a big model's seeded
+        initialisation takes tens of seconds (1b: two float64 draws of ~35 s), which on the event loop
+        would stop our heartbeat past our record's lifetime. Then, on the loop, the round participant:
+        from then on it serves our payloads."""
+        c = self.config
+        self.global_model = await asyncio.to_thread(GlobalModel, c, payload_opener(self.node.run or "", c))
         self.rounds = RoundParticipant(
-            config,
-            node,
-            coordinator,
+            c,
+            self.node,
+            self.coordinator,
             self.global_model,
             may_stand_in=True,
-            data_dir=state_path.parent,
-            metrics=metrics,
-            stand_ins=stand_ins,
-            directory=directory,
+            data_dir=self.state_path.parent,
+            metrics=self.metrics,
+            stand_ins=self.stand_ins,
+            directory=self.directory,
         )
+        dataset = await asyncio.to_thread(TokenDataset.build, c.data, c.model.vocab_size, c.run.seed)
+        peer_id = self.node.identity.peer_id
+        return await asyncio.to_thread(AnchorTraining, c, dataset, peer_id, self.device, self.fault)
 
     async def run(self, stop: asyncio.Event) -> None:
-        dataset = await asyncio.to_thread(
-            TokenDataset.build, self.config.data, self.config.model.vocab_size, self.config.run.seed
-        )
-        training = AnchorTraining(self.config, dataset, self.node.identity.peer_id, self.device, self.fault)
+        training = await self._build()
         stale = StaleTheta() if self.fault == "stale" else None
         if await asyncio.to_thread(training.load_local_state, self.state_path, self.global_model):
             log.info(

@@ -13,7 +13,8 @@ passes (the drain), encodes Δ of its own shards and announces. In lockstep it t
 applies it before the next round; with `outer.overlap` the round syncs in a task of its own while the
 first stage feeds the next round's micro-batches and later stages accept them (docs/sync.md "Overlap").
 Each stage stands on the new θ when its own apply is done, between two micro-batches, keeping its progress;
-the round's T_fix' (the drift frame) stays the first stage's for every stage until the next round. Frames
+the round's T_fix' stays the one the first stage named (its drift frame: a θ round, whose embedding every
+stage holds) for every stage until the next round. Frames
 carry their round; at most one round is unapplied: a round is compressed only once θ of the round before
 is stood on (else the stage waits, and that wait is what utilisation counts).
 
@@ -32,16 +33,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from hetnode.config import Config
 from hetnode.daemon.participant import RoundParticipant, payload_opener
 from hetnode.daemon.rounds import write_state
-from hetnode.daemon.stage_training import StageTraining
+from hetnode.daemon.stage_training import StageTraining, stage_part
 from hetnode.daemon.view import PeerDirectory, SwarmView
 from hetnode.data.dataset import TokenDataset
 from hetnode.errors import HetnodeError, UpdateRefused, WireError
-from hetnode.model.shards import ModelPart
 from hetnode.net.node import SwarmNode
 from hetnode.net.records import MAX_ROUND_S
 from hetnode.net.streams import OpenStream, PeerRequestError, read_frame, write_frame
@@ -58,6 +56,7 @@ from hetnode.training.stage_worker import Frame
 from hetnode.wire.activation_frame import (
     FrameKind,
     decode_frame,
+    encode_drift,
     encode_frame,
     encode_round_end,
     frame_size_limit,
@@ -66,7 +65,16 @@ from hetnode.wire.activation_frame import (
 log = logging.getLogger(__name__)
 
 CONNECT_S = 30.0  # neighbours must be connected this soon after the chain went live
-IO_TIMEOUT_S = 120.0  # one frame write; a stalled neighbour breaks the chain
+WRITE_SLACK = 4.0  # a frame write may take this many times its transfer at our measured upload rate
+MIN_WRITE_TIMEOUT_S = 30.0  # plus this: the first bytes wait for a window, a round trip, a busy neighbour
+
+
+def frame_write_timeout_s(nbytes: int, up_mbps: float) -> float:
+    """How long one frame write may take before the neighbour counts as stalled: the transfer at our
+    measured upload rate, `WRITE_SLACK` times, plus `MIN_WRITE_TIMEOUT_S`. A fixed timeout either breaks a
+    slow honest link on a large frame or waits minutes for a dead neighbour on a fast one."""
+    transfer_s = nbytes * 8 / (max(up_mbps, 1e-3) * 1e6)
+    return MIN_WRITE_TIMEOUT_S + WRITE_SLACK * transfer_s
 
 
 class ChainBroken(HetnodeError):
@@ -138,22 +146,11 @@ class ChainLoop:
         self.send_s = 0.0  # writing frames to neighbours, since the chain started
         self.peer_id = node.identity.peer_id
         # the stage's slice of θ only: its memory and its sealed download scale with its layers
-        self.global_model = GlobalModel(
-            config,
-            opener=payload_opener(node.run or "", config),
-            part=ModelPart.of_stage(layout.splits, layout.index),
-        )
-        self.drift: tuple[int, torch.Tensor] | None = None  # (round, the first stage's embedding drift)
-        self.rounds = RoundParticipant(
-            config,
-            node,
-            coordinator,
-            self.global_model,
-            may_stand_in=False,
-            data_dir=data_dir,
-            metrics=metrics,
-            directory=directory,
-        )
+        self.coordinator, self.directory = coordinator, directory
+        # built by `run`, off the event loop (`_build`)
+        self.global_model: GlobalModel
+        self.rounds: RoundParticipant
+        self.drift_base: tuple[int, int] | None = None  # (round, the θ round its T_fix' comes from)
         self.training: StageTraining | None = None
         self.syncing: asyncio.Task[bool] | None = None  # the round announced last, while the next trains
         self.last_round = -1  # the newest round this stage trained (announced, or sealed before its end)
@@ -179,9 +176,30 @@ class ChainLoop:
 
     # --- lifecycle ---------------------------------------------------------------------------------
 
+    async def _build(self) -> None:
+        """Our slice of θ in a worker thread (a big model's seeded initialisation would stop the heartbeat on
+        the event loop), then the round participant that serves our payloads. Our slice is our layers, and
+        θ's embedding when boundaries are compressed: each stage builds the round's T_fix' from it."""
+        c, layout = self.config, self.layout
+        part = stage_part(layout.splits, layout.index, c.pipeline.compression != "none")
+        self.global_model = await asyncio.to_thread(
+            GlobalModel, c, payload_opener(self.node.run or "", c), part
+        )
+        self.rounds = RoundParticipant(
+            c,
+            self.node,
+            self.coordinator,
+            self.global_model,
+            may_stand_in=False,
+            data_dir=self.data_dir,
+            metrics=self.metrics,
+            directory=self.directory,
+        )
+
     async def run(self, stop: asyncio.Event) -> str:
         """Train with the chain until stopped or broken; returns why it ended."""
         self.failed = asyncio.get_running_loop().create_future()
+        await self._build()
         layout = self.layout
         dataset = None
         if layout.first:
@@ -332,8 +350,11 @@ class ChainLoop:
         started_at = time.time()  # wall clock, for compute utilisation (round_log)
         sent_before, received_before = self.bytes_sent, self.bytes_received
         compute_before, send_before = self.compute_s, self.send_s
+        drift_base = self._drift_of(round_)
+        if not await self._hold_embedding_after(drift_base, stop):
+            return False
         async with self.compute:
-            await asyncio.to_thread(training.begin_round, round_, self._drift_of(round_))
+            await asyncio.to_thread(training.begin_round, round_, drift_base)
         self.backwards = self.received = 0
         self.target = None if self.config.outer.paced else self.config.outer.inner_steps
         self.round_done.clear()
@@ -355,13 +376,18 @@ class ChainLoop:
         if not await self._settle_sync(stop) or not await self._stand_on(round_ - 1, stop):
             return False
         wait_s = time.monotonic() - waited
-        if training.base >= round_:  # sealed without us meanwhile: the work goes on as the round now open
+        if training.base >= round_:
+            # Sealed without us meanwhile. An anchor would announce its work as the round now open, but a
+            # chain's rounds are its first stage's: a stage that renumbered alone stood a round off its
+            # neighbours, each waiting for a seal the other held up, and the seal's learned deadline grew
+            # round after round (3 s rounds became 41 s: benchmarks/results/utilization-caps). The work
+            # stays in the working weights: the next round's Δ carries it.
             log.info(
-                "round %d was sealed before this stage finished it: announcing it as round %d",
+                "round %d was sealed before this stage finished it: its work goes into round %d",
                 round_,
                 training.base + 1,
             )
-            round_ = self.last_round = training.base + 1
+            return True
         async with self.compute:
             messages = await asyncio.to_thread(training.end_round, round_, self.peer_id)
         payloads = self.rounds.keep(round_, messages)
@@ -524,22 +550,35 @@ class ChainLoop:
             waiter.cancel()
             raise ChainBroken(self.failed.result())
 
-    def _drift_of(self, round_: int) -> torch.Tensor | None:
-        """The first stage's embedding drift for `round_`, which a stage without the embedding needs."""
+    def _drift_of(self, round_: int) -> int | None:
+        """The θ round whose embedding gives `round_`'s T_fix', as the first stage named it."""
         if not self.training.needs_drift:
             return None
-        if self.drift is None or self.drift[0] != round_:
-            raise ChainBroken(f"the previous stage sent no embedding drift for round {round_}")
-        return self.drift[1]
+        if self.drift_base is None or self.drift_base[0] != round_:
+            raise ChainBroken(f"the previous stage named no θ round for round {round_}'s T_fix'")
+        return self.drift_base[1]
+
+    async def _hold_embedding_after(self, base: int | None, stop: asyncio.Event) -> bool:
+        """Make sure we hold θ's embedding after round `base`. A stage stands a round or two from the first
+        one at most (every stage compressed its last round on θ of the round before), so this is at once,
+        but after a catch-up the first stage may be ahead: then we stand on that θ first (our round
+        syncing settles first). False when stopped."""
+        training = self.training
+        if base is None or base in training.embeddings:
+            return True
+        if base < training.base:
+            raise ChainBroken(f"the first stage builds T_fix' from θ after round {base}, long gone here")
+        log.info("the first stage stands on θ after round %d, ahead of us: catching up first", base)
+        return await self._settle_sync(stop) and await self._stand_on(base, stop)
 
     async def _feed(self, round_: int) -> None:
-        """First stage: send the round's embedding drift, then start H micro-batches, never more than the
-        stage's window unanswered. Paced rounds: as many as end within the round's budget (the last
+        """First stage: name the θ round of the round's T_fix', then start H micro-batches, never more than
+        the stage's window unanswered. Paced rounds: as many as end within the round's budget (the last
         round's drain counted), between the floor and the cap, then the round's end frame with the count."""
         training = self.training
         o = self.config.outer
-        if training.drift is not None:
-            await self._send(self.downstream, encode_frame("drift", round_, 0, training.drift))
+        if training.drift_base is not None:
+            await self._send(self.downstream, encode_drift(round_, training.drift_base))
         budget = self.rounds.round_budget_s
         began = last = time.monotonic()
         fed = 0
@@ -581,7 +620,7 @@ class ChainLoop:
             except WireError as exc:
                 raise ChainBroken(f"invalid activation frame from the previous stage: {exc}") from None
             if frame.kind == "drift":
-                await self._take_drift(frame.round, frame.tensor, data)
+                await self._take_drift(frame.round, frame.base, data)
                 continue
             if frame.kind == "end":
                 await self._take_round_end(frame.round, frame.mb, data)
@@ -605,15 +644,15 @@ class ChainLoop:
                     self.downstream, encode_frame("act", frame.round, frame.mb, *_frame_parts(out))
                 )
 
-    async def _take_drift(self, round_: int, drift: torch.Tensor, data: bytes) -> None:
-        """Keep the embedding drift of the round about to start and pass it on down the chain. Overlapped,
-        a round the swarm sealed without us while the first stage started it is trained along
-        (`_next_round`), so its drift is taken too."""
+    async def _take_drift(self, round_: int, base: int, data: bytes) -> None:
+        """Keep the θ round of the T_fix' of the round about to start and pass it on down the chain.
+        Overlapped, a round the swarm sealed without us while the first stage started it is trained along
+        (`_next_round`), so its drift frame is taken too."""
         held = self.global_model.params_round
         oldest = held - 1 if self.config.outer.overlap else held + 1
         if round_ < oldest or (self.round_open.is_set() and round_ <= self.round_):
-            raise ChainBroken(f"an embedding drift for round {round_}, which is not the next round")
-        self.drift = (round_, drift)
+            raise ChainBroken(f"a drift frame for round {round_}, which is not the next round")
+        self.drift_base = (round_, base)
         if not self.layout.last:
             await self._send(self.downstream, data)
 
@@ -703,11 +742,17 @@ class ChainLoop:
         assert stream is not None
         started = time.perf_counter()
         try:
-            await write_frame(stream.writer, data, IO_TIMEOUT_S)
+            await write_frame(stream.writer, data, frame_write_timeout_s(len(data), self._up_mbps()))
             self.bytes_sent += len(data)
             self.send_s += time.perf_counter() - started
         except (TimeoutError, ConnectionError, OSError) as exc:
             raise ChainBroken(f"stream to {stream.peer[-8:]} broke ({type(exc).__name__})") from None
+
+    def _up_mbps(self) -> float:
+        """Our upload rate as last measured (our record), else the least a stage may have (the config)."""
+        measured = self.presence.record.get("up_mbps")
+        floor = self.config.network.stage_min_up_mbps
+        return float(measured) if isinstance(measured, int | float) and measured > 0 else floor
 
     async def _receive(self, stream: OpenStream | None, max_bytes: int) -> bytes:
         assert stream is not None

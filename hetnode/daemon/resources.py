@@ -7,6 +7,10 @@ from pathlib import Path
 
 import torch
 
+CPU_MATMUL = 256
+GPU_MATMUL = 4096
+GPU_BATCH = 8  # matmuls queued between two waits
+
 
 def available_memory_gb(device: str) -> float:
     if device == "cuda":
@@ -18,16 +22,26 @@ def available_memory_gb(device: str) -> float:
     return 0.0
 
 
-def measure_tflops(device: str, seconds: float = 0.3, size: int = 256) -> float:
-    """fp32 matmul throughput, rounded to 2 significant digits so that noise rarely changes a split."""
-    a = torch.randn(size, size, device=device)
-    b = torch.randn(size, size, device=device)
-    torch.mm(a, b)  # warm-up
+def measure_tflops(device: str, seconds: float = 0.3, size: int | None = None) -> float:
+    """Matmul throughput in the precision training runs in, rounded to 2 significant digits so that noise
+    rarely changes a split: fp32 on a CPU (256², what a CPU stage multiplies), bf16 on a GPU at 4096²
+    (a small one is launch-bound and never reaches the tensor cores: a GPU would be misjudged by orders of
+    magnitude and the layer split would hand its share of layers to a CPU)."""
+    gpu = device.startswith("cuda")
+    size = size or (GPU_MATMUL if gpu else CPU_MATMUL)
+    dtype = torch.bfloat16 if gpu else torch.float32
+    a = torch.randn(size, size, device=device, dtype=dtype)
+    b = torch.randn(size, size, device=device, dtype=dtype)
+    torch.mm(a, b)  # warm-up (and, on a GPU, the kernel's selection)
+    if gpu:
+        torch.cuda.synchronize()
     count, started = 0, time.perf_counter()
     while time.perf_counter() - started < seconds:
         torch.mm(a, b)
         count += 1
-    if device == "cuda":
+        if gpu and count % GPU_BATCH == 0:  # queue a batch, then wait: the clock sees compute, not launches
+            torch.cuda.synchronize()
+    if gpu:
         torch.cuda.synchronize()
     elapsed = time.perf_counter() - started
     tflops = 2 * size**3 * count / elapsed / 1e12

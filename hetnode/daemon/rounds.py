@@ -27,7 +27,8 @@ from hetnode.replica.global_model import GlobalModel, base_fixed_embedding
 from hetnode.training.faults import PSEUDO_GRADIENT_FAULTS, corrupt
 from hetnode.training.local_rounds import AheadFrom, LocalRounds, Rebase, RebaseInbox, RoundTiming
 from hetnode.training.schedule import schedule_position
-from hetnode.training.trainer import InnerTrainer
+from hetnode.training.step_clock import StepClock, moving_pace
+from hetnode.training.trainer import InnerTrainer, StepResult
 from hetnode.training.working_copy import WorkingCopy
 from hetnode.wire.sync_payload import SyncPayload, encode_payload
 
@@ -108,6 +109,8 @@ class AnchorTraining:
             num_slots=NUM_DATA_SLOTS,
             constraint=constraint,
         )
+        # no host sync per inner step: a non-finite loss is checked once a round (`train_round`)
+        self.trainer.deferred_checks = True
         o = config.outer
         self.feedback = ErrorFeedback(SparseLoCoCodec(o.topk, o.tile), o.error_feedback)
         params = dict(self.model.named_parameters())
@@ -160,8 +163,14 @@ class AnchorTraining:
     def _rebased(self) -> None:
         if self.local.fixed is not None:
             self.model.fixed_embedding = self.local.fixed.to(self.trainer.device)
-        if self.on_rebased is not None:
+        if self.on_rebased is None:
+            return
+        # one read of the device's flag: the rebase has just waited for the device (its copies to CPU)
+        bad = self.trainer.first_nonfinite_step()
+        if bad is None:
             self.on_rebased(self.local_state())
+        else:  # the round's end raises; the state on disk stays the last finite one
+            log.error("not saving the local state: step %d's loss was not finite", bad)
 
     def train_round(
         self, round_: int, inbox: RebaseInbox | None = None, steps: int | None = None
@@ -188,21 +197,23 @@ class AnchorTraining:
             return TrainedRound(round_, {}, timing, 0, self.last_loss, 0)
         # a late joiner trains at the swarm's point of the schedule, not in a warmup of its own
         self.trainer.schedule_offset = max(0, round_ * H - self.trainer.step)
-        began_round = time.monotonic()
-        step = 0
-        while another_step(step, time.monotonic() - began_round, self.step_s, budget, floor, most, H):
+        # on a GPU nothing in this loop reads a tensor: steps are timed by `StepClock`, the loss and the
+        # finite check are read once, after the last step
+        clock = StepClock(self.trainer.device)
+        step, last = 0, None
+        while another_step(step, clock.elapsed(self.step_s), self.step_s, budget, floor, most, H):
             if self.local.take_rebases(inbox, timing, step):
                 self._rebased()
                 round_ = max(round_, self.local.next_round)
-            began = time.monotonic()
             batch = assigned_batches(self.peer_id, round_, step + 1, o.step_cap)[step]
             # paced: the schedule moves by round, whatever our pace (`schedule_position`)
             position = schedule_position(round_, step, H, o.step_cap) if o.paced else None
-            self.last_loss = self.trainer.train_step(batch_index=batch, position=position).loss
-            took = time.monotonic() - began
-            timing.train_s += took
-            self.step_s = took if self.step_s is None else 0.8 * self.step_s + 0.2 * took
+            clock.begin()
+            last = self.trainer.train_step(batch_index=batch, position=position)
+            self._timed(timing, clock.end())
             step += 1
+        self._timed(timing, clock.finish())
+        self._finished(round_, last)
         before = len(timing.rebased_at_step)
         self.local.wait_for_base(inbox, round_, timing)
         if len(timing.rebased_at_step) > before:
@@ -231,6 +242,23 @@ class AnchorTraining:
         return TrainedRound(
             round_, payloads, timing, self.trainer.tokens - tokens_before, self.last_loss, step
         )
+
+    def _timed(self, timing: RoundTiming, measured: tuple[float, int] | None) -> None:
+        if measured is not None:
+            seconds, steps = measured
+            timing.train_s += seconds
+            self.step_s = moving_pace(self.step_s, seconds, steps)
+
+    def _finished(self, round_: int, last: StepResult | None) -> None:
+        """After a round's last step: raise if any step's loss was not finite, before anything of the
+        round is compressed (so no such step reaches a payload), then read its last loss (for its log)."""
+        try:
+            self.trainer.check_finite()
+        except FloatingPointError as exc:
+            log.error("round %d: %s; stopping before anything of it is sent or saved", round_, exc)
+            raise
+        if last is not None:
+            self.last_loss = last.loss
 
     def restore_unsent(self) -> None:
         """Every payload not yet settled was not sealed: back into the error-feedback buffers."""

@@ -50,6 +50,7 @@ from hetnode.planning.rounds import (
     FetchDeadline,
     RoundBudget,
     held_back_s,
+    paced_deadline,
     seal_now,
     sealed_order,
 )
@@ -202,6 +203,7 @@ class Sealer:
             if o.paced
             else None
         )
+        self.budget_s: float | None = None  # paced: the budget the last seal gave the round now open
         author_bytes = sum(spec.max_payload_bytes() for spec in global_model.sparse_specs.values())
         self.fetch_deadline = FetchDeadline(
             floor_s=FetchDeadline.floor_for(author_bytes, n.stage_min_up_mbps, max(1.0, n.heartbeat_s)),
@@ -219,7 +221,7 @@ class Sealer:
             expected,
             seen,
             time.monotonic(),
-            self.deadline.seconds,
+            paced_deadline(self.deadline.seconds, self.deadline.floor_s, self.budget_s),
             ceiling_s=self.deadline.ceiling_s,
             trusted=self.trusted(),
         )
@@ -454,6 +456,7 @@ class Sealer:
             self.budget.observe(per_replica(good, steps, earned, replica_of or {}))
             if (budget := self.budget.seconds_for(floors)) is not None:
                 record["budget_s"] = float(round(budget, 3))
+            self.budget_s = record.get("budget_s")
         contributions = [(a.peer_id, p) for a, p, _ in good]
         return SealedRound(record, contributions, excluded, prepared, rejected, valid, steps, earned)
 

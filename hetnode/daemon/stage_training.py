@@ -4,10 +4,12 @@ payload of its own shards. Blocking methods (run them in a worker thread); no ne
 The stage's working weights live across rounds (`LocalRounds`, docs/sync.md "Overlap"), as an anchor's do:
 `rebase` stands them on each new θ (its slice, projected into the chain's subspace where the constraint
 applies — DESIGN §2.3) keeping the progress since the round began, between two micro-batches. A round:
-`begin_round` sets the round's T_fix' (from the first stage's θ, or from the first stage's `drift`: every
-stage of a round holds the same, whatever θ each stands on), the chain pushes micro-batches through
-`forward`/`backward`, and `end_round` compresses Δ = s − w of this stage's parameters with error feedback
-and encodes one message per shard it owns ("embed" on the first stage, its blocks, "head" on the last).
+`begin_round` sets the round's T_fix' from θ's embedding after the θ round the first stage names (every
+stage of a compressed chain holds θ's embedding, `ModelPart.embed`: every stage of a round builds the
+same T_fix' whatever θ each stands on, and no V×d frame crosses the chain), the chain pushes micro-batches
+through `forward`/`backward`, and `end_round` compresses Δ = s − w of this stage's parameters with error
+feedback and encodes one message per shard it owns ("embed" on the first stage, its blocks, "head" on the
+last).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from hetnode.data.dataset import TokenDataset
 from hetnode.errors import CheckpointError
 from hetnode.model.decoder import layer_of
 from hetnode.model.shards import ModelPart
+from hetnode.model.subspace import SubspaceConstraint
 from hetnode.planning.rounds import assigned_batches
 from hetnode.replica.global_model import GlobalModel, base_fixed_embedding
 from hetnode.training.local_rounds import AheadFrom, LocalRounds, Rebase, snapshot_optimizer
@@ -33,6 +36,18 @@ from hetnode.training.stage_worker import Frame, build_stage_worker
 from hetnode.training.working_copy import embedding_drift
 from hetnode.wire.activation_frame import FrameLimits, value_bounds
 from hetnode.wire.sync_payload import SyncPayload, encode_payload
+
+KEPT_EMBEDDINGS = 3  # θ rounds: the chain's stages stand at most a round or two apart under overlap
+
+
+def stage_part(splits: Sequence[range], index: int, compressed: bool) -> ModelPart:
+    """What stage `index` holds of θ: its layers, and θ's embedding when boundaries are compressed."""
+    return ModelPart.of_stage(splits, index, tracks_embedding=compressed)
+
+
+def round_drift(constraint: SubspaceConstraint, embed: torch.Tensor) -> torch.Tensor:
+    """T_S − P(T_S) of θ's embedding `embed`: what T_fix' adds to T_fix for a round (DESIGN §2.3)."""
+    return embedding_drift(embed, constraint.project_tensor("embed.weight", embed))
 
 
 def frame_limits(config: Config, compressed: bool) -> FrameLimits:
@@ -88,8 +103,9 @@ class StageTraining:
             wire_dtype=torch.bfloat16 if self.compressed else torch.float32,
         )
         self.base_fixed = base_fixed_embedding(config)
-        part = ModelPart.of_stage(splits, index)
-        self.part = [part.layers.start, part.layers.stop, part.first, part.last]  # what a saved state names
+        part = stage_part(splits, index, self.compressed)
+        # what a saved state names (a state from before stages held the embedding restores its feedback only)
+        self.part = [part.layers.start, part.layers.stop, part.first, part.last, part.embed]
         self.names = [name for name, _ in self.worker.stage.named_parameters()]
         self.shards: dict[str, list[str]] = {}
         for name in self.names:
@@ -100,7 +116,13 @@ class StageTraining:
         self.feedback = ErrorFeedback(SparseLoCoCodec(o.topk, o.tile), o.error_feedback)
         params = dict(self.worker.stage.named_parameters())
         self.local = LocalRounds(params, self.feedback, ahead_from, o.lr)
-        self.drift: torch.Tensor | None = None  # the first stage's T_S − P(T_S) of the round
+        self.drift: torch.Tensor | None = (
+            None  # the round's T_S − P(T_S), from θ's embedding after `drift_base`
+        )
+        self.drift_base: int | None = None
+        # θ's embedding after each of the newest θ rounds stood on: a stage ahead of the first by a round
+        # still builds the round's T_fix' from the θ the first stage names
+        self.embeddings: dict[int, torch.Tensor] = {}
         self.dataset = dataset
         self.chain = chain
         self.slot = data_slot(chain)
@@ -113,8 +135,8 @@ class StageTraining:
 
     @property
     def needs_drift(self) -> bool:
-        """This stage takes the round's T_fix' from the first stage's drift frame (every stage after the
-        first, the last one's tied embedding included: a round's T_fix' is the first stage's alone)."""
+        """This stage builds the round's T_fix' from the θ round the first stage names in its drift frame
+        (every stage after the first, the last one's tied embedding included)."""
         return self.worker.constraint is not None and self.index > 0
 
     @torch.no_grad()
@@ -137,15 +159,21 @@ class StageTraining:
         """Stand on a new θ now, between two micro-batches (in-flight ones keep their stashed weights). The
         round's T_fix' stays: it changes only at a round's start, for every stage at once."""
         self.local.rebase(rebase)
+        embed = rebase.theta.get("embed.weight")
+        if embed is not None:  # a clone (`rebase_from`): a later apply cannot change it
+            self.embeddings[rebase.round] = embed
+            for old in sorted(self.embeddings)[:-KEPT_EMBEDDINGS]:
+                del self.embeddings[old]
 
     @property
     def base(self) -> int:
         """The θ round the working weights stand on (−2: none yet)."""
         return self.local.base
 
-    def begin_round(self, round_: int, drift: torch.Tensor | None = None) -> None:
-        """Start round `round_` from the working weights: its T_fix' from the θ we stand on (first stage,
-        which then holds the `drift` it sends down the chain) or from the first stage's `drift`."""
+    def begin_round(self, round_: int, drift_base: int | None = None) -> None:
+        """Start round `round_` from the working weights, its T_fix' from θ's embedding: after the θ round
+        we stand on (first stage, which then names it in `drift_base` for the chain) or after the first
+        stage's `drift_base`. ValueError if we do not hold θ's embedding after that round."""
         if self.local.theta is None:
             raise RuntimeError("a stage trains only once it stands on θ (rebase first)")
         # the first stage feeds the round's assigned batches of the chain's slot (public: verifiable)
@@ -156,20 +184,28 @@ class StageTraining:
         self.worker.schedule_offset = max(0, round_ * H - self.worker.version)
         # paced: however many micro-batches the round has, it covers the round's part of the schedule
         self.worker.paced_round = (round_, self.worker.version, H, o.step_cap) if o.paced else None
-        self.drift = None
+        self.drift = self.drift_base = None
         c = self.worker.constraint
         if c is not None:
             if self.index == 0:
-                embed = self.local.theta["embed.weight"]
-                self.drift = embedding_drift(embed, c.project_tensor("embed.weight", embed))
-                drift = self.drift
-            elif drift is None:
-                raise ValueError("a stage after the first needs the first stage's embedding drift")
-            fixed = self.base_fixed + drift
+                drift_base = self.local.base
+            elif drift_base is None:
+                raise ValueError("a stage after the first needs the θ round of the first stage's drift")
+            self.drift = round_drift(c, self.embedding_after(drift_base))
+            self.drift_base = drift_base
+            fixed = self.base_fixed + self.drift
             self.worker.constraint = dataclasses.replace(c, fixed=fixed)
             if self.worker.stage.first:
                 self.worker.stage.fixed_embedding = fixed
         self.worker.drop_in_flight()
+
+    def embedding_after(self, round_: int) -> torch.Tensor:
+        """θ's embedding after `round_` (one we stood on, among the newest `KEPT_EMBEDDINGS`)."""
+        embed = self.embeddings.get(round_)
+        if embed is None:
+            held = sorted(self.embeddings)
+            raise ValueError(f"no embedding of θ after round {round_} here (held: after {held})")
+        return embed
 
     def next_batch(self) -> tuple[int, tuple[torch.Tensor, torch.Tensor]]:
         """The first stage's next micro-batch (index, (tokens, targets)) from the chain's data slot."""
@@ -179,7 +215,7 @@ class StageTraining:
         self.next_mb += 1
         return mb, batch
 
-    def forward(self, mb: int, incoming: Frame | tuple[torch.Tensor, torch.Tensor]) -> Frame | float:
+    def forward(self, mb: int, incoming: Frame | tuple[torch.Tensor, torch.Tensor]) -> Frame | torch.Tensor:
         tokens = incoming[0] if isinstance(incoming, tuple) else incoming.tokens
         self.tokens += tokens.numel()
         return self.worker.forward(mb, incoming)

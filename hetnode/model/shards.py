@@ -42,11 +42,19 @@ class ModelPart:
     layers: range
     first: bool
     last: bool
+    # a later stage of a compressed chain holds θ's embedding too, without training it: it builds each
+    # round's T_fix' from it (DESIGN §2.3), as the first stage does, instead of receiving a V×d frame
+    embed: bool = False
 
     @classmethod
     def whole(cls, n_layers: int) -> ModelPart:
-        return cls(range(n_layers), first=True, last=True)
+        return cls(range(n_layers), first=True, last=True, embed=True)
 
     @classmethod
-    def of_stage(cls, splits: list[range] | tuple[range, ...], index: int) -> ModelPart:
-        return cls(splits[index], first=index == 0, last=index == len(splits) - 1)
+    def of_stage(
+        cls, splits: list[range] | tuple[range, ...], index: int, tracks_embedding: bool = False
+    ) -> ModelPart:
+        """Stage `index`'s slice; `tracks_embedding`: a compressed chain's stage (they all need θ's embedding
+        for T_fix'; the first one has it anyway)."""
+        first = index == 0
+        return cls(splits[index], first=first, last=index == len(splits) - 1, embed=first or tracks_embedding)

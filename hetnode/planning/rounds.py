@@ -198,6 +198,21 @@ class ArrivalDeadline:
         return min(self.ceiling_s, max(floor, self.factor * max(self.history)))
 
 
+PACED_WAIT_BUDGETS = 1.5  # paced: the most a seal waits past a round's first announcement, in budgets
+
+
+def paced_deadline(learned_s: float, floor_s: float, budget_s: float | None) -> float:
+    """The seal's wait under paced rounds: the learned deadline, but at most `PACED_WAIT_BUDGETS` of the
+    round's budget (never below `floor_s`). Every replica was given the budget to train in, so whoever
+    announces a budget after the first did not fit it. Without the bound a late replica teaches the deadline
+    to wait longer, the seal's wait delays every replica's next round (at most one unapplied round), and the
+    rounds grow: measured with a chain whose stages waited for each other's seal, 3 s rounds became 41 s
+    (benchmarks/results/utilization-caps)."""
+    if budget_s is None:
+        return learned_s
+    return min(learned_s, max(floor_s, PACED_WAIT_BUDGETS * budget_s))
+
+
 def seal_now(
     expected: Iterable[str],
     announced: Mapping[str, Announcement],

@@ -76,7 +76,8 @@ class GlobalModel:
         self.part = part or ModelPart.whole(config.model.n_layers)
         p = self.part
         # seeded per parameter name: a slice built alone holds exactly the whole model's values
-        model = DecoderStage(config.model, p.layers, p.first, p.last, seed=config.run.seed)
+        # a stage that tracks the embedding builds it as a first stage would (same seeded values)
+        model = DecoderStage(config.model, p.layers, p.first or p.embed, p.last, seed=config.run.seed)
         self.params: Params = {n: t.detach().clone() for n, t in model.named_parameters()}
         del model
         self.params_round = -1

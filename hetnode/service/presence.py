@@ -11,7 +11,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import Any
+from collections.abc import Awaitable
+from typing import Any, TypeVar
 
 from hetnode.net.node import SwarmNode
 from hetnode.net.records import MAX_TTL_S
@@ -24,6 +25,8 @@ RECORD_VERSION = 1
 EVENT_FIELDS = ("role", "wants", "chain", "stage", "layers", "chain_layout", "link_class", "admission")
 STABLE_STEPS = 3  # unchanged periods at one cadence before it doubles
 RETRY_S = 2.0  # after a store no DHT node accepted: try again this soon, not a stretched heartbeat later
+
+T = TypeVar("T")
 
 
 class Cadence:
@@ -114,6 +117,17 @@ class Presence:
             if not retrying:  # a failed store does not count as a stable period
                 self.cadence.observe(changed=False)  # before publishing: the record lives for the next one
             await self.publish()
+
+    async def beating(self, work: Awaitable[T]) -> T:
+        """`work`, awaited while a heartbeat keeps our record alive: start-up work that may take longer
+        than a record lives (building a big model), before the daemon's own heartbeat task is running."""
+        done = asyncio.Event()
+        beat = asyncio.create_task(self.heartbeat(done), name="heartbeat while starting")
+        try:
+            return await work
+        finally:
+            done.set()
+            await beat
 
     async def announce_offline(self) -> None:
         try:

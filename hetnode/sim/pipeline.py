@@ -62,6 +62,7 @@ class PipelineChain:
         With `on_eval`, call it after every `eval_every` updates: right after a backward sweep every stage
         holds the same number of updates, so the chain's newest weights are a consistent model."""
         stats = ChainStats()
+        losses: list[torch.Tensor] = []  # read once after the run: each read waits for the device
         pending: dict[tuple[int, int], Frame] = {}  # (stage, mb) -> frame waiting for that stage
         last = self.depth - 1
         first_mb = self.step
@@ -79,7 +80,7 @@ class PipelineChain:
                 if s < last:
                     pending[(s + 1, mb)] = self._carry(out, stats)
                 else:
-                    stats.losses.append(out)
+                    losses.append(out)
             mb = first_mb + cycle - last
             if first_mb <= mb < first_mb + micro_batches:
                 grad = None
@@ -91,6 +92,7 @@ class PipelineChain:
                 if on_eval is not None and eval_every > 0 and done % eval_every == 0:
                     on_eval(done)
         self.step += micro_batches
+        stats.losses = torch.stack(losses).tolist() if losses else []
         return stats
 
     def _carry(self, frame: Frame, stats: ChainStats) -> Frame:

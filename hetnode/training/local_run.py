@@ -82,8 +82,11 @@ def run_local_training(
         while trainer.step < total_steps:
             step_start = time.perf_counter()
             result = trainer.train_step()
-            train_seconds += time.perf_counter() - step_start
+            # a host sync per step (the bar shows each loss, and a non-finite one raises at once): fine for
+            # a local run; a swarm's anchor reads its loss once a round (`daemon/rounds.py`). Read before
+            # the clock stops, so that on a GPU the step's time is its compute, not its launch
             train_loss = result.loss
+            train_seconds += time.perf_counter() - step_start
             record = {
                 "step": result.step,
                 "loss": round(result.loss, 5),

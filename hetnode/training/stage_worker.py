@@ -1,21 +1,30 @@
 """`StageWorker`: one pipeline stage of a chain, with PipeDream-style weight stashing (DESIGN §2.4).
 
 The worker is transport-agnostic: `forward` takes what arrived from upstream (a batch on the first
-stage, a `Frame` elsewhere) and returns the `Frame` to send downstream (the loss on the last stage);
-`backward` takes the gradient that arrived from downstream and returns the one to send upstream. The
-in-process simulator and the networked chain differ only in how frames move.
+stage, a `Frame` elsewhere) and returns the `Frame` to send downstream (on the last stage the loss, a
+0-dim tensor: reading it would wait for the device); `backward` takes the gradient that arrived from
+downstream and returns the one to send upstream, copied to the host. The in-process simulator and the
+networked chain differ only in how frames move.
 
 Weight stashing: a forward pass runs on a snapshot of the weights at that moment (functional call on
 cloned tensors) and the matching backward differentiates through that same snapshot, while the update
 goes to the newest weights. Under the 1F1B schedule stage s of P then sees a delay of exactly P−1−s
 updates, which `staleness` records for every micro-batch.
+
+Memory (issue 36): stage s holds P−s micro-batches in flight, so it keeps no activations for them: the
+forward runs without a graph and the backward runs it again on the stashed snapshot with grad
+(`recompute`). A micro-batch in flight then costs its input (the tokens, or the k-wide frame as it
+arrived) and a share of one snapshot per weight version. The last stage runs each backward right after
+its forward: it keeps that graph, on the live weights (no snapshot, no recompute).
 """
 
 from __future__ import annotations
 
 import time
+import weakref
 from collections import defaultdict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -28,9 +37,11 @@ from hetnode.config import Config
 from hetnode.errors import UpdateRefused
 from hetnode.model.decoder import DecoderStage, build_stage
 from hetnode.model.subspace import SubspaceConstraint
+from hetnode.training.gradient_checks import fold, host_finite, refusal, weights_ok
+from hetnode.training.precision import autocast_for
 from hetnode.training.schedule import schedule_position, warmup_cosine
 
-FLOAT32_MAX = torch.finfo(torch.float32).max
+Grads = dict[str, torch.Tensor | None]
 
 
 @dataclass
@@ -43,12 +54,26 @@ class Frame:
     targets: torch.Tensor  # (B, T) ids: the last stage's labels travel with the activations
 
 
+class _Weights:
+    """One stashed weight version, shared by the micro-batches that ran on it, freed with the last of them."""
+
+    __slots__ = ("__weakref__", "key", "tensors")
+
+    def __init__(self, key: tuple, tensors: dict[str, torch.Tensor]) -> None:
+        self.key = key
+        self.tensors = tensors
+
+
 @dataclass
 class _InFlight:
     version: int
-    params: dict[str, torch.Tensor]
-    received: torch.Tensor | None  # leaf holding the incoming frame tensor (None on the first stage)
-    sent: torch.Tensor  # the tensor whose gradient arrives from downstream (or the loss)
+    weights: _Weights | None  # None: the live weights (the last stage, whose backward follows at once)
+    inputs: torch.Tensor  # the tokens (first stage) or the frame tensor as it arrived
+    tokens: torch.Tensor
+    targets: torch.Tensor
+    constraint: SubspaceConstraint | None  # the codec's U and T_fix as the forward saw them
+    fixed: torch.Tensor | None  # the first stage's T_fix as the forward saw it
+    graph: tuple[torch.Tensor | None, torch.Tensor] | None = None  # (received leaf, sent) when kept
 
 
 class StageWorker:
@@ -63,6 +88,7 @@ class StageWorker:
         constraint: SubspaceConstraint | None = None,
         compress: bool = False,
         wire_dtype: torch.dtype = torch.float32,
+        recompute: bool = True,
     ) -> None:
         if compress and constraint is None:
             raise ValueError("compressed boundaries need the subspace constraint")
@@ -73,73 +99,146 @@ class StageWorker:
         self.constraint = constraint
         self.compress = compress
         self.wire_dtype = wire_dtype
+        # False: keep every in-flight micro-batch's graph (today's memory, a third less compute)
+        self.recompute = recompute
+        # A stage that sends no gradient upstream (the first) has no host copy to check its weights'
+        # gradients on: it reads a flag per backward, or, deferred, zeroes a refused gradient on the
+        # device and counts it there (`take_refusals`, read once per round).
+        self.defer_refusals = False
+        self.refusals = torch.zeros((), dtype=torch.int64)
         self.schedule_offset = 0  # the swarm's schedule position minus ours (see InnerTrainer)
         # paced rounds: (round, our version when it began, H, the cap): the schedule moves by round
         self.paced_round: tuple[int, int, int, int] | None = None
         self.version = 0  # optimiser updates applied so far
         self.in_flight: dict[int, _InFlight] = {}
         self.staleness: list[tuple[int, int]] = []  # (micro-batch, updates between its forward and backward)
-        self.last_loss: float | None = None
+        self._last_loss: torch.Tensor | None = None
+        self._latest: weakref.ref[_Weights] | None = None  # the newest snapshot, while a micro-batch holds it
         # Seconds spent per activity: "compute" (forward + backward), "optimizer", "projection"
         # (subspace projections and the boundary codec). Benchmarks report overheads from these.
         self.timings: dict[str, float] = defaultdict(float)
 
+    @property
+    def last_loss(self) -> float | None:
+        """The last stage's newest loss (reading it waits for the device: once per round, not per batch)."""
+        return None if self._last_loss is None else float(self._last_loss)
+
+    def take_refusals(self) -> int:
+        """Micro-batches refused on the device since the last call (`defer_refusals`); one read."""
+        count, self.refusals = int(self.refusals), torch.zeros_like(self.refusals)
+        return count
+
     # -- forward ---------------------------------------------------------------------------------
-    def forward(self, mb: int, incoming: Frame | tuple[torch.Tensor, torch.Tensor]) -> Frame | float:
+    def forward(self, mb: int, incoming: Frame | tuple[torch.Tensor, torch.Tensor]) -> Frame | torch.Tensor:
         start = time.perf_counter()
         try:
             return self._forward(mb, incoming)
         finally:
             self.timings["compute"] += time.perf_counter() - start
 
-    def _forward(self, mb: int, incoming: Frame | tuple[torch.Tensor, torch.Tensor]) -> Frame | float:
+    def _forward(self, mb: int, incoming: Frame | tuple[torch.Tensor, torch.Tensor]) -> Frame | torch.Tensor:
         stage = self.stage
-        snapshot = {
-            n: p.detach().clone().requires_grad_(p.requires_grad) for n, p in stage.named_parameters()
-        }
         if stage.first:
             tokens, targets = incoming  # type: ignore[misc]
-            received, inputs = None, tokens
+            inputs = tokens
         else:
             frame: Frame = incoming  # type: ignore[assignment]
-            tokens, targets = frame.tokens, frame.targets
-            received = frame.tensor.detach().to(torch.float32).requires_grad_(True)
-            inputs = self._decode(received, tokens) if self.compress else received
+            tokens, targets, inputs = frame.tokens, frame.targets, frame.tensor
+        weights = None if stage.last else self._stash_weights()
+        fixed = stage.fixed_embedding
+        flight = _InFlight(self.version, weights, inputs, tokens, targets, self.constraint, fixed)
+        keep = stage.last or not self.recompute
+        with torch.set_grad_enabled(keep):
+            received, sent = self._run(flight)
+        if keep:
+            flight.graph = (received, sent)
+        self.in_flight[mb] = flight
         if stage.last:
-            loss = functional_call(stage, snapshot, (inputs, targets))
-            self.in_flight[mb] = _InFlight(self.version, snapshot, received, loss)
-            self.last_loss = loss.item()
-            return self.last_loss
-        out = functional_call(stage, snapshot, (inputs,))
-        sent = self._encode(out, tokens) if self.compress else out
-        self.in_flight[mb] = _InFlight(self.version, snapshot, received, sent)
+            self._last_loss = sent.detach()
+            return self._last_loss
         return Frame(mb, sent.detach().to(self.wire_dtype), tokens, targets)
+
+    def _stash_weights(self) -> _Weights:
+        """A snapshot of the weights as they are now: the newest one again if nothing wrote them since (the
+        tensors' version counters also catch a rebase's in-place copy between two micro-batches)."""
+        params = list(self.stage.named_parameters())
+        key = (self.version, tuple(p._version for _, p in params))
+        latest = self._latest() if self._latest is not None else None
+        if latest is not None and latest.key == key:
+            return latest
+        weights = _Weights(key, {n: p.detach().clone().requires_grad_(p.requires_grad) for n, p in params})
+        self._latest = weakref.ref(weights)
+        return weights
+
+    def _run(self, flight: _InFlight) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """The stage's forward of `flight` on its weights: (the leaf holding the received frame, what is
+        sent: the frame tensor, or the loss). With grad enabled, that builds the graph backward needs."""
+        stage, c = self.stage, flight.constraint
+        received = None
+        if stage.first:
+            inputs = flight.inputs
+        else:
+            received = flight.inputs.detach().to(torch.float32).requires_grad_(torch.is_grad_enabled())
+            inputs = self._decode(received, flight.tokens, c) if self.compress else received
+        args = (inputs, flight.targets) if stage.last else (inputs,)
+        weights = flight.weights
+        with autocast_for(stage.rope_cos.device), _standing_on(stage, flight.fixed):
+            out = stage(*args) if weights is None else functional_call(stage, weights.tensors, args)
+        if stage.last or not self.compress:
+            return received, out
+        return received, self._encode(out, flight.tokens, c)
 
     # -- backward --------------------------------------------------------------------------------
     def backward(self, mb: int, grad: torch.Tensor | None = None) -> torch.Tensor | None:
         """Back-propagate micro-batch `mb` through its stashed weights, update the newest weights, and
-        return the gradient to send upstream (in wire dtype; None on the first stage).
+        return the gradient to send upstream (in wire dtype, on the host; None on the first stage).
 
         Gradients that are not finite, or whose norm the optimiser cannot square in float32, raise
-        `UpdateRefused` before the step: the micro-batch is dropped, weights and optimiser untouched."""
+        `UpdateRefused` before the step: the micro-batch is dropped, weights and optimiser untouched
+        (under `defer_refusals` the first stage steps on a zero gradient instead and counts it)."""
         flight = self.in_flight.pop(mb)
-        start = time.perf_counter()
-        if self.stage.last:
-            flight.sent.backward()
-        else:
+        version = flight.version
+        if not self.stage.last:
             if grad is None:
                 raise ValueError(f"micro-batch {mb}: a non-last stage needs the downstream gradient")
-            torch.autograd.backward(flight.sent, grad.to(torch.float32))
+            if grad.device.type == "cpu" and not host_finite(grad):  # from the wire: on the host already
+                raise UpdateRefused(f"micro-batch {mb}: the gradient from the next stage is not finite")
+        start = time.perf_counter()
+        grads, upstream = self._gradients(flight, grad)
+        del flight  # its snapshot goes now, before the step, unless another micro-batch shares it
         self.timings["compute"] += time.perf_counter() - start
-        upstream = flight.received.grad if flight.received is not None else None
-        refuse_unsafe_gradients(mb, [p.grad for p in flight.params.values()], upstream)
-        self.staleness.append((mb, self.version - flight.version))
-        self._step(flight.params)
-        return None if upstream is None else upstream.detach().to(self.wire_dtype)
+        ok = weights_ok(list(grads.values()))
+        sent = None
+        if upstream is not None:  # the wire needs it on the host: check that copy, no extra device wait
+            sent = fold(ok, upstream).to(self.wire_dtype).cpu()
+            if not host_finite(sent):
+                raise refusal(mb, list(grads.values()), upstream=True)
+        elif self.defer_refusals:
+            grads = {n: None if g is None else torch.where(ok, g, 0.0) for n, g in grads.items()}
+            self.refusals = self.refusals.to(ok.device) + (~ok).long()
+        elif not bool(ok):
+            raise refusal(mb, list(grads.values()))
+        self.staleness.append((mb, self.version - version))
+        self._step(grads)
+        return sent
 
-    def _step(self, snapshot: dict[str, torch.Tensor]) -> None:
+    def _gradients(self, flight: _InFlight, grad: torch.Tensor | None) -> tuple[Grads, torch.Tensor | None]:
+        """The weights' gradients and the received frame's, recomputing the forward unless its graph was
+        kept; the graph (and a snapshot no other micro-batch shares) is freed on return, before the step."""
+        with torch.enable_grad():
+            received, sent = flight.graph if flight.graph is not None else self._run(flight)
+        weights = dict(self.stage.named_parameters()) if flight.weights is None else flight.weights.tensors
+        names = [n for n, t in weights.items() if t.requires_grad]
+        leaves = [weights[n] for n in names] + ([] if received is None else [received])
+        outputs = None if grad is None else grad.to(device=sent.device, dtype=sent.dtype)
+        found = torch.autograd.grad(sent, leaves, outputs, allow_unused=True)
+        grads: Grads = {n: None for n in weights}
+        grads.update(zip(names, found[: len(names)], strict=True))
+        return grads, None if received is None else found[-1]
+
+    def _step(self, grads: Grads) -> None:
         for name, param in self.stage.named_parameters():
-            param.grad = snapshot[name].grad
+            param.grad = grads[name]
         start = time.perf_counter()
         if self.constraint is not None:
             self.constraint.project_gradients(self.stage)
@@ -168,14 +267,14 @@ class StageWorker:
         self.in_flight.clear()
 
     # -- boundary codec ----------------------------------------------------------------------------
-    def _encode(self, x: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-        start, c = time.perf_counter(), self.constraint
+    def _encode(self, x: torch.Tensor, tokens: torch.Tensor, c: SubspaceConstraint) -> torch.Tensor:
+        start = time.perf_counter()
         out = encode_activations(x, tokens, c.basis.to(x.device), c.fixed.to(x.device))
         self._move_to_projection(time.perf_counter() - start)
         return out
 
-    def _decode(self, coeffs: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-        start, c = time.perf_counter(), self.constraint
+    def _decode(self, coeffs: torch.Tensor, tokens: torch.Tensor, c: SubspaceConstraint) -> torch.Tensor:
+        start = time.perf_counter()
         out = decode_activations(coeffs, tokens, c.basis.to(coeffs.device), c.fixed.to(coeffs.device))
         self._move_to_projection(time.perf_counter() - start)
         return out
@@ -203,18 +302,15 @@ class StageWorker:
         return out.to(self.wire_dtype)
 
 
-def refuse_unsafe_gradients(
-    mb: int, grads: Sequence[torch.Tensor | None], upstream: torch.Tensor | None = None
-) -> None:
-    """Raise `UpdateRefused` unless the weights' gradients and the one to send upstream are finite and the
-    weights' total norm squares to a finite float32: clipping divides by that norm, and Adam's second
-    moment (and the rotated optimiser's GGᵀ, each entry at most ‖G‖²) accumulates squares of it."""
-    norms = [torch.linalg.vector_norm(g, dtype=torch.float32) for g in grads if g is not None]
-    total = float(torch.linalg.vector_norm(torch.stack(norms))) if norms else 0.0
-    if not total < FLOAT32_MAX**0.5:  # NaN fails too
-        raise UpdateRefused(f"micro-batch {mb}: gradient norm {total:.3g} is not finite or too large")
-    if upstream is not None and not bool(torch.isfinite(upstream).all()):
-        raise UpdateRefused(f"micro-batch {mb}: the gradient for the previous stage is not finite")
+@contextmanager
+def _standing_on(stage: DecoderStage, fixed: torch.Tensor | None) -> Iterator[None]:
+    """Run `stage` with the T_fix a micro-batch's forward saw (a round's start replaces it), so that
+    its recompute is the same function even if that happened in between."""
+    held, stage.fixed_embedding = stage.fixed_embedding, fixed
+    try:
+        yield
+    finally:
+        stage.fixed_embedding = held
 
 
 def build_stage_worker(
@@ -243,7 +339,9 @@ def build_stage_worker(
     def lr_at(step: int) -> float:
         return warmup_cosine(step, inner.lr, inner.warmup_steps, config.train.max_steps, inner.min_lr_ratio)
 
-    optim = build_optimizer(stage, inner, optimizer)
+    # one micro-batch a step: the rotated optimiser's bases fit its FLOP budget of batch × seq tokens
+    tokens = config.data.batch_size * config.data.seq_len
+    optim = build_optimizer(stage, inner, optimizer, tokens_per_step=tokens)
     return StageWorker(
         stage, optim, lr_at, inner.grad_clip, constraint, compress and constraint is not None, dtype
     )

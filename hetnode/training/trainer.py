@@ -28,9 +28,14 @@ from hetnode.training.state_file import load_state, save_state
 @dataclass(frozen=True)
 class StepResult:
     step: int  # steps done after this one
-    loss: float
+    loss_tensor: torch.Tensor  # on the trainer's device: reading it waits for the step to finish
     tokens: int  # tokens in this step's batch
     lr: float
+
+    @property
+    def loss(self) -> float:
+        """The step's mean loss; on a GPU a host sync (the device path reads it once a round)."""
+        return float(self.loss_tensor)
 
 
 class InnerTrainer:
@@ -41,6 +46,11 @@ class InnerTrainer:
 
     On CUDA the forward (and so its backward) runs in bf16 autocast (`precision.autocast_for`); the
     parameters and AdamW state stay fp32, so what the anchor reads back after H steps is fp32 master weights.
+
+    `deferred_checks`: False (local runs, the simulator), a non-finite loss raises `FloatingPointError` at
+    once, before the step changes anything: a host sync per step. True (an anchor), a step never reads a
+    tensor's value: the first non-finite step is only noted on the device, and `check_finite` (once a
+    round) raises; the weights and optimiser state after that step are not finite and must not be used.
     """
 
     def __init__(
@@ -61,7 +71,9 @@ class InnerTrainer:
         self.dataset = dataset
         self.slots = tuple(slots)
         self.num_slots = num_slots
-        self.optimizer = build_optimizer(self.model, config.inner)
+        # a step sees batch × seq tokens per slot: the rotated optimiser's bases fit its FLOP budget of that
+        tokens = config.data.batch_size * config.data.seq_len * len(self.slots)
+        self.optimizer = build_optimizer(self.model, config.inner, tokens_per_step=tokens)
         # Compress-everything mode keeps an anchor's residual writers in span(U) too.
         self.constraint = constraint
         if constraint is not None:
@@ -71,6 +83,8 @@ class InnerTrainer:
         # round r follows the swarm's schedule (r·H), not a warmup of its own
         self.schedule_offset = 0
         self.tokens = 0
+        self.deferred_checks = False
+        self._first_nonfinite = torch.tensor(-1, device=self.device)  # deferred: the first bad step, or -1
 
     def lr_at(self, step: int) -> float:
         inner = self.config.inner
@@ -84,16 +98,18 @@ class InnerTrainer:
         the schedule's `position` (default: step + schedule_offset; paced rounds pass the swarm's)."""
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
-        total_loss, tokens = 0.0, 0
+        losses, tokens = [], 0
         for slot in self.slots:
             index = self.step if batch_index is None else batch_index
             inputs, targets = self.dataset.train_batch(slot, self.num_slots, index)
             with autocast_for(self.device):
-                loss = self.model.loss(inputs.to(self.device), targets.to(self.device))
-            if not torch.isfinite(loss):
+                loss = self.model.loss(self._to_device(inputs), self._to_device(targets))
+            if self.deferred_checks:
+                self._note_finite(loss)
+            elif not torch.isfinite(loss):
                 raise FloatingPointError(f"non-finite training loss at step {self.step}: {loss.item()}")
             (loss / len(self.slots)).backward()
-            total_loss += loss.item() / len(self.slots)
+            losses.append(loss.detach())
             tokens += inputs.numel()
         if self.constraint is not None:
             self.constraint.project_gradients(self.model)
@@ -107,7 +123,34 @@ class InnerTrainer:
             self.constraint.project_parameters(self.model)
         self.step += 1
         self.tokens += tokens
-        return StepResult(step=self.step, loss=total_loss, tokens=tokens, lr=lr)
+        return StepResult(step=self.step, loss_tensor=torch.stack(losses).mean(), tokens=tokens, lr=lr)
+
+    def _to_device(self, batch: torch.Tensor) -> torch.Tensor:
+        """A CPU batch on the trainer's device: to a GPU from pinned memory without waiting for the copy
+        (the caching host allocator keeps the pinned block until the copy has run)."""
+        if self.device.type != "cuda":
+            return batch.to(self.device)
+        return batch.pin_memory().to(self.device, non_blocking=True)
+
+    def _note_finite(self, loss: torch.Tensor) -> None:
+        """Deferred checks: keep the first step whose loss is not finite, on the device (no sync)."""
+        bad = ~torch.isfinite(loss.detach()) & (self._first_nonfinite < 0)
+        self._first_nonfinite = torch.where(bad, self.step, self._first_nonfinite)
+
+    def first_nonfinite_step(self) -> int | None:
+        """Deferred checks: the first step whose loss was not finite (None: none yet). One host sync."""
+        first = int(self._first_nonfinite)
+        return None if first < 0 else first
+
+    def check_finite(self) -> None:
+        """Deferred checks: raise `FloatingPointError` if any step so far had a non-finite loss. One host
+        sync: call it once a round, where the host waits for the device anyway."""
+        first = self.first_nonfinite_step()
+        if first is not None:
+            raise FloatingPointError(
+                f"non-finite training loss at step {first} (checked after step {self.step - 1}): "
+                "the weights and optimiser state since are not finite"
+            )
 
     @torch.no_grad()
     def evaluate(self, num_batches: int | None = None) -> float:
@@ -147,6 +190,7 @@ class InnerTrainer:
         self.optimizer.load_state_dict(state["optimizer"])
         self.step = int(state["step"])
         self.tokens = int(state["tokens"])
+        self._first_nonfinite.fill_(-1)  # the loaded state is what steps go on from
 
 
 def save_checkpoint(path: Path, state: dict[str, Any]) -> None:

@@ -2,10 +2,11 @@
 
 Forward frames (`act`) carry activations or their subspace coefficients with the token ids and
 targets; backward frames (`grad`) carry the gradient for the same micro-batch. Once per round, before
-its first `act`, the first stage sends a `drift` frame: the embedding's out-of-subspace part
-T_S − P(T_S) (V×d, fp32, exact), which stages without the embedding add to T_fix (DESIGN §2.3).
+its first `act`, the first stage sends a `drift` frame naming the θ round whose embedding gives the round's
+T_fix' = T_fix + (T_S − P(T_S)) (DESIGN §2.3): every stage holds θ's embedding and builds it itself, so
+the frame is a few bytes, not V×d.
 Decoding checks the size before parsing, then the version, kind, dtype, the exact shape (width = subspace
-rank k when compressed, d otherwise; V×d for drift), the byte count, token ids < vocab and finite values
+rank k when compressed, d otherwise), the byte count, token ids < vocab and finite values
 bounded in magnitude (`value_bounds`: what a value may be and still keep the receiving stage finite).
 Violations raise `WireError(field)`.
 """
@@ -22,11 +23,10 @@ import torch
 
 from hetnode.errors import WireError
 
-FRAME_VERSION = 1
-# act, grad: a micro-batch down and its gradient up; drift: a round's embedding drift, before its first act;
-# end (paced rounds): after a round's last act, how many micro-batches the round had (its `mb` field)
+FRAME_VERSION = 2  # 2: a drift frame names a θ round instead of carrying V×d floats
+# act, grad: a micro-batch down and its gradient up; drift: the θ round of a round's T_fix', before its first
+# act; end (paced rounds): after a round's last act, how many micro-batches the round had (its `mb` field)
 FrameKind = Literal["act", "grad", "drift", "end"]
-MAX_DRIFT_VALUE = 1e4  # |T_S − P(T_S)| of any sane embedding is far below this
 # `act` and `grad` frames are bounded from the model's width d. A coordinate of a vector is at most its norm,
 # √d·rms, and so is a subspace coefficient (x − T_fix[tok])·U (U orthonormal): bounding the rms of the
 # residual stream (of its gradient) by MAX_ACT_RMS (MAX_GRAD_RMS) bounds every value by √d times that.
@@ -55,7 +55,7 @@ class FrameLimits:
     dtype: Literal["bf16", "fp32"]
     vocab_size: int
     max_bytes: int = 64 * 2**20
-    d_model: int = 0  # the width of a drift frame (0: drift frames are refused)
+    d_model: int = 0  # the residual width behind compressed frames (0: uncompressed, drift frames refused)
     max_act: float | None = None  # the largest |value| of an act frame (None: `value_bounds` of the width)
     max_grad: float | None = None  # the same for a grad frame
 
@@ -67,10 +67,6 @@ class FrameLimits:
             return bound
         act, grad = value_bounds(self.d_model or self.width)
         return act if kind == "act" else grad
-
-    def drift_bytes(self) -> int:
-        """The largest drift frame: V×d fp32 plus the header."""
-        return self.vocab_size * self.d_model * 4 + 1024
 
 
 def value_bounds(d_model: int) -> tuple[float, float]:
@@ -84,9 +80,10 @@ class DecodedFrame:
     kind: FrameKind
     round: int
     mb: int
-    tensor: torch.Tensor  # (B, T, width) in the frame dtype; (V, d) fp32 for drift; empty for end
+    tensor: torch.Tensor  # (B, T, width) in the frame dtype; empty for drift and end
     tokens: torch.Tensor | None
     targets: torch.Tensor | None
+    base: int | None = None  # drift: the θ round (−1: the initial θ) whose embedding gives T_fix'
 
 
 def _tensor_bytes(t: torch.Tensor) -> tuple[str, bytes]:
@@ -135,13 +132,20 @@ def encode_round_end(round_: int, count: int) -> bytes:
     return msgpack.packb(message, use_bin_type=True)
 
 
+def encode_drift(round_: int, base: int) -> bytes:
+    """The first stage's word, before round `round_`'s first act frame, that the round's T_fix' comes from
+    θ's embedding after round `base` (every stage holds it)."""
+    message = {"type": "frame", "v": FRAME_VERSION, "kind": "drift", "round": round_, "mb": 0, "base": base}
+    return msgpack.packb(message, use_bin_type=True)
+
+
 def _id_bytes(ids: torch.Tensor) -> bytes:
     return ids.to(torch.int32).cpu().numpy().astype("<u2").tobytes()
 
 
 def frame_size_limit(limits: FrameLimits, kinds: tuple[FrameKind, ...]) -> int:
-    """The largest frame of these kinds a stage reads."""
-    return max(limits.max_bytes, limits.drift_bytes() if "drift" in kinds and limits.d_model else 0)
+    """The largest frame of these kinds a stage reads (drift and end frames are a few bytes)."""
+    return limits.max_bytes
 
 
 def decode_frame(
@@ -213,18 +217,12 @@ def _check_values(tensor: torch.Tensor, bound: float) -> None:
 def _drift_frame(message: dict, limits: FrameLimits, round_: int) -> DecodedFrame:
     if not limits.d_model:
         raise WireError("kind", "this stage takes no drift frames")
-    if message.get("dtype") != "fp32":
-        raise WireError("dtype", f"a drift frame is fp32, got {message.get('dtype')!r}")
-    shape = [limits.vocab_size, limits.d_model]
-    if message.get("shape") != shape:
-        raise WireError("shape", f"expected {shape}, got {message.get('shape')}")
-    payload = message.get("data")
-    if not isinstance(payload, bytes) or len(payload) != math.prod(shape) * 4:
-        raise WireError("data", f"expected {math.prod(shape) * 4} bytes")
-    tensor = torch.from_numpy(np.frombuffer(payload, dtype="<f4").astype(np.float32)).reshape(shape)
-    if not bool(torch.isfinite(tensor).all()) or float(tensor.abs().max()) > MAX_DRIFT_VALUE:
-        raise WireError("data", f"drift values must be finite and at most {MAX_DRIFT_VALUE:g} in magnitude")
-    return DecodedFrame("drift", round_, 0, tensor, None, None)
+    base = message.get("base")
+    if not isinstance(base, int) or isinstance(base, bool) or not -1 <= base < round_:
+        raise WireError(
+            "base", f"the θ round of round {round_}'s T_fix' must be in [-1, {round_}), got {base!r}"
+        )
+    return DecodedFrame("drift", round_, 0, torch.empty(0), None, None, base)
 
 
 def _ids(message: dict, field: str, shape: list[int], vocab: int) -> torch.Tensor | None:

@@ -16,12 +16,13 @@ from hetnode.config import Config, config_from_dict
 from hetnode.errors import ConfigError, HetnodeError, WireError
 from hetnode.wire.admission import MODES, AdmissionMode
 
-PROTOCOL_VERSION = 7  # 2: signed payloads, seal chains, stand-ins; 3: payload base, drift frames, included;
+PROTOCOL_VERSION = 8  # 2: signed payloads, seal chains, stand-ins; 3: payload base, drift frames, included;
 # 4: the head entry carries the coordinator's view digest and clock (every field is required by the DHT)
 # 5: the coordinator's `changes` entry (its view's recent steps), a key older nodes' schema refuses
 # 6: the peer record's `utilization` (a replica's compute utilisation), a field older nodes' schema refuses
 # 7: paced rounds: an announcement's `train_s`, a seal's `budget_s` and each contribution's `steps`, a peer
 # record's `floor_s`: fields older nodes' schema refuses
+# 8: the drift frame names a θ round (frame version 2): a chain's stages all hold θ's embedding
 MAX_BODY_BYTES = 64 * 1024
 MAX_STAND_INS = 64
 MAX_PEER_ID_CHARS = 128

@@ -7,21 +7,20 @@ import dataclasses
 from pathlib import Path
 
 import pytest
-import torch
 
-from hetnode.bench.scale_pace import Pace, frame_bytes, pace_report, project
+from hetnode.bench.scale_pace import Pace, embedding_sync_bytes, pace_report, project
 from hetnode.config import load_config, replace
-from hetnode.wire.activation_frame import encode_frame
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 
 
-def test_the_drift_frame_is_what_the_codec_writes():
-    config = replace(load_config(CONFIGS / "tiny.toml"), "pipeline", compression="selective")
+def test_a_later_stage_downloads_each_replicas_embedding_payload_instead_of_a_drift_frame():
+    config = load_config(CONFIGS / "178m.toml")
     m = config.model
-    _, drift = frame_bytes(config)
-    real = len(encode_frame("drift", 0, 0, torch.zeros(m.vocab_size, m.d_model)))
-    assert real <= drift <= real + 256
+    one = embedding_sync_bytes(config, 1)
+    assert embedding_sync_bytes(config, 10) == 10 * one
+    assert one < m.vocab_size * m.d_model * 4 / 20  # the V×d fp32 frame it replaces, per hop per round
+    assert embedding_sync_bytes(replace(config, "pipeline", compression="none"), 10) == 0
 
 
 def pace(**changes) -> Pace:

@@ -240,3 +240,111 @@ def test_a_bpe_runs_tokenizer_is_kept_beside_the_checkpoints_and_served(parts):
         assert answer.file.read() == kept.read_bytes() and answer.length == kept.stat().st_size
     assert keep_tokenizer(folder / "checkpoints", ByteTokenizer()) is None and not kept.exists()
     assert CheckpointRoutes(folder / "checkpoints").tokenizer().status == 404
+
+
+def run_in_order(books: Bookkeeper, theta: GlobalModel, rounds: int) -> None:
+    async def main() -> None:
+        books.start()
+        for _ in range(rounds):
+            seal(books, theta, synthetic_round(theta))
+            await until(lambda: books.lag == 0)
+        await books.close()
+
+    asyncio.run(main())
+
+
+def test_evaluation_and_its_sample_come_every_k_rounds_credit_every_round(parts):
+    config, ledger, metrics, folder = parts
+    config = replace(replace(config, "outer", verify=False), "train", eval_every_rounds=3)
+    config = replace(config, "samples", tokens=4)
+    theta = GlobalModel(config)
+    books, lines = books_for(Bookkeeper, config, ledger, metrics, folder, theta)
+    run_in_order(books, theta, 7)
+    evaluated = [line["round"] for line in lines if "eval_loss" in line]
+    assert evaluated == [0, 3, 6] and all(lines[r]["eval_loss"] > 0 for r in evaluated)
+    assert [line["round"] for line in lines if "sample" in line] == [0, 3, 6]
+    assert not any(line["skipped"] for line in lines)  # not evaluated is not skipped: scored and credited
+    assert ledger.totals().rounds == 7 and all(line["tokens"] == 100 for line in lines)
+    # the history as readers see it: the seal lines' nulls stay on the rounds between
+    seals = [{"round": r, "contributors": ["peer-a"], "eval_loss": None, "sample": None} for r in range(7)]
+    merged = merge_history([*seals, *lines])
+    assert [e["round"] for e in merged if e["eval_loss"] is not None] == [0, 3, 6]
+    assert all(e["sample"] is None for e in merged if e["eval_loss"] is None)
+
+
+def test_a_due_evaluation_the_worker_skipped_comes_with_the_next_round_it_takes_in_full(parts):
+    config, ledger, metrics, folder = parts
+    config = replace(replace(config, "outer", verify=False), "train", eval_every_rounds=2)
+    theta = GlobalModel(config)
+    books, lines = books_for(SlowBooks, config, ledger, metrics, folder, theta)
+
+    async def main() -> None:
+        books.start()
+        seal(books, theta, synthetic_round(theta))  # round 0, due: held in its evaluation
+        await until(books.evaluating.is_set)
+        for _ in range(3):  # rounds 1-3 wait; 2 and 3 bring snapshots: 1 and 2 are superseded
+            seal(books, theta, synthetic_round(theta))
+        books.release.set()
+        await until(lambda: books.lag == 0)
+        for _ in range(2):  # rounds 4 and 5, one at a time
+            seal(books, theta, synthetic_round(theta))
+            await until(lambda: books.lag == 0)
+        await books.close()
+
+    asyncio.run(main())
+    by_round = {line["round"]: line for line in lines}
+    assert by_round[1]["skipped"] and by_round[2]["skipped"]  # round 2 was due, and skipped
+    assert [r for r, line in sorted(by_round.items()) if "eval_loss" in line] == [0, 3, 4]
+    assert books.held == 5 and layer_digests(books.theta) == theta.digests()
+
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def test_forwards_run_on_the_device_while_theta_steps_and_is_checkpointed_on_cpu(parts):
+    """On a CPU machine: cpu threaded through, the CPU path; on a GPU machine the same test runs cuda."""
+    config, ledger, metrics, folder = parts
+    config = replace(replace(config, "outer", inner_steps=2, checkpoint_every_rounds=2), "samples", tokens=4)
+    theta = GlobalModel(config)
+    lines: list[dict] = []
+    books = Bookkeeper(config, ledger, folder / "checkpoints", "run-x", lines.append, metrics, device=DEVICE)
+    books.build(theta.params, theta.params_round)
+    assert books.verifier.device == DEVICE and next(books.sampler.model.parameters()).device == DEVICE
+    assert (books.forwards is books.model) == (DEVICE.type == "cpu")
+    assert all(t.device.type == "cpu" and t.dtype == torch.float32 for t in books.theta.values())
+    dataset = TokenDataset.build(config.data, config.model.vocab_size, config.run.seed)
+    peers = ["honest-a", "honest-b", "honest-c"]
+    trainers = {p: AnchorTraining(config, dataset, p) for p in peers}
+    published: dict[int, dict[str, str]] = {}
+
+    async def main() -> None:
+        books.start()
+        for round_ in range(2):
+            payloads = {p: trainers[p].run_round(round_, theta) for p in peers}
+            decoded = [(p, theta.decode_contribution(p, round_, payloads[p])) for p in peers]
+            work = RoundWork(
+                round_,
+                step=theta.prepare(round_, decoded),
+                sealed=peers,
+                scorable=decoded,
+                replicas={p: replica_of(p, None) for p in peers},
+                credits=[Contribution(p, p, "anchor", 1000, 2, 1) for p in peers],
+                sealed_at=float(round_),
+            )
+            seal(books, theta, work)
+            published[round_] = work.digests
+            await until(lambda: books.lag == 0)
+        await books.close()
+
+    asyncio.run(main())
+    assert all(set(line["scores"]) == set(peers) for line in lines)
+    assert all(line["scores"][p] > 0 for line in lines for p in peers)  # honest work, wherever scored
+    assert books.held == 1 and layer_digests(books.theta) == theta.digests()  # bit for bit, any device
+    with torch.no_grad():  # the reference: θ's eval loss on CPU in fp32
+        batches = books.dataset.eval_batches(config.train.eval_batches)
+        cpu_loss = sum(books.model.loss(x, y).item() for x, y in batches) / len(batches)
+    loss = lines[-1]["eval_loss"]
+    assert loss == cpu_loss if DEVICE.type == "cpu" else abs(loss - cpu_loss) < 0.02 * cpu_loss
+    assert lines[-1]["sample"]["tokens"] > 0
+    [(written, checkpoint)] = list_checkpoints(folder / "checkpoints")  # round 0's: every 2 rounds
+    assert written == 0 and load_checkpoint(checkpoint)[1].layer_digests == published[0]

@@ -4,7 +4,14 @@ from pathlib import Path
 
 import pytest
 
-from hetnode.cli.device import CUDA_INDEX, TORCH_VERSION, check_device, cuda_problem
+from hetnode.cli.device import (
+    CUDA_INDEX,
+    TORCH_VERSION,
+    check_device,
+    cuda_problem,
+    cuda_problem_here,
+    resolve_device,
+)
 from hetnode.errors import ConfigError
 
 
@@ -48,3 +55,33 @@ def test_cpu_is_always_allowed_and_cuda_is_checked_here():
 def test_the_readme_installs_what_the_message_names():
     readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
     assert f"pip install torch=={TORCH_VERSION} --index-url {CUDA_INDEX}" in readme
+
+
+def test_auto_takes_cuda_only_where_it_can_run_and_cpu_and_cuda_are_as_asked():
+    problem = cuda_problem_here()
+    assert resolve_device("auto") == ("cuda" if problem is None else "cpu")
+    assert resolve_device("cpu") == "cpu"
+    if problem is None:
+        assert resolve_device("cuda") == "cuda"
+    else:
+        with pytest.raises(ConfigError) as refused:
+            resolve_device("cuda")
+        assert refused.value.message == problem
+
+
+def test_bootstrap_takes_the_device_flag_and_refuses_a_cuda_it_cannot_run(tmp_path: Path, capsys):
+    from hetnode.cli.main import EXIT_USAGE, build_parser, main
+
+    config = Path(__file__).resolve().parents[2] / "configs" / "tiny.toml"
+    argv = ["bootstrap", "--config", str(config), "--data-dir", str(tmp_path / "data")]
+    parser = build_parser()
+    assert parser.parse_args(argv).device == "cpu"  # as before the flag: the coordinator on CPU
+    assert parser.parse_args([*argv, "--device", "auto"]).device == "auto"
+    with pytest.raises(SystemExit):
+        parser.parse_args([*argv, "--device", "tpu"])
+    capsys.readouterr()
+    if cuda_problem_here() is None:
+        pytest.skip("this machine runs cuda: a refusal cannot be shown here")
+    assert main([*argv, "--device", "cuda"]) == EXIT_USAGE
+    assert f"hetnode: --device: {cuda_problem_here()}" in capsys.readouterr().err
+    assert not (tmp_path / "data").exists()  # refused before anything was written

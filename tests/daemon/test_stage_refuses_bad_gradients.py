@@ -9,10 +9,9 @@ import pytest
 import torch
 
 from hetnode.config import replace
-from hetnode.daemon.stage_training import StageTraining
+from hetnode.daemon.stage_training import StageTraining, stage_part
 from hetnode.data.dataset import TokenDataset
 from hetnode.errors import UpdateRefused
-from hetnode.model.shards import ModelPart
 from hetnode.replica.global_model import GlobalModel
 from hetnode.training.local_rounds import snapshot_optimizer
 from hetnode.training.stage_worker import Frame
@@ -38,7 +37,7 @@ def _chain(config, dataset, compress: bool | None = None) -> list[tuple[StageTra
     chain = []
     for i in range(2):
         stage = StageTraining(config, splits, i, "chain-x", dataset if i == 0 else None, compress=compress)
-        model = GlobalModel(config, part=ModelPart.of_stage(splits, i))
+        model = GlobalModel(config, part=stage_part(splits, i, compressed=True))
         stage.rebase(stage.rebase_from(model))
         chain.append((stage, model))
     return chain
@@ -52,7 +51,7 @@ def _begin(chain, round_: int) -> None:
             stage.rebase(stage.rebase_from(model))
     (first, _), (last, _) = chain
     first.begin_round(round_)
-    last.begin_round(round_, first.drift)
+    last.begin_round(round_, first.drift_base)
 
 
 def _over_the_wire(chain, round_: int, peaks: dict[str, float]) -> None:

@@ -7,17 +7,16 @@ import pytest
 import torch
 
 from hetnode.config import replace
-from hetnode.daemon.stage_training import StageTraining
+from hetnode.daemon.stage_training import StageTraining, stage_part
 from hetnode.data.dataset import TokenDataset
 from hetnode.errors import CheckpointError
-from hetnode.model.shards import ModelPart
 from hetnode.replica.global_model import GlobalModel
 from hetnode.wire.sync_payload import decode_payload
 
 
 def _chain(config, splits, dataset):
     stages = [StageTraining(config, splits, i, "chain-x", dataset if i == 0 else None) for i in range(2)]
-    models = [GlobalModel(config, part=ModelPart.of_stage(splits, i)) for i in range(2)]
+    models = [GlobalModel(config, part=stage_part(splits, i, compressed=True)) for i in range(2)]
     return stages, models
 
 
@@ -26,7 +25,7 @@ def _train_round(stages, models, micro_batches: int) -> None:
     for stage, model in zip(stages, models, strict=True):
         stage.rebase(stage.rebase_from(model))
     first.begin_round(0)
-    last.begin_round(0, first.drift)
+    last.begin_round(0, first.drift_base)
     for _ in range(micro_batches):
         _micro_batch(first, last)
     for stage in stages:
@@ -53,7 +52,7 @@ def test_a_stage_resumes_error_feedback_optimiser_and_round(tiny_config, tmp_pat
 
     again, fresh = (
         StageTraining(config, splits, 1, "chain-y", None),
-        GlobalModel(config, part=ModelPart.of_stage(splits, 1)),
+        GlobalModel(config, part=stage_part(splits, 1, compressed=True)),
     )
     assert again.load_local_state(tmp_path / "absent.pt", fresh) is None
     assert again.load_local_state(path, fresh) == "all"
@@ -72,7 +71,7 @@ def test_a_stage_resumes_error_feedback_optimiser_and_round(tiny_config, tmp_pat
     # three stages now: stage 1 holds some of the layers it held before, the rest of its debt is gone
     other = (range(0, 1), range(1, n - 1), range(n - 1, n))
     moved = StageTraining(config, other, 2, "chain-z", None)
-    moved_model = GlobalModel(config, part=ModelPart.of_stage(other, 2))
+    moved_model = GlobalModel(config, part=stage_part(other, 2, compressed=True))
     assert moved.load_local_state(path, moved_model) == "feedback"
     assert set(moved.feedback.buffers) == set(stages[1].feedback.buffers) & set(moved.names)
     assert moved_model.params_round == -1  # θ comes from a catch-up
@@ -94,7 +93,7 @@ def test_a_stage_trains_ahead_and_stands_on_new_theta_between_micro_batches(tiny
     _train_round(stages, models, 2)  # round 0, compressed and "announced"
     first, last = stages
     first.begin_round(1)
-    last.begin_round(1, first.drift)  # T_fix' of round 1: the first stage's, from θ it stands on (−1)
+    last.begin_round(1, first.drift_base)  # T_fix' of round 1: from θ the first stage stands on (−1)
     fixed = last.worker.constraint.fixed.clone()
     _micro_batch(first, last)
     with pytest.raises(RuntimeError, match="round 1 is compressed on θ after round 0"):

@@ -7,12 +7,14 @@ from hetnode.config import load_config, replace
 from hetnode.errors import ConfigError
 from hetnode.planning.rounds import (
     BUSY_SHARE,
+    PACED_WAIT_BUDGETS,
     SIT_OUT_SLACK,
     RoundBudget,
     another_step,
     assigned_batches,
     busy_floor,
     floor_seconds,
+    paced_deadline,
     sits_out,
 )
 from hetnode.training.schedule import schedule_position
@@ -130,3 +132,11 @@ def test_paced_config_errors_name_the_key(tmp_path, outer, key):
     path.write_text(f"[outer]\n{outer}\n")
     with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
         load_config(path)
+
+
+def test_a_paced_seal_waits_no_longer_than_its_budget_allows_whatever_the_deadline_learned():
+    # a late replica taught the deadline 40 s; the round's budget is 3 s: the seal goes at 1.5 budgets
+    assert paced_deadline(40.0, 2.0, 3.0) == pytest.approx(PACED_WAIT_BUDGETS * 3.0)
+    assert paced_deadline(2.5, 2.0, 3.0) == 2.5  # a shorter learned deadline stays
+    assert paced_deadline(40.0, 2.0, 0.5) == 2.0  # never below the floor
+    assert paced_deadline(40.0, 2.0, None) == 40.0  # steps rounds, or no budget yet: as learned
