@@ -91,7 +91,7 @@ class StageTraining:
         self.config = config
         self.index = index
         self.last = index == len(splits) - 1
-        self.device = device  # the stage runs on CPU tensors today; kept for the record and the ledger
+        self.device = device  # the stage's weights, U and T_fix, its forwards and backwards; θ stays on CPU
         self.worker = build_stage_worker(
             config,
             splits,
@@ -101,6 +101,7 @@ class StageTraining:
             constrained=self.compressed,
             seed=config.run.seed,
             wire_dtype=torch.bfloat16 if self.compressed else torch.float32,
+            device=device,
         )
         self.base_fixed = base_fixed_embedding(config)
         part = stage_part(splits, index, self.compressed)
@@ -193,7 +194,7 @@ class StageTraining:
                 raise ValueError("a stage after the first needs the θ round of the first stage's drift")
             self.drift = round_drift(c, self.embedding_after(drift_base))
             self.drift_base = drift_base
-            fixed = self.base_fixed + self.drift
+            fixed = (self.base_fixed + self.drift).to(self.worker.device)  # once a round, not per batch
             self.worker.constraint = dataclasses.replace(c, fixed=fixed)
             if self.worker.stage.first:
                 self.worker.stage.fixed_embedding = fixed

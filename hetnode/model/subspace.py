@@ -10,6 +10,7 @@ would otherwise leave the subspace).
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -38,6 +39,10 @@ class SubspaceConstraint:
             fixed=frozen_embedding(cfg.vocab_size, cfg.d_model, seed, cfg.init_std),
             last_boundary=last_boundary,
         )
+
+    def to(self, device: torch.device | str) -> SubspaceConstraint:
+        """U and T_fix on `device`, once: the codec and the projections then move nothing per call."""
+        return dataclasses.replace(self, basis=self.basis.to(device), fixed=self.fixed.to(device))
 
     @property
     def rank(self) -> int:

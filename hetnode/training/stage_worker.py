@@ -93,6 +93,9 @@ class StageWorker:
         if compress and constraint is None:
             raise ValueError("compressed boundaries need the subspace constraint")
         self.stage = stage
+        self.device = next(
+            stage.parameters()
+        ).device  # where it trains; frames and batches arrive on the host
         self.optimizer = optimizer
         self.lr_at = lr_at
         self.grad_clip = grad_clip
@@ -139,11 +142,12 @@ class StageWorker:
     def _forward(self, mb: int, incoming: Frame | tuple[torch.Tensor, torch.Tensor]) -> Frame | torch.Tensor:
         stage = self.stage
         if stage.first:
-            tokens, targets = incoming  # type: ignore[misc]
-            inputs = tokens
+            host_tokens, host_targets = incoming  # type: ignore[misc]
+            inputs = self._on_device(host_tokens)
         else:
             frame: Frame = incoming  # type: ignore[assignment]
-            tokens, targets, inputs = frame.tokens, frame.targets, frame.tensor
+            host_tokens, host_targets, inputs = frame.tokens, frame.targets, self._on_device(frame.tensor)
+        tokens, targets = self._on_device(host_tokens), self._on_device(host_targets)
         weights = None if stage.last else self._stash_weights()
         fixed = stage.fixed_embedding
         flight = _InFlight(self.version, weights, inputs, tokens, targets, self.constraint, fixed)
@@ -156,7 +160,17 @@ class StageWorker:
         if stage.last:
             self._last_loss = sent.detach()
             return self._last_loss
-        return Frame(mb, sent.detach().to(self.wire_dtype), tokens, targets)
+        # the wire needs the frame on the host (one copy, in the wire dtype); ids travel as they came
+        return Frame(mb, sent.detach().to(self.wire_dtype).cpu(), host_tokens, host_targets)
+
+    def _on_device(self, tensor: torch.Tensor) -> torch.Tensor:
+        """A host tensor (a batch, a frame from the wire) on the stage's device: from pinned memory without
+        blocking on a GPU (the copy queues before the forward that reads it), as it is on a CPU."""
+        if tensor.device == self.device:
+            return tensor
+        if self.device.type == "cuda" and tensor.device.type == "cpu":
+            return tensor.pin_memory().to(self.device, non_blocking=True)
+        return tensor.to(self.device)
 
     def _stash_weights(self) -> _Weights:
         """A snapshot of the weights as they are now: the newest one again if nothing wrote them since (the
@@ -291,6 +305,8 @@ class StageWorker:
     ) -> torch.Tensor:
         """Forward with the newest weights, no stashing (evaluation); same boundary codec as training."""
         c = self.constraint
+        incoming, tokens = self._on_device(incoming), self._on_device(tokens)
+        targets = None if targets is None else self._on_device(targets)
         inputs = incoming if self.stage.first else incoming.to(torch.float32)
         if not self.stage.first and self.compress:
             inputs = decode_activations(inputs, tokens, c.basis, c.fixed)
@@ -322,17 +338,19 @@ def build_stage_worker(
     constrained: bool,
     seed: int,
     wire_dtype: torch.dtype | None = None,
+    device: str = "cpu",
 ) -> StageWorker:
-    """The worker of stage `index` alone (a networked stage builds only its own layers).
+    """The worker of stage `index` alone (a networked stage builds only its own layers), its weights, U and
+    T_fix on `device` (the seeded values are drawn on the CPU: every device starts from the same bits).
 
     Every stage of a chain builds the same seeded constraint, so U and T_fix agree without a transfer."""
     inner = config.inner
-    stage = build_stage(config.model, list(splits), index, seed=seed)
+    stage = build_stage(config.model, list(splits), index, seed=seed).to(device)
     constraint = None
     if (constrained or compress) and len(splits) > 1:
         constraint = SubspaceConstraint.create(
             config.model, config.pipeline.subspace_rank, splits[-1].start, config.run.seed
-        )
+        ).to(device)
         constraint.attach(stage)
     dtype = wire_dtype or (torch.bfloat16 if compress else torch.float32)
 
