@@ -1,17 +1,24 @@
-"""GPU check: bf16 training throughput at `178m`, and a GPU anchor and a CPU anchor agreeing on θ.
+"""GPU check: bf16 training throughput at `178m`, a GPU chain stage against a CPU one, and a GPU anchor and a
+CPU anchor agreeing on θ.
 
+Part `smoke` (first, seconds): Python, torch, CUDA, protobuf, grpc, hivemind and pydantic versions, and a
+`p2pd` started and stopped on loopback: a machine that cannot run the rest says so before it spends minutes.
 Part `train`: `InnerTrainer` on CUDA (bf16 autocast, fp32 master weights) trains `configs/178m.toml` for a
 few hundred steps; reports tokens/s, an MFU estimate and peak GPU memory.
 Part `digests`: a coordinator, an anchor with `--device cuda` and an anchor on CPU, real daemons on
 127.0.0.1, train `configs/small.toml` for a few sealed rounds; every anchor's published layer digests must
 equal the coordinator's record of its round (θ, error feedback, codec and outer step run on CPU in fp32,
 so the device an anchor trains on must not show in θ).
+Part `stage`: a two-stage chain of `small` (`StageTraining`, as a chain member runs it) on the GPU and on the
+CPU, micro-batches a second each; and stage 0 of `178m`'s four on the GPU with its window of micro-batches
+in flight (recomputed in backward): its peak memory.
 
-    bash benchmarks/gpu_check.sh                                   # on a CUDA machine, <= 8 minutes
+    bash benchmarks/gpu_check.sh                                   # on a CUDA machine, < 4 minutes
     .venv/bin/python benchmarks/gpu_check.py --cpu-only --smoke    # the same orchestration on CPU
 
-The results JSON (default benchmarks/results/gpu_check.json) is rewritten after each part, so a run cut
-short by its time limit still leaves what it measured. Exit status 0 only when every part ran and passed.
+Everything goes to the folder `--out` (default benchmarks/results/gpu-check): `gpu_check.json`, rewritten
+after each part (a run cut short by its time limit still leaves what it measured), and under `work/` every
+daemon's log and the data cache. Exit status 0 only when every part ran and passed.
 """
 
 from __future__ import annotations
@@ -24,7 +31,6 @@ import platform
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -33,10 +39,12 @@ import torch
 
 from hetnode.bench.lab_process import HETNODE, LabProcess
 from hetnode.config import Config, dump_config, load_config, replace
+from hetnode.daemon.stage_training import StageTraining, stage_part
 from hetnode.data import TokenDataset
 from hetnode.demo.digests import compare_digests, hold_round
 from hetnode.demo.swarm import alive, descendants, process_name, read_jsonl, start_time
 from hetnode.model import build_model, count_parameters
+from hetnode.replica.global_model import GlobalModel
 from hetnode.training.precision import autocast_dtype
 from hetnode.training.trainer import InnerTrainer
 from hetnode.wire.round_history import merge_history
@@ -58,12 +66,57 @@ PEAK_BF16 = (
 FAST_NETWORK = {"heartbeat_s": 1.0, "record_ttl_s": 4.0, "boundary_s": 3.0, "confirm_s": 1.5, "probe_s": 3.0}
 
 
+def thread_cap(processes: int) -> list[str]:
+    """An `env` prefix giving each of `processes` daemons its share of the cores: torch's default, one thread
+    per core each, oversubscribes the machine and every one of them slows down."""
+    threads = max(1, (os.cpu_count() or 1) // processes)
+    return ["env", f"OMP_NUM_THREADS={threads}", f"MKL_NUM_THREADS={threads}"]
+
+
 class Deadline:
     def __init__(self, seconds: float) -> None:
         self.end = time.monotonic() + seconds
 
     def left(self) -> float:
         return self.end - time.monotonic()
+
+
+# -- part 0: smoke: versions and p2pd ---------------------------------------------------------------------
+
+
+def check_smoke() -> dict[str, Any]:
+    """What this machine runs, and a `p2pd` started and stopped on loopback (hivemind's daemon, from its
+    wheel): the first seconds of a device loan say whether the rest can run."""
+    import importlib.metadata as metadata
+
+    started = time.perf_counter()
+    versions: dict[str, str | None] = {"python": platform.python_version(), "torch": torch.__version__}
+    for dist in ("protobuf", "grpcio", "hivemind", "pydantic", "cryptography", "numpy"):
+        try:
+            versions[dist] = metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            versions[dist] = None
+    result: dict[str, Any] = {"versions": versions, "cuda": torch.version.cuda}
+    result["gpu"] = torch.cuda.get_device_name() if torch.cuda.is_available() else None
+    try:
+        import asyncio
+
+        from hivemind.p2p import P2P
+
+        async def up_and_down() -> str:
+            p2p = await P2P.create(host_maddrs=[LOOPBACK])
+            try:
+                return str(p2p.peer_id)
+            finally:
+                await p2p.shutdown()
+
+        result["p2pd_peer"] = asyncio.run(asyncio.wait_for(up_and_down(), timeout=25))
+        result["ok"] = True
+    except Exception as exc:  # the reason goes into the JSON: the rest would fail the same way
+        result["error"] = f"{type(exc).__name__}: {exc}"
+        result["ok"] = False
+    result["seconds"] = round(time.perf_counter() - started, 2)
+    return result
 
 
 # -- part 1: training throughput -------------------------------------------------------------------------
@@ -91,6 +144,10 @@ def check_training(
 ) -> dict[str, Any]:
     config = load_config(config_path)
     config = replace(config, "train", max_steps=max(steps, config.train.max_steps))
+    # the bundled corpus, not the run's prepared source (throughput does not depend on the text); its
+    # few epochs' guard would refuse it, rightly, for a real run
+    config = replace(config, "data", source="wiki", tokenizer_sha256="")
+    config = replace(config, "train", max_epochs=0.0)
     start = time.perf_counter()
     dataset = TokenDataset.build(config.data, config.model.vocab_size, config.run.seed, data_dir=data_dir)
     data_seconds = time.perf_counter() - start
@@ -146,6 +203,101 @@ def check_training(
     return result
 
 
+# -- part 3: a chain stage on the GPU ------------------------------------------------------------------------
+
+
+def _two_stages(config: Config, device: str, data_dir: Path) -> list[StageTraining]:
+    n = config.model.n_layers
+    splits = (range(0, n // 2), range(n // 2, n))
+    dataset = TokenDataset.build(config.data, config.model.vocab_size, config.run.seed, data_dir=data_dir)
+    compressed = config.pipeline.compression != "none"
+    stages = [
+        StageTraining(config, splits, i, "gpu-check", dataset if i == 0 else None, device=device)
+        for i in range(2)
+    ]
+    for i, stage in enumerate(stages):
+        stage.rebase(stage.rebase_from(GlobalModel(config, part=stage_part(splits, i, compressed))))
+    stages[0].begin_round(0)
+    stages[1].begin_round(0, stages[0].drift_base)
+    return stages
+
+
+def stage_tokens_per_s(
+    config: Config, device: str, micro_batches: int, data_dir: Path, deadline: Deadline
+) -> float:
+    """Micro-batches through a two-stage chain on `device`, one after another (forward down, backward up),
+    as tokens a second of the chain; the first two are not timed (kernel selection, allocator growth)."""
+    first, last = _two_stages(config, device, data_dir)
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    tokens, started = 0, 0.0
+    for i in range(micro_batches + 2):
+        if i == 2:
+            sync()
+            tokens, started = 0, time.perf_counter()
+        mb, batch = first.next_batch()
+        last.forward(mb, first.forward(mb, batch))
+        first.backward(mb, last.backward(mb))
+        tokens += batch[0].numel()
+        if deadline.left() < 0:
+            break
+    sync()
+    return tokens / (time.perf_counter() - started) if tokens else 0.0
+
+
+def stage_peak_memory_gib(config: Config, stages: int) -> dict[str, Any]:
+    """Stage 0 of `stages` on the GPU with its 1F1B window (`stages` micro-batches) in flight, then their
+    backwards with random gradients: the allocator's peak."""
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    n = config.model.n_layers
+    per = n // stages
+    splits = [range(i * per, n if i == stages - 1 else (i + 1) * per) for i in range(stages)]
+    worker = StageTraining(config, splits, 0, "gpu-check", _Synthetic(config), device="cuda").worker
+    data = _Synthetic(config)
+    sent = [worker.forward(mb, data.train_batch(0, 1, mb)) for mb in range(stages)]
+    for mb, frame in enumerate(sent):
+        worker.backward(mb, torch.randn_like(frame.tensor, dtype=torch.float32) * 1e-4)
+    torch.cuda.synchronize()
+    return {
+        "config": config.run.name,
+        "stages": stages,
+        "in_flight": stages,
+        "peak_memory_allocated_gib": round(torch.cuda.max_memory_allocated() / 2**30, 3),
+    }
+
+
+class _Synthetic:
+    """Random token batches of the config's shape: stage memory does not depend on the text."""
+
+    def __init__(self, config: Config) -> None:
+        self.config = config
+
+    def train_batch(self, slot: int, slots: int, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        d, m = self.config.data, self.config.model
+        window = torch.randint(
+            0, m.vocab_size, (d.batch_size, d.seq_len + 1), generator=torch.Generator().manual_seed(index)
+        )
+        return window[:, :-1], window[:, 1:]
+
+
+def check_stage(
+    config_path: Path, memory_config: Path, micro_batches: int, gpu: str, data_dir: Path, deadline: Deadline
+) -> dict[str, Any]:
+    config = load_config(config_path)
+    result: dict[str, Any] = {"config": str(config_path), "micro_batches": micro_batches}
+    rates = {}
+    for device in dict.fromkeys((gpu, "cpu")):
+        rates[device] = stage_tokens_per_s(config, device, micro_batches, data_dir, deadline)
+    result["tokens_per_s"] = {d: round(r, 1) for d, r in rates.items()}
+    if gpu == "cuda" and rates.get("cpu"):
+        result["gpu_over_cpu"] = round(rates["cuda"] / rates["cpu"], 2)
+    if gpu == "cuda":
+        memory = load_config(memory_config)
+        result["stage0_memory"] = stage_peak_memory_gib(memory, memory.pipeline.stages)
+    result["ok"] = all(r > 0 for r in rates.values())
+    return result
+
+
 # -- part 2: a GPU anchor and a CPU anchor, digests --------------------------------------------------------
 
 
@@ -157,8 +309,9 @@ class Swarm:
         self.processes: list[LabProcess] = []
         self.tracked: dict[int, str | None] = {}  # pid -> start time: a reused pid is never hit
 
-    def spawn(self, name: str, args: list[str]) -> LabProcess:
-        process = LabProcess(name, [*HETNODE, *args], self.work / f"{name}.log", detach=True)
+    def spawn(self, name: str, args: list[str], daemons: int = 3) -> LabProcess:
+        prefix = thread_cap(daemons)
+        process = LabProcess(name, [*HETNODE, *args], self.work / f"{name}.log", prefix, detach=True)
         self.processes.append(process)
         return process
 
@@ -301,8 +454,12 @@ def _write(path: Path, results: dict[str, Any]) -> None:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks/results/gpu_check.json")
-    parser.add_argument("--parts", default="train,digests", help="comma-separated: train, digests")
+    parser.add_argument(
+        "--out", type=Path, default=ROOT / "benchmarks/results/gpu-check", help="folder for the JSON and logs"
+    )
+    parser.add_argument(
+        "--parts", default="smoke,train,stage,digests", help="comma-separated: smoke, train, stage, digests"
+    )
     parser.add_argument("--cpu-only", action="store_true", help="no GPU: every device is cpu (a dry run)")
     parser.add_argument("--smoke", action="store_true", help="tiny sizes: configs/tiny.toml, 5 steps, H=5")
     parser.add_argument("--train-config", type=Path, default=ROOT / "configs/178m.toml")
@@ -310,15 +467,19 @@ def main() -> int:
     parser.add_argument("--swarm-config", type=Path, default=ROOT / "configs/small.toml")
     parser.add_argument("--rounds", type=int, default=3, help="sealed rounds that every anchor is in")
     parser.add_argument("--inner-steps", type=int, default=None, help="H for the swarm (default: config's)")
-    parser.add_argument("--budget-s", type=float, default=420.0, help="all parts together")
-    parser.add_argument("--train-budget-s", type=float, default=150.0, help="the training loop")
+    parser.add_argument("--stage-config", type=Path, default=ROOT / "configs/small.toml")
+    parser.add_argument("--stage-micro-batches", type=int, default=20)
+    parser.add_argument("--budget-s", type=float, default=220.0, help="all parts together (under 4 minutes)")
+    parser.add_argument("--train-budget-s", type=float, default=60.0, help="the training loop")
     parser.add_argument("--peak-tflops", type=float, default=None, help="the GPU's dense bf16 peak")
     args = parser.parse_args()
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # `timeout`: unwind, stop the daemons
     if args.smoke:
         args.train_config, args.train_steps = ROOT / "configs/tiny.toml", 5
+        args.stage_config, args.stage_micro_batches = ROOT / "configs/tiny.toml", 3
         args.inner_steps = args.inner_steps or 5
         args.rounds = min(args.rounds, 2)
+    out = args.out / "gpu_check.json"
     parts = [p.strip() for p in args.parts.split(",") if p.strip()]
     gpu = "cpu" if args.cpu_only else "cuda"
     total = Deadline(args.budget_s)
@@ -332,31 +493,49 @@ def main() -> int:
     }
     if gpu == "cuda" and not torch.cuda.is_available():
         results["error"] = "no CUDA device: run on a GPU machine, or pass --cpu-only for a dry run"
-        _write(args.out, results)
+        _write(out, results)
         print(json.dumps(results, indent=1))
         return 2
-    with tempfile.TemporaryDirectory(prefix="hetnode-gpu-check-") as tmp:
-        work, data_dir = Path(tmp), Path(tmp) / "data"
-        if "train" in parts:
-            budget = Deadline(min(args.train_budget_s, total.left()))
-            try:
-                results["train"] = check_training(
-                    args.train_config, args.train_steps, gpu, data_dir, budget, args.peak_tflops
-                )
-            except Exception as exc:  # the digest part still runs
-                results["train"] = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
-            if gpu == "cuda":
-                torch.cuda.empty_cache()  # hand part 1's cached blocks back before the GPU anchor starts
-            _write(args.out, results)
-        if "digests" in parts:
-            (work / "swarm").mkdir()
-            devices = {"anchor-gpu": gpu, "anchor-cpu": "cpu"}
-            results["digests"] = check_digests(
-                args.swarm_config, devices, args.rounds, args.inner_steps, data_dir, work / "swarm", total
+    work = args.out / "work"  # kept: every daemon's log is what a failed loan leaves to read
+    work.mkdir(parents=True, exist_ok=True)
+    data_dir = work / "data"
+    if "smoke" in parts:
+        results["smoke"] = check_smoke()
+        _write(out, results)
+        print(json.dumps(results["smoke"]), flush=True)
+        if not results["smoke"]["ok"]:
+            return 3
+    if "train" in parts:
+        budget = Deadline(min(args.train_budget_s, total.left()))
+        try:
+            results["train"] = check_training(
+                args.train_config, args.train_steps, gpu, data_dir, budget, args.peak_tflops
             )
+        except Exception as exc:  # the digest part still runs
+            results["train"] = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
+        if gpu == "cuda":
+            torch.cuda.empty_cache()  # hand part 1's cached blocks back before the GPU anchor starts
+        _write(out, results)
+    if "stage" in parts:
+        budget = Deadline(min(60.0, total.left()))
+        try:
+            results["stage"] = check_stage(
+                args.stage_config, args.train_config, args.stage_micro_batches, gpu, data_dir, budget
+            )
+        except Exception as exc:  # the digest part still runs
+            results["stage"] = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
+        if gpu == "cuda":
+            torch.cuda.empty_cache()
+        _write(out, results)
+    if "digests" in parts:
+        (work / "swarm").mkdir(parents=True, exist_ok=True)
+        devices = {"anchor-gpu": gpu, "anchor-cpu": "cpu"}
+        results["digests"] = check_digests(
+            args.swarm_config, devices, args.rounds, args.inner_steps, data_dir, work / "swarm", total
+        )
     results["seconds"] = round(args.budget_s - total.left(), 1)
     results["ok"] = all(results.get(p, {}).get("ok") for p in parts)
-    _write(args.out, results)
+    _write(out, results)
     print(json.dumps(results, indent=1))
     return 0 if results["ok"] else 1
 
