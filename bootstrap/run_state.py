@@ -70,6 +70,7 @@ IDENTITY_KEYS = (
     "data.max_documents",
     "data.hf_split",
     "data.hf_subset",
+    "data.tokenizer_sha256",
 )
 LISTEN_KEYS = ("listen_requested", "listen_port")  # the coordinator's address outlives its runs
 MAX_LISTED = 6  # differences named in a refusal

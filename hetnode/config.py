@@ -8,6 +8,7 @@ falls back to a default.
 from __future__ import annotations
 
 import dataclasses
+import re
 import tomllib
 import types
 import typing
@@ -45,7 +46,8 @@ class ModelConfig:
 @dataclass(frozen=True)
 class DataConfig:
     # "wiki" (bundled Wikipedia summaries), "dir:<folder of .txt/.jsonl>", "parquet:<file or folder>",
-    # "arrow:<file or folder>" (Arrow IPC), "hf:<dataset name or local path>", or "bin:<uint16 token file>"
+    # "arrow:<file or folder>" (Arrow IPC), "hf:<dataset name or local path>", "bin:<uint16 token file>",
+    # or "tokens:<folder>" (shards and tokenizer from `hetnode data prepare`)
     source: str = "wiki"
     tokenizer: Literal["bytes", "bpe"] = "bytes"
     bpe_vocab_size: int = 4096
@@ -57,6 +59,8 @@ class DataConfig:
     max_documents: int = 0  # read at most this many documents, in source order (0: all)
     hf_split: str = "train"  # hf: the split to stream
     hf_subset: str = ""  # hf: the dataset's configuration ("" for its default)
+    # tokens: the sha256 of the folder's tokenizer.json, so each peer's copy is the run's ("" with bytes)
+    tokenizer_sha256: str = ""
 
 
 @dataclass(frozen=True)
@@ -93,6 +97,9 @@ class TrainConfig:
     # The coordinator evaluates θ (and draws its sample) after every this many sealed rounds, not after
     # each: with a real held-out set (`eval_batches`) evaluation costs more than the round's scoring.
     eval_every_rounds: int = 1
+    # The most passes over the training tokens max_steps may make (max_steps · batch · seq / train tokens);
+    # a bigger run refuses to start, so a large model never memorises a small corpus by accident. 0: off.
+    max_epochs: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -334,10 +341,12 @@ def _require(condition: bool, source: str, key: str, message: str) -> None:
         raise ConfigError(source, key, message)
 
 
-DATA_SOURCE_KINDS = ("dir", "bin", "parquet", "arrow", "hf")
+DATA_SOURCE_KINDS = ("dir", "bin", "parquet", "arrow", "hf", "tokens")
 DATA_SOURCE_FORMS = (
-    "'wiki', 'dir:<path>', 'parquet:<path>', 'arrow:<path>', 'hf:<name or path>' or 'bin:<path>'"
+    "'wiki', 'dir:<path>', 'parquet:<path>', 'arrow:<path>', 'hf:<name or path>', 'bin:<path>' "
+    "or 'tokens:<folder>'"
 )
+SHA256 = re.compile(r"^[0-9a-f]{64}$")
 
 
 def validate(config: Config, source: str) -> None:
@@ -400,6 +409,12 @@ def validate(config: Config, source: str) -> None:
     _require(bool(d.text_column.strip()), source, "data.text_column", "must name a column")
     _require(d.max_documents >= 0, source, "data.max_documents", f"must be >= 0, got {d.max_documents}")
     _require(bool(d.hf_split.strip()), source, "data.hf_split", "must name a split")
+    _require(
+        d.tokenizer_sha256 == "" or bool(SHA256.match(d.tokenizer_sha256)),
+        source,
+        "data.tokenizer_sha256",
+        f"must be empty or 64 lowercase hex digits, got {d.tokenizer_sha256!r}",
+    )
 
     _require(i.lr > 0, source, "inner.lr", f"must be > 0, got {i.lr}")
     _require(0 <= i.min_lr_ratio <= 1, source, "inner.min_lr_ratio", "must be in [0, 1]")
@@ -418,6 +433,12 @@ def validate(config: Config, source: str) -> None:
     for key in counts:
         value = getattr(t, key)
         _require(value > 0, source, f"train.{key}", f"must be > 0, got {value}")
+    _require(
+        0 <= t.max_epochs <= 1e6,  # also refuses NaN
+        source,
+        "train.max_epochs",
+        f"must be in [0, 1e6] (0: no limit), got {t.max_epochs}",
+    )
 
     _require(o.inner_steps > 0, source, "outer.inner_steps", f"must be > 0, got {o.inner_steps}")
     _require(

@@ -12,7 +12,7 @@ import sys
 from collections.abc import Sequence
 
 from hetnode import __version__
-from hetnode.cli import bench, demo, swarm, train, use_model
+from hetnode.cli import bench, data, demo, swarm, train, use_model
 from hetnode.errors import (
     ConfigError,
     DataConfigError,
@@ -26,7 +26,7 @@ EXIT_ERROR = 1
 EXIT_USAGE = 2  # bad config, arguments or data config, or an answer from a URL asking again will not mend
 EXIT_INTERRUPTED = 130  # as a shell reports a command ended by Ctrl+C
 
-SUBCOMMANDS = (demo, train, bench, swarm, use_model)
+SUBCOMMANDS = (demo, train, data, bench, swarm, use_model)
 
 
 def build_parser() -> argparse.ArgumentParser:

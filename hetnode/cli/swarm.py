@@ -123,8 +123,14 @@ def register(commands: argparse._SubParsersAction) -> None:
     join.add_argument(
         "--data-source",
         default=None,
-        help="your copy of the run's data (dir:FOLDER, bin:FILE, parquet:PATH, arrow:PATH or hf:NAME) "
-        "when the run does not train on the bundled corpus; a manifest never picks a path on your machine",
+        help="your copy of the run's data (tokens:FOLDER, dir:FOLDER, bin:FILE, parquet:PATH, arrow:PATH or "
+        "hf:NAME) when the run does not train on the bundled corpus; a manifest never picks a path on your "
+        "machine",
+    )
+    join.add_argument(
+        "--allow-repeats",
+        action="store_true",
+        help="train even when the run's steps pass over your data more than its train.max_epochs times",
     )
     join.add_argument(
         "--data-cache",
@@ -328,6 +334,7 @@ def run_join(args: argparse.Namespace) -> int:
         coordinator=coordinator,
         data_source=args.data_source,
         data_cache=args.data_cache,
+        allow_repeats=args.allow_repeats,
         token=args.token,
         relay_service=args.relay_service,
     )

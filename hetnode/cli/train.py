@@ -9,7 +9,7 @@ import math
 from pathlib import Path
 
 from hetnode.cli.device import check_device
-from hetnode.config import load_config
+from hetnode.config import load_config, replace
 from hetnode.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -30,6 +30,11 @@ def register(commands: argparse._SubParsersAction) -> None:
         "converted to it once)",
     )
     parser.add_argument("--no-progress", action="store_true", help="no progress bar (logs only)")
+    parser.add_argument(
+        "--allow-repeats",
+        action="store_true",
+        help="train even when the steps pass over the data more than train.max_epochs times",
+    )
     parser.set_defaults(handler=run)
 
 
@@ -37,6 +42,8 @@ def run(args: argparse.Namespace) -> int:
     from hetnode.training.local_run import run_local_training  # torch: here, so `hetnode --help` is quick
 
     config = load_config(args.config)
+    if args.allow_repeats:
+        config = replace(config, "train", max_epochs=0.0)
     if args.max_steps is not None and args.max_steps <= 0:
         raise ConfigError("--max-steps", "train.max_steps", f"must be > 0, got {args.max_steps}")
     check_device(args.device)

@@ -29,7 +29,7 @@ from hetnode.daemon.faulty import StaleTheta, copied_payloads
 from hetnode.daemon.participant import RoundParticipant, payload_opener
 from hetnode.daemon.rounds import AnchorTraining, TrainedRound, write_state
 from hetnode.daemon.view import PeerDirectory
-from hetnode.data.dataset import TokenDataset
+from hetnode.data.epochs import training_dataset
 from hetnode.net.node import SwarmNode
 from hetnode.net.records import MAX_ROUND_S
 from hetnode.planning.rounds import busy_floor, floor_seconds
@@ -91,7 +91,7 @@ class AnchorLoop:
             stand_ins=self.stand_ins,
             directory=self.directory,
         )
-        dataset = await asyncio.to_thread(TokenDataset.build, c.data, c.model.vocab_size, c.run.seed)
+        dataset = await asyncio.to_thread(training_dataset, c)
         peer_id = self.node.identity.peer_id
         return await asyncio.to_thread(AnchorTraining, c, dataset, peer_id, self.device, self.fault)
 

@@ -38,7 +38,7 @@ from hetnode.daemon.participant import RoundParticipant, payload_opener
 from hetnode.daemon.rounds import write_state
 from hetnode.daemon.stage_training import StageTraining, stage_part
 from hetnode.daemon.view import PeerDirectory, SwarmView
-from hetnode.data.dataset import TokenDataset
+from hetnode.data.epochs import training_dataset
 from hetnode.errors import HetnodeError, UpdateRefused, WireError
 from hetnode.net.node import SwarmNode
 from hetnode.net.records import MAX_ROUND_S
@@ -203,9 +203,7 @@ class ChainLoop:
         layout = self.layout
         dataset = None
         if layout.first:
-            dataset = await asyncio.to_thread(
-                TokenDataset.build, self.config.data, self.config.model.vocab_size, self.config.run.seed
-            )
+            dataset = await asyncio.to_thread(training_dataset, self.config)
         self.training = await asyncio.to_thread(
             StageTraining, self.config, layout.splits, layout.index, layout.chain, dataset, self.device
         )

@@ -84,6 +84,7 @@ class JoinOptions:
     token: str | None = None  # a join token, for runs that admit by token
     data_source: str | None = None  # our own copy of the run's data (None: the bundled corpus)
     data_cache: str = "~/.cache/hetnode"  # where tokenised data is cached; never taken from a manifest
+    allow_repeats: bool = False  # train past the manifest's train.max_epochs on our copy of the data
     relay_service: bool = False  # serve circuit relay to peers behind NAT (a publicly reachable anchor)
 
 
@@ -197,7 +198,10 @@ class PeerDaemon:
         )
         self._data_dir.write_json(PIN_FILE, {"coordinator": self.contact.coordinator, "saved": time.time()})
         self._config = local_config(
-            self.contact.manifest.config, self.options.data_source, self.options.data_cache
+            self.contact.manifest.config,
+            self.options.data_source,
+            self.options.data_cache,
+            allow_repeats=self.options.allow_repeats,
         )
         self.node.limits = limits_of(self.config)
         manifest = self.contact.manifest

@@ -168,10 +168,13 @@ async def read_round(node: SwarmNode, coordinator: str) -> int | None:
     return entry.value["round"]
 
 
-def local_config(manifest_config: Config, data_source: str | None, data_cache: str) -> Config:
+def local_config(
+    manifest_config: Config, data_source: str | None, data_cache: str, allow_repeats: bool = False
+) -> Config:
     """The run's config as this volunteer trains it: the manifest's model and schedule, but the volunteer's
     own local paths. A manifest may name the bundled corpus ("wiki"); any other source names a path on the
-    coordinator's machine, which a volunteer must supply itself (`--data-source`)."""
+    coordinator's machine, which a volunteer must supply itself (`--data-source`). `allow_repeats`
+    (`--allow-repeats`) lifts the epoch guard (train.max_epochs) for this volunteer only."""
     source = data_source
     if source is None:
         if manifest_config.data.source != "wiki":
@@ -182,4 +185,5 @@ def local_config(manifest_config: Config, data_source: str | None, data_cache: s
                 "a volunteer never reads a path a manifest names: pass --data-source with your own copy",
             )
         source = "wiki"
-    return replace(manifest_config, "data", source=source, data_dir=data_cache)
+    config = replace(manifest_config, "data", source=source, data_dir=data_cache)
+    return replace(config, "train", max_epochs=0.0) if allow_repeats else config

@@ -17,6 +17,7 @@ import torch
 
 from hetnode.config import DataConfig
 from hetnode.data.documents import is_eval_key, split_documents
+from hetnode.data.prepared import prepared_streams
 from hetnode.data.shards import windows
 from hetnode.data.sources import load_token_file, parse_source
 from hetnode.data.streams import document_streams
@@ -89,6 +90,8 @@ class TokenDataset:
         kind, path = parse_source(cfg.source)
         if kind == "bin" and path is not None:
             tokenizer, train, held = _bin_streams(cfg, path, vocab_size)
+        elif kind == "tokens" and path is not None:
+            tokenizer, train, held = prepared_streams(cfg, path, vocab_size)
         else:
             tokenizer, train, held = document_streams(cfg, vocab_size, data_dir)
         dataset = cls(

@@ -92,8 +92,9 @@ class ShardWriter:
         self._fh, self._hash, self._count = None, hashlib.sha256(), 0
 
 
-def load_shards(folder: Path, key: dict[str, Any]) -> Shards:
-    """Check a finished build against `key`, every shard's size and sha256; memory-map its shards."""
+def load_shards(folder: Path, key: dict[str, Any] | None) -> Shards:
+    """Check a finished build against `key` (None: a prepared folder, whatever made it), every shard's size
+    and sha256; memory-map its shards."""
     path = folder / MANIFEST
     if not path.is_file():
         raise ShardsUnusable("no manifest")
@@ -103,7 +104,7 @@ def load_shards(folder: Path, key: dict[str, Any]) -> Shards:
         raise ShardsUnusable(f"unreadable manifest ({exc})") from None
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
         raise ShardsUnusable(f"manifest is not format {FORMAT}")
-    if manifest.get("key") != key or manifest.get("dtype") != DTYPE:
+    if (key is not None and manifest.get("key") != key) or manifest.get("dtype") != DTYPE:
         raise ShardsUnusable("manifest was made from other inputs")
     try:
         streams = [_open_split(folder, manifest[split]) for split in SPLITS]

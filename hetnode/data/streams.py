@@ -75,12 +75,29 @@ def _build_shards(cfg: DataConfig, vocab_size: int, data_dir: Path, key: dict, f
     """One pass over the source (two for a BPE, which must learn from the training texts first)."""
     tokenizer = _source_tokenizer(cfg, data_dir)
     _check_vocab(cfg, tokenizer, vocab_size)
-    info = _tokenizer_info(cfg, tokenizer, data_dir)
+    head = {"key": key, "tokenizer": _tokenizer_info(cfg, tokenizer, data_dir)}
+    write_shards(cfg, tokenizer, data_dir, folder, head, hint="; set data.data_dir")
+
+
+def write_shards(
+    cfg: DataConfig,
+    tokenizer: Tokenizer,
+    data_dir: Path,
+    folder: Path,
+    head: dict[str, Any],
+    files: dict[str, str] | None = None,
+    hint: str = "",
+) -> dict[str, Any]:
+    """Tokenise every document of `cfg`'s source into a build beside `folder`, then install it as `folder`:
+    the shards, `files` (name -> text: a tokenizer that travels with them) and the manifest (`head`, which
+    names the key and tokenizer, plus what the build counted). Returns the manifest."""
     try:
         build = new_build(folder.parent)
     except OSError as exc:
-        raise DataError(f"{folder.parent}: cannot write token shards ({exc}); set data.data_dir") from None
+        raise DataError(f"{folder.parent}: cannot write token shards ({exc}){hint}") from None
     try:
+        for name, text in (files or {}).items():
+            (build / name).write_text(text, encoding="utf-8")
         writers = {split: ShardWriter(build, split) for split in SPLITS}
         counts = dict.fromkeys(SPLITS, 0)
         docs = tqdm(
@@ -99,11 +116,10 @@ def _build_shards(cfg: DataConfig, vocab_size: int, data_dir: Path, key: dict, f
         _require_both_splits(cfg, counts)
         manifest = {
             "format": FORMAT,
-            "key": key,
             "source": cfg.source,
             "column": cfg.text_column,
-            "tokenizer": info,
             "dtype": DTYPE,
+            **head,
             "documents": counts,
             **{split: writer.close() for split, writer in writers.items()},
         }
@@ -121,6 +137,7 @@ def _build_shards(cfg: DataConfig, vocab_size: int, data_dir: Path, key: dict, f
         manifest["eval"]["tokens"],
         folder,
     )
+    return manifest
 
 
 def _source_tokenizer(cfg: DataConfig, data_dir: Path) -> Tokenizer:

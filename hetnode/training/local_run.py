@@ -13,7 +13,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from hetnode.config import Config
-from hetnode.data import TokenDataset
+from hetnode.data import training_dataset
 from hetnode.model import build_model, count_parameters
 from hetnode.training.plots import plot_losses
 from hetnode.training.run_checkpoints import resume_run, save_run_checkpoint
@@ -49,7 +49,7 @@ def run_local_training(
     """Train one replica alone until `max_steps` (default: config.train.max_steps)."""
     out_dir.mkdir(parents=True, exist_ok=True)
     total_steps = max_steps if max_steps is not None else config.train.max_steps
-    dataset = TokenDataset.build(config.data, config.model.vocab_size, seed=config.run.seed)
+    dataset = training_dataset(config, max_steps=total_steps)
     model = build_model(config.model, seed=config.run.seed)
     log.info("model: %.2fM parameters", count_parameters(config.model) / 1e6)
     trainer = InnerTrainer(config, model, dataset, device=device)
