@@ -19,9 +19,14 @@ TOKENS_PER_REPLICA = 10 * 16 * 128  # H micro-batches x batch x sequence
 
 
 def start_anchor_and_chain(
-    swarm, stages: int = 2, max_in_flight: int = 0, overlap: bool = False, schedule: str = "steps"
+    swarm,
+    stages: int = 2,
+    max_in_flight: int = 0,
+    overlap: bool = False,
+    schedule: str = "steps",
+    verify: bool = True,
 ):
-    outer = {**FAST_ROUNDS, "overlap": overlap, "schedule": schedule}
+    outer = {**FAST_ROUNDS, "overlap": overlap, "schedule": schedule, "verify": verify}
     config = swarm.config(outer=outer, pipeline={"stages": stages, "max_in_flight": max_in_flight})
     boot = swarm.bootstrap(config)
     boot.wait_ready()
@@ -108,7 +113,12 @@ def weight_delays(swarm, edges) -> list[int]:
 def test_an_overlapped_paced_chain_of_three_runs_1f1b_and_trains_each_round_while_the_last_syncs(swarm):
     """Paced too (`outer.schedule = "paced"`): the first stage feeds the micro-batches that fit the round's
     budget and ends the round with their count, which every stage trains, announces and is sealed with."""
-    boot, anchor, edges = start_anchor_and_chain(swarm, stages=3, overlap=True, schedule="paced")
+    # the pipeline's mechanics, not the verifier's view of the chain's work: under `selective` a chain's round
+    # helps θ about a tenth of an anchor's once θ has trained a little (`hetnode bench chain-score`), and a
+    # run under load that left it out by its score 95 rounds running never saw the 3 rounds this test needs
+    boot, anchor, edges = start_anchor_and_chain(
+        swarm, stages=3, overlap=True, schedule="paced", verify=False
+    )
     chain = {edge.peer_id for edge in edges}
     history = swarm.wait_for_history(
         lambda h: sum(chain <= set(e["contributors"]) for e in h) >= 3, 300, "3 rounds with the chain"
