@@ -5,7 +5,8 @@ Round t of an anchor (DESIGN §3.5, docs/sync.md "Overlap"):
 1. train in a worker thread from its working weights (the event loop keeps serving handlers and the
    heartbeat);
 2. keep the encoded payload per shard in memory, serve it, announce `{round, shards: sha256, tokens}`;
-   with `outer.overlap` the worker thread goes straight on with round t+1;
+   with `outer.overlap` the worker thread goes straight on with round t+1 while round t's payload is
+   compressed on a thread of its own;
 3. wait for the coordinator's seal of round t;
 4. fetch every sealed contribution (its own from memory, others from any holder), verify each sha256
    against the seal, then apply all of them or none;
@@ -108,6 +109,8 @@ class AnchorLoop:
         await self.rounds.catch_up(stop)
         writer = LatestStateWriter(lambda state: write_state(self.state_path, state))
         training.on_rebased = writer.submit  # a consistent copy, taken in the training thread
+        if self.config.outer.overlap:
+            training.close_aside()
         inbox = RebaseInbox()
         inbox.post(await asyncio.to_thread(self._rebase, training, stale, ()))
         task = self._train(training, self.global_model.params_round + 1, inbox)
@@ -123,10 +126,14 @@ class AnchorLoop:
                     inbox.post(await asyncio.to_thread(self._rebase, training, stale, ()))
                     task = self._train(training, self.global_model.params_round + 1, inbox)
                     continue
+                closing = trained.closing
+                if closing is not None:  # round t+1 trains while round t's payload is made, then synced
+                    task = self._train(training, trained.round + 1, inbox)
+                    trained.payloads = await asyncio.wrap_future(closing)
                 if self.fault == "copy":
                     await self._copy_instead(trained, stop)
                 announcement, record = self._announce(trained)
-                if self.config.outer.overlap:  # round t+1 trains while round t syncs
+                if self.config.outer.overlap and closing is None:  # round t+1 trains while round t syncs
                     task = self._train(training, trained.round + 1, inbox)
                 outcome = await self.rounds.take_part(announcement, stop, record)
                 if outcome is None:
@@ -151,6 +158,7 @@ class AnchorLoop:
         finally:
             inbox.close()
             await asyncio.gather(task, return_exceptions=True)  # the thread stops at its next step
+            await asyncio.to_thread(training.stop_closing)
             for rebase in inbox.drain():  # θ applied but not yet stood on: its state is the newest
                 training.rebase(rebase)
             await asyncio.to_thread(writer.close)
@@ -208,6 +216,7 @@ class AnchorLoop:
             loss=trained.loss,
             started_at=timing.started_at,
             train_wait_s=round(timing.wait_s, 3),
+            close_s=round(timing.close_s, 3),
             overlap=self.config.outer.overlap,
         )
         if self.metrics is not None and upload:

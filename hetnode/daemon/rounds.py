@@ -8,13 +8,14 @@ import logging
 import pickle
 import time
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
 
-from hetnode.algo.sparseloco import ErrorFeedback, SparseLoCoCodec
+from hetnode.algo.sparseloco import CompressedTensor, ErrorFeedback, SparseLoCoCodec
 from hetnode.config import Config
 from hetnode.data.dataset import TokenDataset
 from hetnode.errors import CheckpointError
@@ -25,7 +26,13 @@ from hetnode.planning.layer_split import split_layers
 from hetnode.planning.rounds import another_step, assigned_batches, sits_out
 from hetnode.replica.global_model import GlobalModel, base_fixed_embedding
 from hetnode.training.faults import PSEUDO_GRADIENT_FAULTS, corrupt
-from hetnode.training.local_rounds import AheadFrom, LocalRounds, Rebase, RebaseInbox, RoundTiming
+from hetnode.training.local_rounds import (
+    AheadFrom,
+    LocalRounds,
+    Rebase,
+    RebaseInbox,
+    RoundTiming,
+)
 from hetnode.training.schedule import schedule_position
 from hetnode.training.step_clock import StepClock, moving_pace
 from hetnode.training.trainer import InnerTrainer, StepResult
@@ -72,10 +79,11 @@ class TrainedRound:
     tokens: int
     loss: float
     steps: int
+    closing: Future[dict[str, bytes]] | None = None  # closed aside: the payloads, once compressed
 
     @property
     def sat_out(self) -> bool:
-        return not self.payloads
+        return not self.payloads and self.closing is None
 
 
 class AnchorTraining:
@@ -123,6 +131,21 @@ class AnchorTraining:
         # slow machine a good part of its round, which its record's floor must include
         self.close_s: float | None = None
         self.on_rebased: Callable[[dict], None] | None = None  # gets the local state to save, per rebase
+        # overlap: each round's payload is made on this thread while the training thread goes on with the
+        # next round (`close_aside`); None closes in line
+        self.closer: ThreadPoolExecutor | None = None
+
+    def close_aside(self) -> None:
+        """From now on compress each round off the training thread (overlapped rounds only: in lockstep
+        nothing trains while a round closes). Not for a faulty peer, whose payload is its fault."""
+        if self.closer is None and self.fault is None:
+            self.closer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="round-close")
+
+    def stop_closing(self) -> None:
+        """Wait for a close in progress and let the thread go (a stop)."""
+        if self.closer is not None:
+            self.closer.shutdown(wait=True)
+            self.closer = None
 
     def rebase_from(
         self,
@@ -202,6 +225,7 @@ class AnchorTraining:
         clock = StepClock(self.trainer.device)
         step, last = 0, None
         while another_step(step, clock.elapsed(self.step_s), self.step_s, budget, floor, most, H):
+            self.local.take_closed(wait=False)  # first: a rebase may settle the round it holds
             if self.local.take_rebases(inbox, timing, step):
                 self._rebased()
                 round_ = max(round_, self.local.next_round)
@@ -214,11 +238,16 @@ class AnchorTraining:
             step += 1
         self._timed(timing, clock.finish())
         self._finished(round_, last)
+        waited = time.monotonic()
+        self.local.take_closed(wait=True)  # the round before's payload, if still being made
+        timing.wait_s += time.monotonic() - waited
         before = len(timing.rebased_at_step)
         self.local.wait_for_base(inbox, round_, timing)
         if len(timing.rebased_at_step) > before:
             self._rebased()
         round_ = max(round_, self.local.next_round)
+        if self.closer is not None:
+            return self._close_aside(round_, timing, tokens_before, step)
         closing = time.monotonic()
         if self.fault is None:
             compressed = self.local.compress(round_)
@@ -228,8 +257,39 @@ class AnchorTraining:
             o = self.config.outer
             compressed = ErrorFeedback(SparseLoCoCodec(o.topk, o.tile), o.error_feedback).compress(delta)
             self.local.keep_progress()  # and has nothing to restore
-        base = self.local.base  # the θ we trained from: round − 1 unless we are stale
-        payloads = {
+        payloads = self._encode(round_, compressed)
+        self._closed(timing, time.monotonic() - closing)
+        return TrainedRound(
+            round_, payloads, timing, self.trainer.tokens - tokens_before, self.last_loss, step
+        )
+
+    def _close_aside(self, round_: int, timing: RoundTiming, tokens_before: int, steps: int) -> TrainedRound:
+        """Split the round's Δ off and compress it on the closer; the training thread returns at once."""
+        closing = time.monotonic()
+        split = self.local.split(round_)
+        base = self.local.base  # the θ we trained from, as at the split
+
+        def close() -> dict[str, bytes]:
+            self.local.close(split)
+            if split.error is not None:
+                raise split.error
+            assert split.compressed is not None
+            payloads = self._encode(round_, split.compressed, base)
+            self._closed(timing, time.monotonic() - closing)
+            return payloads
+
+        assert self.closer is not None
+        future = self.closer.submit(close)
+        tokens = self.trainer.tokens - tokens_before
+        return TrainedRound(round_, {}, timing, tokens, self.last_loss, steps, closing=future)
+
+    def _encode(
+        self, round_: int, compressed: dict[str, CompressedTensor], base: int | None = None
+    ) -> dict[str, bytes]:
+        """The round's payload per shard; `base`: the θ it was trained from (default: the one we stand on,
+        round − 1 unless we are stale)."""
+        base = self.local.base if base is None else base
+        return {
             shard: encode_payload(
                 SyncPayload(
                     self.peer_id, round_, shard, "sparseloco", {n: compressed[n] for n in names}, base=base
@@ -237,11 +297,10 @@ class AnchorTraining:
             )
             for shard, names in self.shards.items()
         }
-        took = time.monotonic() - closing
+
+    def _closed(self, timing: RoundTiming, took: float) -> None:
+        timing.close_s = took
         self.close_s = took if self.close_s is None else 0.8 * self.close_s + 0.2 * took
-        return TrainedRound(
-            round_, payloads, timing, self.trainer.tokens - tokens_before, self.last_loss, step
-        )
 
     def _timed(self, timing: RoundTiming, measured: tuple[float, int] | None) -> None:
         if measured is not None:
@@ -276,7 +335,7 @@ class AnchorTraining:
             "params_round": self.local.base,
             "seal_hash": self.local.base_seal,
             "global_params": self.local.theta,
-            "feedback": self.feedback.state_dict(),
+            "feedback": self.local.feedback_state(),
             "trainer": self.trainer.state_dict(weights=False),
         }
 

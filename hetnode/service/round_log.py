@@ -47,6 +47,9 @@ class RoundRecord:
     # seconds the training thread stood still in this round: waiting for the round before to be applied
     # (overlap: at most one unapplied round ahead) or, in lockstep, for the seal and apply of the last one
     train_wait_s: float = 0.0
+    # an anchor: from its last inner step to its payload ready (compress, encode); with overlap made beside
+    # the next round's steps, so it delays the announcement, not the training thread
+    close_s: float = 0.0
     overlap: bool = False  # trained under `outer.overlap`
 
     @property

@@ -16,6 +16,12 @@ swaps that guess for θ^t when the seal lands, keeping what it learned since.
 A round's Δ is compressed only once the round before is applied (at most one unapplied round ahead), so its
 payload names the θ it was trained from. What a seal left out goes back into error feedback by the round it
 belongs to, never by "the last one".
+
+With overlap, the compression need not hold up the training thread either (`split`, `close`,
+`take_closed`): at its last step the round's Δ is split off and counted from the weights as they are
+(s ← w), the next round trains at once, and when the payload is ready the eager guess lands like a rebase,
+w ← s_eager + (w − s). If θ of the round lands first the guess is moot and dropped; taken before the next
+step, it gives exactly the weights of compressing in line.
 """
 
 from __future__ import annotations
@@ -99,12 +105,30 @@ class RebaseInbox:
 
 
 @dataclass
+class ClosingRound:
+    """A round's Δ split off the working weights at its last step, its payload made off the training thread
+    (`LocalRounds.close`); `start` is where the round's progress counted from, `weight` the eager rule's
+    α·share at the split."""
+
+    round: int
+    delta: Params
+    start: Params
+    weight: float
+    done: threading.Event = field(default_factory=threading.Event)
+    compressed: dict[str, CompressedTensor] | None = None
+    sent: Params | None = None
+    error: BaseException | None = None
+    left_out: bool = False  # a seal left it out before it was taken back: restore it then
+
+
+@dataclass
 class RoundTiming:
     """Where a round's wall time went in the training thread."""
 
     started_at: float = 0.0  # time.time() at its first inner step
     train_s: float = 0.0  # in inner steps
-    wait_s: float = 0.0  # waiting for the round before to be applied
+    wait_s: float = 0.0  # waiting for the round before to be applied (or, closing aside, compressed)
+    close_s: float = 0.0  # from the last inner step to the payload ready (in line or aside)
     rebased_at_step: list[int] = field(default_factory=list)  # inner steps done when each rebase landed
 
 
@@ -137,12 +161,19 @@ class LocalRounds:
         self.unsent: dict[int, dict[str, CompressedTensor]] = {}  # round -> payload not yet settled
         self.theta: Params | None = None  # θ of `base` (what a local-state save writes)
         self.fixed: torch.Tensor | None = None
+        # error feedback is written by a close off the training thread and by rebases (restores) on it
+        self._feedback_lock = threading.Lock()
+        self.closing: ClosingRound | None = None  # split off, not yet taken back (`take_closed`)
+        self._rebased_since_split = False
 
     @torch.no_grad()
     def rebase(self, rebase: Rebase) -> None:
         """Stand on θ after `rebase.round`, keeping the progress since the current round began. Every
         payload of a round up to the next one to train is settled: restored when left out, else in θ or
         dropped (its fate unknown: never sent twice)."""
+        self._rebased_since_split = True
+        if self.closing is not None and self.closing.round in rebase.left_out:
+            self.closing.left_out = True
         self.restore(rebase.left_out)
         self.unsent = {r: sent for r, sent in self.unsent.items() if r >= rebase.next_round}
         for name, param in self.params.items():
@@ -163,7 +194,8 @@ class LocalRounds:
         """Compress this round's Δ (or `delta`, a faulty peer's) with error feedback, keep the payload
         until its round is settled, and start the next round's count here."""
         sent: Params = {}
-        compressed = self.feedback.compress(self.pseudo_gradient() if delta is None else delta, sent)
+        with self._feedback_lock:
+            compressed = self.feedback.compress(self.pseudo_gradient() if delta is None else delta, sent)
         self.unsent[round_] = compressed
         self.keep_progress(sent)
         return compressed
@@ -186,7 +218,65 @@ class LocalRounds:
         for round_ in rounds:
             sent = self.unsent.pop(round_, None)
             if sent:
-                self.feedback.restore(sent)
+                with self._feedback_lock:
+                    self.feedback.restore(sent)
+
+    def feedback_state(self) -> dict[str, object]:
+        """A copy of the error feedback that no close half-way through can tear."""
+        with self._feedback_lock:
+            return self.feedback.state_dict()
+
+    @torch.no_grad()
+    def split(self, round_: int) -> ClosingRound:
+        """Training thread, after round `round_`'s last step: its Δ, and the next round counting from the
+        weights as they are, for `close` to compress off this thread. The close before must be taken."""
+        if self.closing is not None:
+            raise RuntimeError(f"round {self.closing.round}'s payload was never taken back")
+        delta = self.pseudo_gradient()
+        closing = ClosingRound(round_, delta, self.start, self.outer_lr * self.share)
+        self.start = {n: p.detach().cpu().clone() for n, p in self.params.items()}
+        self.closing, self._rebased_since_split = closing, False
+        return closing
+
+    def close(self, closing: ClosingRound) -> None:
+        """Any thread: compress a split-off Δ with error feedback; `closing.done` is set either way."""
+        try:
+            sent: Params = {}
+            with self._feedback_lock:
+                closing.compressed = self.feedback.compress(closing.delta, sent)
+            closing.sent = sent
+        except BaseException as exc:  # the training thread raises it when it takes the round back
+            closing.error = exc
+        finally:
+            closing.done.set()
+
+    @torch.no_grad()
+    def take_closed(self, wait: bool) -> bool:
+        """Training thread: take back the split-off round once compressed (`wait`: until it is): keep its
+        payload until settled and land the eager guess unless θ landed since the split. True if taken."""
+        closing = self.closing
+        if closing is None or not (closing.done.is_set() or wait):
+            return False
+        closing.done.wait()
+        self.closing = None
+        if closing.error is not None:
+            raise closing.error
+        assert closing.compressed is not None and closing.sent is not None
+        if closing.left_out:
+            with self._feedback_lock:
+                self.feedback.restore(closing.compressed)
+        elif closing.round >= self.next_round:  # else sealed meanwhile: its fate unknown (`rebase`)
+            self.unsent[closing.round] = closing.compressed
+        if self._rebased_since_split or self.ahead_from == "local":
+            return True
+        sent = closing.sent if self.ahead_from == "eager" else {}
+        for name, param in self.params.items():
+            start = closing.start[name]
+            guess = start - closing.weight * sent[name] if name in sent else start
+            progress = param.detach().cpu() - self.start[name]  # since the split
+            param.copy_((guess + progress).to(param.device))
+            self.start[name] = guess
+        return True
 
     def take_rebases(self, inbox: RebaseInbox | None, timing: RoundTiming, steps_done: int) -> bool:
         """Apply whatever rebases have arrived (between two inner steps: never blocks); True if any."""
