@@ -36,7 +36,7 @@ ALLOWED = {
     },
     "bench": {"algo", "model", "data", "training", "wire", "replica", "sim", "planning"},
     "demo": {"bench", "daemon", "service", "wire"},
-    "export": {"model", "data", "replica"},
+    "export": {"model", "data", "replica", "service"},  # its bounded HTTP client (`service.http_download`)
 }
 SHARED = {"config", "errors", "__init__"}
 PURE = {"algo", "planning", "model", "wire", "data", "replica"}  # no I/O libraries, no network stacks

@@ -12,8 +12,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from hetnode.errors import ConfigError
-from hetnode.export.download import one_line
 from hetnode.export.limits import DEFAULT_MAX_BYTES, DEFAULT_TIMEOUT_S
+from hetnode.service.http_download import one_line
 
 if TYPE_CHECKING:  # torch comes in the handlers, so that `hetnode --help` does not wait for it
     from hetnode.export.source import Checkpoint

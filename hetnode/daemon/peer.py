@@ -26,6 +26,7 @@ from hetnode.daemon.membership import Membership
 from hetnode.daemon.peer_address import is_url, resolve_peer
 from hetnode.daemon.reach import reach_swarm
 from hetnode.daemon.resources import available_memory_gb, measure_tflops
+from hetnode.daemon.run_tokenizer import coordinator_http, ensure_run_tokenizer
 from hetnode.daemon.swarm import RunContact, find_run, local_config, read_round
 from hetnode.daemon.view import PeerDirectory, SwarmView, coordinator_directory
 from hetnode.daemon.view_changes import coordinator_changes
@@ -109,6 +110,7 @@ class PeerDaemon:
         self.directory: PeerDirectory | None = None
         self.admission: str | None = None  # our admission to a closed run
         self.pinned: str | None = options.coordinator
+        self.coordinator_url: str | None = None  # `--peer http://…`: where the coordinator serves HTTP
         self.reachability: Reachability | None = None  # from real dials (None: judged from addresses)
 
     @property
@@ -124,6 +126,7 @@ class PeerDaemon:
             except Stopped as exc:
                 log.info("%s", exc)
                 return 0
+            self.coordinator_url = self.options.peer
             self.options = dataclasses.replace(self.options, peer=peer)
             # the URL is the coordinator's own: it names the peer id to follow
             self.pinned = self.pinned or peer_id_from_maddr(peer)
@@ -227,6 +230,9 @@ class PeerDaemon:
         )
         self.membership.on_stranger = self.directory.wake
         self.admission = await self._get_admitted() if manifest.admission != "open" else None
+        # a run that pins its tokenizer: the coordinator's copy, before any role may train on other ids
+        http = coordinator_http(self.coordinator_url, self.options.peer, self.contact.coordinator)
+        await ensure_run_tokenizer(self.config.data, http, stop)
         log.info("joined run %s (coordinator %s)", self.contact.manifest.run, self.contact.coordinator)
         await self._start_presence()
         record = self.presence.record

@@ -91,7 +91,7 @@ class TokenDataset:
         if kind == "bin" and path is not None:
             tokenizer, train, held = _bin_streams(cfg, path, vocab_size)
         elif kind == "tokens" and path is not None:
-            tokenizer, train, held = prepared_streams(cfg, path, vocab_size)
+            tokenizer, train, held = prepared_streams(cfg, path, vocab_size, data_dir)
         else:
             tokenizer, train, held = document_streams(cfg, vocab_size, data_dir)
         dataset = cls(

@@ -4,7 +4,9 @@
 `tokenizer.json` and tokenises the whole source into shards beside it (the layout of `shards.py`; the
 manifest names the tokenizer by sha256). A run names the folder as its source and pins that sha256 in
 `data.tokenizer_sha256`, so a peer whose copy holds another tokenizer refuses it instead of training on ids
-that mean other words; no peer trains a tokenizer of its own from a corpus this size.
+that mean other words; no peer trains a tokenizer of its own from a corpus this size. A copy of the folder
+without its `tokenizer.json` takes the run's from the data cache, where a joining peer fetched it from the
+coordinator (`pinned_tokenizer.py`).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import numpy as np
 
 from hetnode.config import DataConfig
 from hetnode.data.documents import is_eval_key
+from hetnode.data.pinned_tokenizer import TOKENIZER_FILE, load_pinned
 from hetnode.data.shards import SPLITS, ShardsUnusable, load_shards
 from hetnode.data.sources import TOKEN_KINDS, iter_documents, parse_source, source_identity
 from hetnode.data.streams import write_shards
@@ -27,7 +30,6 @@ from hetnode.errors import DataConfigError, DataError
 
 log = logging.getLogger(__name__)
 
-TOKENIZER_FILE = "tokenizer.json"
 PREPARE_HINT = "make it with `hetnode data prepare` (docs/operations.md, 'A large corpus')"
 
 
@@ -79,9 +81,10 @@ def _train_bpe(cfg: DataConfig, limit: int, data_dir: Path) -> tuple[BpeTokenize
 
 
 def prepared_streams(
-    cfg: DataConfig, folder: Path, vocab_size: int
+    cfg: DataConfig, folder: Path, vocab_size: int, data_dir: Path
 ) -> tuple[Tokenizer, list[np.ndarray], list[np.ndarray]]:
-    """The tokenizer and memory-mapped shards of a prepared folder, checked against the run's config."""
+    """The tokenizer and memory-mapped shards of a prepared folder, checked against the run's config; a
+    folder without its tokenizer takes the run's pinned one from `data_dir` (the data cache)."""
     if not folder.is_dir():
         raise DataConfigError(f"{folder}: prepared token folder not found; {PREPARE_HINT}")
     try:
@@ -99,7 +102,7 @@ def prepared_streams(
                 f"{folder}: prepared with data.{field} = {theirs!r}, the config says {ours!r}; "
                 "set it to the folder's value or prepare the folder again"
             )
-    tokenizer = _bpe(cfg, folder, info) if cfg.tokenizer == "bpe" else _bytes(cfg, folder)
+    tokenizer = _bpe(cfg, folder, info, data_dir) if cfg.tokenizer == "bpe" else _bytes(cfg, folder)
     found = (tokenizer.name, tokenizer.vocab_size, tokenizer.eos_id)
     if found != (info.get("name"), info.get("vocab_size"), info.get("eos_id")):
         raise DataError(
@@ -116,10 +119,12 @@ def prepared_streams(
     return tokenizer, shards.train, shards.eval
 
 
-def _bpe(cfg: DataConfig, folder: Path, info: dict[str, Any]) -> BpeTokenizer:
+def _bpe(cfg: DataConfig, folder: Path, info: dict[str, Any], data_dir: Path) -> BpeTokenizer:
     path = folder / TOKENIZER_FILE
-    if info.get("file") != TOKENIZER_FILE or not path.is_file():
-        raise DataError(f"{folder}: no {TOKENIZER_FILE} beside the shards; {PREPARE_HINT}")
+    if info.get("file") != TOKENIZER_FILE:
+        raise DataError(f"{folder}: the manifest names no {TOKENIZER_FILE}; {PREPARE_HINT}")
+    if not path.is_file():
+        return _fetched_bpe(cfg, folder, info, data_dir)
     with path.open("rb") as fh:
         sha = hashlib.file_digest(fh, "sha256").hexdigest()
     if sha != info.get("sha256"):
@@ -135,6 +140,24 @@ def _bpe(cfg: DataConfig, folder: Path, info: dict[str, Any]) -> BpeTokenizer:
             "this folder was prepared with another tokenizer; copy the run's folder instead"
         )
     return BpeTokenizer.load(path, str(info.get("name")))
+
+
+def _fetched_bpe(cfg: DataConfig, folder: Path, info: dict[str, Any], data_dir: Path) -> BpeTokenizer:
+    """A copy of the folder without its tokenizer: the run's pinned one, if the shards were cut with it."""
+    if not cfg.tokenizer_sha256:
+        raise DataError(f"{folder}: no {TOKENIZER_FILE} beside the shards; {PREPARE_HINT}")
+    if info.get("sha256") != cfg.tokenizer_sha256:
+        raise DataConfigError(
+            f"{folder}: prepared with the tokenizer of sha256 {info.get('sha256')!r}, not the run's "
+            f"data.tokenizer_sha256 {cfg.tokenizer_sha256}: copy the run's folder instead"
+        )
+    tokenizer = load_pinned(cfg, data_dir, str(info.get("name")))  # the same bytes: the manifest's name
+    if tokenizer is None:
+        raise DataError(
+            f"{folder}: no {TOKENIZER_FILE} beside the shards, and no copy of the run's tokenizer in "
+            f"{data_dir} (`hetnode join` fetches it from the coordinator); copy the folder's {TOKENIZER_FILE}"
+        )
+    return tokenizer
 
 
 def _bytes(cfg: DataConfig, folder: Path) -> ByteTokenizer:

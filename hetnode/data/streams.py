@@ -1,8 +1,10 @@
 """Token streams of a text source: tokenised once into memory-mapped shards, reused on every later build.
 
 The cache key (see `shards.py`) hashes the source's identity (its files' sizes and mtimes, the column, the
-document cap), the tokenizer and the eval fraction: everything that changes the streams. Documents are
-streamed in chunks and written as they are tokenised, so only a chunk is in memory, never the corpus.
+document cap), the tokenizer (and its pinned hash, when the run pins one) and the eval fraction: everything
+that changes the streams. A run that pins its BPE tokenises with the pinned copy in the data cache when there
+is one (`pinned_tokenizer.py`), and learns none of its own. Documents are streamed in chunks and written as
+they are tokenised, so only a chunk is in memory, never the corpus.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from tqdm import tqdm
 
 from hetnode.config import DataConfig
 from hetnode.data.documents import Document, is_eval_key, split_documents
+from hetnode.data.pinned_tokenizer import check_trained, is_pinned, load_pinned
 from hetnode.data.shards import (
     DTYPE,
     FORMAT,
@@ -49,6 +52,8 @@ def document_streams(
         "bpe_vocab_size": cfg.bpe_vocab_size if cfg.tokenizer == "bpe" else None,
         "eval_fraction": cfg.eval_fraction,
     }
+    if is_pinned(cfg):  # absent otherwise: the streams cached before pins existed keep their folder
+        key["tokenizer_sha256"] = cfg.tokenizer_sha256
     folder = data_dir / "tokens" / fingerprint(key)
     try:
         shards = load_shards(folder, key)
@@ -143,6 +148,9 @@ def write_shards(
 def _source_tokenizer(cfg: DataConfig, data_dir: Path) -> Tokenizer:
     if cfg.tokenizer != "bpe":
         return make_tokenizer(cfg, [], data_dir)
+    pinned = load_pinned(cfg, data_dir)
+    if pinned is not None:  # the run's own, fetched from the coordinator: nothing to learn, no texts held
+        return pinned
     # BPE sees training documents only, so eval text never shapes the vocabulary. This pass holds the
     # training texts in memory: cap a large source with data.max_documents.
     texts: list[str] = []
@@ -153,7 +161,9 @@ def _source_tokenizer(cfg: DataConfig, data_dir: Path) -> Tokenizer:
         if not held:
             texts.append(doc.text)
     _require_both_splits(cfg, counts)
-    return make_tokenizer(cfg, texts, data_dir)
+    tokenizer = make_tokenizer(cfg, texts, data_dir)
+    check_trained(cfg, tokenizer, data_dir)
+    return tokenizer
 
 
 def _require_both_splits(cfg: DataConfig, counts: dict[str, int]) -> None:
@@ -202,6 +212,8 @@ def _manifest_tokenizer(manifest: dict[str, Any], cfg: DataConfig, data_dir: Pat
         path = data_dir / name
         if Path(name).name != name or not path.is_file() or _sha256(path) != info.get("sha256"):
             raise ShardsUnusable(f"BPE tokenizer file {name} is missing or changed")
+        if is_pinned(cfg) and info.get("sha256") != cfg.tokenizer_sha256:
+            raise ShardsUnusable(f"BPE tokenizer file {name} is not the run's pinned tokenizer")
         tokenizer = BpeTokenizer.load(path, path.stem)
     else:
         tokenizer = make_tokenizer(cfg, [], data_dir)

@@ -1,8 +1,9 @@
 """Tokenizers: raw UTF-8 bytes, or a byte-level BPE trained locally on the training texts.
 
-Every peer of a run must map text to the same ids, so nothing here is ever downloaded: the byte
-tokenizer is fixed by definition, and the BPE is trained from the run's own training documents
-(deterministically) and cached under a name that changes whenever the corpus or vocab size does.
+Every peer of a run must map text to the same ids: the byte tokenizer is fixed by definition, and the BPE
+is trained from the run's own training documents (deterministically) and cached under a name that changes
+whenever the corpus or vocab size does. A run that pins its BPE by sha256 (`data.tokenizer_sha256`) trains
+none on its peers: they take the coordinator's copy instead (`pinned_tokenizer.py`).
 """
 
 from __future__ import annotations

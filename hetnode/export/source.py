@@ -4,14 +4,14 @@ Shared by `hetnode export` and `hetnode sample`.
 
 A coordinator serves its latest checkpoint as `GET /api/checkpoint/manifest.json` and
 `GET /api/checkpoint/model.safetensors`, and a BPE run's tokenizer as `GET /api/checkpoint/tokenizer.json`.
-Whoever answers at a URL is a stranger, and all of it is data, never instructions (`download.py` holds the
-byte and time budgets): the weights may not exceed what the manifest's config implies nor
-`--max-download-mb`, everything must arrive within `--timeout`, every malformed answer is a one-line
-RefusedAnswer (the CLI exits 2: asking again gets the same), and the files are checked to belong together
-(same round, layer digests) before anything uses them; what may pass (unreachable, too slow, busy, cut short,
-no checkpoint yet) is a plain CheckpointError (exit 1). A new checkpoint written between the requests is
-fetched again. No local path is ever taken from a remote manifest: its `data.source` and `data_dir` are never
-opened (see `run_tokenizer`).
+Whoever answers at a URL is a stranger, and all of it is data, never instructions (`download.py`, over
+`hetnode/service/http_download.py`, holds the byte and time budgets): the weights may not exceed what the
+manifest's config implies nor `--max-download-mb`, everything must arrive within `--timeout`, every malformed
+answer is a one-line RefusedAnswer (the CLI exits 2: asking again gets the same), and the files are checked to
+belong together (same round, layer digests) before anything uses them; what may pass (unreachable, too slow,
+busy, cut short, no checkpoint yet) is a plain CheckpointError (exit 1). A new checkpoint written between the
+requests is fetched again. No local path is ever taken from a remote manifest: its `data.source` and
+`data_dir` are never opened (see `run_tokenizer`).
 """
 
 from __future__ import annotations
@@ -33,7 +33,8 @@ from hetnode.config import Config, config_from_dict
 from hetnode.data.dataset import TokenDataset
 from hetnode.data.tokenizer import BpeTokenizer, ByteTokenizer, Tokenizer
 from hetnode.errors import CheckpointError, ConfigError, DataError, RefusedAnswer
-from hetnode.export.download import Budget, get_retrying, one_line
+from hetnode.export.download import budget as download_budget
+from hetnode.export.download import fetch
 from hetnode.export.hf import check_params
 from hetnode.export.limits import DEFAULT_MAX_BYTES, DEFAULT_TIMEOUT_S
 from hetnode.export.locate import checkpoint_folder
@@ -50,6 +51,7 @@ from hetnode.replica.checkpoint import (
     manifest_from_dict,
 )
 from hetnode.replica.global_model import base_fixed_embedding
+from hetnode.service.http_download import Budget, one_line
 
 log = logging.getLogger(__name__)
 
@@ -118,7 +120,7 @@ def fetch_checkpoint(
 ) -> Checkpoint:
     """Download a coordinator's latest checkpoint (and a BPE run's tokenizer, `with_tokenizer`) into a
     temporary folder, within `timeout_s` seconds and `max_bytes` bytes, and open it from there."""
-    budget = Budget.starting_now(timeout_s, max_bytes)
+    budget = download_budget(timeout_s, max_bytes)
     try:
         return _fetch(url, _base_url(url), budget, with_tokenizer)
     except CheckpointError as exc:  # may quote the sender's words: one printable line
@@ -135,7 +137,7 @@ def _fetch(url: str, base: str, budget: Budget, with_tokenizer: bool) -> Checkpo
         with tempfile.TemporaryDirectory(prefix="hetnode-checkpoint-") as tmp:
             folder = Path(tmp)
             manifest_limit = min(MAX_MANIFEST_BYTES, budget.max_bytes)
-            get_retrying(base + MANIFEST, folder / MANIFEST, manifest_limit, budget)
+            fetch(base + MANIFEST, folder / MANIFEST, manifest_limit, budget)
             with _refused():
                 manifest = _parse_manifest((folder / MANIFEST).read_bytes(), base + MANIFEST)
                 config = _config(manifest, base + MANIFEST)
@@ -144,7 +146,7 @@ def _fetch(url: str, base: str, budget: Budget, with_tokenizer: bool) -> Checkpo
                 # before the weights: a run whose tokenizer cannot come fails before gigabytes do
                 tokenizer = _fetch_tokenizer(base + TOKENIZER_FILE, folder, config, budget, room)
                 room -= (folder / TOKENIZER_FILE).stat().st_size
-            get_retrying(base + WEIGHTS, folder / WEIGHTS, _weights_limit(url, config, room, budget), budget)
+            fetch(base + WEIGHTS, folder / WEIGHTS, _weights_limit(url, config, room, budget), budget)
             stored = _weights_round(folder / WEIGHTS)
             if stored is not None and stored != str(manifest.round):
                 log.info(
@@ -165,7 +167,7 @@ def _fetch(url: str, base: str, budget: Budget, with_tokenizer: bool) -> Checkpo
 
 def _fetch_tokenizer(url: str, folder: Path, config: Config, budget: Budget, room: int) -> BpeTokenizer:
     try:
-        get_retrying(url, folder / TOKENIZER_FILE, min(MAX_TOKENIZER_BYTES, room), budget, NO_TOKENIZER)
+        fetch(url, folder / TOKENIZER_FILE, min(MAX_TOKENIZER_BYTES, room), budget, NO_TOKENIZER)
     except CheckpointError as exc:  # of its kind: a 404 may pass (still being built), a flood will not
         kind = RefusedAnswer if isinstance(exc, RefusedAnswer) else CheckpointError
         raise kind(

@@ -24,9 +24,9 @@ import pytest
 from hetnode.cli.main import main
 from hetnode.config import replace
 from hetnode.errors import CheckpointError, RefusedAnswer
-from hetnode.export import download
 from hetnode.export.source import fetch_checkpoint
 from hetnode.replica.checkpoint import FORMAT, config_hash
+from hetnode.service import http_download as download
 
 Answer = Callable[[BaseHTTPRequestHandler], None]
 MANIFEST, WEIGHTS, TOKENIZER = (
