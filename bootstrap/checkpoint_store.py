@@ -260,7 +260,10 @@ def keep_tokenizer(root: Path, tokenizer: Tokenizer) -> Path | None:
     if not isinstance(tokenizer, BpeTokenizer):
         path.unlink(missing_ok=True)
         return None
-    text = tokenizer.to_json()
+    # the very bytes it was loaded from, where it came from a file: a pinned run's peers check them by
+    # sha256, and another `tokenizers` version could serialise the same tokenizer differently
+    source = tokenizer.path
+    text = source.read_bytes().decode() if source is not None and source.is_file() else tokenizer.to_json()
     if len(text.encode()) > MAX_TOKENIZER_BYTES:  # no client would take it
         raise CheckpointError(f"tokenizer {tokenizer.name} is over {MAX_TOKENIZER_BYTES >> 20} MiB of JSON")
     if path.is_file() and path.read_text(encoding="utf-8") == text:
