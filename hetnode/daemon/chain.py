@@ -36,7 +36,7 @@ from typing import Any
 from hetnode.config import Config
 from hetnode.daemon.participant import RoundParticipant, payload_opener
 from hetnode.daemon.rounds import write_state
-from hetnode.daemon.stage_training import StageTraining, stage_part
+from hetnode.daemon.stage_training import StageTraining, drift_refusal, stage_part
 from hetnode.daemon.view import PeerDirectory, SwarmView
 from hetnode.data.epochs import training_dataset
 from hetnode.errors import HetnodeError, UpdateRefused, WireError
@@ -560,12 +560,21 @@ class ChainLoop:
         """Make sure we hold θ's embedding after round `base`. A stage stands a round or two from the first
         one at most (every stage compressed its last round on θ of the round before), so this is at once,
         but after a catch-up the first stage may be ahead: then we stand on that θ first (our round
-        syncing settles first). False when stopped."""
+        syncing settles first). A θ neither held nor brought by our sync breaks the chain. False when
+        stopped."""
         training = self.training
         if base is None or base in training.embeddings:
             return True
         if base < training.base:
             raise ChainBroken(f"the first stage builds T_fix' from θ after round {base}, long gone here")
+        # Never a wait on the first stage's word alone: θ we hold, or the θ the round we sync brings (a
+        # wait this stage makes anyway before it compresses its next round), and nothing newer.
+        reachable = self.last_round if self.syncing is not None else self.global_model.params_round
+        if base > reachable:
+            raise ChainBroken(
+                f"the first stage builds T_fix' from θ after round {base}; no seal this stage holds or "
+                f"awaits makes it (at most θ after round {reachable})"
+            )
         log.info("the first stage stands on θ after round %d, ahead of us: catching up first", base)
         return await self._settle_sync(stop) and await self._stand_on(base, stop)
 
@@ -618,10 +627,10 @@ class ChainLoop:
             except WireError as exc:
                 raise ChainBroken(f"invalid activation frame from the previous stage: {exc}") from None
             if frame.kind == "drift":
-                await self._take_drift(frame.round, frame.base, data)
+                await self._take_drift(frame.round, frame.base)
                 continue
             if frame.kind == "end":
-                await self._take_round_end(frame.round, frame.mb, data)
+                await self._take_round_end(frame.round, frame.mb)
                 continue
             await self._wait_for_round(frame.round)
             self.received += 1
@@ -642,28 +651,31 @@ class ChainLoop:
                     self.downstream, encode_frame("act", frame.round, frame.mb, *_frame_parts(out))
                 )
 
-    async def _take_drift(self, round_: int, base: int, data: bytes) -> None:
-        """Keep the θ round of the T_fix' of the round about to start and pass it on down the chain.
-        Overlapped, a round the swarm sealed without us while the first stage started it is trained along
-        (`_next_round`), so its drift frame is taken too."""
+    async def _take_drift(self, round_: int, base: int) -> None:
+        """Keep the θ round of the T_fix' of the round about to start and pass it on down the chain (as we
+        encode it: the bytes we forward are never the sender's). Overlapped, a round the swarm sealed
+        without us while the first stage started it is trained along (`_next_round`), so its drift frame
+        is taken too. The first stage's word is checked (`drift_refusal`): a refusal breaks the chain."""
         held = self.global_model.params_round
         oldest = held - 1 if self.config.outer.overlap else held + 1
-        if round_ < oldest or (self.round_open.is_set() and round_ <= self.round_):
-            raise ChainBroken(f"a drift frame for round {round_}, which is not the next round")
+        named = self.drift_base[0] if self.drift_base is not None else -1
+        refusal = drift_refusal(round_, base, oldest, max(named, self.last_round))
+        if refusal is not None:
+            raise ChainBroken(f"refused the previous stage's drift frame: {refusal}")
         self.drift_base = (round_, base)
         if not self.layout.last:
-            await self._send(self.downstream, data)
+            await self._send(self.downstream, encode_drift(round_, base))
 
-    async def _take_round_end(self, round_: int, count: int, data: bytes) -> None:
+    async def _take_round_end(self, round_: int, count: int) -> None:
         """Paced rounds: the first stage says the open round had `count` micro-batches; every one of them
-        has arrived before this frame (one stream, in order). Passed on down the chain."""
+        has arrived before this frame (one stream, in order). Passed on down the chain, as we encode it."""
         o = self.config.outer
         if not self.round_open.is_set() or round_ != self.round_ or self.target is not None:
             raise ChainBroken(f"a round-end frame for round {round_}, which is not the round open here")
         if count != self.received or not o.step_floor <= count <= o.step_cap:
             raise ChainBroken(f"round {round_} ends at {count} micro-batches; {self.received} arrived")
         if not self.layout.last:
-            await self._send(self.downstream, data)
+            await self._send(self.downstream, encode_round_end(round_, count))
         self._round_has(count)
 
     def _round_has(self, count: int) -> None:

@@ -40,6 +40,26 @@ from hetnode.wire.sync_payload import SyncPayload, encode_payload
 KEPT_EMBEDDINGS = 3  # θ rounds: the chain's stages stand at most a round or two apart under overlap
 
 
+def drift_refusal(round_: int, base: int, oldest: int, newest: int) -> str | None:
+    """Why a stage refuses the first stage's word that round `round_`'s T_fix' comes from θ after round
+    `base` (None: taken). `oldest`: the first round this stage could still train; `newest`: the newest
+    round it began or was named a θ round for (one drift frame a round, before its first act frame).
+
+    An honest first stage names the θ it stands on, a round or two back (at most one round is unapplied);
+    a θ further back than `KEPT_EMBEDDINGS` rounds is one no stage keeps. Whether a θ ahead of this stage
+    is within reach is decided when the round opens (the chain's `_hold_embedding_after`)."""
+    if round_ <= newest:
+        return f"a second drift frame for round {round_} (this stage is at round {newest} already)"
+    if round_ < oldest:
+        return f"a drift frame for round {round_}, which is not the next round"
+    if base < round_ - KEPT_EMBEDDINGS:
+        return (
+            f"round {round_}'s T_fix' from θ after round {base}: more than {KEPT_EMBEDDINGS} rounds back, "
+            "where no stage keeps θ's embedding"
+        )
+    return None
+
+
 def stage_part(splits: Sequence[range], index: int, compressed: bool) -> ModelPart:
     """What stage `index` holds of θ: its layers, and θ's embedding when boundaries are compressed."""
     return ModelPart.of_stage(splits, index, tracks_embedding=compressed)

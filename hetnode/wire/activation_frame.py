@@ -7,8 +7,9 @@ T_fix' = T_fix + (T_S − P(T_S)) (DESIGN §2.3): every stage holds θ's embeddi
 the frame is a few bytes, not V×d.
 Decoding checks the size before parsing, then the version, kind, dtype, the exact shape (width = subspace
 rank k when compressed, d otherwise), the byte count, token ids < vocab and finite values
-bounded in magnitude (`value_bounds`: what a value may be and still keep the receiving stage finite).
-Violations raise `WireError(field)`.
+bounded in magnitude (`value_bounds`: what a value may be and still keep the receiving stage finite); a
+drift frame carries its round, mb 0 and an integer θ round in [−1, round), nothing else (whether the stage
+can build T_fix' from it is the stage's rule: `drift_refusal`). Violations raise `WireError(field)`.
 """
 
 from __future__ import annotations
@@ -165,10 +166,11 @@ def decode_frame(
     if not isinstance(message, dict) or message.get("type") != "frame":
         raise WireError("type", "not an activation frame")
     if message.get("v") != FRAME_VERSION:
-        raise WireError("v", f"unknown frame version {message.get('v')!r} (this peer speaks {FRAME_VERSION})")
+        version = _shown(message.get("v"))
+        raise WireError("v", f"unknown frame version {version} (this peer speaks {FRAME_VERSION})")
     kind = message.get("kind")
     if kind not in kinds:
-        raise WireError("kind", f"expected {' or '.join(map(repr, kinds))}, got {kind!r}")
+        raise WireError("kind", f"expected {' or '.join(map(repr, kinds))}, got {_shown(kind)}")
     round_, mb = message.get("round"), message.get("mb")
     for field, value in (("round", round_), ("mb", mb)):
         if not isinstance(value, int) or isinstance(value, bool) or value < 0:
@@ -180,11 +182,11 @@ def decode_frame(
     if kind == "end":  # the count is checked by the stage, against what it received
         return DecodedFrame("end", round_, mb, torch.empty(0), None, None)
     if message.get("dtype") != limits.dtype:
-        raise WireError("dtype", f"expected {limits.dtype!r}, got {message.get('dtype')!r}")
+        raise WireError("dtype", f"expected {limits.dtype!r}, got {_shown(message.get('dtype'))}")
     shape = message.get("shape")
     want = [limits.batch_size, limits.seq_len, limits.width]
     if not isinstance(shape, list) or len(shape) != 3 or shape[2] != limits.width:
-        raise WireError("shape", f"expected (B, T, {limits.width}), got {shape}")
+        raise WireError("shape", f"expected (B, T, {limits.width}), got {_shown(shape)}")
     if not (0 < shape[0] <= limits.batch_size and 0 < shape[1] <= limits.seq_len):
         raise WireError("shape", f"batch shape {shape[:2]} exceeds {want[:2]}")
     torch_dtype, np_dtype = _DTYPES[limits.dtype]
@@ -205,6 +207,12 @@ def decode_frame(
     return DecodedFrame(kind, round_, mb, tensor, tokens, targets)
 
 
+def _shown(value: object, limit: int = 40) -> str:
+    """A peer's value as an error message quotes it: cut short, since the message ends up in a log line."""
+    text = repr(value)
+    return text if len(text) <= limit else f"{text[:limit]}… ({len(text)} characters)"
+
+
 def _check_values(tensor: torch.Tensor, bound: float) -> None:
     """Finite and at most `bound` in magnitude: a finite 3e38 would still overflow the receiver's pass."""
     peak = float(tensor.float().abs().max())  # NaN when any value is NaN
@@ -214,13 +222,23 @@ def _check_values(tensor: torch.Tensor, bound: float) -> None:
         raise WireError("data", f"a value of magnitude {peak:.3g} exceeds the bound {bound:.3g}")
 
 
+_DRIFT_FIELDS = frozenset({"type", "v", "kind", "round", "mb", "base"})
+
+
 def _drift_frame(message: dict, limits: FrameLimits, round_: int) -> DecodedFrame:
+    """A round and a θ round, nothing else: a stage passes the frame on down the chain, so padding would
+    cost every later link. Whether this stage can build T_fix' from `base` is the stage's to say."""
     if not limits.d_model:
         raise WireError("kind", "this stage takes no drift frames")
+    extra = [key for key in message if key not in _DRIFT_FIELDS]
+    if extra:
+        raise WireError("drift", f"a drift frame carries a round and a θ round only, not {_shown(extra)}")
+    if message["mb"] != 0:
+        raise WireError("mb", f"a drift frame has mb 0, got {message['mb']}")
     base = message.get("base")
     if not isinstance(base, int) or isinstance(base, bool) or not -1 <= base < round_:
         raise WireError(
-            "base", f"the θ round of round {round_}'s T_fix' must be in [-1, {round_}), got {base!r}"
+            "base", f"the θ round of round {round_}'s T_fix' must be in [-1, {round_}), got {_shown(base)}"
         )
     return DecodedFrame("drift", round_, 0, torch.empty(0), None, None, base)
 

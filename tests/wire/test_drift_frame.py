@@ -8,7 +8,13 @@ import msgpack
 import pytest
 import torch
 
-from hetnode.daemon.stage_training import KEPT_EMBEDDINGS, StageTraining, frame_limits, stage_part
+from hetnode.daemon.stage_training import (
+    KEPT_EMBEDDINGS,
+    StageTraining,
+    drift_refusal,
+    frame_limits,
+    stage_part,
+)
 from hetnode.data.dataset import TokenDataset
 from hetnode.errors import WireError
 from hetnode.replica.global_model import GlobalModel
@@ -32,6 +38,11 @@ def test_a_drift_frame_names_a_theta_round_in_a_few_bytes():
         lambda m: m.update(base="5"),
         lambda m: m.update(base=True),
         lambda m: m.pop("base"),
+        lambda m: m.update(base=5.0),
+        lambda m: m.update(base=None),
+        lambda m: m.update(base=[5]),
+        lambda m: m.update(base=-(2**63)),  # the most negative msgpack integer
+        lambda m: m.update(base=2**64 - 1),  # the largest
     ],
 )
 def test_a_drift_frame_naming_no_earlier_theta_round_is_refused(change):
@@ -40,6 +51,56 @@ def test_a_drift_frame_naming_no_earlier_theta_round_is_refused(change):
     with pytest.raises(WireError) as error:
         decode_frame(msgpack.packb(message, use_bin_type=True), LIMITS, expect_kind=("act", "drift"))
     assert error.value.field == "base"
+
+
+@pytest.mark.parametrize(
+    ("change", "field"),
+    [
+        (lambda m: m.update(data=b"\0" * 4096), "drift"),  # padding every later stage would pass on
+        (lambda m: m.update(shape=[2, 8, 4]), "drift"),
+        (lambda m: m.update(mb=3), "mb"),
+    ],
+)
+def test_a_drift_frame_carries_its_round_and_theta_round_only(change, field):
+    message = msgpack.unpackb(encode_drift(7, 5), raw=False)
+    change(message)
+    with pytest.raises(WireError) as error:
+        decode_frame(msgpack.packb(message, use_bin_type=True), LIMITS, expect_kind=("act", "drift"))
+    assert error.value.field == field
+
+
+def test_a_hostile_value_is_quoted_cut_short():
+    """The error ends up in a log line: a megabyte string must not."""
+    message = msgpack.unpackb(encode_drift(7, 5), raw=False) | {"base": "5" * 2**20}
+    with pytest.raises(WireError) as error:
+        decode_frame(msgpack.packb(message, use_bin_type=True), LIMITS, expect_kind=("act", "drift"))
+    assert len(str(error.value)) < 200 and f"({2**20 + 2} characters)" in str(error.value)
+
+
+def test_the_wire_passes_a_far_round_on_to_the_stage():
+    """The frame alone cannot say whether a round is too far ahead: the stage's rules do (`drift_refusal`,
+    then the round's opening)."""
+    far = 2**64 - 1
+    assert decode_frame(encode_drift(far, far - 1), LIMITS, expect_kind=("act", "drift")).base == far - 1
+
+
+@pytest.mark.parametrize(
+    ("round_", "base", "oldest", "newest", "refusal"),
+    [
+        (7, 6, 7, 6, None),  # lockstep: θ of the round before
+        (7, 5, 6, 6, None),  # overlapped: two rounds back, the round before still syncing
+        (7, 7 - KEPT_EMBEDDINGS, 6, 6, None),  # the oldest a stage keeps
+        (7, 6 - KEPT_EMBEDDINGS, 6, 6, "rounds back"),
+        (7, -1, 0, -1, "rounds back"),  # the initial θ, long gone by round 7
+        (7, 6, 7, 7, "a second drift frame for round 7"),
+        (7, 6, 7, 9, "a second drift frame"),  # a round this stage is past
+        (5, 4, 7, 4, "not the next round"),
+        (10**12, 10**12 - 1, 0, -1, None),  # too far ahead: refused when the round opens, after a catch-up
+    ],
+)
+def test_what_a_stage_takes_from_a_drift_frame(round_, base, oldest, newest, refusal):
+    verdict = drift_refusal(round_, base, oldest, newest)
+    assert verdict is None if refusal is None else refusal in verdict
 
 
 def test_drift_frames_only_where_expected():
