@@ -15,6 +15,7 @@ last).
 from __future__ import annotations
 
 import dataclasses
+import logging
 import pickle
 from collections.abc import Sequence
 from pathlib import Path
@@ -36,6 +37,8 @@ from hetnode.training.stage_worker import Frame, build_stage_worker
 from hetnode.training.working_copy import embedding_drift
 from hetnode.wire.activation_frame import FrameLimits, value_bounds
 from hetnode.wire.sync_payload import SyncPayload, encode_payload
+
+log = logging.getLogger(__name__)
 
 KEPT_EMBEDDINGS = 3  # θ rounds: the chain's stages stand at most a round or two apart under overlap
 
@@ -123,6 +126,9 @@ class StageTraining:
             wire_dtype=torch.bfloat16 if self.compressed else torch.float32,
             device=device,
         )
+        # the first stage on an accelerator reads no refusal flag per micro-batch: it steps on a zero
+        # gradient instead and counts refusals on the device, read once a round (`end_round`)
+        self.worker.defer_refusals = index == 0 and torch.device(device).type != "cpu"
         self.base_fixed = base_fixed_embedding(config)
         part = stage_part(splits, index, self.compressed)
         # what a saved state names (a state from before stages held the embedding restores its feedback only)
@@ -259,6 +265,12 @@ class StageTraining:
         trained from in the header). Call it once θ of the round before is stood on."""
         if self.local.base != round_ - 1:
             raise RuntimeError(f"round {round_} is compressed on θ after round {round_ - 1}, not {self.base}")
+        if self.worker.defer_refusals and (refused := self.worker.take_refusals()):
+            log.warning(
+                "round %d: %d micro-batches had gradients that were not finite: stepped on zero instead",
+                round_,
+                refused,
+            )
         compressed = self.local.compress(round_)
         return {
             shard: encode_payload(

@@ -120,3 +120,20 @@ def test_a_stage_trains_ahead_and_stands_on_new_theta_between_micro_batches(tiny
         for shard, data in stage.end_round(1, "peer-x").items():
             decoded = decode_payload(data, model.sparse_specs[shard])
             assert decoded.base == 0 and decoded.round == 1
+
+
+def test_a_first_stage_defers_refusals_only_on_an_accelerator_and_reports_them_once_a_round(
+    tiny_config, caplog
+):
+    config = replace(tiny_config, "outer", inner_steps=2)
+    n = config.model.n_layers
+    splits = (range(0, n // 2), range(n // 2, n))
+    dataset = TokenDataset.build(config.data, config.model.vocab_size, config.run.seed)
+    stages, models = _chain(config, splits, dataset)
+    assert not stages[0].worker.defer_refusals  # on CPU the flag read per micro-batch costs no device wait
+    stages[0].worker.defer_refusals = True  # as on a GPU
+    stages[0].worker.refusals = torch.tensor(2)  # two refused on the device this round
+    with caplog.at_level("WARNING", logger="hetnode.daemon.stage_training"):
+        _train_round(stages, models, 2)
+    assert "2 micro-batches had gradients that were not finite" in caplog.text
+    assert stages[0].worker.take_refusals() == 0  # read once, at the round's end
