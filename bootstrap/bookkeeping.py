@@ -152,6 +152,10 @@ class Bookkeeper:
         self._evaluated = -1  # the newest round whose evaluation was tried
         self._task: asyncio.Task | None = None
         self._eval_batches: list = []
+        # the swarm's credited tokens so far, and whether it was told it passed train.max_epochs: the
+        # replicas' own guard sees one replica's steps, not the many slots that read the corpus at once
+        self._swarm_tokens = 0
+        self._epochs_told = False
 
     # --- set-up (blocking: run it in a thread) -----------------------------------------------------
 
@@ -174,6 +178,10 @@ class Bookkeeper:
         self.theta = {name: p.detach() for name, p in model.named_parameters()}
         self._load(params, round_)
         self._tail = self._checkpointed = self._evaluated = round_
+        try:
+            self._swarm_tokens = self.ledger.totals().tokens
+        except Exception:  # a view: counted from this round on
+            log.exception("cannot read the ledger's totals: the swarm's passes over the data count from here")
         self.forwards = forward_model(model, self.device)
         self._eval_batches = batches_on(self.dataset.eval_batches(c.train.eval_batches), self.device)
         self.sampler = RoundSampler(c.samples, c.run.seed, self.dataset.tokenizer, self.forwards)
@@ -366,13 +374,39 @@ class Bookkeeper:
             self.ledger.record_verdicts(verdicts)
         except Exception:  # the ledger is a view of the rounds: its failure must not stop them
             log.exception("round %d: the ledger refused the round's credits", work.round)
+        self._swarm_tokens += sum(c.tokens for c in credits)
+        epochs = self._passes_over_data(work.round)
         return {
+            "data_epochs": epochs,
             "rejected": {v.peer: v.reason for v in verdicts if v.reason is not None}
             if self.verifier is not None
             else dict(work.rejected),
             "scores": {v.peer: round(v.score, 4) for v in verdicts if v.score is not None},
             "tokens": sum(c.tokens for c in credits),  # credited: verified work only
         }
+
+    def _passes_over_data(self, round_: int) -> float | None:
+        """The swarm's credited tokens over the run's training tokens; past `train.max_epochs`, said once
+        (an error line: the model may be memorising its corpus). Nothing stops: credits are claims a
+        verifier weighed, not a reason to halt everyone's run."""
+        train_tokens = getattr(getattr(self, "dataset", None), "train_tokens", 0)
+        if train_tokens <= 0:
+            return None
+        epochs = self._swarm_tokens / train_tokens
+        limit = self.config.train.max_epochs
+        if limit > 0 and epochs > limit and not self._epochs_told:
+            self._epochs_told = True
+            log.error(
+                "round %d: the swarm has trained %s tokens, %.1f passes over the run's %s training tokens "
+                "(train.max_epochs %g): the model may be memorising its corpus; point data.source at more "
+                "data (docs/operations.md, 'A large corpus')",
+                round_,
+                f"{self._swarm_tokens:,}",
+                epochs,
+                f"{train_tokens:,}",
+                limit,
+            )
+        return round(epochs, 4)
 
     def _evaluation_due(self, round_: int) -> bool:
         """Whether `round_` reaches a multiple of `train.eval_every_rounds` not evaluated yet."""

@@ -348,3 +348,34 @@ def test_forwards_run_on_the_device_while_theta_steps_and_is_checkpointed_on_cpu
     assert lines[-1]["sample"]["tokens"] > 0
     [(written, checkpoint)] = list_checkpoints(folder / "checkpoints")  # round 0's: every 2 rounds
     assert written == 0 and load_checkpoint(checkpoint)[1].layer_digests == published[0]
+
+
+def test_the_swarms_passes_over_the_data_are_counted_and_told_once_past_max_epochs(parts, caplog):
+    """Many slots read the corpus at once: the replicas' own guard counts one replica's steps, so the
+    coordinator counts the swarm's credited tokens against the run's training tokens (from the ledger's
+    totals across a restart) and says once when they pass `train.max_epochs`."""
+    config, ledger, metrics, folder = parts
+    theta = GlobalModel(config)
+    books, lines = books_for(Bookkeeper, config, ledger, metrics, folder, theta)
+    train_tokens = books.dataset.train_tokens
+    per_round = train_tokens // 2 + 1  # two rounds pass one epoch
+    config = replace(config, "train", max_epochs=1.0)
+    books.config = config
+
+    async def main() -> None:
+        books.start()
+        for _ in range(3):
+            work = synthetic_round(theta)
+            work.credits = [Contribution("peer-a", "peer-a", "anchor", per_round, 2, 10)]
+            seal(books, theta, work)
+            await until(lambda: books.lag == 0)
+        await books.close()
+
+    with caplog.at_level(logging.ERROR, logger="bootstrap.bookkeeping"):
+        asyncio.run(main())
+    epochs = [line["data_epochs"] for line in lines]
+    assert epochs == [round(k * per_round / train_tokens, 4) for k in (1, 2, 3)]
+    told = [r for r in caplog.records if "passes over the run's" in r.getMessage()]
+    assert len(told) == 1 and "round 1" in told[0].getMessage()  # the round that passed it, once
+    again, _ = books_for(Bookkeeper, config, ledger, metrics, folder, theta)  # a restart: from the ledger
+    assert again._swarm_tokens == 3 * per_round
