@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
@@ -141,7 +142,11 @@ def main() -> None:
     parser.add_argument("--config", type=Path, default=Path("configs/small.toml"))
     parser.add_argument("--steps", type=int, default=10, help="timed steps after step 1 (refresh every 10)")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/rotation-cost"))
+    parser.add_argument("--threads", type=int, default=2, help="torch threads for the timed steps")
     parser.add_argument("--flops-only", action="store_true", help="print the FLOP table, time nothing")
+    parser.add_argument(
+        "--profile", action="store_true", help="also write profile.txt: where the rule's optimiser step goes"
+    )
     args = parser.parse_args()
     flops = {name: flop_row(load_config(Path("configs") / f"{name}.toml")) for name in CONFIGS}
     print("| config | params | tokens/step | step TFLOP | two-sided | one-sided | rule | rule, worst stage |")
@@ -163,7 +168,10 @@ def main() -> None:
     if args.flops_only:
         return
     config = load_config(args.config)
+    torch.set_num_threads(args.threads)
+    load_before = os.getloadavg()
     timed = time_steps(config, args.steps)
+    load_after = os.getloadavg()
     print(
         f"\n{args.config}: {args.steps} steps of {config.data.batch_size} x {config.data.seq_len} tokens, "
         f"{torch.get_num_threads()} threads"
@@ -185,11 +193,37 @@ def main() -> None:
             "config": str(args.config),
             "steps": args.steps,
             "threads": torch.get_num_threads(),
+            "load_average_1_5_15_min": {"before": load_before, "after": load_after},
+            "torch": torch.__version__,
             "variants": timed,
         },
     }
     (args.out / "rotation_cost.json").write_text(json.dumps(result, indent=2))
     print(f"wrote {args.out / 'rotation_cost.json'}")
+    if args.profile:
+        (args.out / "profile.txt").write_text(profile_rule(config))
+        print(f"wrote {args.out / 'profile.txt'}")
+
+
+def profile_rule(config: Config, steps: int = 3) -> str:
+    """torch.profiler's table of the rule's optimiser steps 2 to 1 + `steps` (step 1 holds the eigh)."""
+    from torch.profiler import profile
+
+    batch, seq = config.data.batch_size, config.data.seq_len
+    inner = replace(config, "inner", optimizer="rotated_adamw").inner
+    model = build_model(config.model, seed=config.run.seed)
+    opt = build_optimizer(model, inner, tokens_per_step=batch * seq)
+    generator = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, config.model.vocab_size, (batch, seq + 1), generator=generator)
+    model.loss(tokens[:, :-1], tokens[:, 1:]).backward()
+    opt.step()
+    with profile() as prof:
+        for _ in range(steps):
+            opt.step()  # the same gradient again: the optimiser's work does not depend on its values
+    table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=20)
+    return (
+        f"{config.run.name}, the rule, {steps} optimiser steps, {torch.get_num_threads()} threads\n{table}\n"
+    )
 
 
 if __name__ == "__main__":

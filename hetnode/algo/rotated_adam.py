@@ -109,45 +109,65 @@ class RotatedAdamW(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         for group in self.param_groups:
+            plain = []
             for p in group["params"]:
                 if p.grad is None:
                     continue
                 if p.grad.is_sparse:
                     raise RuntimeError("RotatedAdamW does not support sparse gradients")
-                self._step_param(p, group)
+                state = self.state[p]
+                if not state:
+                    _init_state(state, p, group)
+                state["step"] += 1
+                if "Q_L" in state or "Q_R" in state:
+                    _rotated_step(p, state, group)
+                else:
+                    plain.append(p)
+            self._adamw_step(plain, group)
         return loss
 
-    def _step_param(self, p: torch.Tensor, group: dict[str, Any]) -> None:
-        state = self.state[p]
-        grad = p.grad
-        if not state:
-            _init_state(state, p, group)
-        state["step"] += 1
-        t = state["step"]
+    def _adamw_step(self, params: list[torch.Tensor], group: dict[str, Any]) -> None:
+        """The exact torch.optim.AdamW arithmetic, each stage of it one list operation over the parameters."""
+        by_step: dict[int, list[torch.Tensor]] = {}
+        for p in params:  # the bias corrections differ if some parameter missed a step
+            by_step.setdefault(self.state[p]["step"], []).append(p)
         beta1, beta2 = group["betas"]
         lr, eps = group["lr"], group["eps"]
-        bias1, bias2 = 1.0 - beta1**t, 1.0 - beta2**t
+        for t, ps in by_step.items():
+            states = [self.state[p] for p in ps]
+            grads = [p.grad for p in ps]
+            exp_avgs, exp_avg_sqs = [s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states]
+            torch._foreach_mul_(ps, 1.0 - lr * group["weight_decay"])
+            torch._foreach_lerp_(exp_avgs, grads, 1.0 - beta1)
+            torch._foreach_mul_(exp_avg_sqs, beta2)
+            torch._foreach_addcmul_(exp_avg_sqs, grads, grads, value=1.0 - beta2)
+            denom = torch._foreach_sqrt(exp_avg_sqs)
+            torch._foreach_div_(denom, (1.0 - beta2**t) ** 0.5)
+            torch._foreach_add_(denom, eps)
+            torch._foreach_addcdiv_(ps, exp_avgs, denom, value=-lr / (1.0 - beta1**t))
 
-        rotated = "Q_L" in state or "Q_R" in state
-        if rotated:
-            _update_statistics(state, grad, group["stat_decay"])
-            if (t - 1) % group["refresh_every"] == 0:
-                _refresh_bases(state, first=t == 1)
 
-        p.mul_(1.0 - lr * group["weight_decay"])
-        exp_avg, exp_avg_sq = state["exp_avg"], state["exp_avg_sq"]
-        exp_avg.lerp_(grad, 1.0 - beta1)
-        if not rotated:  # the exact torch.optim.AdamW arithmetic
-            exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1.0 - beta2)
-            denom = (exp_avg_sq.sqrt() / bias2**0.5).add_(eps)
-            p.addcdiv_(exp_avg, denom, value=-lr / bias1)
-            return
-        q_left, q_right = state.get("Q_L"), state.get("Q_R")
-        grad_rot = to_basis(grad.float(), q_left, q_right)
-        exp_avg_sq.mul_(beta2).addcmul_(grad_rot, grad_rot, value=1.0 - beta2)
-        denom = (exp_avg_sq.sqrt() / bias2**0.5).add_(eps)
-        step_rot = to_basis(exp_avg.float(), q_left, q_right).div_(denom)
-        p.add_(from_basis(step_rot, q_left, q_right).to(p.dtype), alpha=-lr / bias1)
+def _rotated_step(p: torch.Tensor, state: dict[str, Any], group: dict[str, Any]) -> None:
+    """One update of a rotated matrix, the same arithmetic as the formula in the module docstring done with as
+    few passes and temporaries as it allows: G̃'s buffer takes the denominator once v has taken G̃², and the
+    last product goes straight into p together with the weight decay (`add_from_basis`)."""
+    t = state["step"]
+    beta1, beta2 = group["betas"]
+    lr, eps = group["lr"], group["eps"]
+    grad = p.grad.float()
+    _update_statistics(state, grad, group["stat_decay"])
+    if (t - 1) % group["refresh_every"] == 0:
+        _refresh_bases(state, first=t == 1)
+    q_left, q_right = state.get("Q_L"), state.get("Q_R")
+    exp_avg, exp_avg_sq = state["exp_avg"], state["exp_avg_sq"]
+    grad_rot = to_basis(grad, q_left, q_right)
+    exp_avg_sq.mul_(beta2).addcmul_(grad_rot, grad_rot, value=1.0 - beta2)
+    exp_avg.lerp_(p.grad, 1.0 - beta1)
+    step_rot = to_basis(exp_avg.float(), q_left, q_right)
+    denom = torch.sqrt(exp_avg_sq, out=grad_rot).div_((1.0 - beta2**t) ** 0.5).add_(eps)  # G̃ is spent
+    step_rot.div_(denom)
+    decay, alpha = 1.0 - lr * group["weight_decay"], -lr / (1.0 - beta1**t)
+    add_from_basis(p, step_rot, q_left, q_right, decay, alpha)
 
 
 def to_basis(x: torch.Tensor, q_left: torch.Tensor | None, q_right: torch.Tensor | None) -> torch.Tensor:
@@ -168,21 +188,61 @@ def from_basis(x: torch.Tensor, q_left: torch.Tensor | None, q_right: torch.Tens
     return x
 
 
+def add_from_basis(
+    p: torch.Tensor,
+    x: torch.Tensor,
+    q_left: torch.Tensor | None,
+    q_right: torch.Tensor | None,
+    decay: float,
+    alpha: float,
+) -> None:
+    """p ← decay·p + alpha·Q_L x Q_Rᵀ, the last product accumulated straight into p (weight decay and update
+    in one pass, no temporary)."""
+    if p.dtype != x.dtype:  # a low-precision parameter: the products stay in float32
+        p.mul_(decay).add_(from_basis(x, q_left, q_right).to(p.dtype), alpha=alpha)
+        return
+    if q_right is not None:
+        if q_left is not None:
+            x = left_apply(q_left, x)
+        cols = column_blocks(p, q_right)
+        cols.baddbmm_(column_blocks(x, q_right), as_stack(q_right).mT, beta=decay, alpha=alpha)
+    elif q_left is not None:
+        row_blocks(p, q_left).baddbmm_(as_stack(q_left), row_blocks(x, q_left), beta=decay, alpha=alpha)
+    else:
+        raise ValueError("add_from_basis needs a basis on at least one side")
+
+
+def as_stack(mats: torch.Tensor) -> torch.Tensor:
+    """A basis as a (s/b, b, b) stack: a full s×s basis is a stack of one."""
+    return mats if mats.ndim == 3 else mats.unsqueeze(0)
+
+
+def row_blocks(x: torch.Tensor, mats: torch.Tensor) -> torch.Tensor:
+    """x's rows in the blocks of `mats`: a (s/b, b, n) view (splitting a dimension never copies)."""
+    return x.unflatten(0, (-1, mats.shape[-1]))
+
+
+def column_blocks(x: torch.Tensor, mats: torch.Tensor) -> torch.Tensor:
+    """x's columns in the blocks of `mats`: a (s/b, m, b) view."""
+    return x.unflatten(1, (-1, mats.shape[-1])).transpose(0, 1)
+
+
 def left_apply(mats: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     """M x, where M is one s×s matrix or the block diagonal of a (s/b, b, b) stack."""
     if mats.ndim == 2:
         return mats @ x
-    blocks, size, _ = mats.shape
-    return (mats @ x.reshape(blocks, size, -1)).reshape(x.shape)
+    return (mats @ row_blocks(x, mats)).reshape(x.shape)
 
 
 def right_apply(x: torch.Tensor, mats: torch.Tensor) -> torch.Tensor:
     """x M, where M is one s×s matrix or the block diagonal of a (s/b, b, b) stack."""
     if mats.ndim == 2:
         return x @ mats
-    blocks, size, _ = mats.shape
-    columns = x.reshape(x.shape[0], blocks, size).transpose(0, 1)  # (s/b, rows, b)
-    return (columns @ mats).transpose(0, 1).reshape(x.shape)
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    torch.bmm(
+        column_blocks(x, mats), mats, out=column_blocks(out, mats)
+    )  # bmm fills out's column blocks itself
+    return out
 
 
 def bases_for(shape: torch.Size | tuple[int, ...], group: dict[str, Any]) -> Bases:
@@ -214,7 +274,7 @@ def _init_state(state: dict[str, Any], p: torch.Tensor, group: dict[str, Any]) -
 
 
 def _update_statistics(state: dict[str, Any], grad: torch.Tensor, decay: float) -> None:
-    g = grad.float()
+    """L ← d·L + (1−d)·G Gᵀ and R ← d·R + (1−d)·Gᵀ G (their diagonal blocks when blocked), in place."""
     for side in ("L", "R"):
         key = f"stat_{side}"
         if key not in state:
@@ -223,12 +283,11 @@ def _update_statistics(state: dict[str, Any], grad: torch.Tensor, decay: float) 
             state[key] = state[key].float()
             state[f"Q_{side}"] = state[f"Q_{side}"].float()
         stat = state[key]
-        size = stat.shape[-1]
-        if side == "L":  # the diagonal blocks of G Gᵀ
-            rows = g.reshape(-1, size, g.shape[1])
+        if side == "L":
+            rows = row_blocks(grad, stat)
             outer = rows @ rows.mT
-        else:  # the diagonal blocks of Gᵀ G
-            cols = g.reshape(g.shape[0], -1, size).transpose(0, 1)
+        else:
+            cols = column_blocks(grad, stat)
             outer = cols.mT @ cols
         stat.mul_(decay).add_(outer.reshape(stat.shape), alpha=1.0 - decay)
     if state["exp_avg_sq"].dtype != torch.float32:

@@ -8,6 +8,7 @@ import torch
 from hetnode.algo.optim import build_optimizer, is_rotated
 from hetnode.algo.rotated_adam import (
     RotatedAdamW,
+    add_from_basis,
     from_basis,
     left_apply,
     reproject_second_moment,
@@ -35,6 +36,36 @@ def test_block_stacks_act_as_their_block_diagonal() -> None:
     torch.testing.assert_close(right_apply(x, right), x @ full_right)
     torch.testing.assert_close(to_basis(x, left, right), full_left.T @ x @ full_right)
     torch.testing.assert_close(from_basis(to_basis(x, left, right), left, right), x, atol=1e-5, rtol=0)
+
+
+def _basis(size: int, block: int, seed: int) -> torch.Tensor | None:
+    """None (identity), a full size×size basis, or a stack of block×block ones."""
+    if not block:
+        return None
+    stack = _orthogonal_stack(size // block, block, seed)
+    return stack[0] if block == size else stack
+
+
+@pytest.mark.parametrize("left, right", [(6, 4), (3, 0), (6, 0), (0, 2), (0, 4), (3, 2)])
+def test_update_is_accumulated_into_the_parameter_in_place(left: int, right: int) -> None:
+    """decay·p + alpha·Q_L x Q_Rᵀ written into p's own storage: full or blocked, either side or both, also
+    through a non-contiguous view; a bfloat16 parameter gets the float32 result rounded once."""
+    g = torch.Generator().manual_seed(7)
+    q_left, q_right = _basis(6, left, 8), _basis(4, right, 9)
+    full_left = torch.eye(6) if q_left is None else torch.block_diag(*q_left.reshape(-1, left, left))
+    full_right = torch.eye(4) if q_right is None else torch.block_diag(*q_right.reshape(-1, right, right))
+    x, start = torch.randn(6, 4, generator=g), torch.randn(6, 4, generator=g)
+    expected = 0.9 * start - 0.1 * full_left @ x @ full_right.T
+    storage = start.T.clone()  # 4×6: its transpose is a non-contiguous 6×4 parameter
+    for p in (start.clone(), storage.T):
+        pointer = p.data_ptr()
+        add_from_basis(p, x, q_left, q_right, decay=0.9, alpha=-0.1)
+        assert p.data_ptr() == pointer
+        torch.testing.assert_close(p, expected, atol=1e-6, rtol=0)
+    torch.testing.assert_close(storage.T, expected, atol=1e-6, rtol=0)
+    low = start.bfloat16()
+    add_from_basis(low, x, q_left, q_right, decay=0.9, alpha=-0.1)
+    torch.testing.assert_close(low, expected.bfloat16(), atol=2e-2, rtol=0)
 
 
 def test_blocked_reprojection_permutes_v_within_blocks_exactly() -> None:
