@@ -280,6 +280,16 @@ def judge_paced(
             paced["eval_loss_at_equal_wall"], lock["eval_loss_at_equal_wall"]
         ),
     }
+    # the same two once each member was first sealed (its start-up left out): figures, not targets
+    since = [r for r in paced["replicas"] if r["name"] == "anchor-3" or r["role"] == "stage"]
+    shares = [r.get("seal_share_since_in") for r in since]
+    ratios["paced_overlap_slow_anchor_and_chain_seal_share_since_in"] = (
+        min(shares) if shares and None not in shares else None
+    )
+    utils = [r.get("compute_utilization_since_in") for r in paced["replicas"] if r["role"] == "anchor"]
+    ratios["paced_overlap_every_anchor_utilization_since_in"] = (
+        min(utils) if utils and None not in utils else None
+    )
     tokens = ratios["paced_overlap_swarm_tokens_per_s_over_overlap"]
     equal_tokens = ratios["paced_overlap_eval_loss_at_equal_tokens"]
     equal_wall = ratios["paced_overlap_eval_loss_at_equal_wall"]

@@ -26,6 +26,7 @@ from hetnode.bench.utilization_figures import (  # noqa: E402
     seal_intervals,
     sealed_tokens,
     swarm_tokens_per_s,
+    utilization,
 )
 from hetnode.config import Config  # noqa: E402
 from hetnode.model import count_parameters  # noqa: E402
@@ -49,6 +50,22 @@ def left_out_reasons(peer: str, seals: Sequence[Mapping[str, Any]]) -> dict[str,
     return reasons
 
 
+def since_first_sealed(
+    peer: str | None, seals: Sequence[Mapping[str, Any]], rounds: Sequence[Mapping[str, Any]]
+) -> dict[str, Any]:
+    """A replica's figures from the first measured seal that took its work: a slow member that joins
+    late (start-up under a quota, the budget still learning) is measured "while live" from there."""
+    first = next((e["round"] for e in seals if peer is not None and peer in e["contributors"]), None)
+    if first is None:
+        return {"first_sealed_round": None, "seal_share_since_in": None, "compute_utilization_since_in": None}
+    later = [e for e in seals if e["round"] >= first]
+    return {
+        "first_sealed_round": first,
+        "seal_share_since_in": sum(peer in e["contributors"] for e in later) / len(later),
+        "compute_utilization_since_in": utilization([r for r in rounds if r["round"] >= first]),
+    }
+
+
 def rule_summary(run: Mapping[str, Any], warmup_rounds: int, per_step: int) -> dict[str, Any]:
     """One run's `R`: each replica's figures over its measured rounds, the swarm's, the seals'; for a run
     that stalled, its reason and nothing measured. `per_step`: tokens an inner step trains (batch × seq)."""
@@ -70,6 +87,7 @@ def rule_summary(run: Mapping[str, Any], warmup_rounds: int, per_step: int) -> d
             sum(peer in e["contributors"] for e in seals) / len(seals) if peer and seals else None
         )
         figures["left_out"] = left_out_reasons(peer, seals) if peer else {}
+        figures |= since_first_sealed(peer, seals, rounds)
         replicas.append(figures)
     total = sum(r["tokens"] for r in replicas if r["role"] == "anchor")
     total += max((r["tokens"] for r in replicas if r["role"] == "stage"), default=0)  # a chain once

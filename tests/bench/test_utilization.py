@@ -17,7 +17,7 @@ from hetnode.bench import utilization
 from hetnode.bench import utilization_figures as fig
 from hetnode.bench.cpu_quota import CPU_ROOT, CpuQuotas, parse_cpu_stat, quota_us, stray_folders
 from hetnode.bench.lab_swarm import merged_history
-from hetnode.bench.utilization_report import left_out_reasons, plot, summarise
+from hetnode.bench.utilization_report import left_out_reasons, plot, since_first_sealed, summarise
 from hetnode.cli.bench_utilization import print_summary
 from hetnode.cli.main import build_parser
 from hetnode.config import load_config
@@ -70,6 +70,17 @@ HISTORY = [
     {"round": 4, "contributors": ["a1", "s1", "s2"], "tokens": 2000, "time": 128.0, "eval_loss": None},
     {"round": 5, "contributors": ["a1", "a2", "s1", "s2"], "tokens": 3000, "time": 134.0, "eval_loss": 3.5},
 ]
+
+
+def test_a_late_members_figures_also_count_from_the_first_seal_that_took_its_work():
+    records = [rec(r, 10.0 * r, 6.0 if r >= 2 else 1.0, 10.0 * r + 6) for r in range(1, 6)]
+    late = since_first_sealed("s1", HISTORY, records)  # s1 first sealed in round 2, then in every one
+    assert late["first_sealed_round"] == 2 and late["seal_share_since_in"] == 1.0
+    assert late["compute_utilization_since_in"] == pytest.approx(24 / 36)
+    gaps = since_first_sealed("a2", HISTORY, records)  # in from round 1, left out of round 4
+    assert gaps["first_sealed_round"] == 1 and gaps["seal_share_since_in"] == pytest.approx(4 / 5)
+    never = since_first_sealed("x9", HISTORY, records)
+    assert never == dict.fromkeys(never) and set(never) == set(late)
 
 
 def test_the_swarm_is_measured_from_the_first_seal_once_every_replica_runs():
