@@ -224,11 +224,18 @@ class AnchorTraining:
         # finite check are read once, after the last step
         clock = StepClock(self.trainer.device)
         step, last = 0, None
-        while another_step(step, clock.elapsed(self.step_s), self.step_s, budget, floor, most, H):
+        while True:
             self.local.take_closed(wait=False)  # first: a rebase may settle the round it holds
             if self.local.take_rebases(inbox, timing, step):
                 self._rebased()
                 round_ = max(round_, self.local.next_round)
+            # overlapped, a replica whose round ends before θ of the round before is here would stand still
+            # until it is (`wait_for_base`): it takes another step instead, within its cap
+            idle = o.paced and inbox is not None and self.local.next_round < round_ and step < most
+            if not idle and not another_step(
+                step, clock.elapsed(self.step_s), self.step_s, budget, floor, most, H
+            ):
+                break
             batch = assigned_batches(self.peer_id, round_, step + 1, o.step_cap)[step]
             # paced: the schedule moves by round, whatever our pace (`schedule_position`)
             position = schedule_position(round_, step, H, o.step_cap) if o.paced else None

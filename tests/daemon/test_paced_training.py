@@ -4,6 +4,9 @@ the verifier judges a slow honest replica and a fast one per step, so neither is
 
 from __future__ import annotations
 
+import threading
+import time
+
 import pytest
 
 from bootstrap.verifier import Replica, Verifier
@@ -15,6 +18,7 @@ from hetnode.data.dataset import TokenDataset
 from hetnode.model.decoder import build_model
 from hetnode.planning.rounds import floor_seconds
 from hetnode.replica.global_model import GlobalModel, base_fixed_embedding
+from hetnode.training.local_rounds import RebaseInbox
 from hetnode.training.schedule import schedule_position
 
 
@@ -55,6 +59,34 @@ def test_an_anchor_trains_to_its_budget_within_floor_and_cap_at_the_swarms_sched
     assert floor_seconds(o.step_floor, tight.step_s, 600.0, tight.close_s) > o.step_floor * tight.step_s
     slow, sat = _trained(config, dataset, "anchor-d", theta, budget_s=1.0, step_s=10.0)
     assert sat.sat_out and sat.steps == 0 and slow.trainer.step == 0  # trains nothing, says so
+
+
+def test_a_round_ahead_takes_steps_instead_of_waiting_for_the_theta_it_needs(paced):
+    """Overlapped: at the end of its budget a replica whose θ of the round before is not here yet would
+    stand still; it trains on, within its cap, and compresses once θ lands (the steps it names are its
+    own: the payload's count)."""
+    config, dataset = paced
+    o = config.outer
+    theta = GlobalModel(config)
+    training = AnchorTraining(config, dataset, "anchor-e")
+    training.rebase(training.rebase_from(theta, next_round=0))
+    training.budget_s, training.step_s = 1e-3, 0.5e-3  # the budget allows the floor only
+    assert training.train_round(0).steps == o.step_floor  # θ of the round before is here: the floor
+    assert training.step_s is not None
+    training.budget_s = o.step_floor * training.step_s  # its floor fits, not a step more
+    inbox, result = RebaseInbox(), {}
+    worker = threading.Thread(target=lambda: result.update(r=training.train_round(1, inbox)))
+    worker.start()
+    deadline = time.monotonic() + 60
+    while training.trainer.step < o.step_floor + o.step_cap and time.monotonic() < deadline:
+        worker.join(0.05)
+    worker.join(0.5)  # θ after round 0 has not come: it trained to its cap, then waits
+    assert worker.is_alive() and training.trainer.step == o.step_floor + o.step_cap
+    theta.params_round = 0
+    inbox.post(training.rebase_from(theta))
+    worker.join(60)
+    trained = result["r"]
+    assert trained.round == 1 and trained.steps == o.step_cap and trained.payloads
 
 
 def test_a_slow_and_a_fast_honest_replica_are_judged_per_step(paced):
