@@ -24,11 +24,11 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from hetnode.config import Config
-from hetnode.daemon.participant import download_state
-from hetnode.daemon.view import SwarmView
 from hetnode.errors import WireError
 from hetnode.net.node import SwarmNode
 from hetnode.net.streams import PeerRequestError
+from hetnode.protocol.state_fetch import download_state
+from hetnode.protocol.view import SwarmView
 from hetnode.replica.global_model import GlobalModel
 from hetnode.wire.seals import seal_digest
 

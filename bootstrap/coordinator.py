@@ -27,12 +27,12 @@ from bootstrap.samples import newest_samples
 from bootstrap.status_page import StatusBoard
 from bootstrap.swarm_metrics import SwarmMetrics
 from hetnode.config import Config, load_config
-from hetnode.daemon.membership import Membership
-from hetnode.daemon.status_signed import sign_status
-from hetnode.daemon.view import PeerDirectory, SwarmView
 from hetnode.net.identity import Identity, load_or_create_identity
 from hetnode.net.node import PeersUnreachable, SwarmNode
 from hetnode.net.records import new_peer_record
+from hetnode.protocol.membership import Membership
+from hetnode.protocol.status_signed import sign_status
+from hetnode.protocol.view import PeerDirectory, SwarmView
 from hetnode.service.datadir import DataDir
 from hetnode.service.http_server import DEFAULT_STATUS_PORT, HttpServer, Response, refuse_taken_port
 from hetnode.service.lifecycle import print_ready, sleep_or_stop, stop_on_signals, until_stopped

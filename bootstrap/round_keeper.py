@@ -1,5 +1,5 @@
 """The coordinator's half of a sync round: collect announcements, decide the seal
-(`hetnode/daemon/sealing.py`), apply the same aggregate to its own copy of θ, write the round's seal line
+(`hetnode/protocol/sealing.py`), apply the same aggregate to its own copy of θ, write the round's seal line
 (with θ's digests) to the history, and only then store the seal and publish the digests; serve sealed
 payloads and state. Then it goes straight back to collecting the next
 round: scoring, credit, evaluation, samples and checkpoints run beside it (`bootstrap/bookkeeping.py`).
@@ -38,13 +38,13 @@ from bootstrap.run_state import HISTORY
 from bootstrap.swarm_metrics import REPLICA_ROLES, SwarmMetrics
 from bootstrap.verifier import replica_of
 from hetnode.config import Config
-from hetnode.daemon.participant import payload_opener
-from hetnode.daemon.sealing import SealedRound, Sealer
-from hetnode.daemon.view import PeerDirectory, SwarmView
-from hetnode.daemon.view_changes import ChangeLog
 from hetnode.net.node import SwarmNode
 from hetnode.net.records import new_head_record
 from hetnode.planning.rounds import Announcement, lost_records, replica_tokens, shard_order
+from hetnode.protocol.payload_opener import payload_opener
+from hetnode.protocol.sealing import SealedRound, Sealer
+from hetnode.protocol.view import PeerDirectory, SwarmView
+from hetnode.protocol.view_changes import ChangeLog
 from hetnode.replica.global_model import GlobalModel
 from hetnode.service.datadir import DataDir
 from hetnode.service.lifecycle import sleep_or_stop, sleep_or_wake

@@ -19,7 +19,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from bootstrap.ledger import Standing, Verdict
-from hetnode.daemon.status import format_mbit
+from hetnode.service.formatting import format_mbit
 
 HISTORY_ROWS = 20
 # the leaderboard's token columns: what the peer's replica trained, and the part of it credited to the peer

@@ -110,7 +110,7 @@ class StatusBoard:
         return _json(swarm)
 
     def api_swarm_signed(self) -> Response:
-        """The same document signed by the coordinator's key (`hetnode/daemon/status_signed.py`)."""
+        """The same document signed by the coordinator's key (`hetnode/protocol/status_signed.py`)."""
         snapshot, _ = self._latest()
         signed = snapshot.get("swarm_signed")
         if not isinstance(signed, dict):

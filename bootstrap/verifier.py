@@ -72,9 +72,8 @@ from hetnode.algo.scoring import (
     update_norm,
 )
 from hetnode.config import Config
-from hetnode.daemon.rounds import NUM_DATA_SLOTS, data_slot
 from hetnode.data.dataset import TokenDataset
-from hetnode.planning.rounds import assigned_batches
+from hetnode.planning.rounds import NUM_DATA_SLOTS, assigned_batches, data_slot
 from hetnode.training.precision import autocast_for
 from hetnode.wire.sync_payload import DecodedPayload
 

@@ -4,7 +4,7 @@ Control here means DHT records and their upkeep: peer records and heartbeats, an
 seal record beyond the one copy a replica needs, lookups and routing upkeep. Payloads and one copy of
 the seal per replica are the sync plane (`hetnode/bench/scale.py`), never counted here.
 
-Today (read from hetnode/service/presence.py, hetnode/daemon/view.py, hetnode/net/node.py,
+Today (read from hetnode/service/presence.py, hetnode/protocol/view.py, hetnode/net/node.py,
 hetnode/daemon/participant.py, bootstrap/round_keeper.py, before 5e90c12):
 - every peer stores its whole record under the run's one `peers` key each heartbeat, and reads that key
   once per heartbeat (`RecentView`); a read of a dictionary key with `latest=True` walks a beam of k nodes
@@ -187,7 +187,7 @@ def stretched(
     peers: int, authors: int, sizes: RecordSizes, seal_wait_s: float, m: ControlModel
 ) -> ControlBytes:
     """The code since the heartbeats stretch (`hetnode/service/presence.py`, `PeerDirectory` in
-    `hetnode/daemon/view.py`), per round, in a stable swarm: as `today`, but every peer stores its record
+    `hetnode/protocol/view.py`), per round, in a stable swarm: as `today`, but every peer stores its record
     and reads the others' once per `stretched_heartbeat_s`, and polls for the seal less often the longer
     it waits (`seal_reads`), from the first copy it meets; the coordinator still reads every
     `heartbeat_s`. A read still moves all N records: per-peer bytes fall by the ratio of the heartbeats
@@ -231,7 +231,7 @@ STEP_BYTES = len(msgpack.packb({"from": "0" * 16, "to": "0" * 16, "peers": {}}, 
 
 @dataclass(frozen=True)
 class ChangeLog:
-    """The coordinator's `changes` entry under churn, per replica refresh (`daemon/view_changes.py`)."""
+    """The coordinator's `changes` entry under churn, per replica refresh (`protocol/view_changes.py`)."""
 
     steps: float  # steps the coordinator logs (and entries it stores) per round
     entry: float  # bytes of the entry, as a first-copy read gets it
@@ -276,7 +276,7 @@ def vouched(
     churn: bool = False,
 ) -> ControlBytes:
     """The code since the coordinator's head carries the digest of its view (`PeerDirectory` in
-    `hetnode/daemon/view.py`), per round: as `stretched`, but where a replica read every record once per
+    `hetnode/protocol/view.py`), per round: as `stretched`, but where a replica read every record once per
     stretched heartbeat it reads the coordinator's `head` entry (first copy found) and reads every record
     only when the digests differ. In a stable swarm that never happens. With `churn` (`event_rate × peers`
     changes a round), a refresh that meets a change reads the coordinator's `changes` entry (first copy)

@@ -467,8 +467,8 @@ def run_staleness(args: argparse.Namespace) -> int:
 
 
 def run_chain_score(args: argparse.Namespace) -> int:
-    from bootstrap import chain_score_bench  # the coordinator's verifier, measured in process
     from hetnode.config import load_config
+    from hetnode.lab.experiments import chain_score_bench  # the coordinator's verifier, measured in process
 
     config = load_config(args.config or CONFIG_DIR / "tiny.toml")
     plan = chain_score_bench.plan_for(args.quick)
@@ -485,7 +485,7 @@ def run_chain_score(args: argparse.Namespace) -> int:
 def run_trust(args: argparse.Namespace) -> int:
     if args.sybil:
         return run_sybil(args)
-    from bootstrap import trust_bench  # the coordinator's verifier, measured in process
+    from hetnode.lab.experiments import trust_bench  # the coordinator's verifier, measured in process
 
     try:
         speeds = tuple(float(x) for x in _names(args.speeds))
@@ -520,7 +520,9 @@ def run_trust(args: argparse.Namespace) -> int:
 
 
 def run_sybil(args: argparse.Namespace) -> int:
-    from bootstrap import sybil_bench  # the coordinator's verifier, weights and credit, in process
+    from hetnode.lab.experiments import (
+        sybil_bench,  # the coordinator's verifier, weights and credit, in process
+    )
 
     plan = sybil_bench.plan_for(args.quick, args.rounds)
     report = sybil_bench.run_benchmark(_config(args), plan, args.out, progress=not args.no_progress)

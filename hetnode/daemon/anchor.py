@@ -27,13 +27,14 @@ import torch
 
 from hetnode.config import Config
 from hetnode.daemon.faulty import StaleTheta, copied_payloads
-from hetnode.daemon.participant import RoundParticipant, payload_opener
+from hetnode.daemon.participant import RoundParticipant
 from hetnode.daemon.rounds import AnchorTraining, TrainedRound, write_state
-from hetnode.daemon.view import PeerDirectory
 from hetnode.data.epochs import training_dataset
 from hetnode.net.node import SwarmNode
 from hetnode.net.records import MAX_ROUND_S
 from hetnode.planning.rounds import busy_floor, floor_seconds
+from hetnode.protocol.payload_opener import payload_opener
+from hetnode.protocol.view import PeerDirectory
 from hetnode.replica.global_model import GlobalModel, sha256_hex
 from hetnode.service.metrics import PeerMetrics
 from hetnode.service.presence import Presence

@@ -34,16 +34,17 @@ from pathlib import Path
 from typing import Any
 
 from hetnode.config import Config
-from hetnode.daemon.participant import RoundParticipant, payload_opener
+from hetnode.daemon.participant import RoundParticipant
 from hetnode.daemon.rounds import write_state
 from hetnode.daemon.stage_training import StageTraining, drift_refusal, stage_part
-from hetnode.daemon.view import PeerDirectory, SwarmView
 from hetnode.data.epochs import training_dataset
 from hetnode.errors import HetnodeError, UpdateRefused, WireError
 from hetnode.net.node import SwarmNode
 from hetnode.net.records import MAX_ROUND_S
 from hetnode.net.streams import OpenStream, PeerRequestError, read_frame, write_frame
 from hetnode.planning.rounds import another_step, floor_seconds
+from hetnode.protocol.payload_opener import payload_opener
+from hetnode.protocol.view import PeerDirectory, SwarmView
 from hetnode.replica.global_model import GlobalModel, sha256_hex
 from hetnode.service.lifecycle import sleep_or_stop
 from hetnode.service.metrics import PeerMetrics

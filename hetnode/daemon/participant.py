@@ -9,9 +9,9 @@ a hub.
 Who may seal (TRUST §1): the coordinator, or, while its record has expired, the lowest-id live stand-in
 the signed manifest lists (none unless the operator named some). A seal counts only as the next link of
 the chain this replica holds (`seal_verdict`): a far-future seal, a fork or a seal by anyone else is
-ignored. When a round cannot be applied here it catches up by downloading θ from the sealer, checked
-against the digests the sealer signs: the coordinator's `head` entry, a stand-in's peer record. After
-every round the replica compares its own digests with the coordinator's head.
+ignored. When a round cannot be applied here it catches up by downloading θ from the sealer
+(`protocol/state_fetch.py`), checked against the digests the sealer signs: the coordinator's `head` entry, a
+stand-in's peer record. After every round the replica compares its own digests with the coordinator's head.
 """
 
 from __future__ import annotations
@@ -27,15 +27,16 @@ from hetnode.config import Config
 from hetnode.daemon.held_payloads import KEEP_ROUNDS, HeldPayloads
 from hetnode.daemon.payload_fetch import PayloadsUnavailable, fetch_sealed
 from hetnode.daemon.seal_wait import SealWaiter, read_head, read_seal
-from hetnode.daemon.sealing import Sealer
-from hetnode.daemon.view import PeerDirectory, SwarmView
 from hetnode.errors import HetnodeError, WireError
 from hetnode.net.node import SwarmNode
 from hetnode.net.records import MAX_ROUND_S
-from hetnode.net.signing import open_payload, sign_payload
+from hetnode.net.signing import sign_payload
 from hetnode.net.streams import PeerRequestError
 from hetnode.planning.fetch import DEMOTED_ROUNDS, Holder, fetch_order, holders_of
-from hetnode.replica.global_model import ApplyError, GlobalModel, PayloadOpener, sha256_hex
+from hetnode.protocol.sealing import Sealer
+from hetnode.protocol.state_fetch import fetch_state
+from hetnode.protocol.view import PeerDirectory, SwarmView
+from hetnode.replica.global_model import ApplyError, GlobalModel, sha256_hex
 from hetnode.service.lifecycle import sleep_or_stop
 from hetnode.service.metrics import PeerMetrics
 from hetnode.service.round_log import UTILIZATION_ROUNDS, RoundRecord, append_round, rolling_utilization
@@ -43,7 +44,6 @@ from hetnode.wire.seals import seal_digest
 
 log = logging.getLogger(__name__)
 
-STATE_FETCH_PARALLEL = 4  # state shards asked of the source at once (its budget: 8 streams per peer)
 PREFERRED_SEALS = 4  # authors of this many recent seals may take the stream slots kept for replicas
 
 
@@ -62,42 +62,6 @@ class Outcome:
 
 class RoundFailed(HetnodeError):
     """A sealed round could not be applied here (payload unavailable or invalid): catch up from state."""
-
-
-def payload_opener(run: str, config: Config) -> PayloadOpener:
-    """How daemons of `run` open sync payloads: the author's signature is checked before anything else."""
-    max_bytes = int(config.network.max_frame_mb * 2**20)
-    return lambda data: open_payload(run, data, max_bytes)
-
-
-async def fetch_state(
-    node: SwarmNode,
-    source: str,
-    global_model: GlobalModel,
-    round_: int,
-    expect_digests: dict[str, str] | None = None,
-) -> None:
-    """Download θ after `round_` shard by shard from `source` and load it (all or nothing), checked
-    against the layer digests the source publishes for that round when we have them."""
-    payloads = await download_state(node, source, global_model, round_)
-    await asyncio.to_thread(global_model.load_state, round_, payloads, expect_digests)
-
-
-async def download_state(
-    node: SwarmNode, source: str, global_model: GlobalModel, round_: int
-) -> dict[str, bytes]:
-    """θ after `round_` from `source`: every shard's dense payload, not yet decoded or checked."""
-    max_bytes = int(global_model.config.network.max_frame_mb * 2**20)
-    # the source serves only the round it holds: the download must end within a round. In parallel, a
-    # far peer pays its RTT (stream set-up, slow start) about once, not once per shard; a few at a time
-    # stay inside the source's streams-per-peer budget
-    slots = asyncio.Semaphore(STATE_FETCH_PARALLEL)
-
-    async def one(shard: str) -> tuple[str, bytes]:
-        async with slots:
-            return shard, await node.fetch_state(source, round_, shard, max_bytes)
-
-    return dict(await asyncio.gather(*(one(shard) for shard in global_model.shards)))
 
 
 class RoundParticipant:

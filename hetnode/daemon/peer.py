@@ -22,14 +22,11 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from hetnode.config import Config
 from hetnode.daemon.anchor import AnchorLoop
 from hetnode.daemon.chain import ChainLayout, ChainLoop
-from hetnode.daemon.membership import Membership
 from hetnode.daemon.peer_address import is_url, resolve_peer
 from hetnode.daemon.reach import reach_swarm
 from hetnode.daemon.resources import available_memory_gb, measure_tflops
 from hetnode.daemon.run_tokenizer import coordinator_http, ensure_run_tokenizer
 from hetnode.daemon.swarm import RunContact, find_run, local_config, read_round
-from hetnode.daemon.view import PeerDirectory, SwarmView, coordinator_directory
-from hetnode.daemon.view_changes import coordinator_changes
 from hetnode.errors import HetnodeError
 from hetnode.model.decoder import count_parameters
 from hetnode.net.identity import load_or_create_identity
@@ -52,6 +49,9 @@ from hetnode.planning.roles import (
     pack_chains,
     wanted_role,
 )
+from hetnode.protocol.membership import Membership
+from hetnode.protocol.view import PeerDirectory, SwarmView, coordinator_directory
+from hetnode.protocol.view_changes import coordinator_changes
 from hetnode.service.datadir import DataDir
 from hetnode.service.http_server import HttpServer, Response
 from hetnode.service.lifecycle import Stopped, print_ready, sleep_or_stop, stop_on_signals, until_stopped

@@ -3,7 +3,6 @@ compress the pseudo-gradient with error feedback; its local state survives resta
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import pickle
 import time
@@ -23,7 +22,7 @@ from hetnode.model.decoder import build_model
 from hetnode.model.shards import shard_names
 from hetnode.model.subspace import SubspaceConstraint
 from hetnode.planning.layer_split import split_layers
-from hetnode.planning.rounds import another_step, assigned_batches, sits_out
+from hetnode.planning.rounds import NUM_DATA_SLOTS, another_step, assigned_batches, data_slot, sits_out
 from hetnode.replica.global_model import GlobalModel, base_fixed_embedding
 from hetnode.training.faults import PSEUDO_GRADIENT_FAULTS, corrupt
 from hetnode.training.local_rounds import (
@@ -44,8 +43,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-NUM_DATA_SLOTS = 256  # replicas pick a slot from their peer id; slots are disjoint slices of the data
-
 
 def anchor_constraint(config: Config) -> SubspaceConstraint | None:
     """Anchors are constrained only in the `everything` mode, at the even split's last boundary."""
@@ -62,10 +59,6 @@ def write_state(path: Path, state: dict) -> None:
     tmp = path.with_suffix(".tmp")
     torch.save(state, tmp)
     tmp.replace(path)
-
-
-def data_slot(peer_id: str) -> int:
-    return int.from_bytes(hashlib.sha256(peer_id.encode()).digest()[:4], "big") % NUM_DATA_SLOTS
 
 
 @dataclass

@@ -30,9 +30,9 @@ from urllib.parse import urlsplit
 from hetnode.config import DataConfig
 from hetnode.daemon.peer_address import in_daemon_thread
 from hetnode.daemon.status_http import signed_url
-from hetnode.daemon.status_signed import SIGNED_PATH
 from hetnode.data.pinned_tokenizer import TokenizerMismatch, adopt, fetch_target
 from hetnode.errors import CheckpointError, ConfigError, DataError, RefusedAnswer
+from hetnode.protocol.status_signed import SIGNED_PATH
 from hetnode.replica.checkpoint import MAX_TOKENIZER_BYTES
 from hetnode.service.http_download import Budget, get_retrying
 from hetnode.service.http_server import DEFAULT_STATUS_PORT

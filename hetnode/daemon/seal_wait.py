@@ -22,11 +22,11 @@ from collections.abc import Callable
 from typing import Any
 
 from hetnode.config import Config
-from hetnode.daemon.sealing import Sealer
-from hetnode.daemon.view import PeerDirectory, SwarmView
 from hetnode.net.node import SwarmNode
 from hetnode.net.records import check_head_record
 from hetnode.planning.rounds import Announcement
+from hetnode.protocol.sealing import Sealer
+from hetnode.protocol.view import PeerDirectory, SwarmView
 from hetnode.replica.global_model import GlobalModel
 from hetnode.service.lifecycle import sleep_or_wake
 from hetnode.wire.seals import seal_verdict

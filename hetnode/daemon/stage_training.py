@@ -24,13 +24,13 @@ import torch
 
 from hetnode.algo.sparseloco import ErrorFeedback, SparseLoCoCodec
 from hetnode.config import Config
-from hetnode.daemon.rounds import NUM_DATA_SLOTS, data_slot, write_state
+from hetnode.daemon.rounds import write_state
 from hetnode.data.dataset import TokenDataset
 from hetnode.errors import CheckpointError
 from hetnode.model.decoder import layer_of
 from hetnode.model.shards import ModelPart
 from hetnode.model.subspace import SubspaceConstraint
-from hetnode.planning.rounds import assigned_batches
+from hetnode.planning.rounds import NUM_DATA_SLOTS, assigned_batches, data_slot
 from hetnode.replica.global_model import GlobalModel, base_fixed_embedding
 from hetnode.training.local_rounds import AheadFrom, LocalRounds, Rebase, snapshot_optimizer
 from hetnode.training.stage_worker import Frame, build_stage_worker

@@ -7,18 +7,18 @@ import asyncio
 import time
 from typing import Any
 
-from hetnode.daemon.membership import Membership
-from hetnode.daemon.status_table import format_mbit, format_share, printable, render_table
+from hetnode.daemon.status_table import format_share, printable, render_table
 from hetnode.daemon.swarm import find_run, read_round, refuse_another_peer
-from hetnode.daemon.view import SwarmView
 from hetnode.errors import HetnodeError
 from hetnode.net.identity import ephemeral_identity
 from hetnode.net.node import DEFAULT_LIMITS, PeersUnreachable, SwarmNode
 from hetnode.net.peer_ids import peer_id_from_maddr
+from hetnode.protocol.membership import Membership
+from hetnode.protocol.view import SwarmView
 from hetnode.service.lifecycle import unless_stopped
 
 # the table's helpers are importable from here too, as before they had a module of their own
-__all__ = ["format_mbit", "format_share", "printable", "query_status", "render_table"]
+__all__ = ["format_share", "printable", "query_status", "render_table"]
 
 
 async def query_status(

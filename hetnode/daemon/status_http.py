@@ -22,8 +22,8 @@ import urllib.request
 from typing import Any
 
 from hetnode.daemon.peer_address import URL_HINT, check_url, connect_reason, in_daemon_thread, read_capped
-from hetnode.daemon.status_signed import SIGNED_PATH, NotSigned, open_status
 from hetnode.errors import HetnodeError
+from hetnode.protocol.status_signed import SIGNED_PATH, NotSigned, open_status
 from hetnode.service.lifecycle import unless_stopped
 
 SWARM_PATH = "/api/swarm"

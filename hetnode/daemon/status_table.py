@@ -1,16 +1,17 @@
 """`hetnode status` as a table: every string a peer chose made safe for a terminal, link rates and shares
 as people write them, and each peer's θ held against the coordinator's, shard by shard.
 
-Light on purpose (the standard library only): the table is printed from the coordinator's `/api/swarm`
-without loading hivemind or torch."""
+Light on purpose (the standard library and `service/formatting.py` only): the table is printed from the
+coordinator's `/api/swarm` without loading hivemind or torch."""
 
 from __future__ import annotations
 
-import math
 import re
 import time
 import unicodedata
 from typing import Any
+
+from hetnode.service.formatting import format_mbit
 
 # Terminal escape sequences: CSI (ESC [ or U+009B ... final byte); OSC, DCS, SOS, PM, APC strings up to BEL
 # or ST (or the end); any other ESC with its intermediates and final byte. A cut-off one is removed too.
@@ -53,19 +54,6 @@ def printable(text: str, limit: int) -> str:
 
 def _cell(value: Any, limit: int) -> str:
     return "-" if value is None or value == "" else printable(str(value), limit) or "-"
-
-
-def format_mbit(value: Any) -> str:
-    """A link rate in Mbit/s as people write it: "1000", "12.5", "0.25" (never "1e+03"); "-" if unknown."""
-    if not isinstance(value, int | float) or isinstance(value, bool) or not math.isfinite(value) or value < 0:
-        return "-"
-    if value >= 100:
-        return f"{value:.0f}"
-    if value >= 10 or value == 0:
-        return f"{value:.1f}".removesuffix(".0")
-    if value >= 0.01:
-        return f"{value:.2f}".rstrip("0").rstrip(".")
-    return "<0.01"
 
 
 def format_share(value: Any) -> str:

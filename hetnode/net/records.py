@@ -13,7 +13,7 @@ Keys (hivemind prefixes them as `{run}_{field}`):
   record again (`PeerDirectory`).
 - `changes`: subkey = the coordinator's owner key; its view's recent transitions (digest to digest, with the
   records of the peers that changed), stored before the head that names the newest digest: a replica one or
-  a few changes behind applies them instead of reading every record (`hetnode/daemon/view_changes.py`).
+  a few changes behind applies them instead of reading every record (`hetnode/protocol/view_changes.py`).
 
 Every field has a lifetime cap (`MAX_TTL_S`) and a size cap (`MAX_RECORD_BYTES`), enforced by
 `RecordCapsValidator` where a record is stored and again where it is read (TRUST §5): without them one

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from hetnode.algo.quantiles import weighted_quantile
 from hetnode.config import Config
 
+NUM_DATA_SLOTS = 256  # replicas pick a slot from their peer id; slots are disjoint slices of the data
 BATCH_OFFSETS = 2**20  # replicas that share a data slot start this far apart in its stream of batches
 
 
@@ -43,6 +44,11 @@ def assigned_batches(replica: str, round_: int, inner_steps: int, stride: int | 
     digest = hashlib.sha256(b"hetnode-batches:" + replica.encode()).digest()
     start = int.from_bytes(digest[:4], "big") % BATCH_OFFSETS + round_ * (stride or inner_steps)
     return range(start, start + inner_steps)
+
+
+def data_slot(peer_id: str) -> int:
+    """The data slot `peer_id` (a peer id, or a chain id) trains on, out of NUM_DATA_SLOTS."""
+    return int.from_bytes(hashlib.sha256(peer_id.encode()).digest()[:4], "big") % NUM_DATA_SLOTS
 
 
 SIT_OUT_SLACK = 1.25  # paced: a replica whose floor of steps would overrun the budget by more sits out

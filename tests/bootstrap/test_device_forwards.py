@@ -14,9 +14,10 @@ from bootstrap.device_forwards import dense_on, forward_model, model_device
 from bootstrap.verifier import Replica, Verifier
 from hetnode.algo.scoring import dense_update
 from hetnode.config import replace
-from hetnode.daemon.rounds import AnchorTraining, data_slot
+from hetnode.daemon.rounds import AnchorTraining
 from hetnode.data.dataset import TokenDataset
 from hetnode.model.decoder import build_model
+from hetnode.planning.rounds import data_slot
 from hetnode.replica.global_model import GlobalModel, base_fixed_embedding
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")

@@ -9,9 +9,10 @@ import pytest
 from bootstrap.verifier import DUPLICATE_FLOOR, Replica, Verifier, replica_of
 from hetnode.algo.scoring import index_overlap
 from hetnode.config import replace
-from hetnode.daemon.rounds import AnchorTraining, data_slot
+from hetnode.daemon.rounds import AnchorTraining
 from hetnode.data.dataset import TokenDataset
 from hetnode.model.decoder import build_model
+from hetnode.planning.rounds import data_slot
 from hetnode.replica.global_model import GlobalModel, base_fixed_embedding
 from hetnode.wire.sync_payload import decode_payload
 

@@ -1,4 +1,4 @@
-"""The coordinator's signed status document (`hetnode/daemon/status_signed.py`): taken only when the key
+"""The coordinator's signed status document (`hetnode/protocol/status_signed.py`): taken only when the key
 derives to the peer id asked for, the signature verifies and the document is recent; every other answer a
 stranger could put at that port is refused with its reason (then `status` reads the DHT)."""
 
@@ -11,8 +11,8 @@ from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ed25519
 
 from hetnode.daemon.status_http import signed_url
-from hetnode.daemon.status_signed import MAX_AGE_S, NotSigned, open_status, peer_id_of_rsa, sign_status
 from hetnode.net.identity import ephemeral_identity, peer_id_of
+from hetnode.protocol.status_signed import MAX_AGE_S, NotSigned, open_status, peer_id_of_rsa, sign_status
 
 COORDINATOR = ephemeral_identity()
 STRANGER = ephemeral_identity()

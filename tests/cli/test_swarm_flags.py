@@ -8,8 +8,9 @@ import math
 import pytest
 
 from hetnode.cli.main import EXIT_USAGE, build_parser, config_error_text, main
-from hetnode.daemon.status import format_mbit, render_table
+from hetnode.daemon.status import render_table
 from hetnode.errors import ConfigError
+from hetnode.service.formatting import format_mbit
 
 PEER_ID = "QmYyQSo1c1Ym7orWxLYvCrM2EmxFTANf8wXmmE7DWjhx5N"
 

@@ -11,10 +11,10 @@ import pytest
 
 from hetnode.daemon.participant import RoundParticipant
 from hetnode.daemon.seal_wait import read_head
-from hetnode.daemon.view import PeerDirectory
 from hetnode.net import loop
 from hetnode.net.node import StoredValue
 from hetnode.net.records import MAX_TTL_S, new_head_record, new_peer_record
+from hetnode.protocol.view import PeerDirectory
 from hetnode.replica.global_model import GlobalModel
 from hetnode.service.presence import STABLE_STEPS, Cadence, Presence
 
@@ -284,7 +284,7 @@ def test_a_replica_reads_every_record_only_when_the_coordinators_view_differs_fr
     """In a stable swarm a refresh of the peer records costs one small `head` entry: the coordinator's
     digest of its view equals ours. A change (a newcomer) changes the coordinator's digest and brings a full
     read; a head stored too long ago, an impostor's head, a wake and `max_age_s=0` never vouch."""
-    from hetnode.daemon.view import coordinator_directory
+    from hetnode.protocol.view import coordinator_directory
 
     async def scenario():
         async with nodes_on_loopback(4, "vouched-test") as (coordinator, me, newcomer, impostor):
@@ -350,8 +350,8 @@ def test_a_replica_reads_every_record_only_when_the_coordinators_view_differs_fr
 
 
 def test_a_views_digest_follows_roles_and_links_not_per_round_fields(tiny_config):
-    from hetnode.daemon.view import SwarmView
     from hetnode.net.node import StoredValue
+    from hetnode.protocol.view import SwarmView
 
     def view_of(**changes) -> SwarmView:
         rec = record("p", "anchor") | changes
@@ -369,8 +369,8 @@ def test_a_views_digest_follows_roles_and_links_not_per_round_fields(tiny_config
 async def _coordinator_and_replica(tiny_config, coordinator, me, fresh_s: float, **hooks):
     """The coordinator's directory with its change log (as `RoundKeeper` wires them), and a replica's
     directory vouched by the coordinator's head and fed by its change log."""
-    from hetnode.daemon.view import coordinator_directory
-    from hetnode.daemon.view_changes import ChangeLog, coordinator_changes
+    from hetnode.protocol.view import coordinator_directory
+    from hetnode.protocol.view_changes import ChangeLog, coordinator_changes
 
     coordinator_id = coordinator.identity.peer_id
     for node, name, role in ((coordinator, "coord", "coordinator"), (me, "me", "anchor")):
@@ -395,7 +395,7 @@ def test_a_vouched_replica_takes_a_join_and_a_leave_from_the_coordinators_change
 ):
     """A newcomer and a leaver reach a replica whose view was current through the coordinator's `changes`
     entry (the changed records only): no read of every record, and the view a full read gives."""
-    from hetnode.daemon.view import SwarmView
+    from hetnode.protocol.view import SwarmView
 
     async def scenario():
         async with nodes_on_loopback(3, "changes-test") as (coordinator, me, newcomer):

@@ -4,9 +4,10 @@ import msgpack
 import pytest
 import torch
 
-from hetnode.daemon.rounds import AnchorTraining, data_slot
+from hetnode.daemon.rounds import AnchorTraining
 from hetnode.data.dataset import TokenDataset
 from hetnode.errors import WireError
+from hetnode.planning.rounds import data_slot
 from hetnode.replica.global_model import GlobalModel
 
 

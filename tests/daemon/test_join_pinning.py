@@ -7,11 +7,11 @@ import pytest
 
 from bootstrap.admissions import Admissions, issue_token, read_allowlist
 from hetnode.config import replace
-from hetnode.daemon.membership import Membership
 from hetnode.daemon.swarm import local_config
 from hetnode.errors import ConfigError, HetnodeError, WireError
 from hetnode.net.identity import ephemeral_identity
 from hetnode.net.signing import sign_text
+from hetnode.protocol.membership import Membership
 from hetnode.service.datadir import DataDir
 from hetnode.wire.admission import Admission, admission_body
 from hetnode.wire.manifest import PROTOCOL_VERSION, Manifest, manifest_from_envelope

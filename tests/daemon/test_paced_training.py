@@ -12,11 +12,11 @@ import pytest
 from bootstrap.verifier import Replica, Verifier
 from hetnode.algo.scoring import steps_shown
 from hetnode.config import replace
-from hetnode.daemon.rounds import AnchorTraining, data_slot
-from hetnode.daemon.sealing import STEPS_SLACK, verified_steps
+from hetnode.daemon.rounds import AnchorTraining
 from hetnode.data.dataset import TokenDataset
 from hetnode.model.decoder import build_model
-from hetnode.planning.rounds import floor_seconds
+from hetnode.planning.rounds import data_slot, floor_seconds
+from hetnode.protocol.sealing import STEPS_SLACK, verified_steps
 from hetnode.replica.global_model import GlobalModel, base_fixed_embedding
 from hetnode.training.local_rounds import RebaseInbox
 from hetnode.training.schedule import schedule_position

@@ -7,13 +7,13 @@ import pytest
 
 from bootstrap.verifier import MIN_SCORES, Replica, Verifier
 from hetnode.config import replace
-from hetnode.daemon.rounds import AnchorTraining, data_slot
-from hetnode.daemon.sealing import BAN_S, RETRY_S, Sealer
+from hetnode.daemon.rounds import AnchorTraining
 from hetnode.data.dataset import TokenDataset
 from hetnode.model.decoder import build_model
 from hetnode.net import loop
 from hetnode.net.node import SwarmNode
-from hetnode.planning.rounds import Announcement
+from hetnode.planning.rounds import Announcement, data_slot
+from hetnode.protocol.sealing import BAN_S, RETRY_S, Sealer
 from hetnode.replica.global_model import GlobalModel, base_fixed_embedding, sha256_hex
 
 pytestmark = pytest.mark.slow

@@ -265,7 +265,7 @@ def test_real_records_fit_their_caps_with_room(config):
 def test_callers_ttls_stay_under_the_caps():
     from bootstrap.coordinator import MANIFEST_TTL_S
     from hetnode.daemon.seal_wait import ANNOUNCE_TTL_S
-    from hetnode.daemon.sealing import SEAL_TTL_S
+    from hetnode.protocol.sealing import SEAL_TTL_S
 
     for field, ttl_s in {"seal": SEAL_TTL_S, "announce": ANNOUNCE_TTL_S, "manifest": MANIFEST_TTL_S}.items():
         assert ttl_s <= MAX_TTL_S[field], field

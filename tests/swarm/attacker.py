@@ -28,7 +28,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from hetnode.algo.sparseloco import SparseLoCoCodec  # noqa: E402
 from hetnode.daemon.swarm import find_run  # noqa: E402
-from hetnode.daemon.view import SwarmView  # noqa: E402
 from hetnode.model.shards import layer_digests  # noqa: E402
 from hetnode.net.identity import ephemeral_identity, owner_subkey  # noqa: E402
 from hetnode.net.node import CONTROL_HANDLER, DEFAULT_LIMITS, SwarmNode  # noqa: E402
@@ -41,6 +40,7 @@ from hetnode.net.records import (  # noqa: E402
 )
 from hetnode.net.signing import sign_payload  # noqa: E402
 from hetnode.net.streams import PeerRequestError, open_stream, request  # noqa: E402
+from hetnode.protocol.view import SwarmView  # noqa: E402
 from hetnode.replica.global_model import GlobalModel, sha256_hex  # noqa: E402
 from hetnode.wire.control import encode_request, frame_header  # noqa: E402
 from hetnode.wire.sync_payload import SyncPayload, encode_payload  # noqa: E402

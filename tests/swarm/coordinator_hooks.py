@@ -17,7 +17,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from bootstrap import bookkeeping  # noqa: E402
 from hetnode.cli.main import main  # noqa: E402
-from hetnode.daemon import sealing  # noqa: E402
+from hetnode.protocol import sealing  # noqa: E402
 
 SLOW_S = float(sys.argv.pop(1))
 CRASH_FILE = Path(sys.argv.pop(1))

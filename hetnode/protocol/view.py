@@ -13,10 +13,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from hetnode.config import Config
-from hetnode.daemon.view_changes import Step, apply_steps
 from hetnode.net.node import StoredValue, SwarmNode
 from hetnode.net.records import check_head_record, check_peer_record
 from hetnode.planning.roles import Candidate, ChainStatus, Claim, chain_prefix, chain_status, parse_layout
+from hetnode.protocol.view_changes import Step, apply_steps
 from hetnode.service.lifecycle import sleep_or_wake
 from hetnode.service.presence import Cadence
 

@@ -1,5 +1,5 @@
 """`hetnode bench trust --sybil`: attacks by many free identities against the coordinator's own code, in
-process (TRUST §4, issue 34; `bootstrap/trust_bench.py` measures the single-attacker fault modes).
+process (TRUST §4, issue 34; `trust_bench.py` beside it measures the single-attacker fault modes).
 
 Each scenario: R honest anchors train alone for `history` rounds (they earn their weight), then the
 attackers join and every round goes as the coordinator runs it: the verifier screens the contributions
@@ -34,14 +34,14 @@ import torch
 from tqdm import tqdm
 
 from bootstrap.ledger import credit_round
-from bootstrap.trust_bench import eval_loss
 from bootstrap.verifier import Replica, Verifier
 from hetnode.config import Config, replace
-from hetnode.daemon.rounds import AnchorTraining, data_slot
-from hetnode.daemon.sealing import RESCUABLE
+from hetnode.daemon.rounds import AnchorTraining
 from hetnode.data import TokenDataset
+from hetnode.lab.experiments.trust_bench import eval_loss
 from hetnode.model.decoder import build_model
-from hetnode.planning.rounds import replica_tokens, shard_order
+from hetnode.planning.rounds import data_slot, replica_tokens, shard_order
+from hetnode.protocol.sealing import RESCUABLE
 from hetnode.replica.global_model import GlobalModel, base_fixed_embedding
 from hetnode.wire.sync_payload import DecodedPayload
 

@@ -2,10 +2,10 @@
 
 import time
 
-from hetnode.daemon.view import SwarmView
 from hetnode.net.node import StoredValue
 from hetnode.net.records import new_peer_record
 from hetnode.planning.roles import format_layout, pack_chains
+from hetnode.protocol.view import SwarmView
 
 
 def record(name, role="idle", wants="stage", chain=None, stage=None, layers=None, tflops=1.0, layout=None):

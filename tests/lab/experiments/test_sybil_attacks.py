@@ -1,16 +1,17 @@
 """Attacks by many free identities, against the coordinator's own code in process (issue 34): the verifier's
 screens, weights, rescue and scores, the weighted aggregate every replica applies, and the ledger's credit
-rule (`bootstrap/sybil_bench.py` runs them as the coordinator does). Four honest anchors and a chain train
-alone until they have earned their weight; then every attacker joins at once (one run keeps CI short; each
-attack's identities are told apart by name, `hetnode bench trust --sybil` runs them one by one)."""
+rule (`hetnode/lab/experiments/sybil_bench.py` runs them as the coordinator does). Four honest anchors and a
+chain train alone until they have earned their weight; then every attacker joins at once (one run keeps CI
+short; each attack's identities are told apart by name, `hetnode bench trust --sybil` runs them one by
+one)."""
 
 from __future__ import annotations
 
 import pytest
 
-from bootstrap.sybil_bench import SybilPlan, run_scenario, summarise
 from hetnode.config import replace
 from hetnode.data.dataset import TokenDataset
+from hetnode.lab.experiments.sybil_bench import SybilPlan, run_scenario, summarise
 from hetnode.model.decoder import build_model
 from hetnode.replica.global_model import base_fixed_embedding
 

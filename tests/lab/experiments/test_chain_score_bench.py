@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from bootstrap import chain_score_bench
 from hetnode.config import Config
+from hetnode.lab.experiments import chain_score_bench
 
 pytestmark = pytest.mark.slow
 

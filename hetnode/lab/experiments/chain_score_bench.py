@@ -1,9 +1,9 @@
 """`hetnode bench chain-score`: how much a chain's round helps θ against an anchor's, as the verifier scores
 it (issue 35: the chain is left out by the score in the utilisation lab), in process.
 
-It lives beside the verifier it measures (`bootstrap/verifier.py`) and runs the replicas' code
-(`daemon/rounds.py` for anchors, `daemon/stage_training.py` for a two-stage chain in 1F1B), which
-`hetnode/bench/` may not import.
+It lives in the lab wing, which may import both sides it measures: the verifier (`bootstrap/verifier.py`)
+and the replicas' code (`daemon/rounds.py` for anchors, `daemon/stage_training.py` for a two-stage chain in
+1F1B).
 
 Per compression mode and warm-up length: θ is an anchor's weights after `warm` steps from the seed. Three
 anchors and one chain per chain optimiser first train a round of `warm` steps from the seed (their
@@ -30,10 +30,11 @@ from tqdm import tqdm  # noqa: E402
 from bootstrap.verifier import Replica, Verifier  # noqa: E402
 from hetnode.algo.scoring import SCORE_MARGIN  # noqa: E402
 from hetnode.config import Config, replace  # noqa: E402
-from hetnode.daemon.rounds import AnchorTraining, data_slot  # noqa: E402
+from hetnode.daemon.rounds import AnchorTraining  # noqa: E402
 from hetnode.daemon.stage_training import StageTraining, stage_part  # noqa: E402
 from hetnode.data import TokenDataset  # noqa: E402
 from hetnode.model.decoder import build_model  # noqa: E402
+from hetnode.planning.rounds import data_slot  # noqa: E402
 from hetnode.replica.global_model import GlobalModel, base_fixed_embedding  # noqa: E402
 
 log = logging.getLogger(__name__)

@@ -8,8 +8,6 @@ from types import SimpleNamespace
 import pydantic.v1 as pydantic
 import pytest
 
-from hetnode.daemon.view import SwarmView
-from hetnode.daemon.view_changes import ChangeLog, apply_steps, new_step, step_chain, trim_steps
 from hetnode.net.node import StoredValue
 from hetnode.net.records import (
     MAX_CHANGE_STEPS,
@@ -20,6 +18,8 @@ from hetnode.net.records import (
     new_peer_record,
     value_bytes,
 )
+from hetnode.protocol.view import SwarmView
+from hetnode.protocol.view_changes import ChangeLog, apply_steps, new_step, step_chain, trim_steps
 
 LINK = {"link_class": "low", "up_mbps": 20.0, "down_mbps": 20.0, "mem_gb": 1.0, "tflops": 0.5}
 

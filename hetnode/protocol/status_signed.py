@@ -1,10 +1,10 @@
 """`hetnode status --peer <multiaddr>` in a fraction of a second: the coordinator's status document over
 HTTP, signed by the key its peer id names.
 
-The DHT read (`status.py`) starts a P2P daemon and imports hivemind, which imports torch: seconds on a small
-machine. A multiaddr names a peer id, so the document can come from anywhere, the coordinator's HTTP port
-included, as long as it is signed by that peer id's key. The coordinator signs its document once a heartbeat
-(`sign_status`: no signature per request, so asking costs it nothing) and serves it at
+The DHT read (`daemon/status.py`) starts a P2P daemon and imports hivemind, which imports torch: seconds on
+a small machine. A multiaddr names a peer id, so the document can come from anywhere, the coordinator's HTTP
+port included, as long as it is signed by that peer id's key. The coordinator signs its document once a
+heartbeat (`sign_status`: no signature per request, so asking costs it nothing) and serves it at
 `/api/swarm/signed`; `open_status` takes it only when the key derives to the peer id asked for, the
 signature verifies and the document is recent (`MAX_AGE_S`, clocks may differ a little), and otherwise says
 why, and the caller reads the DHT as before. Light on purpose: the standard library, `cryptography` and

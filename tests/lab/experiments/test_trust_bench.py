@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from bootstrap import trust_bench
 from hetnode.config import Config
+from hetnode.lab.experiments import trust_bench
 
 pytestmark = pytest.mark.slow
 

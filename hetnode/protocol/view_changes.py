@@ -26,8 +26,8 @@ from hetnode.net.records import (
 )
 
 if TYPE_CHECKING:  # view.py imports this module: the view is only passed in
-    from hetnode.daemon.view import SwarmView
     from hetnode.net.node import SwarmNode
+    from hetnode.protocol.view import SwarmView
 
 log = logging.getLogger(__name__)
 

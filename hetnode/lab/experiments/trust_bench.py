@@ -1,7 +1,7 @@
 """`hetnode bench trust`: what verification buys against useless or harmful work (TRUST §4), in process.
 
-It lives beside the verifier it measures: it runs the coordinator's code (`bootstrap/verifier.py`) and the
-replicas' (`hetnode/daemon/rounds.py`), which `hetnode/bench/` (the sim layer and below) may not import.
+It lives in the lab wing, which may import both sides it measures: the coordinator's code
+(`bootstrap/verifier.py`) and the replicas' (`hetnode/daemon/rounds.py`).
 
 Per fault mode, R honest anchors and one attacker train the same model for the same rounds, with and
 without the coordinator's verifier (`bootstrap/verifier.py`, the code the coordinator runs); a clean run
@@ -38,10 +38,11 @@ from tqdm import tqdm  # noqa: E402
 from bootstrap.verifier import Replica, Verifier  # noqa: E402
 from hetnode.config import Config, replace  # noqa: E402
 from hetnode.daemon.faulty import StaleTheta  # noqa: E402
-from hetnode.daemon.rounds import AnchorTraining, data_slot  # noqa: E402
-from hetnode.daemon.sealing import paced_weights, verified_steps  # noqa: E402
+from hetnode.daemon.rounds import AnchorTraining  # noqa: E402
 from hetnode.data import TokenDataset  # noqa: E402
 from hetnode.model.decoder import build_model  # noqa: E402
+from hetnode.planning.rounds import data_slot  # noqa: E402
+from hetnode.protocol.sealing import paced_weights, verified_steps  # noqa: E402
 from hetnode.replica.global_model import ApplyError, GlobalModel, base_fixed_embedding  # noqa: E402
 from hetnode.training.faults import WORK_FAULTS  # noqa: E402
 
