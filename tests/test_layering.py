@@ -1,6 +1,8 @@
-"""Imports point one way down the layer table of STYLE.md; hivemind stays inside hetnode/net/."""
+"""Imports (and `python -m` starts) follow the layer table of docs/architecture.md, which this test reads;
+hivemind stays inside hetnode/net/."""
 
 import ast
+import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -83,12 +85,20 @@ ALLOWED = {
     },
 }
 SHARED = {"config", "errors", "__init__", "__version__"}
+# programs a layer starts as processes (`python -m`), which count as imports but for these, named: the lab
+# starts daemons through the command line as a volunteer does, and the network lab runs the hivemind-only
+# all-reduce baseline as a process of its own (hivemind stays in `net/`)
+PROCESSES = {
+    "hetnode.cli.main": {"bench", "demo", "lab"},
+    "hetnode.net.allreduce_baseline": {"bench", "lab"},
+}
 PURE = {"algo", "planning", "model", "wire", "data", "replica"}  # no I/O libraries, no network stacks
 
 
 def _imports(path: Path) -> set[str]:
     """Every module `path` imports, type-only and function-level imports included; `from a import b` counts
-    as `a` and as `a.b` (b may be a module: `from hetnode import daemon`)."""
+    as `a` and as `a.b` (b may be a module: `from hetnode import daemon`). Modules it starts as processes
+    (`[..., "-m", "hetnode.x", ...]`) are in `_started`."""
     names = set()
     for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
         if isinstance(node, ast.Import):
@@ -97,6 +107,18 @@ def _imports(path: Path) -> set[str]:
             names.add(node.module)
             names.update(f"{node.module}.{alias.name}" for alias in node.names)
     return names
+
+
+def _started(path: Path) -> set[str]:
+    """Our modules `path` starts with `python -m` (an argv list or tuple holding "-m" then the module)."""
+    started = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.List | ast.Tuple):
+            values = [e.value if isinstance(e, ast.Constant) else None for e in node.elts]
+            for flag, module in zip(values, values[1:], strict=False):
+                if flag == "-m" and isinstance(module, str) and module.startswith("hetnode."):
+                    started.add(module)
+    return started
 
 
 def _layer(path: Path) -> str | None:
@@ -122,13 +144,46 @@ def test_layers_import_only_downwards():
         if layer is None:
             continue
         assert layer in ALLOWED, f"{path}: layer {layer!r} is not in the layer table"
-        for name in _imports(path):
+        started = {name for name in _started(path) if layer not in PROCESSES.get(name, set())}
+        for name in _imports(path) | started:
             target = _target(name)
             if target is None:
                 continue
             if target not in SHARED and target != layer and target not in ALLOWED[layer]:
-                bad.append(f"{path.relative_to(ROOT)} imports {name}")
+                how = "starts" if name in started else "imports"
+                bad.append(f"{path.relative_to(ROOT)} {how} {name}")
     assert not bad, "\n".join(bad)
+
+
+def test_python_m_strings_count_as_imports(tmp_path: Path):
+    program = tmp_path / "starter.py"
+    program.write_text(
+        'argv = [sys.executable, "-m", "hetnode.daemon.peer", "--x"]\nother = ("-m", "json")\n'
+    )
+    assert _started(program) == {"hetnode.daemon.peer"}
+
+
+def _doc_table() -> dict[str, tuple[int, set[str]]]:
+    """docs/architecture.md's layer table: layer -> (its row, the layers it may import: the backticked
+    names before the first ";" of its third column)."""
+    text = (ROOT / "docs" / "architecture.md").read_text(encoding="utf-8")
+    rows: dict[str, tuple[int, set[str]]] = {}
+    for line in text.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if not line.startswith("| `") or len(cells) != 3:
+            continue
+        name = cells[0].strip("`").removeprefix("hetnode/").rstrip("/")
+        rows[name] = (len(rows), set(re.findall(r"`([a-z_]+)`", cells[2].split(";")[0])))
+    return rows
+
+
+def test_the_architecture_doc_and_this_test_agree_row_for_row():
+    rows = _doc_table()
+    assert set(rows) == set(ALLOWED), set(rows) ^ set(ALLOWED)
+    for layer, (row, allowed) in rows.items():
+        assert allowed == ALLOWED[layer], (layer, allowed ^ ALLOWED[layer])
+        above = [name for name, (other, _) in rows.items() if other < row]
+        assert allowed <= set(above), f"{layer} may import a layer below it: {allowed - set(above)}"
 
 
 def test_hivemind_only_in_net():
