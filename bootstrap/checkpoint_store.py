@@ -44,8 +44,9 @@ from bootstrap.run_state import (
     shape_mismatch,
 )
 from hetnode.config import Config
-from hetnode.data.tokenizer import BpeTokenizer, Tokenizer, atomic_write_text
+from hetnode.data.tokenizer import BpeTokenizer, Tokenizer
 from hetnode.errors import CheckpointError, SetupMismatch
+from hetnode.files import atomic_write_text
 from hetnode.model.shards import layer_digests
 from hetnode.replica.checkpoint import (
     MANIFEST,

@@ -84,7 +84,7 @@ ALLOWED = {
         "bootstrap",  # the coordinator's verifier and credit rule, measured in process
     },
 }
-SHARED = {"config", "errors", "__init__", "__version__"}
+SHARED = {"config", "errors", "files", "__init__", "__version__"}
 # programs a layer starts as processes (`python -m`), which count as imports but for these, named: the lab
 # starts daemons through the command line as a volunteer does, and the network lab runs the hivemind-only
 # all-reduce baseline as a process of its own (hivemind stays in `net/`)

@@ -18,6 +18,7 @@ from hetnode.algo.sparseloco import CompressedTensor, ErrorFeedback, SparseLoCoC
 from hetnode.config import Config
 from hetnode.data.dataset import TokenDataset
 from hetnode.errors import CheckpointError
+from hetnode.files import atomic_write
 from hetnode.model.decoder import build_model
 from hetnode.model.shards import shard_names
 from hetnode.model.subspace import SubspaceConstraint
@@ -55,10 +56,8 @@ def anchor_constraint(config: Config) -> SubspaceConstraint | None:
 
 
 def write_state(path: Path, state: dict) -> None:
-    """torch.save to a temporary file, then renamed: a crash never leaves half a state."""
-    tmp = path.with_suffix(".tmp")
-    torch.save(state, tmp)
-    tmp.replace(path)
+    """torch.save, atomically (`hetnode.files`): a crash never leaves half a state."""
+    atomic_write(path, lambda tmp: torch.save(state, tmp))
 
 
 @dataclass

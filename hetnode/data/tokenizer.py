@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import os
-import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Protocol, runtime_checkable
@@ -22,6 +20,7 @@ from tokenizers import decoders, models, pre_tokenizers, trainers
 
 from hetnode.config import DataConfig
 from hetnode.errors import DataError
+from hetnode.files import atomic_write_text
 
 log = logging.getLogger(__name__)
 
@@ -163,16 +162,3 @@ def make_tokenizer(cfg: DataConfig, texts: Sequence[str], data_dir: Path) -> Tok
     except OSError as exc:
         log.warning("could not cache BPE tokenizer at %s: %s", path, exc)
     return tok
-
-
-def atomic_write_text(path: Path, text: str) -> None:
-    """Write `text` to `path` so that a reader finds the old file or the new one, whole."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as fh:
-            fh.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise

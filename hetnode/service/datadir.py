@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from hetnode.errors import HetnodeError
+from hetnode.files import atomic_write_text
 
 
 class DataDir:
@@ -58,10 +59,7 @@ class DataDir:
         """Atomic: a reader, or a start after a crash, finds the old file or the new one, whole (a rename over
         it). No fsync: daemons write here from their event loop, which must not wait behind the disk
         flushing a checkpoint."""
-        path = self.path / name
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(data, indent=1, sort_keys=True))
-        os.replace(tmp, path)
+        atomic_write_text(self.path / name, json.dumps(data, indent=1, sort_keys=True), durable=False)
 
     def move_aside(self, names: Sequence[str], folder: str) -> list[str]:
         """Move those of `names` that exist into `DATA_DIR/folder` (created), in the order given; the ones

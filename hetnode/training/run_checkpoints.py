@@ -36,8 +36,9 @@ from typing import Any
 import torch
 
 from hetnode.config import Config, replace
-from hetnode.data.tokenizer import BpeTokenizer, Tokenizer, atomic_write_text
+from hetnode.data.tokenizer import BpeTokenizer, Tokenizer
 from hetnode.errors import CheckpointError, ConfigError
+from hetnode.files import atomic_write_text
 from hetnode.model.decoder import parameter_shapes
 from hetnode.model.shards import layer_digests
 from hetnode.replica.checkpoint import (

@@ -9,7 +9,6 @@ dict is stored as a list of [key, value] pairs.
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +17,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from hetnode.errors import CheckpointError
+from hetnode.files import atomic_write
 
 FORMAT = "hetnode-state/1"
 _TENSOR, _DICT = "$tensor", "$dict"
@@ -47,13 +47,8 @@ def save_state(path: Path, state: Any) -> None:
         raise TypeError(f"{name}: cannot store a {type(value).__name__} in a state file")
 
     skeleton = json.dumps(encode(state, "state"))
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    save_file(tensors, str(tmp), metadata={"format": FORMAT, "skeleton": skeleton})
-    with open(tmp, "rb") as f:
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    metadata = {"format": FORMAT, "skeleton": skeleton}
+    atomic_write(Path(path), lambda tmp: save_file(tensors, str(tmp), metadata=metadata))
 
 
 def load_state(path: Path) -> Any:
