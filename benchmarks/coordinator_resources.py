@@ -6,7 +6,7 @@ coordinator's order: the global θ (`GlobalModel`), the bookkeeping worker as `B
 (the corpus, the eval batches, a second copy of the model: the worker's copy of θ), two sealed rounds of 2
 contributors (decode, verification with `bootstrap/verifier.py`, aggregate and outer step; the second is
 timed), the evaluation of θ, and the checkpoint as `checkpoint_store.store` writes it. For every config
-the sizes come from the shapes alone (`hetnode/bench/scale_sizes.py`); for --estimate configs memory and
+the sizes come from the shapes alone (`hetnode/lab/scale/sizes.py`); for --estimate configs memory and
 times are extrapolated from the measured ones (`estimate` says how; the arithmetic is in the JSON and in
 docs/operations.md), not measured.
 
@@ -43,8 +43,8 @@ def rss_mb() -> tuple[float, float]:
 
 def sizes(name: str) -> dict:
     """Parameters, θ and a stage slice as dense fp32, and one replica's signed payload, from the shapes."""
-    from hetnode.bench.scale_sizes import payload_sizes
     from hetnode.config import load_config
+    from hetnode.lab.scale.sizes import payload_sizes
 
     config = load_config(ROOT / "configs" / f"{name}.toml")
     s = payload_sizes(config)

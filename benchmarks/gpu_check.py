@@ -37,12 +37,12 @@ from typing import Any
 
 import torch
 
-from hetnode.bench.lab_process import HETNODE, LabProcess
 from hetnode.config import Config, dump_config, load_config, replace
 from hetnode.daemon.stage_training import StageTraining, stage_part
 from hetnode.data import TokenDataset
-from hetnode.demo.digests import compare_digests, hold_round
-from hetnode.demo.swarm import alive, descendants, process_name, read_jsonl, start_time
+from hetnode.lab.demo.digests import compare_digests, hold_round
+from hetnode.lab.demo.swarm import alive, descendants, process_name, read_jsonl, start_time
+from hetnode.lab.procs import HETNODE, LabProcess
 from hetnode.model import build_model, count_parameters
 from hetnode.replica.global_model import GlobalModel
 from hetnode.training.precision import autocast_dtype

@@ -5,7 +5,7 @@ modelled at 178m and 1b (fp32 as the worker runs today, and bf16 autocast on a G
     .venv/bin/python benchmarks/stage_memory.py --config small --stages 3 4
 
 Writes stage_memory.json and stage_memory.md under benchmarks/results/stage-memory/ (see
-`hetnode.bench.stage_memory` for what is counted and how).
+`hetnode.lab.experiments.stage_memory` for what is counted and how).
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ import argparse
 import json
 from pathlib import Path
 
-from hetnode.bench.stage_memory import BF16_AUTOCAST, FP32, GiB, measure_stage0, model_stage
 from hetnode.config import load_config, replace
+from hetnode.lab.experiments.stage_memory import BF16_AUTOCAST, FP32, GiB, measure_stage0, model_stage
 
 ROOT = Path(__file__).resolve().parents[1]
 MODELLED = ("178m", "1b")

@@ -193,7 +193,7 @@ def _config(args: argparse.Namespace):
 
 
 def run_network(args: argparse.Namespace) -> int:
-    from hetnode.bench import network
+    from hetnode.lab.runs import network
 
     plan = dataclasses.replace(network.plan_for(args.quick), slow_mbit=args.slow_mbit)
     report = network.run_benchmark(_config(args), plan, args.out, progress=not args.no_progress)
@@ -220,8 +220,8 @@ def run_network(args: argparse.Namespace) -> int:
 def run_scale(args: argparse.Namespace) -> int:
     if args.calibrate:
         return run_scale_calibration(args)
-    from hetnode.bench import scale
     from hetnode.config import load_config
+    from hetnode.lab.scale import model as scale
 
     plan = scale.plan_for(args.quick, args.anchor_share, args.prefetch)
     configs = {name: load_config(CONFIG_DIR / f"{name}.toml") for name in plan.configs}
@@ -284,8 +284,8 @@ def run_scale(args: argparse.Namespace) -> int:
 
 
 def run_scale_calibration(args: argparse.Namespace) -> int:
-    from hetnode.bench import scale_calibrate
     from hetnode.config import load_config
+    from hetnode.lab.scale import calibrate as scale_calibrate
 
     config = load_config(args.config or CONFIG_DIR / "small.toml")
     plan = scale_calibrate.CalibrationPlan()
@@ -317,7 +317,7 @@ def _names(text: str) -> tuple[str, ...]:
 
 
 def run_sparseloco(args: argparse.Namespace) -> int:
-    from hetnode.bench import sparseloco
+    from hetnode.lab.experiments import sparseloco
 
     plan = sparseloco.plan_for(
         args.quick, args.steps, _names(args.methods), _names(args.aggregations), args.replicas, args.outer_lr
@@ -338,7 +338,7 @@ def run_sparseloco(args: argparse.Namespace) -> int:
 
 
 def run_influence(args: argparse.Namespace) -> int:
-    from hetnode.bench import influence
+    from hetnode.lab.experiments import influence
 
     plan = influence.plan_for(args.quick, args.replicas, args.rounds)
     report = influence.run_influence(_config(args), plan, args.out, progress=not args.no_progress)
@@ -384,7 +384,7 @@ def _print_weighted(weighted: dict) -> None:
 
 
 def run_overlap(args: argparse.Namespace) -> int:
-    from hetnode.bench import overlap
+    from hetnode.lab.experiments import overlap
 
     try:
         counts = tuple(int(r) for r in _names(args.replicas))
@@ -425,7 +425,7 @@ def run_overlap(args: argparse.Namespace) -> int:
 
 
 def run_subspace(args: argparse.Namespace) -> int:
-    from hetnode.bench import subspace
+    from hetnode.lab.experiments import subspace
 
     only = tuple(name.strip() for name in args.runs.split(",") if name.strip())
     plan = subspace.plan_for(args.quick, args.steps, only)
@@ -444,7 +444,7 @@ def run_subspace(args: argparse.Namespace) -> int:
 
 
 def run_staleness(args: argparse.Namespace) -> int:
-    from hetnode.bench import staleness
+    from hetnode.lab.experiments import staleness
 
     if args.eval_every is not None and args.eval_every < 1:
         raise ConfigError("--eval-every", "bench staleness", f"must be at least 1, got {args.eval_every}")

@@ -6,9 +6,9 @@ import argparse
 import dataclasses
 from pathlib import Path
 
-from hetnode.bench.soak_plan import SoakPlan
-from hetnode.bench.wan import PRESETS
 from hetnode.errors import HetnodeError
+from hetnode.lab.netlab.wan import PRESETS
+from hetnode.lab.runs.soak_plan import SoakPlan
 
 CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs"
 
@@ -25,7 +25,7 @@ def register(benches: argparse._SubParsersAction) -> None:
         action="append",
         default=None,
         metavar="HOST=PRESET",
-        help="a lab host's link preset (hetnode.bench.wan.PRESETS), repeatable; default "
+        help="a lab host's link preset (hetnode.lab.netlab.wan.PRESETS), repeatable; default "
         + ",".join(f"{h}={p}" for h, p in SoakPlan().wan),
     )
     parser.add_argument(
@@ -38,8 +38,8 @@ def register(benches: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from hetnode.bench import soak  # the lab and matplotlib, only when a soak runs
     from hetnode.config import load_config
+    from hetnode.lab.runs import soak  # the lab and matplotlib, only when a soak runs
 
     if args.rejudge:
         report = soak.rejudge(args.out)

@@ -58,8 +58,8 @@ def register(benches: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from hetnode.bench import utilization  # the lab and matplotlib, only when the benchmark runs
     from hetnode.config import load_config
+    from hetnode.lab.runs import utilization  # the lab and matplotlib, only when the benchmark runs
 
     config = load_config(args.config or CONFIG_DIR / "tiny.toml")
     if args.resummarise:

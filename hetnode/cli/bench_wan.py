@@ -5,9 +5,9 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from hetnode.bench import wan_check
-from hetnode.bench.wan import PRESETS
 from hetnode.errors import HetnodeError
+from hetnode.lab.netlab.wan import PRESETS
+from hetnode.lab.runs import wan_check
 
 
 def register(benches: argparse._SubParsersAction) -> None:

@@ -43,7 +43,7 @@ def register(commands: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from hetnode.demo.run import DemoOptions, run_demo  # rich and matplotlib only when used
+    from hetnode.lab.demo.run import DemoOptions, run_demo  # rich and matplotlib only when used
 
     options = DemoOptions(
         config_path=args.config or CONFIG_DIR / ("tiny.toml" if args.quick else "small.toml"),

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from hetnode.config import dump_config, load_config, replace
-from hetnode.demo.swarm import alive, descendants, process_name, read_jsonl
+from hetnode.lab.demo.swarm import alive, descendants, process_name, read_jsonl
 from hetnode.wire.round_history import merge_history
 
 ROOT = Path(__file__).resolve().parents[2]

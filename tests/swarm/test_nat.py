@@ -1,7 +1,7 @@
 """Volunteers behind masquerading NAT routers (no port forward, no public address) join, say truthfully that
 they are reached through a relay, and contribute: an anchor's payloads are in sealed rounds, and so are those
 of a chain whose second stage is behind NAT (its activation streams cross the relay). A peer on the open
-network says it is reached directly. Real daemons in lab namespaces (`hetnode/bench/natlab.py`); root and
+network says it is reached directly. Real daemons in lab namespaces (`hetnode/lab/netlab/nat.py`); root and
 iptables only."""
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ import subprocess
 
 import pytest
 
-from hetnode.bench.lab_process import HETNODE, REPO_ROOT
-from hetnode.bench.natlab import NatLab
+from hetnode.lab.netlab.nat import NatLab
+from hetnode.lab.procs import HETNODE, REPO_ROOT
 
 pytestmark = [
     pytest.mark.slow,

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from hetnode.bench.cpu_quota import CPU_ROOT, CpuQuotas
+from hetnode.lab.cpu_quota import CPU_ROOT, CpuQuotas
 from hetnode.service.round_log import read_rounds
 
 pytestmark = [

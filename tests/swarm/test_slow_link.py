@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from hetnode.bench.netlab import NetLab, lab_unavailable
+from hetnode.lab.netlab.hosts import NetLab, lab_unavailable
 
 pytestmark = [
     pytest.mark.slow,

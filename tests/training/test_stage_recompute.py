@@ -11,8 +11,8 @@ from torch.func import functional_call
 
 from hetnode.config import Config, replace
 from hetnode.data import TokenDataset
+from hetnode.lab.sim.pipeline import PipelineChain, build_chain_workers
 from hetnode.planning.layer_split import split_layers
-from hetnode.sim.pipeline import PipelineChain, build_chain_workers
 from hetnode.training.stage_worker import Frame, StageWorker
 
 STAGES = 4

@@ -15,8 +15,8 @@ import torch
 
 from hetnode.config import Config, replace
 from hetnode.data import TokenDataset
+from hetnode.lab.sim.pipeline import build_chain_workers
 from hetnode.planning.layer_split import split_layers
-from hetnode.sim.pipeline import build_chain_workers
 from hetnode.training.host_syncs import HostSyncs, optimizer_step_counters
 from hetnode.training.stage_worker import Frame, StageWorker
 

@@ -1,1 +1,0 @@
-"""Benchmarks behind `hetnode bench ...`: side-by-side runs that write JSON + PNG results."""
