@@ -1,4 +1,4 @@
-"""Atomic writes (`hetnode/files.py`): the new file whole, or the old one untouched and nothing left beside it."""
+"""Atomic writes (`hetnode/files.py`): the new file whole, or the old one untouched and nothing beside it."""
 
 from pathlib import Path
 

@@ -7,7 +7,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 
-# layer -> layers it may import (besides itself, hetnode.config and hetnode.errors); `bootstrap/` is one too
+# what a long-running process builds on: the runtime below the swarm protocol
+RUNTIME = {"algo", "model", "data", "training", "planning", "wire", "replica", "net", "service"}
+# layer -> layers it may import (besides itself and the shared modules); `bootstrap/` is one too
 ALLOWED = {
     "algo": set(),
     "planning": {"algo"},  # plain-number statistics (`algo.quantiles`)
@@ -21,68 +23,17 @@ ALLOWED = {
     "service": {"net", "wire", "model", "algo"},
     # the swarm protocol the coordinator and the peers share, below both
     "protocol": {"algo", "training", "planning", "wire", "replica", "net", "service"},
-    "daemon": {
-        "algo",
-        "model",
-        "data",
-        "training",
-        "planning",
-        "wire",
-        "replica",
-        "net",
-        "service",
-        "protocol",
-    },
-    "cli": {
-        "algo",
-        "model",
-        "data",
-        "training",
-        "planning",
-        "wire",
-        "replica",
-        "net",
-        "service",
-        "protocol",
-        "daemon",
-        "sim",
-        "bench",
-        "demo",
-        "export",
-        "lab",
-        "bootstrap",  # `hetnode bootstrap` starts the coordinator
-    },
+    "daemon": RUNTIME | {"protocol"},
     "bench": {"algo", "model", "data", "training", "wire", "replica", "sim", "planning"},
     "demo": {"bench", "daemon", "service", "wire"},
     "export": {"model", "data", "replica", "service"},  # its bounded HTTP client (`service.http_download`)
     # the coordinator: the protocol and what lies below it, never the peer (`daemon`), `cli` or the lab
-    "bootstrap": {
-        "algo",
-        "model",
-        "data",
-        "training",
-        "planning",
-        "wire",
-        "replica",
-        "net",
-        "service",
-        "protocol",
-    },
-    # the lab wing: tools that measure or stage a swarm; nothing a volunteer or a coordinator runs imports it
-    "lab": {
-        "algo",
-        "model",
-        "data",
-        "training",
-        "planning",
-        "wire",
-        "replica",
-        "net",
-        "service",
-        "protocol",
-        "daemon",
-        "bootstrap",  # the coordinator's verifier and credit rule, measured in process
-    },
+    "bootstrap": RUNTIME | {"protocol"},
+    # the lab wing: tools that measure or stage a swarm; nothing a volunteer or a coordinator runs imports it;
+    # `bootstrap`: the coordinator's verifier and credit rule, measured in process
+    "lab": RUNTIME | {"protocol", "daemon", "bootstrap"},
+    # `bootstrap`: `hetnode bootstrap` starts the coordinator
+    "cli": RUNTIME | {"protocol", "daemon", "sim", "bench", "demo", "export", "lab", "bootstrap"},
 }
 SHARED = {"config", "errors", "files", "__init__", "__version__"}
 # programs a layer starts as processes (`python -m`), which count as imports but for these, named: the lab
