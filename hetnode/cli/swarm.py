@@ -10,9 +10,9 @@ import socket
 import time
 from pathlib import Path
 
+from hetnode.daemon.faults import FAULT_NAMES
 from hetnode.errors import ConfigError, HetnodeError
 from hetnode.service.http_server import DEFAULT_STATUS_PORT
-from hetnode.training.faults import WORK_FAULTS
 
 DEFAULT_HOME = Path("~/.hetnode")
 SIGNED_STATUS_TIMEOUT_S = 2.0  # the coordinator's HTTP port answers at once or not at all; then the DHT
@@ -182,8 +182,8 @@ def register(commands: argparse._SubParsersAction) -> None:
     )
     join.add_argument("--http-host", default="127.0.0.1", help="address /metrics binds (0.0.0.0: all)")
     join.add_argument(
-        "--fault", choices=("nan", "digest", "drift", *WORK_FAULTS), default=None, help=argparse.SUPPRESS
-    )  # tests only
+        "--fault", choices=FAULT_NAMES, default=None, help=argparse.SUPPRESS
+    )  # tests only: a hostile or faulty anchor or stage (`hetnode.daemon.faults`)
     join.set_defaults(handler=run_join)
 
     status = commands.add_parser("status", help="show the swarm as the DHT sees it")

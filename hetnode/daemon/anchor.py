@@ -22,11 +22,8 @@ import asyncio
 import logging
 from pathlib import Path
 
-import msgpack
-import torch
-
 from hetnode.config import Config
-from hetnode.daemon.faulty import StaleTheta, copied_payloads
+from hetnode.daemon.faults.strategy import HONEST, Faults
 from hetnode.daemon.participant import RoundParticipant
 from hetnode.daemon.rounds import AnchorTraining, TrainedRound, write_state
 from hetnode.data.epochs import training_dataset
@@ -54,21 +51,20 @@ class AnchorLoop:
         coordinator: str,
         device: str,
         state_path: Path,
-        fault: str | None = None,
+        faults: Faults = HONEST,
         metrics: PeerMetrics | None = None,
         stand_ins: tuple[str, ...] = (),
         directory: PeerDirectory | None = None,
     ) -> None:
         """`state_path`: local state for restarts; its folder (the data dir) also gets the round log;
-        `stand_ins`: the manifest's stand-in sealers; `directory`: the daemon's reads of peer records."""
+        `faults`: tests only, a hostile or faulty anchor (`hetnode.daemon.faults`); `stand_ins`: the
+        manifest's stand-in sealers; `directory`: the daemon's reads of peer records."""
         self.config = config
         self.node = node
         self.presence = presence
         self.device = device
         self.state_path = state_path
-        # tests only: "nan" or "digest" make a hostile contributor, "drift" a faulty one, and the work
-        # faults of `hetnode.training.faults` one whose valid payloads verification must catch
-        self.fault = fault
+        self.faults = faults
         self.metrics = metrics
         self.coordinator, self.stand_ins, self.directory = coordinator, stand_ins, directory
         # built by `run`, off the event loop (`_build`)
@@ -95,11 +91,10 @@ class AnchorLoop:
         )
         dataset = await asyncio.to_thread(training_dataset, c)
         peer_id = self.node.identity.peer_id
-        return await asyncio.to_thread(AnchorTraining, c, dataset, peer_id, self.device, self.fault)
+        return await asyncio.to_thread(AnchorTraining, c, dataset, peer_id, self.device, self.faults)
 
     async def run(self, stop: asyncio.Event) -> None:
         training = await self._build()
-        stale = StaleTheta() if self.fault == "stale" else None
         if await asyncio.to_thread(training.load_local_state, self.state_path, self.global_model):
             log.info(
                 "resumed local state: round %d, %d inner steps, error-feedback norm %.6f",
@@ -113,7 +108,7 @@ class AnchorLoop:
         if self.config.outer.overlap:
             training.close_aside()
         inbox = RebaseInbox()
-        inbox.post(await asyncio.to_thread(self._rebase, training, stale, ()))
+        inbox.post(await asyncio.to_thread(self._rebase, training, ()))
         task = self._train(training, self.global_model.params_round + 1, inbox)
         try:
             while not stop.is_set():
@@ -124,26 +119,27 @@ class AnchorLoop:
                     await self.presence.update(floor_s=self._floor_s(training))  # the budget may let us in
                     if not await self.rounds.sit_out(trained.round, stop):
                         return
-                    inbox.post(await asyncio.to_thread(self._rebase, training, stale, ()))
+                    inbox.post(await asyncio.to_thread(self._rebase, training, ()))
                     task = self._train(training, self.global_model.params_round + 1, inbox)
                     continue
                 closing = trained.closing
                 if closing is not None:  # round t+1 trains while round t's payload is made, then synced
                     task = self._train(training, trained.round + 1, inbox)
                     trained.payloads = await asyncio.wrap_future(closing)
-                if self.fault == "copy":
-                    await self._copy_instead(trained, stop)
+                trained.payloads = await self.faults.announced_payloads(
+                    self.node, self.global_model, trained.round, trained.payloads, stop
+                )
                 announcement, record = self._announce(trained)
                 if self.config.outer.overlap and closing is None:  # round t+1 trains while round t syncs
                     task = self._train(training, trained.round + 1, inbox)
                 outcome = await self.rounds.take_part(announcement, stop, record)
                 if outcome is None:
                     return
-                if self._maybe_drift():  # checked at once: the next step could round the flipped bit away
+                if self.faults.after_apply(self.global_model):  # checked at once: a step could round it away
                     self.rounds.unchecked = self.global_model.params_round
                     await self.rounds.verify_agreement(stop)
                 left_out = (trained.round,) if outcome.left_out else ()
-                inbox.post(await asyncio.to_thread(self._rebase, training, stale, left_out))
+                inbox.post(await asyncio.to_thread(self._rebase, training, left_out))
                 if not self.config.outer.overlap:  # lockstep: the next round starts from the new θ
                     task = self._train(training, self.global_model.params_round + 1, inbox)
                 await self.presence.update(
@@ -177,20 +173,17 @@ class AnchorLoop:
         training.budget_s = self.rounds.round_budget_s  # paced: the newest budget a seal gave us
         return asyncio.ensure_future(asyncio.to_thread(training.train_round, round_, inbox))
 
-    def _rebase(
-        self, training: AnchorTraining, stale: StaleTheta | None, left_out: tuple[int, ...]
-    ) -> Rebase:
+    def _rebase(self, training: AnchorTraining, left_out: tuple[int, ...]) -> Rebase:
         """θ as we hold it now, for the training thread to stand on (a test's stale peer: older θ)."""
-        theta = stale.train_from(self.global_model) if stale is not None else self.global_model
+        theta = self.faults.train_from(self.global_model)
         next_round = self.global_model.params_round + 1
         return training.rebase_from(theta, next_round, left_out, self.rounds.last_contributors)
 
     def _announce(self, trained: TrainedRound) -> tuple[dict, RoundRecord]:
         """Sign and hold the round's payload; the announcement and the round's log line (sync to come)."""
-        payloads = self.rounds.keep(trained.round, self._maybe_corrupt(trained.payloads))
+        payloads = self.rounds.keep(trained.round, self.faults.payload_bytes(trained.payloads))
         digests = {shard: sha256_hex(data) for shard, data in payloads.items()}
-        if self.fault == "digest":
-            digests = {shard: sha256_hex(b"not " + data) for shard, data in payloads.items()}
+        digests = self.faults.announced_digests(digests, payloads)
         announcement = {
             "round": trained.round,
             "shards": digests,
@@ -223,34 +216,3 @@ class AnchorLoop:
         if self.metrics is not None and upload:
             self.metrics.set_compression("sparseloco", self.global_model.dense_bytes(payloads) / upload)
         return announcement, record
-
-    async def _copy_instead(self, trained: TrainedRound, stop: asyncio.Event) -> None:
-        """Tests only ("copy"): announce another peer's payload of the round as ours, if we can get it."""
-        copied = await copied_payloads(self.node, self.global_model, trained.round, stop)
-        if copied:
-            trained.payloads = copied
-
-    def _maybe_drift(self) -> bool:
-        """Tests only ("drift"): after round 1, flip the lowest bit of one weight, as a silent fault in
-        memory or a diverging kernel would; the digest check must notice and repair it."""
-        if self.fault != "drift" or self.global_model.params_round != 1:
-            return False
-        name = sorted(self.global_model.params)[0]
-        bits = self.global_model.params[name].view(-1).view(torch.int32)
-        bits[0] ^= 1
-        self.global_model.changed()
-        log.warning("fault injection: flipped one bit of %s", name)
-        return True
-
-    def _maybe_corrupt(self, payloads: dict[str, bytes]) -> dict[str, bytes]:
-        if self.fault != "nan":
-            return payloads
-        return {shard: _nan_payload(data) for shard, data in payloads.items()}
-
-
-def _nan_payload(data: bytes) -> bytes:
-    """Tests only: the same message with every tensor's quantisation shift set to NaN."""
-    message = msgpack.unpackb(data, raw=False)
-    for entry in message["tensors"]:
-        entry["q"][0] = float("nan")
-    return msgpack.packb(message, use_bin_type=True, use_single_float=True)

@@ -31,9 +31,10 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from hetnode.config import Config
+from hetnode.daemon.faults.strategy import HONEST, Faults
 from hetnode.daemon.participant import RoundParticipant
 from hetnode.daemon.rounds import write_state
 from hetnode.daemon.stage_training import StageTraining, drift_refusal, stage_part
@@ -62,6 +63,9 @@ from hetnode.wire.activation_frame import (
     encode_round_end,
     frame_size_limit,
 )
+
+if TYPE_CHECKING:
+    import torch
 
 log = logging.getLogger(__name__)
 
@@ -131,8 +135,10 @@ class ChainLoop:
         device: str = "cpu",
         metrics: PeerMetrics | None = None,
         directory: PeerDirectory | None = None,
+        faults: Faults = HONEST,
     ) -> None:
-        """`data_dir` gets the round log; `directory`: the daemon's shared reads of the peer records."""
+        """`data_dir` gets the round log; `directory`: the daemon's shared reads of the peer records;
+        `faults`: tests only, a stage whose frames are hostile (`hetnode.daemon.faults`)."""
         self.config = config
         self.node = node
         self.presence = presence
@@ -140,6 +146,7 @@ class ChainLoop:
         self.data_dir = data_dir
         self.device = device
         self.metrics = metrics
+        self.faults = faults
         self.state_path = data_dir / f"stage-state-{node.run}.pt"  # for restarts, as an anchor keeps one
         self.bytes_sent = 0  # activation and gradient frames, since the chain started
         self.bytes_received = 0
@@ -603,7 +610,7 @@ class ChainLoop:
             async with self.compute:
                 mb, batch = training.next_batch()
                 frame = await self._computed(training.forward, mb, batch)
-            await self._send(self.downstream, encode_frame("act", round_, mb, *_frame_parts(frame)))
+            await self._send(self.downstream, self._act_frame(round_, mb, frame))
             fed += 1
             now = time.monotonic()
             took, last = now - last, now
@@ -646,11 +653,9 @@ class ChainLoop:
                     grad = await self._computed(training.backward, frame.mb)
             if self.layout.last:  # counted first: the next round's frames may follow this gradient at once
                 self._count_backward()
-                await self._send(self.upstream, encode_frame("grad", frame.round, frame.mb, grad))
+                await self._send(self.upstream, self._grad_frame(frame.round, frame.mb, grad))
             else:
-                await self._send(
-                    self.downstream, encode_frame("act", frame.round, frame.mb, *_frame_parts(out))
-                )
+                await self._send(self.downstream, self._act_frame(frame.round, frame.mb, out))
 
     async def _take_drift(self, round_: int, base: int) -> None:
         """Keep the θ round of the T_fix' of the round about to start and pass it on down the chain (as we
@@ -705,7 +710,7 @@ class ChainLoop:
                 self.window.release()
             self._count_backward()  # first: the next round's frames may follow this gradient at once
             if grad is not None:
-                await self._send(self.upstream, encode_frame("grad", frame.round, frame.mb, grad))
+                await self._send(self.upstream, self._grad_frame(frame.round, frame.mb, grad))
 
     async def _enter_window(self) -> None:
         """Wait for room in this stage's in-flight window (a gradient coming back makes room)."""
@@ -749,6 +754,16 @@ class ChainLoop:
         finally:
             self.compute_s += time.perf_counter() - started
 
+    def _act_frame(self, round_: int, mb: int, out: Frame | torch.Tensor) -> bytes:
+        """The activation frame of micro-batch `mb`, as our strategy sends it downstream."""
+        assert isinstance(out, Frame)
+        tensor = self.faults.sent_activations(out.tensor)
+        return encode_frame("act", round_, mb, tensor, out.tokens, out.targets)
+
+    def _grad_frame(self, round_: int, mb: int, grad: torch.Tensor) -> bytes:
+        """The gradient frame of micro-batch `mb`, as our strategy sends it upstream."""
+        return encode_frame("grad", round_, mb, self.faults.sent_gradients(grad))
+
     async def _send(self, stream: OpenStream | None, data: bytes) -> None:
         assert stream is not None
         started = time.perf_counter()
@@ -777,8 +792,3 @@ class ChainLoop:
             raise ChainBroken(f"stream from {stream.peer[-8:]} ended ({type(exc).__name__})") from None
         except WireError as exc:
             raise ChainBroken(f"bad frame from {stream.peer[-8:]}: {exc}") from None
-
-
-def _frame_parts(frame: Frame | float) -> tuple:
-    assert isinstance(frame, Frame)
-    return frame.tensor, frame.tokens, frame.targets

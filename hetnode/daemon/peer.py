@@ -22,6 +22,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from hetnode.config import Config
 from hetnode.daemon.anchor import AnchorLoop
 from hetnode.daemon.chain import ChainLayout, ChainLoop
+from hetnode.daemon.faults.factory import faults_named
 from hetnode.daemon.peer_address import is_url, resolve_peer
 from hetnode.daemon.reach import reach_swarm
 from hetnode.daemon.resources import available_memory_gb, measure_tflops
@@ -80,7 +81,7 @@ class JoinOptions:
     connect_timeout_s: float = 60.0
     metrics_port: int | None = None  # None: no /metrics; 0: any free port
     http_host: str = "127.0.0.1"
-    fault: str | None = None  # tests only: a hostile ("nan", "digest") or faulty ("drift") anchor
+    fault: str | None = None  # tests only: a hostile or faulty anchor or stage (`hetnode.daemon.faults`)
     coordinator: str | None = None  # the coordinator's peer id we mean to follow (pinned)
     token: str | None = None  # a join token, for runs that admit by token
     data_source: str | None = None  # our own copy of the run's data (None: the bundled corpus)
@@ -304,7 +305,7 @@ class PeerDaemon:
                 self.contact.coordinator,
                 self.options.device,
                 self.options.data_dir / f"anchor-state-{self.contact.manifest.run}.pt",
-                self.options.fault,
+                faults_named(self.options.fault),  # a new one each role: a stale anchor's θ starts afresh
                 self.metrics,
                 self.contact.manifest.stand_ins,
                 self.directory,
@@ -323,6 +324,7 @@ class PeerDaemon:
                 self.options.device,
                 self.metrics,
                 self.directory,
+                faults_named(self.options.fault),
             )
         self._role_task = asyncio.create_task(loop.run(stop), name=f"role-{wanted}")
         self._role_key = wanted

@@ -16,6 +16,7 @@ import torch
 
 from hetnode.algo.sparseloco import CompressedTensor, ErrorFeedback, SparseLoCoCodec
 from hetnode.config import Config
+from hetnode.daemon.faults.strategy import HONEST, Faults
 from hetnode.data.dataset import TokenDataset
 from hetnode.errors import CheckpointError
 from hetnode.files import atomic_write
@@ -25,7 +26,6 @@ from hetnode.model.subspace import SubspaceConstraint
 from hetnode.planning.layer_split import split_layers
 from hetnode.planning.rounds import NUM_DATA_SLOTS, another_step, assigned_batches, data_slot, sits_out
 from hetnode.replica.global_model import GlobalModel, base_fixed_embedding
-from hetnode.training.faults import PSEUDO_GRADIENT_FAULTS, corrupt
 from hetnode.training.local_rounds import (
     AheadFrom,
     LocalRounds,
@@ -40,7 +40,7 @@ from hetnode.training.working_copy import WorkingCopy
 from hetnode.wire.sync_payload import SyncPayload, encode_payload
 
 if TYPE_CHECKING:
-    from hetnode.daemon.faulty import OldTheta
+    from hetnode.daemon.faults.anchor import OldTheta
 
 log = logging.getLogger(__name__)
 
@@ -88,15 +88,15 @@ class AnchorTraining:
         dataset: TokenDataset,
         peer_id: str,
         device: str = "cpu",
-        fault: str | None = None,
+        faults: Faults = HONEST,
         ahead_from: AheadFrom = "eager",
     ) -> None:
-        """`fault`: tests and benchmarks only, a pseudo-gradient fault (`hetnode.training.faults`);
+        """`faults`: tests and benchmarks only, what Δ each round sends (`hetnode.daemon.faults`);
         `ahead_from`: where a round ahead trains from until θ lands (`LocalRounds`; the others are measured
         in `benchmarks/overlap_rule.py`)."""
         self.config = config
         self.peer_id = peer_id
-        self.fault = fault if fault in PSEUDO_GRADIENT_FAULTS else None
+        self.faults = faults
         self.model = build_model(config.model, seed=config.run.seed).to(device)
         constraint = anchor_constraint(config)
         self.working = WorkingCopy(constraint, base_fixed_embedding(config))
@@ -129,8 +129,8 @@ class AnchorTraining:
 
     def close_aside(self) -> None:
         """From now on compress each round off the training thread (overlapped rounds only: in lockstep
-        nothing trains while a round closes). Not for a faulty peer, whose payload is its fault."""
-        if self.closer is None and self.fault is None:
+        nothing trains while a round closes). Not for a faulty peer whose payload is its fault."""
+        if self.closer is None and self.faults.closes_aside:
             self.closer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="round-close")
 
     def stop_closing(self) -> None:
@@ -248,14 +248,7 @@ class AnchorTraining:
         if self.closer is not None:
             return self._close_aside(round_, timing, tokens_before, step)
         closing = time.monotonic()
-        if self.fault is None:
-            compressed = self.local.compress(round_)
-        else:  # a faulty peer keeps no error feedback: what it sends is exactly its fault, round after round
-            seed = round_ * NUM_DATA_SLOTS + data_slot(self.peer_id)  # each faulty peer its own noise
-            delta = corrupt(self.fault, self.local.pseudo_gradient(), self.config.outer.max_value, seed=seed)
-            o = self.config.outer
-            compressed = ErrorFeedback(SparseLoCoCodec(o.topk, o.tile), o.error_feedback).compress(delta)
-            self.local.keep_progress()  # and has nothing to restore
+        compressed = self.faults.round_update(self.local, round_, self.peer_id, o)
         payloads = self._encode(round_, compressed)
         self._closed(timing, time.monotonic() - closing)
         return TrainedRound(

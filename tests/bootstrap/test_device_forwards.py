@@ -14,6 +14,7 @@ from bootstrap.device_forwards import dense_on, forward_model, model_device
 from bootstrap.verifier import Replica, Verifier
 from hetnode.algo.scoring import dense_update
 from hetnode.config import replace
+from hetnode.daemon.faults.factory import faults_named
 from hetnode.daemon.rounds import AnchorTraining
 from hetnode.data.dataset import TokenDataset
 from hetnode.model.decoder import build_model
@@ -38,7 +39,8 @@ def round_(tiny_config):
     model.requires_grad_(False)
     theta = GlobalModel(config)
     peers = {p: None for p in HONEST} | FAULTS
-    payloads = {p: AnchorTraining(config, dataset, p, fault=f).run_round(0, theta) for p, f in peers.items()}
+    trainers = {p: AnchorTraining(config, dataset, p, faults=faults_named(f)) for p, f in peers.items()}
+    payloads = {p: training.run_round(0, theta) for p, training in trainers.items()}
     contributions = [(p, theta.decode_contribution(p, 0, payloads[p])) for p in peers]
     replicas = {p: Replica(p, data_slot(p)) for p in peers}
     return config, dataset, model, theta, contributions, replicas

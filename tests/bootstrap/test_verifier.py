@@ -9,6 +9,7 @@ import pytest
 from bootstrap.verifier import DUPLICATE_FLOOR, Replica, Verifier, replica_of
 from hetnode.algo.scoring import index_overlap
 from hetnode.config import replace
+from hetnode.daemon.faults.factory import faults_named
 from hetnode.daemon.rounds import AnchorTraining
 from hetnode.data.dataset import TokenDataset
 from hetnode.model.decoder import build_model
@@ -34,7 +35,7 @@ def _decoded(global_model, peer, payloads):
 
 def _round(config, dataset, global_model, peers, fault=None):
     return {
-        peer: AnchorTraining(config, dataset, peer, fault=fault).run_round(
+        peer: AnchorTraining(config, dataset, peer, faults=faults_named(fault)).run_round(
             global_model.params_round + 1, global_model
         )
         for peer in peers

@@ -7,6 +7,7 @@ import pytest
 
 from bootstrap.verifier import MIN_SCORES, Replica, Verifier
 from hetnode.config import replace
+from hetnode.daemon.faults.factory import faults_named
 from hetnode.daemon.rounds import AnchorTraining
 from hetnode.data.dataset import TokenDataset
 from hetnode.model.decoder import build_model
@@ -43,7 +44,7 @@ async def announce(
     the payload (each after `delay_s`: a slow author within every stream timeout) and announce its
     digests (or wrong ones)."""
     peer = node.identity.peer_id
-    training = AnchorTraining(config, dataset, peer, fault=fault)
+    training = AnchorTraining(config, dataset, peer, faults=faults_named(fault))
     for _ in range(warmup):
         training.run_round(0, model)
     payloads = training.run_round(0, model)

@@ -36,6 +36,7 @@ from tqdm import tqdm
 from bootstrap.ledger import credit_round
 from bootstrap.verifier import Replica, Verifier
 from hetnode.config import Config, replace
+from hetnode.daemon.faults.factory import faults_named
 from hetnode.daemon.rounds import AnchorTraining
 from hetnode.data import TokenDataset
 from hetnode.lab.experiments.trust_bench import eval_loss
@@ -203,7 +204,7 @@ def run_scenario(
                 identity += 1
             peer = f"rot-{identity}" if flipper == "rotation" else "fix-0"
             if peer not in trainers:
-                trainers[peer] = AnchorTraining(config, dataset, peer, fault="signflip")
+                trainers[peer] = AnchorTraining(config, dataset, peer, faults=faults_named("signflip"))
             payloads = trainers[peer].run_round(round_, theta)
             contributions.append((peer, theta.decode_contribution(peer, round_, payloads)))
             replicas[peer] = Replica(peer, data_slot(peer))

@@ -37,7 +37,7 @@ from tqdm import tqdm  # noqa: E402
 
 from bootstrap.verifier import Replica, Verifier  # noqa: E402
 from hetnode.config import Config, replace  # noqa: E402
-from hetnode.daemon.faulty import StaleTheta  # noqa: E402
+from hetnode.daemon.faults.factory import faults_named  # noqa: E402
 from hetnode.daemon.rounds import AnchorTraining  # noqa: E402
 from hetnode.data import TokenDataset  # noqa: E402
 from hetnode.model.decoder import build_model  # noqa: E402
@@ -130,8 +130,8 @@ def run_one(
     honest = [f"peer-h{i}" for i in range(plan.honest)]
     peers = honest + ([ATTACKER] if fault else [])
     theta = GlobalModel(config)
-    trainers = {p: AnchorTraining(config, dataset, p, fault=fault if p == ATTACKER else None) for p in peers}
-    stale = StaleTheta() if fault == "stale" else None
+    faults = {p: faults_named(fault if p == ATTACKER else None) for p in peers}
+    trainers = {p: AnchorTraining(config, dataset, p, faults=faults[p]) for p in peers}
     verifier = Verifier(config, dataset, model) if verify else None
     replicas = {p: Replica(p, data_slot(p)) for p in peers}
     eval_batches = dataset.eval_batches(config.train.eval_batches)
@@ -155,7 +155,7 @@ def run_one(
         payloads, slowest = {}, 0.0
         for peer in peers:
             started = time.perf_counter()
-            source = stale.train_from(theta) if (peer == ATTACKER and stale) else theta
+            source = faults[peer].train_from(theta)  # a stale attacker's: θ rounds old
             payloads[peer] = trainers[peer].run_round(round_, source, steps and steps[peer])
             slowest = max(slowest, time.perf_counter() - started)
         if fault == "copy":  # honest peer-h0's payload under the attacker's name
