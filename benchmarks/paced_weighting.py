@@ -6,7 +6,10 @@ R anchors of different speeds (`--speeds`, relative to the median replica) train
   for H (H / min speed step-times);
 - `paced-equal`: each trains round(H · speed) steps (within the floor and the cap) in a round of the median
   replica's H steps; weights 1 each: 1/N after the median-norm clip (the aggregate's rule before);
-- `paced-steps`: the same rounds, each contribution weighed by its steps (capped at the cap).
+- `paced-steps`: the same rounds, each contribution weighed by its steps (capped at the cap);
+- `paced-steps@q<Q>` (`--budget-quantiles`): rounds sized for H steps of the replica at quantile Q of the
+  step-times counted from the fastest (`outer.budget_quantile`; 0.5 is `paced-steps`), run for as many
+  rounds as reach `paced-steps`'s modelled wall time.
 Eval loss of θ after each round, against rounds, tokens trained and modelled wall time (step-times of the
 median replica; the sync is left out, as overlap hides it).
 
@@ -32,6 +35,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import torch  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
+from hetnode.algo.quantiles import weighted_quantile  # noqa: E402
 from hetnode.algo.scoring import dense_update, loss_improvement, update_norm  # noqa: E402
 from hetnode.config import load_config, replace  # noqa: E402
 from hetnode.daemon.rounds import AnchorTraining  # noqa: E402
@@ -42,11 +46,22 @@ from hetnode.replica.global_model import GlobalModel, base_fixed_embedding  # no
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def round_steps(speeds: list[float], quantile: float) -> float:
+    """A paced round's length in the median replica's step-times: H steps of the replica at `quantile`
+    of the step-times, counted from the fastest (as `RoundBudget` sizes it), over H."""
+    return weighted_quantile([(1.0 / s, 1) for s in speeds], quantile)
+
+
+def quantile_of(rule: str) -> float:
+    return float(rule.split("@q")[1]) if "@q" in rule else 0.5
+
+
 def steps_for(config, speeds: list[float], rule: str) -> list[int]:
     o = config.outer
     if rule == "lockstep":
         return [o.inner_steps] * len(speeds)
-    return [min(max(round(o.inner_steps * s), o.step_floor), o.step_cap) for s in speeds]
+    length = round_steps(speeds, quantile_of(rule))
+    return [min(max(round(o.inner_steps * s * length), o.step_floor), o.step_cap) for s in speeds]
 
 
 def run_rule(config, dataset, speeds, rounds, rule, evaluate, progress) -> dict:
@@ -54,10 +69,10 @@ def run_rule(config, dataset, speeds, rounds, rule, evaluate, progress) -> dict:
     theta = GlobalModel(config)
     trainers = {p: AnchorTraining(config, dataset, p) for p in peers}
     steps = dict(zip(peers, steps_for(config, speeds, rule), strict=True))
-    weights = steps if rule == "paced-steps" else dict.fromkeys(peers, 1)
+    weights = steps if rule.startswith("paced-steps") else dict.fromkeys(peers, 1)
     per_step = config.data.batch_size * config.data.seq_len
     H = config.outer.inner_steps
-    round_wall = H / min(speeds) if rule == "lockstep" else H / sorted(speeds)[(len(speeds) - 1) // 2]
+    round_wall = H / min(speeds) if rule == "lockstep" else H * round_steps(speeds, quantile_of(rule))
     losses, tokens, wall = [], [], []
     for round_ in range(rounds):
         for training in trainers.values():
@@ -137,6 +152,11 @@ def main() -> None:
     parser.add_argument("--speeds", default="0.25,1,1,2", help="each replica's speed against the median's")
     parser.add_argument("--rounds", type=int, default=None)
     parser.add_argument("--inner-steps", type=int, default=10)
+    parser.add_argument(
+        "--budget-quantiles",
+        default="0.25",
+        help="paced-steps again with rounds sized for these quantiles of the swarm (0.5: paced-steps)",
+    )
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "paced_weighting"))
     args = parser.parse_args()
     torch.set_num_threads(1)
@@ -165,15 +185,23 @@ def main() -> None:
         model.eval()
         return sum(model.loss(x, y).item() for x, y in batches) / len(batches)
 
-    rules = ["lockstep", "paced-equal", "paced-steps"]
+    quantiles = [float(q) for q in args.budget_quantiles.split(",") if q and float(q) != 0.5]
+    rules = ["lockstep", "paced-equal", "paced-steps", *(f"paced-steps@q{q:g}" for q in quantiles)]
+    # a shorter round runs more rounds, to the same modelled wall time as `paced-steps`
+    rounds_of = {
+        rule: max(1, round(rounds * round_steps(speeds, 0.5) / round_steps(speeds, quantile_of(rule))))
+        if "@q" in rule
+        else rounds
+        for rule in rules
+    }
     started = time.monotonic()
     warm = max(2, rounds // 3)
     probes = 3 * len({1, 2, H // 2, H, 2 * H} - {0})
     results: dict[str, dict] = {}
-    with tqdm(total=rounds * len(rules) + warm + probes, desc="rounds", unit="round") as progress:
+    with tqdm(total=sum(rounds_of.values()) + warm + probes, desc="rounds", unit="round") as progress:
         for rule in rules:
             progress.set_postfix_str(rule)
-            results[rule] = run_rule(config, dataset, speeds, rounds, rule, evaluate, progress)
+            results[rule] = run_rule(config, dataset, speeds, rounds_of[rule], rule, evaluate, progress)
         progress.set_postfix_str("improvement vs steps")
         probe = improvement_vs_steps(config, dataset, model, warm, progress)
     base = results["lockstep"]
@@ -190,7 +218,10 @@ def main() -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     report = {
-        "command": "benchmarks/paced_weighting.py" + (" --quick" if args.quick else ""),
+        "command": "benchmarks/paced_weighting.py"
+        + (" --quick" if args.quick else "")
+        + f" --budget-quantiles {args.budget_quantiles}",
+        "budget_quantile_rounds": rounds_of,
         "config": Path(args.config).name,
         "speeds": speeds,
         "inner_steps": H,
@@ -218,7 +249,7 @@ def main() -> None:
     fig.savefig(out / "paced_weighting.png", dpi=120)
     for name, result in results.items():
         print(
-            f"{name:12s} final {result['eval_loss'][-1]:.4f}"
+            f"{name:18s} final {result['eval_loss'][-1]:.4f}"
             f"  equal tokens {result['vs_lockstep_equal_tokens']:.4f}"
             f"  equal wall {result['vs_lockstep_equal_wall']:.4f} (× lockstep)"
         )

@@ -152,8 +152,9 @@ class OuterConfig:
     overlap: bool = False
     # How long a round's training is (docs/sync.md, "Paced rounds"). "steps": every replica trains exactly
     # inner_steps (H) a round, so a round lasts as long as the slowest replica. "paced": the sealer
-    # publishes with each seal a time budget for the rounds to come (the weighted median of the time a
-    # replica takes for H steps, within [min_round_s, max_round_s]); each replica trains as many steps as
+    # publishes with each seal a time budget for the rounds to come (the time the replica at
+    # budget_quantile of the swarm, by weight and counted from the fastest, takes for H steps, within
+    # [min_round_s, max_round_s]); each replica trains as many steps as
     # fit, between min_inner_steps and max_inner_steps, and sits a round out when even the floor will not
     # fit. The learning-rate schedule then moves by sealed round, not by a replica's own step count.
     schedule: Literal["steps", "paced"] = "steps"
@@ -161,6 +162,11 @@ class OuterConfig:
     max_inner_steps: int = 0  # paced: the cap, and the stride of a round's batches (0: 2 · H)
     min_round_s: float = 0.5  # paced: the budget's bounds
     max_round_s: float = 600.0
+    # paced: whose H steps a round's budget is sized for, by weight from the fastest. 0.5: the typical
+    # replica trains H a round and a faster one up to the cap; 0.25: the fastest quarter trains H and the
+    # rest fewer: shorter rounds, better loss per token (fewer local steps between syncs), more rounds to
+    # sync, which overlap hides while a round outlasts its sync (benchmarks/paced_weighting.py)
+    budget_quantile: float = 0.5
 
     @property
     def paced(self) -> bool:
@@ -495,6 +501,12 @@ def validate(config: Config, source: str) -> None:
         "outer.max_inner_steps",
         "times outer.probation_rounds must be <= 1024 under paced rounds (a seal's weight counts steps), "
         f"got {o.step_cap} x {o.probation_rounds}",
+    )
+    _require(
+        0 < o.budget_quantile <= 1,
+        source,
+        "outer.budget_quantile",
+        f"must be in (0, 1] (the share of the swarm's weight, from the fastest), got {o.budget_quantile}",
     )
     _require(
         0 < o.min_round_s <= o.max_round_s <= 86400,

@@ -62,6 +62,8 @@ def _write(tmp_path: Path, body: str) -> Path:
         ("[outer]\nverify_min_chance = 0.0\n", "outer.verify_min_chance", "(0, 1]"),
         ("[outer]\nprobation_rounds = 0\n", "outer.probation_rounds", "[1, 1024]"),
         ("[outer]\naggregation = 'median'\n", "outer.aggregation", "must be one of"),
+        ("[outer]\nbudget_quantile = 0.0\n", "outer.budget_quantile", "(0, 1]"),
+        ("[outer]\nbudget_quantile = nan\n", "outer.budget_quantile", "(0, 1]"),
         ("[pipeline]\nstages = 9\n", "pipeline.stages", "every stage needs a layer"),
         ("[pipeline]\ncompression = 'some'\n", "pipeline.compression", "must be one of"),
         ("[network]\nrecord_ttl_s = 1.0\n", "network.record_ttl_s", "heartbeat"),

@@ -65,15 +65,17 @@ class RoundBudget:
     Each sealed replica (a chain once) says how long it spent in inner steps and how many it took; from
     that, the time it would take for H steps. Counted by seal weight (identities without a verified
     history weigh nothing, so strangers cannot move it) over the last `keep` rounds, the budget is the
-    median of those times, so the typical replica trains about H steps, a faster one more and a slower one
-    fewer; but at most what the fastest quarter (by weight) needs for the cap (`cap_ratio` × H), so that
-    where most replicas are slow the fast ones are not held at the cap waiting for them. Within
-    [floor_s, ceiling_s]. None until a round with timings was sealed."""
+    `quantile` of those times counted from the fastest: at the median (0.5) the typical replica trains about
+    H steps, a faster one more and a slower one fewer; at 0.25 the fastest quarter trains H. But at most
+    what the fastest quarter (by weight) needs for the cap (`cap_ratio` × H), so that where most replicas
+    are slow the fast ones are not held at the cap waiting for them. Within [floor_s, ceiling_s]. None
+    until a round with timings was sealed."""
 
     inner_steps: int
     floor_s: float
     ceiling_s: float
     cap_ratio: float = 2.0  # max_inner_steps / H
+    quantile: float = 0.5  # outer.budget_quantile
     keep: int = 4
     rounds: deque[list[tuple[float, int]]] = field(default_factory=deque)
 
@@ -103,7 +105,7 @@ class RoundBudget:
             return None
         most = self.cap_ratio * weighted_quantile(samples, 0.25)
         waiting = max((f for f in floors if math.isfinite(f) and f > 0), default=0.0)
-        budget = min(max(weighted_quantile(samples, 0.5), waiting), most)
+        budget = min(max(weighted_quantile(samples, self.quantile), waiting), most)
         return min(self.ceiling_s, max(self.floor_s, budget))
 
 

@@ -199,7 +199,9 @@ class Sealer:
         )
         o = config.outer
         self.budget = (
-            RoundBudget(o.inner_steps, o.min_round_s, o.max_round_s, o.step_cap / o.inner_steps)
+            RoundBudget(
+                o.inner_steps, o.min_round_s, o.max_round_s, o.step_cap / o.inner_steps, o.budget_quantile
+            )
             if o.paced
             else None
         )

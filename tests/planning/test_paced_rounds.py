@@ -51,6 +51,20 @@ def test_the_budget_is_the_weighted_median_time_for_h_steps_and_strangers_cannot
     assert budget.seconds == 1.0
 
 
+def test_a_lower_quantile_sizes_the_round_for_the_fastest_and_weightless_speed_moves_it_neither():
+    timings = [(2.0, 10, 4), (4.0, 10, 4), (4.0, 10, 4), (16.0, 10, 4)]  # seconds for H: 2, 4, 4, 16
+    typical = RoundBudget(inner_steps=10, floor_s=1.0, ceiling_s=100.0)
+    fastest = RoundBudget(inner_steps=10, floor_s=1.0, ceiling_s=100.0, quantile=0.25)
+    for budget in (typical, fastest):
+        budget.observe(timings)
+    assert (typical.seconds, fastest.seconds) == (4.0, 2.0)  # H for the median replica; H for the fastest
+    # identities that earned nothing claiming to be a hundred times faster do not shorten the round
+    fastest.observe(timings + [(0.02, 10, 0)] * 50)
+    assert fastest.seconds == 2.0
+    # a replica sitting out still raises it to its floor, and never past what the fastest needs for the cap
+    assert fastest.seconds_for([3.0]) == 3.0 and fastest.seconds_for([60.0]) == 4.0
+
+
 def test_where_most_replicas_are_slow_the_fast_ones_still_fit_their_cap():
     budget = RoundBudget(inner_steps=10, floor_s=1.0, ceiling_s=100.0, cap_ratio=2.0)
     # one fast replica (4 s for H) that has earned more, two slow ones (20 s for H): the median is slow,
