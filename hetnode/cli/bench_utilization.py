@@ -43,6 +43,13 @@ def register(benches: argparse._SubParsersAction) -> None:
         help="comma-separated caps in H: paced+overlap again at each, labelled paced+overlap@<c>H (e.g. 2,3)",
     )
     parser.add_argument(
+        "--budget-quantile",
+        type=float,
+        default=None,
+        help="paced: size rounds for the H steps of the replica at this quantile from the fastest "
+        "(outer.budget_quantile; default the config's, 0.5)",
+    )
+    parser.add_argument(
         "--budget",
         type=float,
         default=None,
@@ -58,10 +65,12 @@ def register(benches: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from hetnode.config import load_config
+    from hetnode.config import load_config, replace
     from hetnode.lab.runs import utilization  # the lab and matplotlib, only when the benchmark runs
 
     config = load_config(args.config or CONFIG_DIR / "tiny.toml")
+    if args.budget_quantile is not None:  # checked as the config's own value would be
+        config = replace(config, "outer", budget_quantile=args.budget_quantile)
     if args.resummarise:
         report = utilization.resummarise(config, args.out)
         print_summary(report)
