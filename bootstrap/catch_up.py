@@ -28,7 +28,7 @@ from hetnode.errors import WireError
 from hetnode.net.node import SwarmNode
 from hetnode.net.streams import PeerRequestError
 from hetnode.protocol.state_fetch import download_state
-from hetnode.protocol.view import SwarmView
+from hetnode.protocol.swarm_view import SwarmView
 from hetnode.replica.global_model import GlobalModel
 from hetnode.wire.seals import seal_digest
 

@@ -32,7 +32,8 @@ from hetnode.net.node import PeersUnreachable, SwarmNode
 from hetnode.net.records import new_peer_record
 from hetnode.protocol.membership import Membership
 from hetnode.protocol.status_signed import sign_status
-from hetnode.protocol.view import PeerDirectory, SwarmView
+from hetnode.protocol.swarm_view import SwarmView
+from hetnode.protocol.view import PeerDirectory
 from hetnode.service.datadir import DataDir
 from hetnode.service.http_server import DEFAULT_STATUS_PORT, HttpServer, Response, refuse_taken_port
 from hetnode.service.lifecycle import print_ready, sleep_or_stop, stop_on_signals, until_stopped

@@ -43,7 +43,8 @@ from hetnode.net.records import new_head_record
 from hetnode.planning.rounds import Announcement, lost_records, replica_tokens, shard_order
 from hetnode.protocol.payload_opener import payload_opener
 from hetnode.protocol.sealing import SealedRound, Sealer
-from hetnode.protocol.view import PeerDirectory, SwarmView
+from hetnode.protocol.swarm_view import SwarmView
+from hetnode.protocol.view import PeerDirectory
 from hetnode.protocol.view_changes import ChangeLog
 from hetnode.replica.global_model import GlobalModel
 from hetnode.service.datadir import DataDir

@@ -1,5 +1,5 @@
 """Imports (and `python -m` starts) follow the layer table of docs/architecture.md, which this test reads;
-hivemind stays inside hetnode/net/."""
+hivemind stays inside hetnode/net/; no module imports itself through others."""
 
 import ast
 import re
@@ -42,17 +42,29 @@ HIVEMIND_OUTSIDE_NET = {"hetnode/lab/netbench/allreduce_baseline.py"}
 PURE = {"algo", "planning", "model", "wire", "data", "replica"}  # no I/O libraries, no network stacks
 
 
-def _imports(path: Path) -> set[str]:
-    """Every module `path` imports, type-only and function-level imports included; `from a import b` counts
-    as `a` and as `a.b` (b may be a module: `from hetnode import daemon`). Modules it starts as processes
-    (`[..., "-m", "hetnode.x", ...]`) are in `_started`."""
-    names = set()
+def _import_statements(path: Path) -> list[tuple[str, list[str]]]:
+    """Each import of `path`, type-only and function-level ones included, as (module, names): `import a.b`
+    is ("a.b", []), `from a import b, c` is ("a", ["b", "c"]); a relative import's module keeps its dots."""
+    statements = []
     for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
         if isinstance(node, ast.Import):
-            names.update(alias.name for alias in node.names)
-        elif isinstance(node, ast.ImportFrom) and node.module:
-            names.add(node.module)
-            names.update(f"{node.module}.{alias.name}" for alias in node.names)
+            statements.extend((alias.name, []) for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            module = "." * node.level + (node.module or "")
+            statements.append((module, [alias.name for alias in node.names]))
+    return statements
+
+
+def _imports(path: Path) -> set[str]:
+    """Every module `path` imports; `from a import b` counts as `a` and as `a.b` (b may be a module:
+    `from hetnode import daemon`). Modules it starts as processes (`[..., "-m", "hetnode.x", ...]`) are in
+    `_started`."""
+    names = set()
+    for module, imported in _import_statements(path):
+        if module.startswith("."):
+            continue
+        names.add(module)
+        names.update(f"{module}.{name}" for name in imported)
     return names
 
 
@@ -150,3 +162,65 @@ def test_pure_layers_do_no_networking():
         if _layer(path) in PURE - {"wire"}:
             used = {n.split(".")[0] for n in _imports(path)} & forbidden
             assert not used, f"{path}: {used}"
+
+
+def _module_name(path: Path) -> str:
+    """`hetnode/daemon/peer.py` -> `hetnode.daemon.peer`; a package's `__init__.py` is the package."""
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _import_graph() -> dict[str, set[str]]:
+    """Module -> the modules of `hetnode/` and `bootstrap/` it imports: `from a import b` is an edge to
+    `a.b` where that is a module, else to `a`."""
+    paths = sorted([*(ROOT / "hetnode").rglob("*.py"), *(ROOT / "bootstrap").rglob("*.py")])
+    modules = {_module_name(path): path for path in paths}
+    graph = {}
+    for module, path in modules.items():
+        edges = set()
+        for imported, names in _import_statements(path):
+            assert not imported.startswith("."), f"{path.relative_to(ROOT)}: a relative import ({imported})"
+            if not names:  # `import a.b`
+                edges.add(imported)
+            edges.update(f"{imported}.{n}" if f"{imported}.{n}" in modules else imported for n in names)
+        graph[module] = (edges & modules.keys()) - {module}
+    return graph
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """A cycle for every edge back to a module still on the depth-first path (each written from its least
+    module, once): none when the graph has no cycle, at least one in every group of modules that reach
+    each other (not every circle within a group: fixing those found shows the next)."""
+    cycles: set[tuple[str, ...]] = set()
+    done: set[str] = set()
+    path: list[str] = []
+
+    def visit(module: str) -> None:
+        path.append(module)
+        for target in sorted(graph[module]):
+            if target in path:
+                cycle = path[path.index(target) :]
+                start = cycle.index(min(cycle))
+                cycles.add(tuple(cycle[start:] + cycle[:start]))
+            elif target not in done:
+                visit(target)
+        path.pop()
+        done.add(module)
+
+    for module in sorted(graph):
+        if module not in done:
+            visit(module)
+    return [[*cycle, cycle[0]] for cycle in sorted(cycles)]
+
+
+def test_no_module_imports_itself_through_others():
+    """A circle of imports works only in the order Python happens to load it, and keeps its modules from
+    being read (or split) one at a time: type-only and function-level imports count as much as the rest."""
+    cycles = _cycles(_import_graph())
+    assert not cycles, "import cycles:\n" + "\n".join(" -> ".join(cycle) for cycle in cycles)
+
+
+def test_the_cycle_check_finds_a_circle_and_names_it():
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a", "d"}, "d": set(), "e": {"e2"}, "e2": {"e"}}
+    assert _cycles(graph) == [["a", "b", "c", "a"], ["e", "e2", "e"]]
+    assert _cycles({"a": {"b"}, "b": set()}) == []

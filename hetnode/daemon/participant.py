@@ -35,7 +35,8 @@ from hetnode.net.streams import PeerRequestError
 from hetnode.planning.fetch import DEMOTED_ROUNDS, Holder, fetch_order, holders_of
 from hetnode.protocol.sealing import Sealer
 from hetnode.protocol.state_fetch import fetch_state
-from hetnode.protocol.view import PeerDirectory, SwarmView
+from hetnode.protocol.swarm_view import SwarmView
+from hetnode.protocol.view import PeerDirectory
 from hetnode.replica.global_model import ApplyError, GlobalModel, sha256_hex
 from hetnode.service.lifecycle import sleep_or_stop
 from hetnode.service.metrics import PeerMetrics

@@ -51,7 +51,8 @@ from hetnode.planning.roles import (
     wanted_role,
 )
 from hetnode.protocol.membership import Membership
-from hetnode.protocol.view import PeerDirectory, SwarmView, coordinator_directory
+from hetnode.protocol.swarm_view import SwarmView
+from hetnode.protocol.view import PeerDirectory, coordinator_directory
 from hetnode.protocol.view_changes import coordinator_changes
 from hetnode.service.datadir import DataDir
 from hetnode.service.http_server import HttpServer, Response

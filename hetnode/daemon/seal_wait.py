@@ -26,7 +26,8 @@ from hetnode.net.node import SwarmNode
 from hetnode.net.records import check_head_record
 from hetnode.planning.rounds import Announcement
 from hetnode.protocol.sealing import Sealer
-from hetnode.protocol.view import PeerDirectory, SwarmView
+from hetnode.protocol.swarm_view import SwarmView
+from hetnode.protocol.view import PeerDirectory
 from hetnode.replica.global_model import GlobalModel
 from hetnode.service.lifecycle import sleep_or_wake
 from hetnode.wire.seals import seal_verdict

@@ -14,7 +14,7 @@ from hetnode.net.identity import ephemeral_identity
 from hetnode.net.node import DEFAULT_LIMITS, PeersUnreachable, SwarmNode
 from hetnode.net.peer_ids import peer_id_from_maddr
 from hetnode.protocol.membership import Membership
-from hetnode.protocol.view import SwarmView
+from hetnode.protocol.swarm_view import SwarmView
 from hetnode.service.lifecycle import unless_stopped
 
 # the table's helpers are importable from here too, as before they had a module of their own

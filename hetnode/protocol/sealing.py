@@ -1,20 +1,16 @@
-"""Sealing a sync round (DESIGN §3.5), shared by the coordinator and by the anchor that stands in for it.
+"""Sealing a sync round (DESIGN §3.5), shared by the coordinator and by the anchor that stands in for it:
+the `Sealer` collects the round's announcements, decides when to seal and what the seal holds.
 
-A contribution enters the seal only after the sealer fetched every shard from its author, checked the
-sha256 against the announcement and decoded it against the model (shapes, index ranges, finite tables).
-A payload that is invalid is excluded, logged with the peer id, and its author is banned for a while; an
-author that cannot be reached (it left mid-round) is excluded too, but only held back for a short retry
-interval. Before sealing, the sealer aggregates the round exactly as appliers will (`GlobalModel.prepare`)
-and excludes any contribution whose step would not be finite, so nothing it seals can fail later (TRUST
-§2). A seal lists only payloads every replica can apply, so nobody drops a contribution on its own,
-and it never lists none: a round in which nothing valid arrived stays open. The sealer keeps the validated
-payloads and serves them to every replica. Each seal names the previous seal's hash (`prev`): replicas
-accept only the next link of the chain they hold.
-
-Budgets: at most MAX_CONCURRENT_FETCHES authors are fetched at once, each payload capped at the most a
-valid payload of its shard can weigh, so the memory of a round's fetches is bounded by the model. Authors
-sealed in recent rounds have slots of their own, so identities that announce first and serve slowly cannot
-queue the honest fetches behind theirs.
+Every announced contribution is fetched and checked as soon as it is seen (`payload_checks.py`). A payload
+that is invalid is excluded, logged with the peer id, and its author is banned for a while; an author that
+cannot be reached (it left mid-round) is excluded too, but only held back for a short retry interval. The
+coordinator's verifier screens and weighs what is valid (`seal_screening.py`, `seal_weights.py`). Before
+sealing, the sealer aggregates the round exactly as appliers will (`GlobalModel.prepare`) and excludes any
+contribution whose step would not be finite, so nothing it seals can fail later (TRUST §2). A seal lists
+only payloads every replica can apply, so nobody drops a contribution on its own, and it never lists none:
+a round in which nothing valid arrived stays open. The sealer keeps the validated payloads and serves them
+to every replica. Each seal names the previous seal's hash (`prev`): replicas accept only the next link of
+the chain they hold.
 
 Two paths: announcements are read from the DHT, and pulled straight from an author that nudges us
 (`pull_announcement`), so nodes with chosen ids next to the run's keys cannot hide them.
@@ -22,27 +18,21 @@ Two paths: announcements are read from the DHT, and pulled straight from an auth
 Deadlines: the round's clock starts at an expected replica's announcement, never a stranger's (`seal_now`);
 once sealing starts, payloads still on their way get `FetchDeadline` more, and an author that misses it is
 left out and held back (not fetched, not waited for) for a time that doubles while it keeps missing it.
-
-Each announcement is fetched and checked as soon as the sealer sees it (one stream per author), so the
-seal waits only for the last authors' payloads; a re-announcement (a restarted replica) replaces it.
 """
 
 from __future__ import annotations
 
 import asyncio
-import bisect
-import itertools
 import logging
 import time
 from collections import deque
-from collections.abc import Awaitable, Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from hetnode.algo.scoring import steps_shown
 from hetnode.config import Config
 from hetnode.errors import WireError
-from hetnode.net.node import StoredValue, SwarmNode
+from hetnode.net.node import SwarmNode
 from hetnode.net.streams import PeerRequestError
 from hetnode.planning.rounds import (
     Announcement,
@@ -54,8 +44,16 @@ from hetnode.planning.rounds import (
     seal_now,
     sealed_order,
 )
-from hetnode.replica.global_model import ApplyError, GlobalModel, PreparedRound, sha256_hex
-from hetnode.training.schedule import schedule_position, warmup_cosine
+from hetnode.protocol.announcement_reads import AnnouncementReader
+from hetnode.protocol.payload_checks import Checked, PayloadChecks
+from hetnode.protocol.seal_screening import Rescue, Screen, Weigh, earned_weights, rescued, screened
+from hetnode.protocol.seal_weights import (
+    paced_weights,
+    per_replica,
+    sealed_steps,
+    verified_steps,  # noqa: F401  (trust_bench imports it from here)
+)
+from hetnode.replica.global_model import ApplyError, GlobalModel, PreparedRound
 from hetnode.wire.seals import seal_digest
 from hetnode.wire.sync_payload import DecodedPayload
 
@@ -65,84 +63,7 @@ BAN_S = 120.0  # an author of an invalid payload is ignored this long
 RETRY_S = 5.0  # an unreachable author's announcement is tried again after this long
 POLL_RETRY_S = 0.5  # a re-announced contribution is read again after this long
 SEAL_TTL_S = 3600.0
-MAX_CONCURRENT_FETCHES = 8  # authors whose payloads are in flight to the sealer at once (per class)
 TRUSTED_ROUNDS = 8  # an author sealed in this many recent rounds starts the round's clock and has own slots
-MAX_DIRECT = 10_000  # announcements pulled from their authors and kept (this round's and the last)
-MAX_PULLS = 64  # direct pulls in flight at once
-
-
-Checked = tuple[Announcement, dict[str, bytes], list[DecodedPayload]]  # (claim, payloads, decoded)
-# what an announcement's check yields: (payloads, decoded, seconds from announcement to checked)
-CheckOutcome = tuple[dict[str, bytes], list[DecodedPayload], float]
-# (round, valid contributions in announcement order) -> {peer: reason} to leave out of the seal (TRUST §4)
-# (round, contributions, when each was seen, the inner steps each claims) -> {peer: why it is left out}
-Screen = Callable[
-    [int, list[tuple[str, list[DecodedPayload]]], dict[str, float], dict[str, int]], dict[str, str]
-]
-# (round, contributions left out only for their author's record) -> the peers whose work helps on its own
-Rescue = Callable[[int, list[tuple[str, list[DecodedPayload]]], dict[str, int]], Awaitable[set[str]]]
-# the sealed peers -> the weight each carries in the aggregate (earned by verified history, TRUST §4)
-Weigh = Callable[[list[str]], dict[str, int]]
-# a claim of steps counts up to this much over what its update's norm shows (honest norms at equal steps
-# differ by ±2 %: benchmarks/results/paced_weighting)
-STEPS_SLACK = 1.15
-RESCUABLE = ("score", "probation")  # screen reasons about an author's record, not about the work itself
-
-
-def paced_weights(config: Config, earned: dict[str, int], steps: dict[str, int]) -> dict[str, int]:
-    """Each sealed contribution's weight in the aggregate: earned by verified history, and under paced
-    rounds times its (verified) steps, measured better than 1/N at equal tokens
-    (benchmarks/paced_weighting.py; docs/sync.md, "Paced rounds"). At most probation_rounds × the cap."""
-    if not config.outer.paced:
-        return dict(earned)
-    return {peer: w * max(1, steps.get(peer, config.outer.inner_steps)) for peer, w in earned.items()}
-
-
-def round_lr(config: Config, round_: int) -> list[float]:
-    """The learning rate of each inner step a replica may take in paced round `round_`, up to the cap
-    (every replica's schedule, `schedule_position`)."""
-    o, inner = config.outer, config.inner
-    return [
-        warmup_cosine(
-            schedule_position(round_, i, o.inner_steps, o.step_cap),
-            inner.lr,
-            inner.warmup_steps,
-            config.train.max_steps,
-            inner.min_lr_ratio,
-        )
-        for i in range(o.step_cap)
-    ]
-
-
-def verified_steps(
-    config: Config,
-    round_: int,
-    updates: Mapping[str, Mapping[str, tuple]],
-    claimed: Mapping[str, int],
-    weights: Mapping[str, int],
-) -> dict[str, int]:
-    """Paced round `round_`: the steps each update counts, min(claimed, the most whose summed learning rate
-    is within STEPS_SLACK × what its norm shows), at least 1 (`steps_shown`; docs/sync.md)."""
-    work = list(itertools.accumulate(round_lr(config, round_), initial=0.0))  # work[n]: lr of n steps
-    shown = steps_shown(updates, {p: work[claimed[p]] for p in updates}, weights)
-    return {
-        p: max(1, min(claimed[p], bisect.bisect_right(work, shown[p] * STEPS_SLACK) - 1)) for p in updates
-    }
-
-
-def per_replica(
-    good: list[Checked], steps: dict[str, int], earned: dict[str, int], replica_of: Mapping[str, str]
-) -> list[tuple[float, int, int]]:
-    """(seconds in inner steps, steps, weight) per replica for the round's budget: a chain once, at its
-    slowest stage's time, its fewest steps and its lightest stage's weight."""
-    by_replica: dict[str, list[tuple[float, int, int]]] = {}
-    for a, _, _ in good:
-        key = replica_of.get(a.peer_id, a.peer_id)
-        by_replica.setdefault(key, []).append((a.train_s, steps[a.peer_id], earned[a.peer_id]))
-    return [
-        (max(t for t, _, _ in parts), min(n for _, n, _ in parts), min(w for _, _, w in parts))
-        for parts in by_replica.values()
-    ]
 
 
 @dataclass(frozen=True)
@@ -170,7 +91,6 @@ class Sealer:
         own_payload: Callable[[int, str], bytes | None] = lambda round_, shard: None,
     ) -> None:
         self.config = config
-        self.own_payload = own_payload
         self.node = node
         self.global_model = global_model
         self.payloads: dict[tuple[int, str, str], bytes] = {}  # (round, replica, shard) -> validated bytes
@@ -178,14 +98,9 @@ class Sealer:
         # expected replicas the last seal went without: their late announcements still teach the deadline
         self._late: tuple[int, float, set[str]] = (-1, 0.0, set())
         self.banned: dict[str, float] = {}
-        # fetch-and-check of each announcement, started when it is first seen: by the time the round is
-        # sealed only the last announcers' payloads are still on their way
-        self._checks: dict[tuple[int, str], tuple[Announcement, asyncio.Task]] = {}
-        self._fetching = {trusted: asyncio.Semaphore(MAX_CONCURRENT_FETCHES) for trusted in (True, False)}
         self._sealed_recently: deque[frozenset[str]] = deque(maxlen=TRUSTED_ROUNDS)
         self.times_late: dict[str, int] = {}  # author -> rounds running it missed the fetch deadline
-        self.direct: dict[str, StoredValue] = {}  # announcements pulled from their authors
-        self._pulling: set[str] = set()
+        self.announcements = AnnouncementReader(node)
         self.missed: set[str] = set()  # expected by an earlier seal, not announced since
         self.screen: Screen | None = None  # the coordinator's verifier; a stand-in seals unscreened
         self.rescue: Rescue | None = None  # asked when the screen leaves nothing to seal
@@ -211,6 +126,9 @@ class Sealer:
             floor_s=FetchDeadline.floor_for(author_bytes, n.stage_min_up_mbps, max(1.0, n.heartbeat_s)),
             ceiling_s=self.deadline.ceiling_s,
         )
+        # fetch-and-check of each announcement, started when it is first seen: by the time the round is
+        # sealed only the last announcers' payloads are still on their way
+        self.checks = PayloadChecks(node, global_model, own_payload, self.fetch_deadline, self.trusted)
 
     def trusted(self) -> set[str]:
         """Authors sealed in recent rounds: they start a round's clock and have fetch slots of their own."""
@@ -234,49 +152,15 @@ class Sealer:
 
     def pull_announcement(self, peer: str, then: Callable[[], None] = lambda: None) -> None:
         """`peer` nudged us about its announcement: take it straight from it too (in the background, then
-        call `then`), whatever the DHT does with it. One pull per peer at a time; a banned peer is not
-        asked."""
-        if (
-            peer in self._pulling
-            or len(self._pulling) >= MAX_PULLS
-            or self.banned.get(peer, 0.0) > time.monotonic()
-        ):
-            return
-        self._pulling.add(peer)
-
-        async def pull() -> None:
-            try:
-                entry = await self.node.read_direct(peer, "announce")
-                if entry is not None:
-                    if len(self.direct) >= MAX_DIRECT:
-                        self.direct.clear()
-                    self.direct[peer] = entry
-                    then()
-            finally:
-                self._pulling.discard(peer)
-
-        task = asyncio.create_task(pull(), name=f"pull-announce-{peer[-8:]}")
-        task.add_done_callback(lambda done: done.cancelled() or done.exception())
-
-    async def _announcements(self, round_: int) -> dict[str, StoredValue]:
-        """This round's view of every author's announcement: the DHT's, or the one pulled from the author
-        when that is newer (the DHT may have lost or hidden it)."""
-        entries = await self.node.read_field("announce")
-        now = time.time()
-        for peer, entry in list(self.direct.items()):
-            if entry.expiration < now or entry.value.get("round", -1) < round_ - 1:
-                del self.direct[peer]  # rounds gone by
-                continue
-            held = entries.get(peer)
-            if held is None or held.value.get("round", -1) < entry.value["round"]:
-                entries[peer] = entry
-        return entries
+        call `then`), whatever the DHT does with it. A banned peer is not asked."""
+        if self.banned.get(peer, 0.0) <= time.monotonic():
+            self.announcements.pull(peer, then)
 
     async def collect(self, round_: int, seen: dict[str, Announcement]) -> None:
         """Add this round's new announcements (first sight time recorded; banned peers ignored)."""
         now = time.monotonic()
         late_round, late_first, late_missing = self._late
-        for peer, entry in (await self._announcements(round_)).items():
+        for peer, entry in (await self.announcements.read(round_)).items():
             value = entry.value
             if self.banned.get(peer, 0.0) > now:
                 continue  # neither in the round nor a lesson for the deadline
@@ -301,34 +185,8 @@ class Sealer:
                 value.get("steps", 0),
                 value.get("train_s") or 0.0,
             )
-            self._start_check(seen[peer])
-        for key in [key for key in self._checks if key[0] < round_]:  # rounds gone by
-            self._checks.pop(key)[1].cancel()
-
-    def checking(self) -> int:
-        """Announcements whose payloads are still being fetched and checked."""
-        return sum(not task.done() for _, task in self._checks.values())
-
-    def _start_check(self, announcement: Announcement) -> asyncio.Task:
-        key = (announcement.round, announcement.peer_id)
-        if key in self._checks:
-            self._checks.pop(key)[1].cancel()  # an earlier announcement of this peer, dropped since
-        task = asyncio.create_task(self._fetch_and_check(announcement), name=f"check-{key}")
-        # seal() reads the outcome; a check nobody reads (a round gone by) must not log "never retrieved"
-        task.add_done_callback(lambda done: done.cancelled() or done.exception())
-        self._checks[key] = (announcement, task)
-        return task
-
-    def _check_of(self, announcement: Announcement) -> asyncio.Task:
-        """The check started for this very announcement, or a new one; the seal consumes it."""
-        key = (announcement.round, announcement.peer_id)
-        started = self._checks.get(key)
-        if started is None or started[0] != announcement:
-            return self._start_check(announcement)
-        task = started[1]
-        if task.done() and not task.cancelled() and isinstance(task.exception(), PeerRequestError):
-            return self._start_check(announcement)  # unreachable then, perhaps not now: as if not prefetched
-        return task
+            self.checks.start(seen[peer])
+        self.checks.forget_before(round_)
 
     def waiting_for(self, expected: set[str]) -> set[str]:
         """The expected replicas a seal still waits for: banned ones are not, and neither is a replica that
@@ -382,7 +240,7 @@ class Sealer:
         good: list[Checked] = []
         excluded = []
         order = sealed_order(seen.values())
-        checked = await self._checked_in_time(order)
+        checked = await self.checks.outcomes(order)
         for announcement, outcome in zip(order, checked, strict=True):
             peer = announcement.peer_id
             try:
@@ -400,7 +258,7 @@ class Sealer:
                 continue
             except WireError as exc:
                 excluded.append(peer)
-                if await self._announcement_changed(announcement):
+                if await self.checks.announcement_changed(announcement):
                     # It restarted and re-announced while we fetched: stale, not hostile.
                     log.info("round %d: peer %s re-announced; trying its new payload", round_, peer)
                     self.banned[peer] = time.monotonic() + POLL_RETRY_S
@@ -414,16 +272,16 @@ class Sealer:
         valid = [(a.peer_id, decoded) for a, _, decoded in good]
         cap = self.config.outer.step_cap
         steps = {a.peer_id: min(max(a.steps, 0), cap) for a, _, _ in good}
-        rejected = self._screened(round_, good)
+        rejected = screened(self.screen, round_, good)
         if good and len(rejected) == len(good):
-            rejected = await self._rescued(round_, good, rejected)
+            rejected = await rescued(self.rescue, round_, good, rejected)
         excluded += sorted(rejected)
         good = [g for g in good if g[0].peer_id not in rejected]
-        earned = self._weights([a.peer_id for a, _, _ in good])
+        earned = earned_weights(self.weigh, self.recent_weights, [a.peer_id for a, _, _ in good])
         if self.config.outer.paced:  # steps are claims: each counts only the steps its update shows
             # off the loop: judging each update against all the others grows as the cube of their number
             steps |= await asyncio.to_thread(
-                self._verified_steps, round_, good, steps, earned, replica_of or {}
+                sealed_steps, self.config, round_, good, steps, earned, replica_of or {}
             )
         weights = paced_weights(self.config, earned, steps)
         good, prepared = await self._prepare(round_, good, excluded, weights)
@@ -445,7 +303,7 @@ class Sealer:
                     "shards": dict(a.shards),
                     "tokens": a.tokens,
                     "weight": weights[a.peer_id],
-                    # capped, and under paced rounds no more than its update shows (`_verified_steps`)
+                    # capped, and under paced rounds no more than its update shows (`sealed_steps`)
                     "steps": steps[a.peer_id],
                 }
                 for a, _, _ in good
@@ -469,27 +327,6 @@ class Sealer:
             log.warning("round %d: no DHT node accepted the seal yet", round_)
         self.node.nudge(sorted(seen), "seal", round_)
 
-    async def _checked_in_time(self, order: list[Announcement]) -> list[CheckOutcome | BaseException]:
-        """Each announcement's check outcome; a check not done within the fetch deadline is cancelled and
-        its outcome is TimeoutError (the author was late)."""
-        checks = [self._check_of(a) for a in order]
-        # used up: a peer dropped from `seen` is fetched afresh when it is seen again
-        for announcement in order:
-            self._checks.pop((announcement.round, announcement.peer_id), None)
-        if not checks:
-            return []
-        _, pending = await asyncio.wait(checks, timeout=self.fetch_deadline.seconds)
-        for task in pending:
-            task.cancel()
-        await asyncio.gather(*pending, return_exceptions=True)
-        outcomes: list[CheckOutcome | BaseException] = []
-        for task in checks:
-            if task in pending or task.cancelled():
-                outcomes.append(TimeoutError())
-            else:
-                outcomes.append(task.exception() or task.result())
-        return outcomes
-
     def _hold_back_late(self, round_: int, peer: str) -> None:
         times = self.times_late.get(peer, 0) + 1
         self.times_late[peer] = times
@@ -506,89 +343,6 @@ class Sealer:
         )
         if len(self.times_late) > 100_000:  # forget old identities rather than grow without bound
             self.times_late.clear()
-
-    def _screened(self, round_: int, good: list[Checked]) -> dict[str, str]:
-        """The screen's verdicts on the valid contributions (they are left out, not banned: the verifier
-        keeps scoring them, and a peer whose work helps again comes back)."""
-        if self.screen is None or not good:
-            return {}
-        by_arrival = sorted(good, key=lambda g: (g[0].seen_at, g[0].peer_id))
-        try:
-            rejected = self.screen(
-                round_,
-                [(a.peer_id, decoded) for a, _, decoded in by_arrival],
-                {a.peer_id: a.seen_at for a, _, _ in by_arrival},
-                {a.peer_id: a.steps for a, _, _ in by_arrival},
-            )
-        except Exception:  # a verifier bug must not stop sealing: seal unscreened and say so
-            log.exception("round %d: screening failed; sealing without it", round_)
-            return {}
-        for peer, reason in sorted(rejected.items()):
-            log.warning("round %d: leaving out %s's contribution: %s", round_, peer, reason)
-        return rejected
-
-    def _verified_steps(
-        self,
-        round_: int,
-        good: list[Checked],
-        claimed: dict[str, int],
-        earned: dict[str, int],
-        replica_of: Mapping[str, str],
-    ) -> dict[str, int]:
-        """Paced rounds: each sealed contribution's steps. An anchor's, no more than its update's norm
-        shows against the round's other anchors (`verified_steps`): a replica that claims more steps than
-        it took gains neither weight nor credit by it. A chain stage's, its chain's fewest: a chain's
-        stages train one count of micro-batches, which every later stage counts as they arrive (a stage's
-        update, trained in a subspace by another optimiser, is no yardstick for an anchor's, nor the
-        reverse)."""
-        chain_of = {a.peer_id: replica_of.get(a.peer_id, a.peer_id) for a, _, _ in good}
-        anchors = [a for a in good if chain_of[a[0].peer_id] == a[0].peer_id]
-        updates = {
-            a.peer_id: {n: v for m in decoded for n, v in m.sparse.items()} for a, _, decoded in anchors
-        }
-        verified = verified_steps(self.config, round_, updates, claimed, earned)
-        fewest: dict[str, int] = {}
-        for peer, key in chain_of.items():
-            if peer not in verified:
-                fewest[key] = min(fewest.get(key, claimed[peer]), claimed[peer])
-        verified |= {peer: fewest[key] for peer, key in chain_of.items() if peer not in verified}
-        for peer in sorted(p for p in verified if verified[p] < claimed[p]):
-            log.info("%s claims %d steps, its update shows %d", peer[-8:], claimed[peer], verified[peer])
-        return verified
-
-    def _weights(self, peers: list[str]) -> dict[str, int]:
-        """Each sealed peer's weight in the aggregate (1 each when a bug leaves none to give)."""
-        if self.weigh is None:
-            return {peer: self.recent_weights.get(peer, 1) for peer in peers}
-        try:
-            weights = self.weigh(peers)
-            if set(weights) != set(peers):
-                raise ValueError(f"weights for {sorted(weights)}, not {sorted(peers)}")
-            return weights
-        except Exception:  # a verifier bug must not stop sealing: seal with equal weights and say so
-            log.exception("weighing the round's contributions failed; sealing them with weight 1")
-            return dict.fromkeys(peers, 1)
-
-    async def _rescued(self, round_: int, good: list[Checked], rejected: dict[str, str]) -> dict[str, str]:
-        """The screen left nothing: contributions left out only for their author's record (a negative
-        average, or none yet) are sealed after all if their update alone lowers the loss, so that a replica
-        left alone (a chain whose anchor died, newcomers after everyone else left) keeps the swarm going.
-        Their credit still waits for their record (TRUST §4)."""
-        candidates = [(a.peer_id, decoded) for a, _, decoded in good if rejected[a.peer_id] in RESCUABLE]
-        if self.rescue is None or not candidates:
-            return rejected
-        try:
-            helping = await self.rescue(round_, candidates, {a.peer_id: a.steps for a, _, _ in good})
-        except Exception:  # a verifier bug must not seal what the screen refused
-            log.exception("round %d: judging the screened-out contributions failed", round_)
-            return rejected
-        if helping:
-            log.info(
-                "round %d: every contribution was screened out; sealing %s: their update lowers the loss",
-                round_,
-                ", ".join(sorted(helping)),
-            )
-        return {peer: reason for peer, reason in rejected.items() if peer not in helping}
 
     async def _prepare(
         self, round_: int, good: list[Checked], excluded: list[str], weights: dict[str, int]
@@ -615,40 +369,3 @@ class Sealer:
                     self.banned[peer] = time.monotonic() + BAN_S
                 good = [g for g in good if g[0].peer_id not in culprits]
         return good, None
-
-    async def _announcement_changed(self, announcement: Announcement) -> bool:
-        entry = (await self.node.read_field("announce")).get(announcement.peer_id)
-        value = entry.value if entry is not None else None
-        return (
-            isinstance(value, dict)
-            and value.get("round") == announcement.round
-            and dict(value.get("shards", {})) != dict(announcement.shards)
-        )
-
-    async def _fetch_and_check(self, announcement: Announcement) -> CheckOutcome:
-        if not announcement.shards or not set(announcement.shards) <= set(self.global_model.shards):
-            raise WireError("shards", f"announced shards {sorted(announcement.shards)} are not the model's")
-        peer, shards = announcement.peer_id, list(announcement.shards)
-        if peer == self.node.identity.peer_id:
-            found = [self.own_payload(announcement.round, shard) for shard in shards]
-        else:
-            # the most a valid payload of these shards can weigh: an author cannot make us hold more
-            max_bytes = max(self.global_model.sparse_specs[shard].max_payload_bytes() for shard in shards)
-            # a stalled author gives its slot back within a deadline (TimeoutError: it was late)
-            async with self._fetching[peer in self.trusted()]:
-                found = await self.node.fetch_payloads(
-                    peer,
-                    announcement.round,
-                    [(shard, peer) for shard in shards],
-                    max_bytes,
-                    stall_s=self.fetch_deadline.ceiling_s,
-                )
-        payloads = {}
-        for shard, data in zip(shards, found, strict=True):
-            if data is None or sha256_hex(data) != announcement.shards[shard]:
-                raise WireError(f"shards.{shard}", "payload differs from its announced sha256")
-            payloads[shard] = data
-        decoded = await asyncio.to_thread(
-            self.global_model.decode_contribution, announcement.peer_id, announcement.round, payloads
-        )
-        return payloads, decoded, time.monotonic() - announcement.seen_at

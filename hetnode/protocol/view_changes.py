@@ -25,9 +25,9 @@ from hetnode.net.records import (
     value_bytes,
 )
 
-if TYPE_CHECKING:  # view.py imports this module: the view is only passed in
+if TYPE_CHECKING:
     from hetnode.net.node import SwarmNode
-    from hetnode.protocol.view import SwarmView
+    from hetnode.protocol.swarm_view import SwarmView
 
 log = logging.getLogger(__name__)
 

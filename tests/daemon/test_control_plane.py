@@ -351,7 +351,7 @@ def test_a_replica_reads_every_record_only_when_the_coordinators_view_differs_fr
 
 def test_a_views_digest_follows_roles_and_links_not_per_round_fields(tiny_config):
     from hetnode.net.node import StoredValue
-    from hetnode.protocol.view import SwarmView
+    from hetnode.protocol.swarm_view import SwarmView
 
     def view_of(**changes) -> SwarmView:
         rec = record("p", "anchor") | changes
@@ -395,7 +395,7 @@ def test_a_vouched_replica_takes_a_join_and_a_leave_from_the_coordinators_change
 ):
     """A newcomer and a leaver reach a replica whose view was current through the coordinator's `changes`
     entry (the changed records only): no read of every record, and the view a full read gives."""
-    from hetnode.protocol.view import SwarmView
+    from hetnode.protocol.swarm_view import SwarmView
 
     async def scenario():
         async with nodes_on_loopback(3, "changes-test") as (coordinator, me, newcomer):

@@ -16,7 +16,7 @@ from hetnode.daemon.rounds import AnchorTraining
 from hetnode.data.dataset import TokenDataset
 from hetnode.model.decoder import build_model
 from hetnode.planning.rounds import data_slot, floor_seconds
-from hetnode.protocol.sealing import STEPS_SLACK, verified_steps
+from hetnode.protocol.seal_weights import STEPS_SLACK, verified_steps
 from hetnode.replica.global_model import GlobalModel, base_fixed_embedding
 from hetnode.training.local_rounds import RebaseInbox
 from hetnode.training.schedule import schedule_position

@@ -148,7 +148,7 @@ def test_payloads_are_checked_as_announced_and_a_re_announcement_replaces_the_ch
             seen = await collect_all(sealer, 2)
             # fetched and decoded as soon as seen: gone by the time the round is sealed, still in it
             deadline = time.monotonic() + 20
-            while sealer.checking() and time.monotonic() < deadline:
+            while sealer.checks.checking() and time.monotonic() < deadline:
                 await asyncio.sleep(0.05)
             await early.shutdown()
             second = await announce(restarted, config, dataset, model, warmup=1)

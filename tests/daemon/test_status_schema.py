@@ -22,7 +22,7 @@ from hetnode.net.identity import ephemeral_identity
 from hetnode.net.node import StoredValue
 from hetnode.net.records import new_peer_record
 from hetnode.planning.roles import Candidate, format_layout, pack_chains
-from hetnode.protocol.view import SwarmView
+from hetnode.protocol.swarm_view import SwarmView
 from hetnode.replica.global_model import GlobalModel
 from hetnode.wire.manifest import Manifest
 

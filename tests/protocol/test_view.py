@@ -5,7 +5,7 @@ import time
 from hetnode.net.node import StoredValue
 from hetnode.net.records import new_peer_record
 from hetnode.planning.roles import format_layout, pack_chains
-from hetnode.protocol.view import SwarmView
+from hetnode.protocol.swarm_view import SwarmView
 
 
 def record(name, role="idle", wants="stage", chain=None, stage=None, layers=None, tflops=1.0, layout=None):

@@ -18,7 +18,7 @@ from hetnode.net.records import (
     new_peer_record,
     value_bytes,
 )
-from hetnode.protocol.view import SwarmView
+from hetnode.protocol.swarm_view import SwarmView
 from hetnode.protocol.view_changes import ChangeLog, apply_steps, new_step, step_chain, trim_steps
 
 LINK = {"link_class": "low", "up_mbps": 20.0, "down_mbps": 20.0, "mem_gb": 1.0, "tflops": 0.5}

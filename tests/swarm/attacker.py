@@ -40,7 +40,7 @@ from hetnode.net.records import (  # noqa: E402
 )
 from hetnode.net.signing import sign_payload  # noqa: E402
 from hetnode.net.streams import PeerRequestError, open_stream, request  # noqa: E402
-from hetnode.protocol.view import SwarmView  # noqa: E402
+from hetnode.protocol.swarm_view import SwarmView  # noqa: E402
 from hetnode.replica.global_model import GlobalModel, sha256_hex  # noqa: E402
 from hetnode.wire.control import encode_request, frame_header  # noqa: E402
 from hetnode.wire.sync_payload import SyncPayload, encode_payload  # noqa: E402

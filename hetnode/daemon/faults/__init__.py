@@ -3,6 +3,7 @@ handed (`Faults`, honest by default), never flags in the honest loops.
 
 - `strategy.py`: `Faults`, the hooks at every point a fault acts, each honest: it hands back what it is
   given (or does the honest thing the hook stands for), so an honest role pays one call and nothing else;
+  and `OldTheta`, the θ a stale anchor trains from;
 - `anchor.py`: an anchor's faults: what Δ a round sends (the pseudo-gradient faults of
   `hetnode.training.faults`, without error feedback), the θ a round trains from (stale), the payloads
   announced (copy), the payload bytes (nan), the announced digests (digest), θ after an apply (drift);

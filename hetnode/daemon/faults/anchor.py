@@ -14,14 +14,13 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import deque
-from dataclasses import dataclass
 
 import msgpack
 import torch
 
 from hetnode.algo.sparseloco import CompressedTensor, ErrorFeedback, SparseLoCoCodec
 from hetnode.config import OuterConfig
-from hetnode.daemon.faults.strategy import Faults
+from hetnode.daemon.faults.strategy import Faults, OldTheta
 from hetnode.net.node import SwarmNode
 from hetnode.net.signing import open_payload
 from hetnode.net.streams import PeerRequestError
@@ -54,15 +53,6 @@ class PseudoGradientFault(Faults):
         compressed = fresh.compress(delta)
         local.keep_progress()
         return compressed
-
-
-@dataclass
-class OldTheta:
-    """What `AnchorTraining.run_round` reads of a global model: θ, its round and its shards."""
-
-    params: dict[str, torch.Tensor]
-    params_round: int
-    shards: dict[str, list[str]]
 
 
 class Stale(Faults):

@@ -5,6 +5,7 @@ its fault needs (`anchor.py`, `stage.py`); the roles never ask which fault they 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # the CLI reads the names of faults next door: nothing heavy loads with this class
@@ -14,10 +15,19 @@ if TYPE_CHECKING:  # the CLI reads the names of faults next door: nothing heavy 
 
     from hetnode.algo.sparseloco import CompressedTensor
     from hetnode.config import OuterConfig
-    from hetnode.daemon.faults.anchor import OldTheta
     from hetnode.net.node import SwarmNode
     from hetnode.replica.global_model import GlobalModel
     from hetnode.training.local_rounds import LocalRounds
+
+
+@dataclass
+class OldTheta:
+    """What `AnchorTraining.run_round` reads of a global model: θ, its round and its shards (what
+    `train_from` hands back in place of the model we hold)."""
+
+    params: dict[str, torch.Tensor]
+    params_round: int
+    shards: dict[str, list[str]]
 
 
 class Faults:

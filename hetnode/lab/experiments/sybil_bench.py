@@ -39,10 +39,11 @@ from hetnode.config import Config, replace
 from hetnode.daemon.faults.factory import faults_named
 from hetnode.daemon.rounds import AnchorTraining
 from hetnode.data import TokenDataset
+from hetnode.lab.experiments.sybil_payloads import negated, perturbed, relabelled, scaled
 from hetnode.lab.experiments.trust_bench import eval_loss
 from hetnode.model.decoder import build_model
 from hetnode.planning.rounds import data_slot, replica_tokens, shard_order
-from hetnode.protocol.sealing import RESCUABLE
+from hetnode.protocol.seal_screening import RESCUABLE
 from hetnode.replica.global_model import GlobalModel, base_fixed_embedding
 from hetnode.wire.sync_payload import DecodedPayload
 
@@ -173,20 +174,20 @@ def run_scenario(
                 and attacking
                 and last_scored.get("sly") == round_ - 1 - plan.score_lag
             ):
-                decoded = _negated(decoded)  # it was scored last time it could see: now it strikes
+                decoded = negated(decoded)  # it was scored last time it could see: now it strikes
                 harmful.add(peer)
             contributions.append((peer, decoded))
             replicas[peer] = Replica(peer, data_slot(peer))
         if "duplicates" in attacks and attacking:
             original = dict(contributions)["dup-0"]
             for i in range(1, COPIES):
-                contributions.append((f"dup-{i}", _perturbed(original, f"dup-{i}", MOVED, gen, numels)))
+                contributions.append((f"dup-{i}", perturbed(original, f"dup-{i}", MOVED, gen, numels)))
                 replicas[f"dup-{i}"] = Replica(f"dup-{i}", data_slot(f"dup-{i}"))
         whole = theta.decode_contribution(CHAIN, round_, trainers[CHAIN].run_round(round_, theta))
-        up = _relabelled([m for m in whole if m.shard in up_shards], "stage-up")
-        down = _relabelled([m for m in whole if m.shard not in up_shards], "stage-down")
+        up = relabelled([m for m in whole if m.shard in up_shards], "stage-up")
+        down = relabelled([m for m in whole if m.shard not in up_shards], "stage-down")
         if "framing" in attacks and attacking:
-            down = _negated(down)
+            down = negated(down)
             harmful.add("stage-down")
         contributions += [("stage-up", up), ("stage-down", down)]
         replicas |= {peer: Replica(CHAIN, data_slot(CHAIN)) for peer in stages}
@@ -194,8 +195,8 @@ def run_scenario(
             source = dict(contributions)[honest[0]]  # the worst case: it saw an honest payload
             for i in range(SYBILS):
                 peer = f"sybil-{i}"
-                small = [dataclasses.replace(m, sparse=_scaled(m.sparse, SMALL)) for m in source]
-                contributions.append((peer, _perturbed(small, peer, MOVED, gen, numels)))
+                small = [dataclasses.replace(m, sparse=scaled(m.sparse, SMALL)) for m in source]
+                contributions.append((peer, perturbed(small, peer, MOVED, gen, numels)))
                 replicas[peer] = Replica(peer, data_slot(peer))
         for flipper in ("rotation", "fixed"):
             if flipper not in attacks or not attacking:
@@ -373,38 +374,3 @@ def _pooled(outcomes: list[dict]) -> dict:
     pooled["worst_honest_credit_share"] = min(o["honest_credit_share_of_clean"] for o in outcomes)
     pooled["draws"] = outcomes
     return pooled
-
-
-def _relabelled(messages: list[DecodedPayload], peer: str) -> list[DecodedPayload]:
-    return [dataclasses.replace(m, replica=peer) for m in messages]
-
-
-def _negated(messages: list[DecodedPayload]) -> list[DecodedPayload]:
-    return [dataclasses.replace(m, sparse={n: (i, -v) for n, (i, v) in m.sparse.items()}) for m in messages]
-
-
-def _scaled(sparse: dict, factor: float) -> dict:
-    return {n: (i, v * factor) for n, (i, v) in sparse.items()}
-
-
-def _perturbed(
-    messages: list[DecodedPayload], peer: str, moved: float, gen: torch.Generator, numels: dict[str, int]
-) -> list[DecodedPayload]:
-    """`messages` under `peer`'s name with a share `moved` of each tensor's positions moved to positions
-    it did not select (values kept): a copy that a ≥ 0.9-overlap screen lets through."""
-    out = []
-    for m in messages:
-        sparse = {}
-        for name, (idx, vals) in m.sparse.items():
-            idx = idx.reshape(-1).long().clone()
-            numel = numels[name]
-            count = int(round(moved * idx.numel()))
-            if count:
-                chosen = torch.randperm(idx.numel(), generator=gen)[:count]
-                free = torch.ones(numel, dtype=torch.bool)
-                free[idx] = False
-                candidates = free.nonzero().reshape(-1)
-                idx[chosen] = candidates[torch.randperm(candidates.numel(), generator=gen)[:count]]
-            sparse[name] = (idx, vals.reshape(-1).clone())
-        out.append(dataclasses.replace(m, replica=peer, sparse=sparse))
-    return out

@@ -2,7 +2,7 @@
 
 Each schedule is a list of `fluid.Transfer`s between groups of peers that play the same part: the
 coordinator, the anchors, and stage s of every chain. Every mode starts with the coordinator fetching each
-payload once, from its author, to validate it (`hetnode/protocol/sealing.py`), then seals.
+payload once, from its author, to validate it (`hetnode/protocol/payload_checks.py`), then seals.
 - `hub`: the code before b80d0c7. Every replica fetched every sealed payload of the shards it holds from
   the coordinator.
 - `any-holder`: the code since b80d0c7 (`hetnode/planning/fetch.py`, `hetnode/daemon/payload_fetch.py`).
