@@ -16,7 +16,8 @@ ALLOWED = {
     "model": {"algo"},
     "data": set(),
     "wire": {"algo"},
-    "training": {"algo", "model", "data", "replica"},  # a `hetnode train` run writes θ as checkpoints do
+    # `replica`: a `hetnode train` run writes θ as checkpoints do; `planning`: a round's assigned batches
+    "training": {"algo", "model", "data", "replica", "planning"},
     "replica": {"algo", "model", "wire"},
     "net": {"wire"},
     "service": {"net", "wire", "model", "algo"},

@@ -37,7 +37,7 @@ from hetnode.config import Config
 from hetnode.daemon.faults.strategy import HONEST, Faults
 from hetnode.daemon.participant import RoundParticipant
 from hetnode.daemon.rounds import write_state
-from hetnode.daemon.stage_training import StageTraining, drift_refusal, stage_part
+from hetnode.daemon.stage_training import StageTraining, drift_refusal
 from hetnode.data.epochs import training_dataset
 from hetnode.errors import HetnodeError, UpdateRefused, WireError
 from hetnode.net.node import SwarmNode
@@ -54,6 +54,7 @@ from hetnode.service.round_log import RoundRecord
 from hetnode.service.state_writer import LatestStateWriter
 from hetnode.training.local_rounds import Rebase
 from hetnode.training.schedule import stage_window
+from hetnode.training.stage_round import stage_part
 from hetnode.training.stage_worker import Frame
 from hetnode.wire.activation_frame import (
     FrameKind,

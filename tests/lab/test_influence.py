@@ -10,7 +10,7 @@ from hetnode.algo.aggregate import AGGREGATION_RULES, aggregate_sparse, contribu
 from hetnode.algo.sparseloco import SparseLoCoCodec
 from hetnode.config import Config
 from hetnode.errors import ConfigError
-from hetnode.lab.experiments import influence
+from hetnode.lab.experiments import influence, influence_attacks, influence_weighted
 from hetnode.lab.experiments.sparseloco import plan_for as sparseloco_plan
 
 SHAPES = {"w": (128, 128), "b": (128,)}
@@ -64,16 +64,16 @@ def test_each_rule_bounds_the_attackers_as_documented():
 def test_attackers_are_valid_payloads():
     codec = SparseLoCoCodec()
     honest = _honest(4)
-    for strategy in influence.STRATEGIES:
-        sybils = influence._attack(honest, SHAPES, codec, strategy, 2, seed=1)
+    for strategy in influence_attacks.STRATEGIES:
+        sybils = influence_attacks.attack(honest, SHAPES, codec, strategy, 2, seed=1)
         assert [who for who, _ in sybils] == ["~sybil-000", "~sybil-001"]
         for _, tensors in sybils:
             for name, (idx, vals) in tensors.items():
                 assert idx.numel() == codec.grid(SHAPES[name]).total_selected
                 assert torch.unique(idx).numel() == idx.numel() and bool(torch.isfinite(vals).all())
-    split = influence._attack(honest, SHAPES, codec, "disjoint-split", 2, seed=1)
+    split = influence_attacks.attack(honest, SHAPES, codec, "disjoint-split", 2, seed=1)
     assert not set(split[0][1]["w"][0].tolist()) & set(split[1][1]["w"][0].tolist())
-    same = influence._attack(honest, SHAPES, codec, "disjoint", 2, seed=1)
+    same = influence_attacks.attack(honest, SHAPES, codec, "disjoint", 2, seed=1)
     assert torch.equal(same[0][1]["w"][0], same[1][1]["w"][0])
 
 
@@ -81,12 +81,12 @@ def test_attackers_are_valid_payloads():
 def weighted() -> dict:
     """measure_weighted on the synthetic round: R = 4 honest at F = 8, Sybils with h in (0, 1, 2, 4, 8)."""
     plan = influence.InfluencePlan(replicas=4, rounds=1, batch_size=1)
-    return influence.measure_weighted(_honest(4), SHAPES, plan, full=8)
+    return influence_weighted.measure_weighted(_honest(4), SHAPES, plan, full=8)
 
 
 def test_weights_bound_the_sybils_as_stated(weighted):
-    assert [influence.earned_weight(h, 8) for h in (0, 1, 2, 4, 8, 10)] == [0, 1, 2, 4, 8, 8]
-    assert influence.stated_bound(5, 1, 4, 8) == 5 / 37
+    assert [influence_weighted.earned_weight(h, 8) for h in (0, 1, 2, 4, 8, 10)] == [0, 1, 2, 4, 8, 8]
+    assert influence_weighted.stated_bound(5, 1, 4, 8) == 5 / 37
     mean = weighted["rules"]["mean"]
     for rule in AGGREGATION_RULES:  # on probation: not in the aggregate at all
         assert all(cell["share"] == 0.0 for cell in weighted["rules"][rule]["0"].values())
@@ -98,9 +98,10 @@ def test_weights_bound_the_sybils_as_stated(weighted):
         for k in ("1", "5"):
             assert mean[h][k]["share"] <= mean[h][k]["bound"] * 1.05, (h, k)
             assert mean[h][k]["share"] == pytest.approx(mean[h][k]["bound"], rel=0.05), (h, k)
-            assert set(mean[h][k]["by_strategy"]) == {*influence.STRATEGIES, influence.MAJORITY} - (
-                {"disjoint-split"} if k == "1" else set()
-            )
+            assert set(mean[h][k]["by_strategy"]) == {
+                *influence_attacks.STRATEGIES,
+                influence_attacks.MAJORITY,
+            } - ({"disjoint-split"} if k == "1" else set())
     # weights grow with history: so does the share
     shares = [mean[h]["5"]["share"] for h in ("0", "1", "2", "4", "8")]
     assert shares == sorted(shares)
@@ -112,7 +113,7 @@ def test_equal_weights_reproduce_the_unweighted_numbers(weighted):
     unweighted = influence.measure_round(honest, SHAPES, plan)
     for rule in AGGREGATION_RULES:  # h = 8 = F: every weight equal
         for strategy, share in weighted["rules"][rule]["8"]["1"]["by_strategy"].items():
-            if strategy != influence.MAJORITY:
+            if strategy != influence_attacks.MAJORITY:
                 assert share == pytest.approx(unweighted[rule]["by_strategy"][strategy][1]["share"], rel=1e-5)
         effect = weighted["majority"]["rules"][rule]
         assert effect["8"] == pytest.approx(effect["headcount"], rel=1e-5)
@@ -124,7 +125,7 @@ def test_equal_weights_reproduce_the_unweighted_numbers(weighted):
 def test_a_tiny_majority_clips_honest_work_by_headcount_not_by_weight(weighted):
     codec = SparseLoCoCodec()
     honest = _honest(4)
-    crowd = influence._majority(honest, SHAPES, codec, 5, seed=0)
+    crowd = influence_attacks.majority_attack(honest, SHAPES, codec, 5, seed=0)
     for name, shape in SHAPES.items():  # valid payloads, each its own support, tiny
         supports = [set(tensors[name][0].tolist()) for _, tensors in crowd]
         assert all(len(s) == codec.grid(shape).total_selected for s in supports)

@@ -11,7 +11,7 @@ from hetnode.algo.scoring import index_overlap
 from hetnode.algo.sparseloco import SparseLoCoCodec
 from hetnode.config import Config
 from hetnode.errors import ConfigError
-from hetnode.lab.experiments import overlap
+from hetnode.lab.experiments import overlap, overlap_report
 
 SHAPES = {"w": (128, 192), "b": (128,)}
 
@@ -56,7 +56,7 @@ def test_plans_and_suggestion():
         overlap.plan_for(True, (1, 4))
     with pytest.raises(ConfigError):
         overlap.plan_for(True, rounds=0)
-    assert overlap._ceil_step(0.2591 + 0.05) == 0.35 and overlap._ceil_step(0.25 + 0.05) == 0.3
+    assert overlap_report.ceil_step(0.2591 + 0.05) == 0.35 and overlap_report.ceil_step(0.25 + 0.05) == 0.3
 
 
 def test_overlap_bench_end_to_end(tiny_config: Config, tmp_path: Path):

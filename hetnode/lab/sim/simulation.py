@@ -14,16 +14,17 @@ from typing import Literal
 import torch
 
 from hetnode.algo.aggregate import AGGREGATION_RULES, aggregate_dense, aggregate_sparse, outer_sgd_step
-from hetnode.algo.sparseloco import DenseCodec, pseudo_gradient
-from hetnode.algo.subspace import frozen_embedding
-from hetnode.config import Config
+from hetnode.algo.sparseloco import DenseCodec
+from hetnode.config import Config, replace
 from hetnode.data import TokenDataset
 from hetnode.lab.sim.pipeline import PipelineChain, build_chain_workers
-from hetnode.lab.sim.replicas import AnchorReplica, ChainReplica, Params, Replica
+from hetnode.lab.sim.replicas import AnchorReplica, ChainReplica, DDPReplica, Params, Replica, Update
 from hetnode.model import build_model
 from hetnode.model.shards import shard_names
 from hetnode.model.subspace import SubspaceConstraint
 from hetnode.planning.layer_split import split_layers
+from hetnode.replica.global_model import base_fixed_embedding
+from hetnode.training.anchor_round import AnchorRound
 from hetnode.training.trainer import InnerTrainer
 from hetnode.training.working_copy import WorkingCopy
 from hetnode.wire.activation_frame import FrameLimits, value_bounds
@@ -78,6 +79,22 @@ class RoundStats:
     inner_seconds: float  # the inner steps, per replica (mean)
 
 
+def round_config(config: Config, method: SyncMethod, swarm: Swarm) -> Config:
+    """`config` as an anchor of this simulation reads it: H, codec and α of `method`, lockstep rounds of H
+    steps, and the subspace mode of `swarm` (an anchor is constrained in "everything" only)."""
+    config = replace(
+        config,
+        "outer",
+        inner_steps=method.inner_steps,
+        topk=method.topk,
+        tile=method.tile,
+        error_feedback=method.error_feedback,
+        lr=method.outer_lr,
+        schedule="steps",
+    )
+    return replace(config, "pipeline", compression=swarm.mode, stages=swarm.chain_stages)
+
+
 class ReplicaSimulation:
     """Train a swarm on disjoint data slots, syncing every H inner steps with `method`."""
 
@@ -93,19 +110,13 @@ class ReplicaSimulation:
         self.last_outgoing: dict[str, dict[str, bytes]] = {}  # the last round's payloads, per replica
         self.round = 0
         seed = config.run.seed
+        # the config an anchor's round reads: the method's H and codec, the swarm's subspace mode
+        self.round_config = round_config(config, method, swarm)
         self.eval_model = build_model(config.model, seed=seed)
         initial = dict(self.eval_model.named_parameters())  # θ⁰, the same on every replica
-        base_fixed = None
-        if swarm.mode != "none":
-            cfg = config.model
-            base_fixed = frozen_embedding(cfg.vocab_size, cfg.d_model, seed, cfg.init_std)
-            self.eval_model.fixed_embedding = base_fixed
+        base_fixed = base_fixed_embedding(self.round_config)
+        self.eval_model.fixed_embedding = base_fixed
         splits = split_layers(config.model.n_layers, [1.0] * swarm.chain_stages)
-        constraint = None
-        if swarm.mode != "none":
-            constraint = SubspaceConstraint.create(
-                config.model, config.pipeline.subspace_rank, splits[-1].start, seed
-            )
         self.replicas: list[Replica] = []
         if method.kind == "ddp":
             # Synchronous DDP = one trainer whose every step averages all replicas' batches.
@@ -116,53 +127,12 @@ class ReplicaSimulation:
                 slots=range(swarm.anchors),
                 num_slots=swarm.anchors,
             )
-            self.replicas.append(
-                AnchorReplica("ddp", trainer, initial, WorkingCopy(None, base_fixed), method)
-            )
+            self.replicas.append(DDPReplica(trainer, initial, method))
         else:
-            anchor_constraint = constraint if swarm.mode == "everything" else None
             for r in range(swarm.anchors):
-                trainer = InnerTrainer(
-                    config,
-                    build_model(config.model, seed=seed),
-                    dataset,
-                    slots=[r],
-                    num_slots=swarm.replicas,
-                    constraint=anchor_constraint,
-                )
-                working = WorkingCopy(anchor_constraint, base_fixed)
-                self.replicas.append(AnchorReplica(f"anchor-{r:03d}", trainer, initial, working, method))
-            compress = swarm.mode != "none"
-            width = config.pipeline.subspace_rank if compress else config.model.d_model
-            max_act, max_grad = value_bounds(config.model.d_model)
-            limits = FrameLimits(
-                config.data.batch_size,
-                config.data.seq_len,
-                width,
-                "bf16",
-                config.model.vocab_size,
-                int(config.network.max_frame_mb * 2**20),
-                max_act=max_act,
-                max_grad=max_grad,
-            )
-            for c in range(swarm.chains):
-                workers = build_chain_workers(
-                    config,
-                    splits,
-                    swarm.chain_optimizer,
-                    compress=compress,
-                    constrained=compress,
-                    seed=seed,
-                    wire_dtype=torch.bfloat16,
-                )
-                chain = PipelineChain(
-                    workers, dataset, slot=swarm.anchors + c, num_slots=swarm.replicas, limits=limits
-                )
-                self.replicas.append(
-                    ChainReplica(
-                        f"chain-{c:03d}", chain, initial, WorkingCopy(constraint, base_fixed), method
-                    )
-                )
+                anchor = AnchorRound(self.round_config, dataset, f"anchor-{r:03d}")
+                self.replicas.append(AnchorReplica(anchor, initial, method))
+            self._add_chains(dataset, splits, initial, base_fixed)
         first = self.replicas[0].global_params
         self.shards = shard_names(first)
         codec = "sparseloco" if method.kind == "sparseloco" else "fp32"
@@ -175,6 +145,44 @@ class ReplicaSimulation:
         }
         self._dense_bytes = sum(len(b) for b in self._encode_dense("probe", first).values())
 
+    def _add_chains(
+        self, dataset: TokenDataset, splits: list[range], initial: Params, base_fixed: torch.Tensor | None
+    ) -> None:
+        config, swarm, method = self.config, self.swarm, self.method
+        compress = swarm.mode != "none"
+        constraint = None
+        if compress:
+            constraint = SubspaceConstraint.create(
+                config.model, config.pipeline.subspace_rank, splits[-1].start, config.run.seed
+            )
+        width = config.pipeline.subspace_rank if compress else config.model.d_model
+        max_act, max_grad = value_bounds(config.model.d_model)
+        limits = FrameLimits(
+            config.data.batch_size,
+            config.data.seq_len,
+            width,
+            "bf16",
+            config.model.vocab_size,
+            int(config.network.max_frame_mb * 2**20),
+            max_act=max_act,
+            max_grad=max_grad,
+        )
+        for c in range(swarm.chains):
+            workers = build_chain_workers(
+                config,
+                splits,
+                swarm.chain_optimizer,
+                compress=compress,
+                constrained=compress,
+                seed=config.run.seed,
+                wire_dtype=torch.bfloat16,
+            )
+            chain = PipelineChain(
+                workers, dataset, slot=swarm.anchors + c, num_slots=swarm.replicas, limits=limits
+            )
+            working = WorkingCopy(constraint, base_fixed)
+            self.replicas.append(ChainReplica(f"chain-{c:03d}", chain, initial, working, method))
+
     def run_round(self) -> RoundStats:
         if self.method.kind == "ddp":
             return self._ddp_round()
@@ -182,13 +190,11 @@ class ReplicaSimulation:
         outgoing: dict[str, dict[str, bytes]] = {}
         activation_before = sum(r.activation_bytes + r.gradient_bytes for r in self.replicas)
         for replica in self.replicas:
-            replica.begin_round()
             start = time.perf_counter()
-            replica.train(self.method.inner_steps)
+            replica.train(self.round, self.method.inner_steps)
             inner_seconds.append(time.perf_counter() - start)
             start = time.perf_counter()
-            delta = pseudo_gradient(replica.reference, replica.local_params())
-            outgoing[replica.id] = self._encode(replica, delta)
+            outgoing[replica.id] = self._encode(replica.id, replica.update(self.round))
             codec_seconds.append(time.perf_counter() - start)
             sent.append(sum(len(b) for b in outgoing[replica.id].values()))
         self.last_outgoing = outgoing
@@ -200,13 +206,12 @@ class ReplicaSimulation:
         activation = sum(r.activation_bytes + r.gradient_bytes for r in self.replicas) - activation_before
         return self._stats(sent, 1, codec_seconds, inner_seconds, activation)
 
-    def _encode(self, replica: Replica, delta: Params) -> dict[str, bytes]:
-        if replica.feedback is None:
-            return self._encode_dense(replica.id, delta)
-        compressed = replica.feedback.compress(delta)
+    def _encode(self, replica_id: str, update: Update) -> dict[str, bytes]:
+        if self.method.kind != "sparseloco":
+            return self._encode_dense(replica_id, update)
         return {
             shard: encode_payload(
-                SyncPayload(replica.id, self.round, shard, "sparseloco", {n: compressed[n] for n in names})
+                SyncPayload(replica_id, self.round, shard, "sparseloco", {n: update[n] for n in names})
             )
             for shard, names in self.shards.items()
         }
@@ -240,6 +245,8 @@ class ReplicaSimulation:
 
     def _ddp_round(self) -> RoundStats:
         replica = self.replicas[0]
+        if not isinstance(replica, DDPReplica):
+            raise TypeError(f"the DDP baseline runs one DDP trainer, not {type(replica).__name__}")
         trainer = replica.trainer
         inner, codec, sent = 0.0, 0.0, 0
         for _ in range(self.method.inner_steps):
