@@ -43,7 +43,6 @@ from __future__ import annotations
 import json
 import logging
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import matplotlib
@@ -53,7 +52,6 @@ import matplotlib.pyplot as plt  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
 from hetnode.algo.aggregate import (  # noqa: E402
-    AGGREGATION_RULES,
     SparseUpdate,
     aggregate_sparse,
     contribution_parts,
@@ -63,8 +61,8 @@ from hetnode.config import Config, replace  # noqa: E402
 from hetnode.data import TokenDataset  # noqa: E402
 from hetnode.errors import ConfigError  # noqa: E402
 from hetnode.lab.experiments.influence_attacks import (  # noqa: E402
-    STRATEGIES,
     Contribution,
+    InfluencePlan,
     attack,
     attributed_share,
     effect,
@@ -77,28 +75,6 @@ from hetnode.model import count_parameters  # noqa: E402
 from hetnode.wire.sync_payload import decode_payload  # noqa: E402
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class InfluencePlan:
-    replicas: int  # R honest
-    rounds: int  # honest rounds; influence is measured on each round's payloads
-    batch_size: int
-    inner_steps: int = 30
-    topk: int = 64
-    rules: tuple[str, ...] = AGGREGATION_RULES
-    strategies: tuple[str, ...] = STRATEGIES
-    histories: tuple[int, ...] = (0, 1, 2, 4, 8)  # the Sybils' verified rounds in the weighted measurement
-    weighted_sybils: tuple[int, ...] = (1, 5)  # k there (not capped at R/2: weight, not headcount, binds)
-
-    @property
-    def max_sybils(self) -> int:
-        return max(1, self.replicas // 2)
-
-    @property
-    def majority_sybils(self) -> int:
-        """Sybils in the "majority" strategy: more than the honest replicas (5 against R = 4)."""
-        return max(max(self.weighted_sybils), self.replicas + 1)
 
 
 def plan_for(quick: bool, replicas: int | None = None, rounds: int | None = None) -> InfluencePlan:

@@ -9,10 +9,11 @@ share of the norm the aggregation rule hands out (`contribution_parts`: Δ = Σ_
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 
-from hetnode.algo.aggregate import SparseUpdate
+from hetnode.algo.aggregate import AGGREGATION_RULES, SparseUpdate
 from hetnode.algo.sparseloco import SparseLoCoCodec
 
 STRATEGIES = ("disjoint", "disjoint-split", "opposite", "boost")
@@ -23,6 +24,28 @@ Contribution = tuple[str, dict[str, SparseUpdate]]
 MAJORITY = "majority"  # the weighted measurement's extra strategy: many tiny honest-like updates
 MAJORITY_DIVISOR = 64.0  # each majority Sybil sends the mean honest update / 64
 MAJORITY_MOVED = 0.12  # ... with its own 12 % of the positions per tile moved elsewhere in the tile
+
+
+@dataclass(frozen=True)
+class InfluencePlan:
+    replicas: int  # R honest
+    rounds: int  # honest rounds; influence is measured on each round's payloads
+    batch_size: int
+    inner_steps: int = 30
+    topk: int = 64
+    rules: tuple[str, ...] = AGGREGATION_RULES
+    strategies: tuple[str, ...] = STRATEGIES
+    histories: tuple[int, ...] = (0, 1, 2, 4, 8)  # the Sybils' verified rounds in the weighted measurement
+    weighted_sybils: tuple[int, ...] = (1, 5)  # k there (not capped at R/2: weight, not headcount, binds)
+
+    @property
+    def max_sybils(self) -> int:
+        return max(1, self.replicas // 2)
+
+    @property
+    def majority_sybils(self) -> int:
+        """Sybils in the "majority" strategy: more than the honest replicas (5 against R = 4)."""
+        return max(max(self.weighted_sybils), self.replicas + 1)
 
 
 def flat(delta: dict[str, torch.Tensor]) -> torch.Tensor:

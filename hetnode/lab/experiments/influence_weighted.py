@@ -6,7 +6,6 @@ verified history")."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import matplotlib
 
@@ -21,14 +20,12 @@ from hetnode.lab.experiments.influence_attacks import (  # noqa: E402
     MAJORITY_DIVISOR,
     MAJORITY_MOVED,
     Contribution,
+    InfluencePlan,
     attack,
     attributed_share,
     flat,
     majority_attack,
 )
-
-if TYPE_CHECKING:
-    from hetnode.lab.experiments.influence import InfluencePlan
 
 
 def earned_weight(history: int, full: int) -> int:
