@@ -60,7 +60,8 @@ class BootstrapOptions:
     http_port: int | None = DEFAULT_STATUS_PORT  # status page, API, /metrics; None: off; 0: any free port
     metrics_port: int | None = None  # a separate /metrics port (None: on http_port)
     http_host: str = "127.0.0.1"
-    stand_ins: tuple[str, ...] = ()  # peers that may seal while the coordinator is away (TRUST §1)
+    # peers that may seal while the coordinator is away (docs/security.md, "Who is trusted with what")
+    stand_ins: tuple[str, ...] = ()
     admission: str = "open"  # open | allowlist | tokens
     allowlist: Path | None = None  # peer ids admitted in "allowlist" mode
     new_run: bool = False  # start a new run in data_dir, the old run's files moved aside (run_state.py)

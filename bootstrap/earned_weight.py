@@ -1,4 +1,5 @@
-"""Weight earned by verified history (TRUST §4, docs/security.md): what one identity counts for in a seal.
+"""Weight earned by verified history (docs/security.md, "Send useless or harmful work", docs/security.md):
+what one identity counts for in a seal.
 
 Identities are free, so a vote per identity is worth nothing. Each identity earns weight only by rounds the
 verifier scored non-negative: a new one has none (on probation: its work is scored, not sealed, not

@@ -1,8 +1,9 @@
 """The contribution ledger: tokens credited per peer, one row per (sealed round, peer), in SQLite.
 
-Credit is granted only for contributions in sealed rounds (DESIGN §3.5), so the coordinator records a round
-once it is sealed and the leaderboard matches what each peer's own round log says. Rows are keyed by
-(round, peer) and written with `INSERT OR IGNORE`: replaying a round after a restart never double-counts.
+Credit is granted only for contributions in sealed rounds (docs/sync.md, "Rounds over the network"), so the
+coordinator records a round once it is sealed and the leaderboard matches what each peer's own round log says.
+Rows are keyed by (round, peer) and written with `INSERT OR IGNORE`: replaying a round after a restart never
+double-counts.
 
 The credit rule (`credited_tokens`, stated for users in docs/observability.md, "Contribution credit"): a
 sealed contribution earns its replica's tokens by the manifest's schedule (H x batch x seq); a chain stage
@@ -10,7 +11,8 @@ earns the part of its chain's tokens in proportion to the parameters of the shar
 chain's stages together earn exactly one replica's tokens. Each row keeps both numbers: `tokens` (credited)
 and `replica_tokens` (what its replica trained: for a stage, the whole chain's tokens).
 
-The ledger defends itself whatever its caller passes (TRUST.md §1, §5):
+The ledger defends itself whatever its caller passes (docs/security.md, "Who is trusted with what";
+docs/security.md, "Exhaust a daemon"):
 - every number written is an int (not a bool) in [0, MAX_COUNT]; a bad row refuses the whole round with a
   `LedgerError` naming the field and the peer;
 - sums use SQL `total()` (a float, which cannot overflow) over values in that range: each term is a
@@ -48,8 +50,9 @@ from hetnode.errors import HetnodeError
 
 log = logging.getLogger(__name__)
 
-# 2: verdicts (scores and rejections of contributions, TRUST §4); 3: contributions.replica_tokens;
-# 4: verdicts.weight (the weight a peer has earned by verified history, `bootstrap/earned_weight.py`)
+# 2: verdicts (scores and rejections of contributions, docs/security.md, "Send useless or harmful work"); 3:
+# contributions.replica_tokens; 4: verdicts.weight (the weight a peer has earned by verified history,
+# `bootstrap/earned_weight.py`)
 SCHEMA_VERSION = 4
 # why a contribution got no weight or credit ("probation": its author has no verified round yet)
 REASONS = ("stale", "copy", "norm", "score", "probation")
@@ -242,7 +245,8 @@ def credit_round(
 
 @dataclass(frozen=True)
 class Verdict:
-    """What the verifier made of one peer's valid contribution to one round (TRUST §4)."""
+    """What the verifier made of one peer's valid contribution to one round (docs/security.md, "Send useless
+    or harmful work")."""
 
     peer: str
     round: int

@@ -4,12 +4,12 @@
 payloads and state. Then it goes straight back to collecting the next
 round: scoring, credit, evaluation, samples and checkpoints run beside it (`bootstrap/bookkeeping.py`).
 
-After a restart (or a crash between checkpoints) the swarm may hold rounds the coordinator does not: its
-own last seal is newer than its checkpoint, or a stand-in listed in the manifest sealed in its place while
-it was away. Before it seals anything in this life it takes θ of that round from any replica (`catch_up`),
-trusting only parameters whose layer digests match its own history (its rounds) or the stand-in's
-signed record (the stand-in's rounds), never a vote of replicas. Once it has sealed, no other peer's seal
-or θ is ever adopted (TRUST §1): the swarm follows the coordinator's chain.
+After a restart (or a crash between checkpoints) the swarm may hold rounds the coordinator does not: its own
+last seal is newer than its checkpoint, or a stand-in listed in the manifest sealed in its place while it was
+away. Before it seals anything in this life it takes θ of that round from any replica (`catch_up`), trusting
+only parameters whose layer digests match its own history (its rounds) or the stand-in's signed record (the
+stand-in's rounds), never a vote of replicas. Once it has sealed, no other peer's seal or θ is ever adopted
+(docs/security.md, "Who is trusted with what"): the swarm follows the coordinator's chain.
 
 Credit follows from the protocol, not from claims: a sealed contribution earns the manifest's schedule
 (H × batch × sequence tokens per replica, split over a chain's stages by the shards each delivered) in
@@ -96,7 +96,7 @@ class RoundKeeper:
         self.node = node
         self.presence = presence
         self.data_dir = data_dir
-        self.ledger = ledger  # credit for sealed contributions only (DESIGN §3.5)
+        self.ledger = ledger  # credit for sealed contributions only (docs/sync.md, "Rounds over the network")
         self.metrics = metrics
         self.history: deque[dict[str, Any]] = deque(read_history(data_dir.path), maxlen=HISTORY_KEPT)
         self.stand_ins = tuple(sorted(set(stand_ins) - {node.identity.peer_id}))

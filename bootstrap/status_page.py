@@ -137,7 +137,8 @@ class StatusBoard:
                 "total_tokens": sum(s.tokens for s in standings),
                 "rounds": self._rounds(),
                 "standings": [with_score(s) for s in standings],
-                # verification (TRUST §4): contributions given no weight or credit, and why
+                # verification (docs/security.md, "Send useless or harmful work"): contributions given no
+                # weight or credit, and why
                 "rejections": self.ledger.rejections(),
                 "verdicts": [v.as_dict() for v in self.ledger.recent_verdicts()],
             }

@@ -1,5 +1,5 @@
-"""The coordinator's swarm-level series (DESIGN §4), added to its own peer registry: peers by role and
-class, live chains, sealed rounds, global eval loss, the bytes of each sealed round, how far the
+"""The coordinator's swarm-level series (docs/observability.md), added to its own peer registry: peers by role
+and class, live chains, sealed rounds, global eval loss, the bytes of each sealed round, how far the
 bookkeeping worker beside the seal is behind (`bootstrap/bookkeeping.py`), and the contribution ledger
 (per-peer labels live only here)."""
 

@@ -1,5 +1,6 @@
-"""Verified contributions (TRUST §4): the coordinator weighs and credits only work that helps, and counts
-identities by the weight their verified history earned (`bootstrap/earned_weight.py`), never by headcount.
+"""Verified contributions (docs/security.md, "Send useless or harmful work"): the coordinator weighs and
+credits only work that helps, and counts identities by the weight their verified history earned
+(`bootstrap/earned_weight.py`), never by headcount.
 
 Two passes per round:
 - `screen`, at seal time, over every valid contribution (cheap: no forward pass). A contribution is left

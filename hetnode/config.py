@@ -104,7 +104,7 @@ class TrainConfig:
 
 @dataclass(frozen=True)
 class OuterConfig:
-    """SparseLoCo outer sync (DESIGN §2.1-2.2)."""
+    """SparseLoCo outer sync (docs/sync.md)."""
 
     inner_steps: int = 30  # H
     topk: int = 64  # kept entries per 4096-element tile
@@ -118,11 +118,13 @@ class OuterConfig:
     # How many of those checkpoints (DATA_DIR/checkpoints/round-NNNNNN/) the coordinator keeps, newest
     # first: more than one, so that a damaged newest checkpoint falls back to the one before it.
     keep_checkpoints: int = 3
-    # The largest |shift| + max|table| a contribution's 2-bit quantisation may carry (TRUST §2): honest
-    # pseudo-gradients sit far below 1; the bound keeps every aggregate and θ − α·Δ finite in float32.
+    # The largest |shift| + max|table| a contribution's 2-bit quantisation may carry (docs/security.md, "Crash
+    # the coordinator or a replica with one payload"): honest pseudo-gradients sit far below 1; the bound
+    # keeps every aggregate and θ − α·Δ finite in float32.
     max_value: float = 1000.0
     # The coordinator scores every contribution and gives no weight or credit to work that does not help
-    # (TRUST §4: stale, copied, free-riding or harmful updates); off only to measure what it prevents.
+    # (docs/security.md, "Send useless or harmful work": stale, copied, free-riding or harmful updates); off
+    # only to measure what it prevents.
     verify: bool = True
     # How many replicas the coordinator scores in one round, on average (a chain counts once). Small swarms
     # are scored whole; in larger ones each replica is drawn with chance verify_sample · w / W (its share of
@@ -138,13 +140,14 @@ class OuterConfig:
     # the clip and the verifier's medians count, and credit goes with it.
     probation_rounds: int = 8
     # How each coordinate combines the contributions, after every contribution is scaled down to the median
-    # norm (TRUST §3, docs/sync.md). "mean" (default, the SparseLoCo paper's (1/N)Σ): each identity holds
-    # 1/N of the update and moves Δ by at most 1/N of the median norm. "selectors": the mean over the peers
-    # that selected a coordinate (hetnode's rule before; one identity on a support nobody else chose moves θ
-    # by the whole median norm). "pooled": the sum over the tensor's mean number of selectors per selected
-    # coordinate (fair like "mean", steps like "selectors"; unstable in BENCHMARKS.md). "clip": each value
-    # capped at the median peer's largest |value|, then "selectors". "trimmed": the top and bottom 20 % of a
-    # coordinate's N values dropped. The manifest carries it, so every replica uses the same rule.
+    # norm (docs/security.md, "Steer the update", docs/sync.md). "mean" (default, the SparseLoCo paper's
+    # (1/N)Σ): each identity holds 1/N of the update and moves Δ by at most 1/N of the median norm.
+    # "selectors": the mean over the peers that selected a coordinate (hetnode's rule before; one identity on
+    # a support nobody else chose moves θ by the whole median norm). "pooled": the sum over the tensor's mean
+    # number of selectors per selected coordinate (fair like "mean", steps like "selectors"; unstable in
+    # BENCHMARKS.md). "clip": each value capped at the median peer's largest |value|, then "selectors".
+    # "trimmed": the top and bottom 20 % of a coordinate's N values dropped. The manifest carries it, so every
+    # replica uses the same rule.
     aggregation: Literal["selectors", "mean", "pooled", "clip", "trimmed"] = "mean"
     # A replica that has announced round t trains round t+1 at once from its own working weights and
     # rebases onto θ^t when the seal lands, keeping its progress since announcing (docs/sync.md,

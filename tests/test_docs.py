@@ -72,6 +72,24 @@ def test_no_doc_cites_files_outside_the_repository(doc: Path):
     assert not hits, f"{doc_id(doc)} cites files that are not in the repository:\n" + "\n".join(hits)
 
 
+def test_no_docstring_or_comment_cites_files_outside_the_repository():
+    """The code's citations (docstrings, comments, configs) name what a reader of the repository can open:
+    the design's sections are in docs/ (sync, chains, security, protocol, swarm, scale), not beside it."""
+    sources = [
+        path
+        for top in ("hetnode", "bootstrap", "tests", "benchmarks", "configs")
+        for path in sorted((ROOT / top).rglob("*"))
+        if path.suffix in {".py", ".toml", ".sh"} and path != Path(__file__).resolve()
+    ]
+    hits = [
+        f"{path.relative_to(ROOT)}:{number}: {line.strip()[:90]}"
+        for path in sources
+        for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1)
+        if OUTSIDE.search(line)
+    ]
+    assert not hits, "cites files that are not in the repository:\n" + "\n".join(hits)
+
+
 def slug(heading: str) -> str:
     """The anchor GitHub gives a heading: lower case, punctuation dropped, spaces as hyphens."""
     return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")

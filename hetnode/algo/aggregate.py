@@ -1,9 +1,10 @@
-"""Aggregation of compressed pseudo-gradients and the outer optimiser steps (DESIGN §2.1–2.2).
+"""Aggregation of compressed pseudo-gradients and the outer optimiser steps (docs/sync.md).
 
 Every replica must compute the bit-identical outer update from the same sealed set of contributions, so all
 reductions here run in a fixed order: contributions sorted by contributor id, one contributor (or, for the
 trimmed mean, one sorted rank) at a time, and within one contributor every coordinate appears at most once (no
-order-dependent float accumulation). The aggregation rule bounds how far one identity can move θ (TRUST §3).
+order-dependent float accumulation). The aggregation rule bounds how far one identity can move θ
+(docs/security.md, "Steer the update").
 
 Weights: the seal gives each contribution an integer weight, earned by its author's verified history
 (`bootstrap/standing.py`); every statistic here (the median norm, the clip bound, the means, the trim) is
@@ -67,7 +68,8 @@ def aggregate_sparse(
     rule: AggregationRule = "mean",
     weights: Mapping[str, int] | None = None,
 ) -> dict[str, torch.Tensor]:
-    """Dense float32 Δ per tensor from sparse contributions (DESIGN §2.2, TRUST §3).
+    """Dense float32 Δ per tensor from sparse contributions (docs/sync.md, "Compression", docs/security.md,
+    "Steer the update").
 
     `weights`: contributor -> a positive integer (None: 1 each). Below, N counts weight: a contributor of
     weight w counts as w contributors sending the same values.
@@ -321,7 +323,7 @@ def outer_sgd_step(
     lr: float = 1.0,
     weight_decay: float = 0.0,
 ) -> None:
-    """θ ← θ − lr·Δ − lr·wd·θ in place (DESIGN §2.1: plain SGD outer step, α applied once).
+    """θ ← θ − lr·Δ − lr·wd·θ in place (docs/sync.md, "One round": plain SGD outer step, α applied once).
 
     Decoupled weight decay uses the pre-step θ: implemented as θ ← θ·(1 − lr·wd), then θ ← θ − lr·Δ.
     This equals torch.optim.SGD(lr, weight_decay=wd) without momentum, up to float rounding.
@@ -347,8 +349,9 @@ def unsafe_outer_step(
 ) -> str | None:
     """The first tensor name for which `outer_sgd_step` could leave a non-finite value, else None.
 
-    Checked before any parameter changes (all-or-nothing rounds, TRUST §2): Δ must be finite and
-    max|θ|·|1 − lr·wd| + lr·max|Δ| must stay below float32's largest value, which bounds every result.
+    Checked before any parameter changes (all-or-nothing rounds, docs/security.md, "Crash the coordinator or a
+    replica with one payload"): Δ must be finite and max|θ|·|1 − lr·wd| + lr·max|Δ| must stay below float32's
+    largest value, which bounds every result.
     """
     _check_keys(params, delta)
     decay = abs(1.0 - lr * weight_decay) if weight_decay else 1.0

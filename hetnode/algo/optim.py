@@ -1,4 +1,5 @@
-"""Inner optimisers built from the `[inner]` config section (DESIGN §2.4).
+"""Inner optimisers built from the `[inner]` config section (docs/chains.md, "Asynchronous 1F1B with weight
+stashing").
 
 * ``adamw``: the default.
 * ``nadam``: Adam with Nesterov momentum and a high constant β1 (``nadam_beta1`` = 0.99), the strongest

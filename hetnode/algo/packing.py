@@ -1,4 +1,5 @@
-"""Bit packing for the SparseLoCo payload (DESIGN §2.2): 12-bit tile positions and 2-bit quantisation codes.
+"""Bit packing for the SparseLoCo payload (docs/sync.md, "Compression"): 12-bit tile positions and 2-bit
+quantisation codes.
 
 Layouts (fixed, little-endian, part of the wire format):
 - uint12: each pair (a, b) becomes the 24-bit word a | b << 12 stored as 3 little-endian bytes; an odd

@@ -1,4 +1,5 @@
-"""Scoring contributions (TRUST §4): is a decoded pseudo-gradient work that helps? Pure math over tensors.
+"""Scoring contributions (docs/security.md, "Send useless or harmful work"): is a decoded pseudo-gradient work
+that helps? Pure math over tensors.
 
 - `index_overlap`: the share of top-k positions two contributions have in common. Replicas training on
   different data select different coordinates; a copy of someone else's payload selects the same ones.

@@ -1,4 +1,4 @@
-"""SparseLoCo compression of pseudo-gradients with error feedback (DESIGN §2.1–2.2).
+"""SparseLoCo compression of pseudo-gradients with error feedback (docs/sync.md).
 
 Per tensor: tile-wise top-k by |value| (see `tiling`), then 2-bit quantisation of the kept signed values
 with one parameter set per tensor (shift + a 4-entry table of bin means), then bit packing (12-bit positions,
@@ -44,7 +44,7 @@ class CompressedTensor:
 
 
 def quantize_2bit(vals: torch.Tensor) -> tuple[torch.Tensor, float, tuple[float, float, float, float]]:
-    """2-bit quantisation of a 1-D float32 vector with one parameter set (DESIGN §2.2).
+    """2-bit quantisation of a 1-D float32 vector with one parameter set (docs/sync.md, "Compression").
 
     shift = mean, σ = population std of the centred values, scale = 6σ/4,
     code = clamp(round(c/scale + 2), 0, 3). The table holds the mean centred value of each bin (bin centre
@@ -81,7 +81,8 @@ def dequantize_2bit(
 
 
 class SparseLoCoCodec:
-    """Tile-wise top-k + 2-bit quantisation codec (DESIGN §2.2). Stateless; error feedback lives outside."""
+    """Tile-wise top-k + 2-bit quantisation codec (docs/sync.md, "Compression"). Stateless; error feedback
+    lives outside."""
 
     def __init__(self, topk: int = 64, tile: int = 64) -> None:
         self.topk = topk
@@ -205,7 +206,7 @@ class DenseCodec:
 
 
 class ErrorFeedback:
-    """Per-tensor error-feedback buffers around a SparseLoCo codec (DESIGN §2.1).
+    """Per-tensor error-feedback buffers around a SparseLoCo codec (docs/sync.md, "One round").
 
     e ← β·e + Δ; send ct = compress(e); e ← e − decompress(ct). Subtracting the dequantised payload (not the
     pre-quantisation top-k) keeps sent + residual equal to β·e + Δ up to float32 rounding.
@@ -272,7 +273,8 @@ class ErrorFeedback:
 def pseudo_gradient(
     global_params: dict[str, torch.Tensor], local_params: dict[str, torch.Tensor]
 ) -> dict[str, torch.Tensor]:
-    """Δ = θ_global − θ_local in float32 (DESIGN §2.1): the direction the inner steps moved, sign-flipped."""
+    """Δ = θ_global − θ_local in float32 (docs/sync.md, "One round"): the direction the inner steps moved,
+    sign-flipped."""
     if global_params.keys() != local_params.keys():
         missing = sorted(set(global_params) ^ set(local_params))
         raise ValueError(f"global and local parameters differ in names: {missing}")

@@ -1,4 +1,5 @@
-"""Subspace-compressed pipeline activations (DESIGN §2.3, arXiv 2601.02360).
+"""Subspace-compressed pipeline activations (docs/chains.md, "Subspace-compressed boundaries", arXiv
+2601.02360).
 
 Every block writes to the residual stream through two matrices (attention output, MLP down) and the
 stream starts at the token embedding. If the trainable embedding and those writers are kept in span(U)

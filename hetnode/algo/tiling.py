@@ -1,4 +1,4 @@
-"""Tile layout for SparseLoCo top-k selection (DESIGN §2.2).
+"""Tile layout for SparseLoCo top-k selection (docs/sync.md, "Compression").
 
 A 2-D weight (m, n) is cut into c1×c2 tiles, c1 the largest divisor of m that is ≤ `tile` and c2 likewise
 for n, so the common 64×64 case gives 4096-element tiles. Any other tensor (1-D biases and norms, scalars,
@@ -96,7 +96,8 @@ class TileGrid:
 
 @functools.lru_cache(maxsize=4096)
 def tile_grid(shape: tuple[int, ...], tile: int = 64, topk: int = 64) -> TileGrid:
-    """The tile grid of `shape` for tile size `tile` and `topk` kept per tile×tile elements (DESIGN §2.2).
+    """The tile grid of `shape` for tile size `tile` and `topk` kept per tile×tile elements (docs/sync.md,
+    "Compression").
 
     k = max(1, round(topk · tile_elems / tile²)) capped at tile_elems (Python's round: ties to even), so small
     chunks keep the same fraction as full tiles but never nothing.

@@ -1,7 +1,7 @@
 """The anchor role over the network: train H inner steps, announce the payload digests, wait for the seal,
 fetch exactly the sealed payloads, check their digests, apply the same outer step as every replica.
 
-Round t of an anchor (DESIGN §3.5, docs/sync.md "Overlap"):
+Round t of an anchor (docs/sync.md, "Rounds over the network", docs/sync.md "Overlap"):
 1. train in a worker thread from its working weights (the event loop keeps serving handlers and the
    heartbeat);
 2. keep the encoded payload per shard in memory, serve it, announce `{round, shards: sha256, tokens}`;

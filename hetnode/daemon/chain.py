@@ -1,5 +1,6 @@
 """The stage role over the network: one member of a chain running the asynchronous 1F1B pipeline over
-hivemind P2P streams, then taking part in the sealed round with its own layers (DESIGN §2.4, §3.5).
+hivemind P2P streams, then taking part in the sealed round with its own layers (docs/chains.md, "Asynchronous
+1F1B with weight stashing", §3.5).
 
 Each boundary between stages s and s+1 is one duplex stream that stage s opens: activation frames
 (subspace coefficients in bf16 with token ids and targets) go down, activation-gradient frames come back

@@ -1,4 +1,5 @@
-"""The sync payloads a replica holds, and whom it serves them to (TRUST §4: copied work).
+"""The sync payloads a replica holds, and whom it serves them to (docs/security.md, "Send useless or harmful
+work": copied work).
 
 A replica holds its own signed payloads (the round it announced, and the one before, which a late sealer
 may still fetch) and the sealed payloads it applied (for KEEP_ROUNDS rounds, so a round spreads without a

@@ -1,4 +1,4 @@
-"""A replica's part in sealed rounds, shared by anchors and chain stages (DESIGN §3.5–3.6).
+"""A replica's part in sealed rounds, shared by anchors and chain stages (docs/sync.md and docs/swarm.md).
 
 `RoundParticipant` signs and announces a payload, waits for the seal (`seal_wait`), fetches exactly the
 sealed payloads from any holder (their authors, replicas that applied the round, the sealer last:
@@ -6,12 +6,13 @@ sealed payloads from any holder (their authors, replicas that applied the round,
 them or none. It then serves what it applied for KEEP_ROUNDS rounds, so a round's payloads spread without
 a hub.
 
-Who may seal (TRUST §1): the coordinator, or, while its record has expired, the lowest-id live stand-in
-the signed manifest lists (none unless the operator named some). A seal counts only as the next link of
-the chain this replica holds (`seal_verdict`): a far-future seal, a fork or a seal by anyone else is
-ignored. When a round cannot be applied here it catches up by downloading θ from the sealer
-(`protocol/state_fetch.py`), checked against the digests the sealer signs: the coordinator's `head` entry, a
-stand-in's peer record. After every round the replica compares its own digests with the coordinator's head.
+Who may seal (docs/security.md, "Who is trusted with what"): the coordinator, or, while its record has
+expired, the lowest-id live stand-in the signed manifest lists (none unless the operator named some). A seal
+counts only as the next link of the chain this replica holds (`seal_verdict`): a far-future seal, a fork or a
+seal by anyone else is ignored. When a round cannot be applied here it catches up by downloading θ from the
+sealer (`protocol/state_fetch.py`), checked against the digests the sealer signs: the coordinator's `head`
+entry, a stand-in's peer record. After every round the replica compares its own digests with the coordinator's
+head.
 """
 
 from __future__ import annotations

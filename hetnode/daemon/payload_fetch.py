@@ -1,4 +1,4 @@
-"""Fetching a sealed round's payloads from any holder (TRUST §6), checked against the seal's digests.
+"""Fetching a sealed round's payloads from any holder (docs/scale.md), checked against the seal's digests.
 
 `fetch_sealed` asks each payload's candidates in the order `hetnode.planning.fetch` ranks them — its author,
 replicas that already applied the round, the sealer last — many holders in parallel, each fetcher in an

@@ -1,7 +1,7 @@
 """`hetnode join`: a participant. It finds the run through one known peer, measures its link, advertises
 its class and takes a role: anchor at once, or a stage in a chain assembled at a boundary.
 
-Chain assembly at boundary t (DESIGN §3.3): every idle stage candidate reads the idle set, computes the
+Chain assembly at boundary t (docs/swarm.md): every idle stage candidate reads the idle set, computes the
 same packing (`pack_chains`), writes its claim into its own record and waits until all members' records
 confirm the same assignment before the confirmation deadline; otherwise it returns to the pool and
 tries again at the next boundary. A live chain that loses a member dissolves at the next boundary.

@@ -1,12 +1,12 @@
 """A replica's wait for the seal of a round (`RoundParticipant.wait_for_seal`), and the small reads of the
 sealer's DHT entries it and the participant's checks make.
 
-While it waits, the replica re-announces its payload and looks for the seal: the sealer nudges it, and a
-poll is the fallback. A poll reads the coordinator's `head` entry, one small record, before the seal,
-which grows with the swarm. Who may seal (TRUST §1): the coordinator, or, while its record has expired, the
-lowest-id live stand-in the signed manifest lists; when that stand-in is this replica it seals in the
-coordinator's place. A seal is taken only as the next link of the chain this replica holds, or as one to
-catch up to (`seal_verdict`).
+While it waits, the replica re-announces its payload and looks for the seal: the sealer nudges it, and a poll
+is the fallback. A poll reads the coordinator's `head` entry, one small record, before the seal, which grows
+with the swarm. Who may seal (docs/security.md, "Who is trusted with what"): the coordinator, or, while its
+record has expired, the lowest-id live stand-in the signed manifest lists; when that stand-in is this replica
+it seals in the coordinator's place. A seal is taken only as the next link of the chain this replica holds, or
+as one to catch up to (`seal_verdict`).
 
 The DHT is one path, not the only one: when a nudge (or every 4th poll) finds no seal there, the replica
 asks the sealers for it directly, so nodes with chosen ids next to the run's keys cannot hide it; the same

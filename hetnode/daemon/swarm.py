@@ -1,8 +1,9 @@
 """Finding a run through one known peer: its run id, the coordinator, the signed manifest, the round.
 
-A volunteer pins the coordinator it meant (TRUST §1): the peer it joins through only helps it find the
-DHT, and a member that names another coordinator is refused. What the manifest says about local paths
-(the data source beyond the bundled corpus, the data cache) is never taken: `local_config` replaces them
+A volunteer pins the coordinator it meant (docs/security.md, "Who is trusted with what"): the peer it joins
+through only helps it find the DHT, and a member that names another coordinator is refused. What the manifest
+says about local paths (the data source beyond the bundled corpus, the data cache) is never taken:
+`local_config` replaces them
 with the volunteer's own."""
 
 from __future__ import annotations

@@ -42,8 +42,9 @@ class ModelPart:
     layers: range
     first: bool
     last: bool
-    # a later stage of a compressed chain holds θ's embedding too, without training it: it builds each
-    # round's T_fix' from it (DESIGN §2.3), as the first stage does, instead of receiving a V×d frame
+    # a later stage of a compressed chain holds θ's embedding too, without training it: it builds each round's
+    # T_fix' from it (docs/chains.md, "Subspace-compressed boundaries"), as the first stage does, instead of
+    # receiving a V×d frame
     embed: bool = False
 
     @classmethod

@@ -1,4 +1,5 @@
-"""The subspace constraint on a decoder (DESIGN §2.3): which weights stay in span(U), and keeping them there.
+"""The subspace constraint on a decoder (docs/chains.md, "Subspace-compressed boundaries"): which weights stay
+in span(U), and keeping them there.
 
 Constrained: the trainable embedding and, in every block before the last stage boundary, the attention
 output projection and the MLP down projection (the only writers to the residual stream). Blocks after

@@ -1,4 +1,5 @@
-"""Budgets on what strangers may make a daemon do (TRUST §5), as nested scopes: global, then per peer.
+"""Budgets on what strangers may make a daemon do (docs/security.md, "Exhaust a daemon"), as nested scopes:
+global, then per peer.
 
 Identities are free, so every budget has a per-peer scope (one identity cannot take it all) *and* a global
 scope (many identities cannot take more than the node can give). Shaped after go-libp2p's resource

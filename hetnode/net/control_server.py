@@ -1,9 +1,10 @@
 """What a daemon answers on its control handler: ping, info, bandwidth probes, nudges, payloads and state.
 
-Runs inside `guarded_handler` (hetnode/net/streams.py), which has already checked the rate limit and
-reserved the stream slot. Everything that makes us move many bytes for a small request is budgeted here
-(TRUST §5): probes need the probe policy's consent and the probe budget, payload and state replies are
-charged to their byte budgets before they are sent; a refusal raises `Refused` before any byte moves.
+Runs inside `guarded_handler` (hetnode/net/streams.py), which has already checked the rate limit and reserved
+the stream slot. Everything that makes us move many bytes for a small request is budgeted here
+(docs/security.md, "Exhaust a daemon"): probes need the probe policy's consent and the probe budget, payload
+and state replies are charged to their byte budgets before they are sent; a refusal raises `Refused` before
+any byte moves.
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""Rate-limited warnings for refusals: a peer hammering us must not flood the log (TRUST §5).
+"""Rate-limited warnings for refusals: a peer hammering us must not flood the log (docs/security.md, "Exhaust
+a daemon").
 
 At most one line per (peer, reason) per period and `max_lines` lines per period in all (identities are
 free, so a per-peer limit alone would let many identities flood it); what was held back is summed up in

@@ -3,10 +3,11 @@
 Start order: P2P (so we can ask the coordinator which run it serves), then the DHT node with the run's
 validators. Shutdown runs in reverse and is idempotent. Every DHT call has a timeout.
 
-Every entry point is budgeted (TRUST §5, hetnode/net/budgets.py): a control stream holds a stream slot
-for its peer while it runs, probes are served only to peers the probe policy allows and within the probe
-bytes budget, payload and state replies are charged to their byte budgets before they are sent, and chain
-streams have their own small cap. Refusals are counted in `budgets.refusals` and logged rate-limited.
+Every entry point is budgeted (docs/security.md, "Exhaust a daemon", hetnode/net/budgets.py): a control stream
+holds a stream slot for its peer while it runs, probes are served only to peers the probe policy allows and
+within the probe bytes budget, payload and state replies are charged to their byte budgets before they are
+sent, and chain streams have their own small cap. Refusals are counted in `budgets.refusals` and logged
+rate-limited.
 """
 
 from __future__ import annotations
@@ -328,7 +329,7 @@ class SwarmNode:
 
     def prefer(self, peers: Iterable[str]) -> None:
         """Keep stream slots for `peers` (with the coordinator): the replicas of recent seals, whose payload
-        fetches a crowd of strangers must not crowd out (TRUST §5)."""
+        fetches a crowd of strangers must not crowd out (docs/security.md, "Exhaust a daemon")."""
         self._preferred = frozenset(peers)
 
     def is_preferred(self, peer: str) -> bool:

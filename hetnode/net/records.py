@@ -16,9 +16,9 @@ Keys (hivemind prefixes them as `{run}_{field}`):
   a few changes behind applies them instead of reading every record (`hetnode/protocol/view_changes.py`).
 
 Every field has a lifetime cap (`MAX_TTL_S`) and a size cap (`MAX_RECORD_BYTES`), enforced by
-`RecordCapsValidator` where a record is stored and again where it is read (TRUST §5): without them one
-seal with a 10-year expiry stays forever, and a handful of huge records push a key past hivemind's reply
-limit so that fresh readers see no entries at all.
+`RecordCapsValidator` where a record is stored and again where it is read (docs/security.md, "Exhaust a
+daemon"): without them one seal with a 10-year expiry stays forever, and a handful of huge records push a key
+past hivemind's reply limit so that fresh readers see no entries at all.
 
 hivemind answers a DHT get in one unary p2pd message of at most 4 MiB (`DEFAULT_MAX_MSG_SIZE = 4 * 1024**2`
 in hivemind/p2p/p2p_daemon_bindings/control.py, the persistent connection's limit; a larger answer comes

@@ -1,4 +1,5 @@
-"""Author signatures on sync payloads (TRUST §1): sign with the daemon's identity, verify against the key
+"""Author signatures on sync payloads (docs/security.md, "Who is trusted with what"): sign with the daemon's
+identity, verify against the key
 the envelope carries, and name the author by the peer id that key derives to."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Where a replica fetches each sealed payload from (TRUST §6: the sync plane without a hub).
+"""Where a replica fetches each sealed payload from (docs/scale.md: the sync plane without a hub).
 
 A sealed payload is content-addressed (its sha256 is in the seal) and signed by its author, so any peer that
 holds it can serve it and the fetcher checks what it got: a holder can withhold, never forge. Candidates for

@@ -194,7 +194,8 @@ def parse_layout(members: Iterable[str]) -> Layout:
 
 def commits(claim: Claim) -> bool:
     """True when `claim` is one its chain's name commits to: the layout hashes to the name, and the claimer
-    sits at its stage with its layers in that layout. Anyone else's claim on the name is noise (TRUST §5)."""
+    sits at its stage with its layers in that layout. Anyone else's claim on the name is noise
+    (docs/security.md, "Exhaust a daemon")."""
     boundary = _boundary_of(claim.chain)
     layout = claim.layout
     if boundary is None or not 0 <= claim.stage < len(layout):

@@ -1,12 +1,12 @@
 """When to seal a sync round, and who is in it: pure decisions over the announcements seen so far.
 
-A round is sealed when every expected replica has announced, or when an adaptive deadline has passed since
-the round's clock started. The deadline is learned from how late the last expected replica arrived in recent
-rounds (DESIGN §3.5: "deadline from observed arrival times, not a fixed constant"), clamped to a floor and
-a ceiling so that one slow round neither stalls the swarm nor cuts the next one short. The clock starts at
-the first announcement of an expected replica the sealer has sealed before, never at a stranger's: an
-identity that announces the moment a round opens must not fire the deadline before the honest replicas
-announce (TRUST §5).
+A round is sealed when every expected replica has announced, or when an adaptive deadline has passed since the
+round's clock started. The deadline is learned from how late the last expected replica arrived in recent
+rounds (docs/sync.md, "Rounds over the network": "deadline from observed arrival times, not a fixed
+constant"), clamped to a floor and a ceiling so that one slow round neither stalls the swarm nor cuts the next
+one short. The clock starts at the first announcement of an expected replica the sealer has sealed before,
+never at a stranger's: an identity that announces the moment a round opens must not fire the deadline before
+the honest replicas announce (docs/security.md, "Exhaust a daemon").
 
 Once sealing starts, the payloads still on their way get `FetchDeadline` more: an author that misses it is
 left out, so no author holds a seal hostage by serving slowly.
@@ -29,7 +29,8 @@ BATCH_OFFSETS = 2**20  # replicas that share a data slot start this far apart in
 
 def assigned_batches(replica: str, round_: int, inner_steps: int, stride: int | None = None) -> range:
     """The batch indices (within its data slot) `replica` (a peer id, or a chain id) trains in `round_`:
-    public, so a verifier can score a contribution on the very batches it was trained on (TRUST §4).
+    public, so a verifier can score a contribution on the very batches it was trained on (docs/security.md,
+    "Send useless or harmful work").
 
     Round t's batches start at t · `stride` (the most steps a round may have; default `inner_steps`) and
     the replica takes the first `inner_steps` of them: however many steps each round had, the rounds'
@@ -252,8 +253,9 @@ def lost_records(
     expected_before: Iterable[str], in_view: Iterable[str], departed: Iterable[str], missed: Iterable[str]
 ) -> set[str]:
     """The replicas a seal waited for last time whose record the view has lost without a word of leaving
-    (no offline record): still waited for, until they miss a round. Records live seconds and a DHT can
-    hide or drop them (TRUST §5), while announcements come to the sealer directly; a replica that is gone
+    (no offline record): still waited for, until they miss a round. Records live seconds and a DHT can hide or
+    drop them (docs/security.md, "Exhaust a daemon"), while announcements come to the sealer directly; a
+    replica that is gone
     costs one deadline."""
     gone = set(in_view) | set(departed) | set(missed)
     return {peer for peer in expected_before if peer not in gone}
@@ -302,7 +304,8 @@ def sealed_order(contributions: Iterable[Announcement]) -> list[Announcement]:
 
 def replica_tokens(config: Config) -> int:
     """Tokens one replica trains per round by the manifest's schedule (H × batch × sequence): what a
-    sealed contribution earns, split over a chain's stages by the parameters each delivered (TRUST §1;
+    sealed contribution earns, split over a chain's stages by the parameters each delivered (docs/security.md,
+    "Who is trusted with what";
     docs/observability.md, "Contribution credit")."""
     return config.outer.inner_steps * config.data.batch_size * config.data.seq_len
 

@@ -1,5 +1,6 @@
-"""Who belongs to the run, as this daemon sees it (TRUST §1, §5), from each read of the peer records
-(`PeerDirectory`; a request from a peer we do not know yet brings the next read forward).
+"""Who belongs to the run, as this daemon sees it (docs/security.md, "Who is trusted with what";
+docs/security.md, "Exhaust a daemon"), from each read of the peer records (`PeerDirectory`; a request from a
+peer we do not know yet brings the next read forward).
 
 - **Live peers**: peers with a live, valid record. Only they get bandwidth probes: a probe reply is
   megabytes for a request of a few dozen bytes, and served to anyone it amplifies traffic ×80,000. A

@@ -1,6 +1,7 @@
-"""The coordinator's verifier at the seal (TRUST §4): the hooks it hands the sealer (`Screen`, `Rescue`,
-`Weigh`), and the sealer's use of them. A verifier bug never stops sealing: a failed screen seals
-unscreened, a failed rescue seals nothing the screen refused, a failed weighing seals with weight 1, and
+"""The coordinator's verifier at the seal (docs/security.md, "Send useless or harmful work"): the hooks it
+hands the sealer (`Screen`, `Rescue`, `Weigh`), and the sealer's use of them. A verifier bug never stops
+sealing: a failed screen seals unscreened, a failed rescue seals nothing the screen refused, a failed weighing
+seals with weight 1, and
 each says so in the log. A stand-in seals without them."""
 
 from __future__ import annotations
@@ -19,7 +20,8 @@ Screen = Callable[
 ]
 # (round, contributions left out only for their author's record) -> the peers whose work helps on its own
 Rescue = Callable[[int, list[tuple[str, list[DecodedPayload]]], dict[str, int]], Awaitable[set[str]]]
-# the sealed peers -> the weight each carries in the aggregate (earned by verified history, TRUST §4)
+# the sealed peers -> the weight each carries in the aggregate (earned by verified history, docs/security.md,
+# "Send useless or harmful work")
 Weigh = Callable[[list[str]], dict[str, int]]
 RESCUABLE = ("score", "probation")  # screen reasons about an author's record, not about the work itself
 
@@ -51,7 +53,7 @@ async def rescued(
     """The screen left nothing: contributions left out only for their author's record (a negative
     average, or none yet) are sealed after all if their update alone lowers the loss, so that a replica
     left alone (a chain whose anchor died, newcomers after everyone else left) keeps the swarm going.
-    Their credit still waits for their record (TRUST §4)."""
+    Their credit still waits for their record (docs/security.md, "Send useless or harmful work")."""
     candidates = [(a.peer_id, decoded) for a, _, decoded in good if rejected[a.peer_id] in RESCUABLE]
     if rescue is None or not candidates:
         return rejected

@@ -1,16 +1,17 @@
-"""Sealing a sync round (DESIGN §3.5), shared by the coordinator and by the anchor that stands in for it:
-the `Sealer` collects the round's announcements, decides when to seal and what the seal holds.
+"""Sealing a sync round (docs/sync.md, "Rounds over the network"), shared by the coordinator and by the anchor
+that stands in for it: the `Sealer` collects the round's announcements, decides when to seal and what the seal
+holds.
 
 Every announced contribution is fetched and checked as soon as it is seen (`payload_checks.py`). A payload
 that is invalid is excluded, logged with the peer id, and its author is banned for a while; an author that
 cannot be reached (it left mid-round) is excluded too, but only held back for a short retry interval. The
 coordinator's verifier screens and weighs what is valid (`seal_screening.py`, `seal_weights.py`). Before
 sealing, the sealer aggregates the round exactly as appliers will (`GlobalModel.prepare`) and excludes any
-contribution whose step would not be finite, so nothing it seals can fail later (TRUST §2). A seal lists
-only payloads every replica can apply, so nobody drops a contribution on its own, and it never lists none:
-a round in which nothing valid arrived stays open. The sealer keeps the validated payloads and serves them
-to every replica. Each seal names the previous seal's hash (`prev`): replicas accept only the next link of
-the chain they hold.
+contribution whose step would not be finite, so nothing it seals can fail later (docs/security.md, "Crash the
+coordinator or a replica with one payload"). A seal lists only payloads every replica can apply, so nobody
+drops a contribution on its own, and it never lists none: a round in which nothing valid arrived stays open.
+The sealer keeps the validated payloads and serves them to every replica. Each seal names the previous seal's
+hash (`prev`): replicas accept only the next link of the chain they hold.
 
 Two paths: announcements are read from the DHT, and pulled straight from an author that nudges us
 (`pull_announcement`), so nodes with chosen ids next to the run's keys cannot hide them.

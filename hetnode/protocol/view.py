@@ -54,10 +54,10 @@ class PeerDirectory:
     `get(max_age_s=0)` always read them.
 
     The DHT is one path, not the only one: nodes with chosen ids next to the `peers` key that keep nothing
-    would hide records (TRUST §5). `heard_from(peer)` (the coordinator calls it when a replica nudges it)
-    asks a peer the last full read did not show for its record directly, and every view is built from the
-    DHT's records and those: a replica in touch with the coordinator is in its view, so its seal waits for
-    it.
+    would hide records (docs/security.md, "Exhaust a daemon"). `heard_from(peer)` (the coordinator calls it
+    when a replica nudges it) asks a peer the last full read did not show for its record directly, and every
+    view is built from the DHT's records and those: a replica in touch with the coordinator is in its view, so
+    its seal waits for it.
 
     `on_read` gets every full read's raw entries, members or not (the membership policy is built from them);
     `on_change` gets the previous view (None before the first) and the new one whenever the digest changes."""

@@ -6,7 +6,7 @@ are; the coordinator hands over immutable snapshots). Only GET and HEAD are serv
 exactly (the query string is ignored), and a handler that fails answers 500 and logs, without taking the
 daemon down.
 
-Clients are strangers (TRUST.md §5), so every connection is budgeted:
+Clients are strangers (docs/security.md, "Exhaust a daemon"), so every connection is budgeted:
 - at most `max_connections` at a time, each on its own thread. Past the cap, the oldest connection that
   is still sending its request is dropped to make room (idle sockets are then worth nothing to an
   attacker, and a scrape still gets in); when every connection is busy answering, the new one is closed

@@ -1,4 +1,5 @@
-"""A node's limits and budgets for a run (TRUST §5), from its manifest: the same for a peer daemon and the
+"""A node's limits and budgets for a run (docs/security.md, "Exhaust a daemon"), from its manifest: the same
+for a peer daemon and the
 coordinator."""
 
 from __future__ import annotations

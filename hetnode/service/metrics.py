@@ -1,4 +1,4 @@
-"""Prometheus series of one daemon (DESIGN §4). Names are `hetnode_*` with unit suffixes.
+"""Prometheus series of one daemon (docs/observability.md). Names are `hetnode_*` with unit suffixes.
 
 Each daemon owns its registry (no process-global state, so tests can run several in one process). Peers
 export only their own series with bounded labels; per-peer labels (`peer`, `name`) appear only in the

@@ -2,7 +2,7 @@
 a download must keep to hold one.
 
 A slot is held for as long as its client reads, so slots are what a crowd of slow readers goes for. Two
-rules keep them for users (TRUST §5: per-peer and global budgets):
+rules keep them for users (docs/security.md, "Exhaust a daemon": per-peer and global budgets):
 - at most `per_client` of the `total` slots go to one client address (an IPv6 client by its /64, what one
   subscriber is usually given), so one machine cannot hold them all however many connections it opens;
 - a download must keep pace as it goes, not only on average at the end: byte n must be handed over by

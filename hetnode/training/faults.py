@@ -1,7 +1,7 @@
 """Fault modes for tests and `hetnode bench trust` (`hetnode join --fault`, hidden): the pseudo-gradient a
-hostile or lazy replica would send instead of its honest one (TRUST §4). Pure math; the strategies a role
-is handed, these and the protocol-level faults (`stale`: training from an old θ, `copy`: re-signing another
-peer's payload, and the rest), are `hetnode/daemon/faults/`.
+hostile or lazy replica would send instead of its honest one (docs/security.md, "Send useless or harmful
+work"). Pure math; the strategies a role is handed, these and the protocol-level faults (`stale`: training
+from an old θ, `copy`: re-signing another peer's payload, and the rest), are `hetnode/daemon/faults/`.
 """
 
 from __future__ import annotations

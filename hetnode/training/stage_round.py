@@ -3,13 +3,13 @@ worker, and its Δ with error feedback. Blocking methods (run them in a worker t
 
 The stage's working weights live across rounds (`LocalRounds`, docs/sync.md "Overlap"), as an anchor's do:
 `rebase` stands them on each new θ (its slice, projected into the chain's subspace where the constraint
-applies — DESIGN §2.3) keeping the progress since the round began, between two micro-batches. A round:
-`begin_round` sets the round's T_fix' from θ's embedding after the θ round the first stage names (every
-stage of a compressed chain holds θ's embedding, `ModelPart.embed`: every stage of a round builds the
-same T_fix' whatever θ each stands on, and no V×d frame crosses the chain), the chain pushes micro-batches
-through `forward`/`backward` (the first stage reads the round's assigned batches of the chain's data slot),
-and `compress` gives Δ = s − w of this stage's parameters with error feedback, per shard it owns ("embed" on
-the first stage, its blocks, "head" on the last: `shards`).
+applies — docs/chains.md, "Subspace-compressed boundaries") keeping the progress since the round began,
+between two micro-batches. A round: `begin_round` sets the round's T_fix' from θ's embedding after the θ round
+the first stage names (every stage of a compressed chain holds θ's embedding, `ModelPart.embed`: every stage
+of a round builds the same T_fix' whatever θ each stands on, and no V×d frame crosses the chain), the chain
+pushes micro-batches through `forward`/`backward` (the first stage reads the round's assigned batches of the
+chain's data slot), and `compress` gives Δ = s − w of this stage's parameters with error feedback, per shard
+it owns ("embed" on the first stage, its blocks, "head" on the last: `shards`).
 
 The daemon's chain member (`hetnode/daemon/stage_training.py`) adds the payload messages, frame limits and
 the state file; the lab's in-process chains (`hetnode/lab/sim/`) drive the same object.
@@ -47,7 +47,8 @@ def stage_part(splits: Sequence[range], index: int, compressed: bool) -> ModelPa
 
 
 def round_drift(constraint: SubspaceConstraint, embed: torch.Tensor) -> torch.Tensor:
-    """T_S − P(T_S) of θ's embedding `embed`: what T_fix' adds to T_fix for a round (DESIGN §2.3)."""
+    """T_S − P(T_S) of θ's embedding `embed`: what T_fix' adds to T_fix for a round (docs/chains.md,
+    "Subspace-compressed boundaries")."""
     return embedding_drift(embed, constraint.project_tensor("embed.weight", embed))
 
 

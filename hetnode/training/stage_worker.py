@@ -1,4 +1,5 @@
-"""`StageWorker`: one pipeline stage of a chain, with PipeDream-style weight stashing (DESIGN §2.4).
+"""`StageWorker`: one pipeline stage of a chain, with PipeDream-style weight stashing (docs/chains.md,
+"Asynchronous 1F1B with weight stashing").
 
 The worker is transport-agnostic: `forward` takes what arrived from upstream (a batch on the first
 stage, a `Frame` elsewhere) and returns the `Frame` to send downstream (on the last stage the loss, a

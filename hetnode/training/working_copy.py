@@ -1,4 +1,5 @@
-"""A round's working copy of θ (DESIGN §2.3): what a replica trains, built from the global parameters.
+"""A round's working copy of θ (docs/chains.md, "Subspace-compressed boundaries"): what a replica trains,
+built from the global parameters.
 
 Under the subspace constraint the working copy is P(θ^t) and the embedding's out-of-subspace part joins
 the frozen table, T_fix' = T_fix + (T_S − P(T_S)), so the working input embedding equals the global one.
@@ -26,7 +27,8 @@ class WorkingCopy:
         self, global_params: Params, drift: torch.Tensor | None = None
     ) -> tuple[Params, torch.Tensor | None]:
         """(working copy, T_fix') of `global_params`. A chain stage without the embedding is given the
-        first stage's `drift` T_S − P(T_S) instead (DESIGN §2.3: sent once per round)."""
+        first stage's `drift` T_S − P(T_S) instead (docs/chains.md, "Subspace-compressed boundaries": sent
+        once per round)."""
         if self.constraint is None:
             return {n: t.clone() for n, t in global_params.items()}, self.base_fixed
         reference = {n: self.constraint.project_tensor(n, t) for n, t in global_params.items()}

@@ -3,8 +3,8 @@
 Forward frames (`act`) carry activations or their subspace coefficients with the token ids and
 targets; backward frames (`grad`) carry the gradient for the same micro-batch. Once per round, before
 its first `act`, the first stage sends a `drift` frame naming the θ round whose embedding gives the round's
-T_fix' = T_fix + (T_S − P(T_S)) (DESIGN §2.3): every stage holds θ's embedding and builds it itself, so
-the frame is a few bytes, not V×d.
+T_fix' = T_fix + (T_S − P(T_S)) (docs/chains.md, "Subspace-compressed boundaries"): every stage holds θ's
+embedding and builds it itself, so the frame is a few bytes, not V×d.
 Decoding checks the size before parsing, then the version, kind, dtype, the exact shape (width = subspace
 rank k when compressed, d otherwise), the byte count, token ids < vocab and finite values
 bounded in magnitude (`value_bounds`: what a value may be and still keep the receiving stage finite); a

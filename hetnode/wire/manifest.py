@@ -49,7 +49,8 @@ class Manifest:
     run: str
     config: Config
     created: float
-    # peers that may seal while the coordinator is silent (the operator's choice; TRUST §1)
+    # peers that may seal while the coordinator is silent (the operator's choice; docs/security.md, "Who is
+    # trusted with what")
     stand_ins: tuple[str, ...] = ()
     admission: AdmissionMode = "open"  # who may take part (`hetnode.wire.admission`)
     coordinator_key: str = ""  # OpenSSH text of the coordinator's public key: it signs admissions

@@ -1,5 +1,6 @@
-"""Seals as a chain (TRUST §1): each seal names the hash of the one before it, and a replica takes a seal
-only from a sealer the manifest allows and only as the next link after the round it holds. A far-future
+"""Seals as a chain (docs/security.md, "Who is trusted with what"): each seal names the hash of the one before
+it, and a replica takes a seal only from a sealer the manifest allows and only as the next link after the
+round it holds. A far-future
 seal, a fork or a replay is refused on sight; `seal_verdict` says what to do with one."""
 
 from __future__ import annotations

@@ -1,9 +1,9 @@
 """The envelope every sync payload travels in: the author's public key and signature around the message.
 
-The signature covers a domain tag, the run id and the sha256 of the payload message (whose header names
-the author, round and shard), so any holder (the sealer, a stand-in, a peer that fetched it) can serve a
-payload but nobody can alter one or fabricate one under another peer's name (TRUST §1). The content
-address that announcements and seals list is the sha256 of the whole envelope.
+The signature covers a domain tag, the run id and the sha256 of the payload message (whose header names the
+author, round and shard), so any holder (the sealer, a stand-in, a peer that fetched it) can serve a payload
+but nobody can alter one or fabricate one under another peer's name (docs/security.md, "Who is trusted with
+what"). The content address that announcements and seals list is the sha256 of the whole envelope.
 
 This module only frames bytes; the signing itself lives in `hetnode/net/signing.py` (it needs the keys).
 """

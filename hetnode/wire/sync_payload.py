@@ -40,7 +40,9 @@ class ShardSpec:
     topk: int = 64
     tile: int = 64
     max_bytes: int = 64 * 2**20
-    max_value: float = 1000.0  # bound on |shift| + max|table| of a sparse tensor (TRUST §2)
+    # bound on |shift| + max|table| of a sparse tensor (docs/security.md, "Crash the coordinator or a replica
+    # with one payload")
+    max_value: float = 1000.0
 
     def max_payload_bytes(self) -> int:
         """The most bytes a valid payload of this shard can weigh, signed envelope included: what a

@@ -1,4 +1,4 @@
-"""Aggregation and outer steps (DESIGN §2.1–2.2)."""
+"""Aggregation and outer steps (docs/sync.md)."""
 
 import random
 
@@ -204,7 +204,8 @@ def test_nesterov_matches_torch_sgd() -> None:
     assert outer.lr == 0.7 and outer.momentum == 0.9
 
 
-# --- weights (earned by verified history; TRUST §3, docs/security.md) --------------------------------------
+# --- weights (earned by verified history; docs/security.md, "Steer the update", docs/security.md)
+# --------------------------------------
 
 
 @pytest.mark.parametrize("rule", AGGREGATION_RULES)

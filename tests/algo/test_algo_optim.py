@@ -1,4 +1,5 @@
-"""Inner optimisers (DESIGN §2.4): NAdam with constant μ = β1, basis-rotated AdamW (arXiv 2602.03515)."""
+"""Inner optimisers (docs/chains.md, "Asynchronous 1F1B with weight stashing"): NAdam with constant μ = β1,
+basis-rotated AdamW (arXiv 2602.03515)."""
 
 import copy
 

@@ -1,4 +1,4 @@
-"""Round trips and input checks for the 12-bit / 2-bit packers (DESIGN §2.2 wire layout)."""
+"""Round trips and input checks for the 12-bit / 2-bit packers (docs/sync.md, "Compression" wire layout)."""
 
 import numpy as np
 import pytest

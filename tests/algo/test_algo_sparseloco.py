@@ -1,4 +1,4 @@
-"""SparseLoCo codec and error feedback (DESIGN §2.1–2.2)."""
+"""SparseLoCo codec and error feedback (docs/sync.md)."""
 
 import dataclasses
 import math

@@ -1,4 +1,4 @@
-"""Tile grids (DESIGN §2.2): largest-divisor tiles, k scaling, exact to/from tiles."""
+"""Tile grids (docs/sync.md, "Compression"): largest-divisor tiles, k scaling, exact to/from tiles."""
 
 import pytest
 import torch

@@ -107,8 +107,9 @@ def test_a_stretched_record_never_outlives_the_fields_cap_and_is_still_stored(no
 def test_a_record_the_dht_hides_comes_straight_from_its_peer_when_it_speaks_to_us(
     nodes_on_loopback, tiny_config
 ):
-    """Nodes next to the `peers` key that keep nothing hide a replica's record (TRUST §5): when the replica
-    nudges the coordinator, the coordinator's directory takes the record from it and the replica is in its
+    """Nodes next to the `peers` key that keep nothing hide a replica's record (docs/security.md, "Exhaust a
+    daemon"): when the replica nudges the coordinator, the coordinator's directory takes the record from it
+    and the replica is in its
     view (so its seal waits for it); a malformed record is refused."""
 
     async def scenario():

@@ -1,4 +1,5 @@
-"""What a volunteer takes from a run and what it never takes (TRUST §1, §5): local paths stay its own, and
+"""What a volunteer takes from a run and what it never takes (docs/security.md, "Who is trusted with what";
+docs/security.md, "Exhaust a daemon"): local paths stay its own, and
 closed runs admit only keys with a coordinator-signed admission."""
 
 import time

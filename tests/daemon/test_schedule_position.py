@@ -1,5 +1,6 @@
 """A replica that joins a running swarm trains at the swarm's point of the learning-rate schedule: its first
-round is not a warmup of its own, which would make its work look useless next to its peers' (TRUST §4)."""
+round is not a warmup of its own, which would make its work look useless next to its peers' (docs/security.md,
+"Send useless or harmful work")."""
 
 from hetnode.config import replace
 from hetnode.daemon.rounds import AnchorTraining

@@ -1,4 +1,5 @@
-"""The trust checks of a round on real encoded payloads (TRUST §1–§2): float32 value bounds, signed
+"""The trust checks of a round on real encoded payloads (docs/security.md, "Who is trusted with what"–§2):
+float32 value bounds, signed
 envelopes, all-or-nothing steps, seal chains and the credit a round earns."""
 
 import functools

@@ -1,8 +1,9 @@
 """Static checks of the deployment files: docker-compose.yml, the Dockerfile, Prometheus and Grafana configs.
 
 Nothing here starts a container or a daemon. Commands are checked against the real CLI parser, mounts against
-the repository, the dashboard against the provisioned datasource and the metric contract (DESIGN §4), and
-PromQL and the scrape config with `promtool` where it is installed (it must be in CI).
+the repository, the dashboard against the provisioned datasource and the metric contract
+(docs/observability.md), and PromQL and the scrape config with `promtool` where it is installed (it must be in
+CI).
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ dashboard_exprs = dashboard_exprs_module.dashboard_exprs
 iter_panels = dashboard_exprs_module.iter_panels
 metric_names = dashboard_exprs_module.metric_names
 
-# DESIGN §4 and issue 7: what the daemons export (histograms by their series names).
+# docs/observability.md and issue 7: what the daemons export (histograms by their series names).
 CONTRACT_METRICS = {
     # every participant
     "hetnode_tokens_processed_total",

@@ -1,4 +1,5 @@
-"""The influence measurement (TRUST §3): attackers are valid payloads; each rule bounds them as claimed."""
+"""The influence measurement (docs/security.md, "Steer the update"): attackers are valid payloads; each rule
+bounds them as claimed."""
 
 import json
 from pathlib import Path

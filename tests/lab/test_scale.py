@@ -266,7 +266,7 @@ def test_control_with_the_head_vouching_and_the_change_log_grows_logarithmically
 def test_crossover_is_near_two_bytes_over_the_payload_per_parameter(small):
     r_star = scale.crossover(small)
     assert r_star["anchor"] == 1 + math.ceil(2 * small.parameters / small.payload_bytes)
-    assert 60 < r_star["anchor"] < 80  # TRUST §6: about 2 / 0.027 ≈ 70 at k = 64
+    assert 60 < r_star["anchor"] < 80  # docs/scale.md: about 2 / 0.027 ≈ 70 at k = 64
 
 
 def test_cli_quick_writes_json_and_plot(tmp_path: Path):

@@ -1,7 +1,7 @@
 """A hostile peer built from hetnode's own client code: `python tests/swarm/attacker.py ATTACK --peer MADDR`.
 
 It joins the run like any volunteer would (its own p2pd, the run's DHT, the coordinator's manifest), then
-does one attack class of TRUST.md for `--seconds`, and prints one `RESULT {json}` line saying what the
+does one attack class of docs/security.md for `--seconds`, and prints one `RESULT {json}` line saying what the
 swarm let it do (which writes the DHT accepted, what it was served). The tests assert on the swarm
 afterwards; this script only attacks. Loopback only.
 """

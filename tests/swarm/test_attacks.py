@@ -1,4 +1,4 @@
-"""One attacker process per attack class of TRUST.md against one live swarm (coordinator + 2 anchors).
+"""One attacker process per attack class of docs/security.md against one live swarm (coordinator + 2 anchors).
 
 The attacker (`tests/swarm/attacker.py`) is a volunteer built from hetnode's own client code. After each
 attack the swarm must be whole: the coordinator and the honest anchors alive, honest rounds still

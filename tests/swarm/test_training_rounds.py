@@ -175,7 +175,8 @@ def test_anchor_restart_resumes_its_error_feedback_and_round(swarm, tmp_path):
 
 
 def test_anchors_seal_while_the_coordinator_is_away_and_it_catches_up_on_return(swarm):
-    """Stand-ins are the operator's choice (TRUST §1): both anchors are listed in the manifest, so their
+    """Stand-ins are the operator's choice (docs/security.md, "Who is trusted with what"): both anchors are
+    listed in the manifest, so their
     keys are made before the coordinator starts."""
     ids = [load_or_create_identity(swarm.tmp_path / f"anchor-{i}" / "identity.key").peer_id for i in (1, 2)]
     stand_ins = [arg for peer in ids for arg in ("--stand-in", peer)]

@@ -1,8 +1,9 @@
-"""Verified contributions over real processes (TRUST §4): anchors that send well-formed but useless or
-harmful work — noise, sign flips, payloads scaled to the bounds, stale work, near-zero updates — lose their
-weight in the seal and their credit within 3 rounds; honest anchors are never excluded, neither beside the
-faulty ones nor once they are gone, over twenty rounds. A copier gets nothing to copy: authors and the
-coordinator keep a round's payloads from it until the round is sealed, so it can announce only its own work.
+"""Verified contributions over real processes (docs/security.md, "Send useless or harmful work"): anchors that
+send well-formed but useless or harmful work — noise, sign flips, payloads scaled to the bounds, stale work,
+near-zero updates — lose their weight in the seal and their credit within 3 rounds; honest anchors are never
+excluded, neither beside the faulty ones nor once they are gone, over twenty rounds. A copier gets nothing to
+copy: authors and the coordinator keep a round's payloads from it until the round is sealed, so it can
+announce only its own work.
 
 One swarm serves both checks (CI time): the honest anchors' twenty rounds start with the faulty ones present
 and go on without them."""

@@ -1,4 +1,5 @@
-"""An anchor's faults, for tests and benchmarks only (TRUST §4: what verification and the checks must catch).
+"""An anchor's faults, for tests and benchmarks only (docs/security.md, "Send useless or harmful work": what
+verification and the checks must catch).
 
 Work faults, whose payloads are valid: the pseudo-gradient faults of `hetnode.training.faults` (noise,
 signflip, scaled, freerider: what Δ the round sends, without error feedback), `stale` (trains from θ

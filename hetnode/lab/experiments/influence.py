@@ -1,4 +1,5 @@
-"""`hetnode bench influence`: how much of a round's update one identity, or k Sybils, can steer (TRUST §3).
+"""`hetnode bench influence`: how much of a round's update one identity, or k Sybils, can steer
+(docs/security.md, "Steer the update").
 
 R honest replicas train for a few SparseLoCo rounds (in-process, `ReplicaSimulation`); each round's real
 payloads are decoded, and attackers are added to that set with the knowledge of every honest payload (the
@@ -11,12 +12,12 @@ contributor i's part of Δ (`contribution_parts`: Δ = Σ_i P_i, each on its own
     shift = d / (d + ‖Δ_without‖),  d = ‖Δ_with − Δ_without‖   black-box: how far adding them moved Δ
     push  = d / m,   m = ‖(per-tensor median contribution norms)‖  the same in units of one median peer
 
-`share` is the headline (TRUST §3, "one identity's share of the update's norm"): under the plain mean each
-identity at the median norm holds exactly 1/N of it whatever the overlap, so a fair k-identity group gets
-k/(R+k). `shift` also counts what an identity changes without steering (diluting the others, raising the
-median norm), so an honest identity's own shift (leave-one-out) is its reference. Norms run over all tensors.
-Strategies (`influence_attacks.py`; the worst per rule and k is reported; a lower bound on the true worst
-case):
+`share` is the headline (docs/security.md, "Steer the update", "one identity's share of the update's norm"):
+under the plain mean each identity at the median norm holds exactly 1/N of it whatever the overlap, so a fair
+k-identity group gets k/(R+k). `shift` also counts what an identity changes without steering (diluting the
+others, raising the median norm), so an honest identity's own shift (leave-one-out) is its reference. Norms
+run over all tensors. Strategies (`influence_attacks.py`; the worst per rule and k is reported; a lower bound
+on the true worst case):
 - disjoint: k positions per tile that the fewest honest peers chose, random signs shared by all Sybils
   (they add up on the same coordinates);
 - disjoint-split: the same, each Sybil on its own positions (√k against per-selector averaging);

@@ -51,7 +51,8 @@ def default_methods(h: int = 30) -> tuple[SyncMethod, ...]:
 
 
 def aggregation_methods(h: int = 30) -> tuple[SyncMethod, ...]:
-    """SparseLoCo k=64 at H under every aggregation rule (TRUST §3), named sparseloco-k64-H<h>-<rule>."""
+    """SparseLoCo k=64 at H under every aggregation rule (docs/security.md, "Steer the update"), named
+    sparseloco-k64-H<h>-<rule>."""
     return tuple(
         SyncMethod(f"sparseloco-k64-H{h}-{rule}", "sparseloco", inner_steps=h, topk=64, aggregation=rule)
         for rule in AGGREGATION_RULES

@@ -1,5 +1,6 @@
 """`hetnode bench trust --sybil`: attacks by many free identities against the coordinator's own code, in
-process (TRUST §4, issue 34; `trust_bench.py` beside it measures the single-attacker fault modes).
+process (docs/security.md, "Send useless or harmful work", issue 34; `trust_bench.py` beside it measures the
+single-attacker fault modes).
 
 Each scenario: R honest anchors train alone for `history` rounds (they earn their weight), then the
 attackers join and every round goes as the coordinator runs it: the verifier screens the contributions

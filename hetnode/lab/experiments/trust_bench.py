@@ -1,4 +1,5 @@
-"""`hetnode bench trust`: what verification buys against useless or harmful work (TRUST §4), in process.
+"""`hetnode bench trust`: what verification buys against useless or harmful work (docs/security.md, "Send
+useless or harmful work"), in process.
 
 It lives in the lab wing, which may import both sides it measures: the coordinator's code
 (`bootstrap/verifier.py`) and the replicas' (`hetnode/daemon/rounds.py`).

@@ -1,4 +1,5 @@
-"""`hetnode bench network`: the real daemons in a network lab (DESIGN §3.5, issue 6 targets).
+"""`hetnode bench network`: the real daemons in a network lab (issue 6 targets; docs/sync.md, "Rounds over
+the network").
 
 One run, side by side on the same shaped links (`netlab.py`): a coordinator, two anchors on unshaped links
 and one chain of two stages on `slow_mbit` links each.

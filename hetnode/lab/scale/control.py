@@ -1,4 +1,4 @@
-"""Control-plane bytes per peer per round, today and in the target scheme (docs/scale.md, TRUST §6).
+"""Control-plane bytes per peer per round, today and in the target scheme (docs/scale.md, docs/scale.md).
 
 Control here means DHT records and their upkeep: peer records and heartbeats, announcements, polls of the
 seal record beyond the one copy a replica needs, lookups and routing upkeep. Payloads and one copy of

@@ -1,4 +1,4 @@
-"""`hetnode bench scale`: the sync plane at R = 8..256 replicas, simulated (TRUST §6, issue 17).
+"""`hetnode bench scale`: the sync plane at R = 8..256 replicas, simulated (docs/scale.md, issue 17).
 
 No networking. Payload sizes come from the real codec (`hetnode/lab/scale/sizes.py`); the swarm is a
 documented mix of anchors and chains (`swarm_at`); one round's transfers are played through a fluid model

@@ -1,4 +1,5 @@
-"""A chain of P stage workers in one process, run on the asynchronous 1F1B schedule (DESIGN §2.4).
+"""A chain of P stage workers in one process, run on the asynchronous 1F1B schedule (docs/chains.md,
+"Asynchronous 1F1B with weight stashing").
 
 Time advances in cycles. In cycle c, stage s runs the forward of micro-batch c−s (a forward sweep from
 the first stage to the last), then every stage runs the backward of micro-batch c−(P−1) (a sweep back).

@@ -7,8 +7,8 @@ trains from them and hands back its update. An anchor is a thin driver of the ro
 feedback), so the in-process benches measure that code. A chain trains a *working copy* for H
 micro-batches and reports the pseudo-gradient against the copy it started from. Under the subspace
 constraint the working copy is P(θ^t) and the embedding's out-of-subspace part joins the frozen table,
-T_fix' = T_fix + (T_S − P(T_S)), so the working input embedding equals the global one (DESIGN §2.3).
-"""
+T_fix' = T_fix + (T_S − P(T_S)), so the working input embedding equals the global one (docs/chains.md,
+"Subspace-compressed boundaries")."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Anchors and chains in one process, syncing through real encoded payload bytes (DESIGN §2.1).
+"""Anchors and chains in one process, syncing through real encoded payload bytes (docs/sync.md, "One round").
 
 Each replica keeps its own copy of the global parameters and computes the aggregate itself from the
 decoded bytes of every contributor, as networked replicas will; only the transport is swapped out.
