@@ -10,10 +10,8 @@ the tensors came back as the mean over the group (every peer's values are a know
 then stalls or returns a partial mean on a loaded machine; the peers then agree (through the DHT) to run
 the round again, up to `--attempts` times, and every failed attempt is kept in the report.
 
-    python -m hetnode.lab.netbench.allreduce_baseline --index 0 --group-size 3 --numel 1000000 \
-        --rounds 3 --out a.json
-    python -m hetnode.lab.netbench.allreduce_baseline --index 1 --group-size 3 ... \
-        --initial-peer /ip4/.../p2p/Qm...
+    python -m hetnode.lab.netbench.allreduce_baseline --index 0 --group-size 3 --numel 1000000 --out a.json
+    python -m hetnode.lab.netbench.allreduce_baseline --index 1 --group-size 3 ... --initial-peer /ip4/...
 """
 
 from __future__ import annotations
