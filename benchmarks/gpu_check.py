@@ -41,8 +41,9 @@ from hetnode.config import Config, dump_config, load_config, replace
 from hetnode.daemon.stage_training import StageTraining, stage_part
 from hetnode.data import TokenDataset
 from hetnode.lab.demo.digests import compare_digests, hold_round
-from hetnode.lab.demo.swarm import alive, descendants, process_name, read_jsonl, start_time
+from hetnode.lab.demo.swarm import read_jsonl
 from hetnode.lab.procs import HETNODE, LabProcess
+from hetnode.lab.swarm import Launcher, Member
 from hetnode.model import build_model, count_parameters
 from hetnode.replica.global_model import GlobalModel
 from hetnode.training.precision import autocast_dtype
@@ -302,27 +303,18 @@ def check_stage(
 
 
 class Swarm:
-    """A coordinator and anchors as real daemons on loopback; `close` stops them in order, p2pd included."""
+    """A coordinator and anchors as real daemons on loopback (the lab's launcher, `hetnode/lab/swarm.py`);
+    `close` stops them in order, p2pd included."""
 
-    def __init__(self, work: Path) -> None:
-        self.work = work
-        self.processes: list[LabProcess] = []
-        self.tracked: dict[int, str | None] = {}  # pid -> start time: a reused pid is never hit
+    def __init__(self, work: Path, daemons: int = 3) -> None:
+        self.launcher = Launcher(work, outside=lambda name: thread_cap(daemons))
 
-    def spawn(self, name: str, args: list[str], daemons: int = 3) -> LabProcess:
-        prefix = thread_cap(daemons)
-        process = LabProcess(name, [*HETNODE, *args], self.work / f"{name}.log", prefix, detach=True)
-        self.processes.append(process)
-        return process
+    @property
+    def processes(self) -> list[LabProcess]:
+        return self.launcher.processes
 
     def wait_ready(self, process: LabProcess, deadline: Deadline) -> dict[str, str]:
-        ready = process.wait_ready(timeout=max(1.0, deadline.left()))
-        self.track(process)
-        return ready
-
-    def track(self, process: LabProcess) -> None:
-        for pid in descendants(process.proc.pid):
-            self.tracked.setdefault(pid, start_time(pid))
+        return self.launcher.wait_ready(process, max(1.0, deadline.left()))
 
     def status(self, maddr: str) -> dict[str, Any] | None:
         argv = [*HETNODE, "status", "--peer", maddr, "--json", "--timeout", "20", "--listen", LOOPBACK]
@@ -334,21 +326,8 @@ class Swarm:
 
     def close(self) -> list[int]:
         """Peers first, then the coordinator (each group SIGTERMed together); returns killed leftovers."""
-        for group in (self.processes[1:], self.processes[:1]):
-            for process in group:
-                self.track(process)
-                if process.proc.poll() is None:
-                    process.proc.send_signal(signal.SIGTERM)
-            for process in group:
-                process.stop(timeout=30)
-        leftovers = [
-            pid
-            for pid, started in self.tracked.items()
-            if start_time(pid) == started and alive(pid) and process_name(pid) == "p2pd"
-        ]
-        for pid in leftovers:
-            os.kill(pid, signal.SIGKILL)
-        return leftovers
+        self.launcher.stop(grace_s=30.0)
+        return self.launcher.kill_leftovers(only="p2pd")
 
 
 def check_digests(
@@ -372,14 +351,12 @@ def check_digests(
     result: dict[str, Any] = {"config": str(config_path), "inner_steps": config.outer.inner_steps}
     result["anchors"] = dict(devices)
     try:
-        args = ["bootstrap", "--config", str(path), "--listen", LOOPBACK, "--http-port", "0"]
-        boot = swarm.spawn("coordinator", [*args, "--data-dir", str(work / "bootstrap")])
+        boot = swarm.launcher.start_coordinator(path, work / "bootstrap", ["--http-port", "0"])
         swarm.wait_ready(boot, deadline)
         anchors = {}
         for name, device in devices.items():
-            args = ["join", "--peer", boot.maddr, "--name", name, "--bandwidth", "1000", "--role", "anchor"]
-            args += ["--device", device, "--listen", LOOPBACK, "--data-dir", str(work / name)]
-            anchors[name] = swarm.spawn(name, [*args, "--data-cache", str(data_dir)])
+            extra = ("--device", device, "--data-cache", str(data_dir))
+            anchors[name] = swarm.launcher.start_peer(Member(name, "anchor", 1000.0, extra), boot.maddr)
         ids = {name: swarm.wait_ready(process, deadline)["peer_id"] for name, process in anchors.items()}
         result.update(_watch_rounds(swarm, boot, ids, rounds, work, deadline))
     except Exception as exc:  # report what happened, with the logs, rather than lose the JSON

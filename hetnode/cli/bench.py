@@ -194,8 +194,9 @@ def _config(args: argparse.Namespace):
 
 def run_network(args: argparse.Namespace) -> int:
     from hetnode.lab.runs import network
+    from hetnode.lab.runs.network_plan import plan_for
 
-    plan = dataclasses.replace(network.plan_for(args.quick), slow_mbit=args.slow_mbit)
+    plan = dataclasses.replace(plan_for(args.quick), slow_mbit=args.slow_mbit)
     report = network.run_benchmark(_config(args), plan, args.out, progress=not args.no_progress)
     t = report["targets"]
 

@@ -40,10 +40,11 @@ def register(benches: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     from hetnode.config import load_config
     from hetnode.lab.runs import soak  # the lab and matplotlib, only when a soak runs
+    from hetnode.lab.runs.soak_report import rejudge, write_report
 
     if args.rejudge:
-        report = soak.rejudge(args.out)
-        json_path, png_path = soak.write_report(report, args.out)
+        report = rejudge(args.out)
+        json_path, png_path = write_report(report, args.out)
         print(f"re-judged {json_path} and {png_path}")
         _summary(report)
         return 0
@@ -52,7 +53,7 @@ def run(args: argparse.Namespace) -> int:
     if args.wan is not None:
         plan = dataclasses.replace(plan, wan=tuple(_host_preset(item) for item in args.wan))
     report = soak.run_soak(config, plan, args.out, progress=not args.no_progress)
-    json_path, png_path = soak.write_report(report, args.out)
+    json_path, png_path = write_report(report, args.out)
     _summary(report)
     print(f"wrote {json_path} and {png_path}")
     return 0

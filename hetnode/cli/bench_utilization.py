@@ -67,6 +67,7 @@ def register(benches: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     from hetnode.config import load_config, replace
     from hetnode.lab.runs import utilization  # the lab and matplotlib, only when the benchmark runs
+    from hetnode.lab.runs.utilization_plan import plan_for
 
     config = load_config(args.config or CONFIG_DIR / "tiny.toml")
     if args.budget_quantile is not None:  # checked as the config's own value would be
@@ -76,7 +77,7 @@ def run(args: argparse.Namespace) -> int:
         print_summary(report)
         print(f"wrote {args.out / 'utilization.json'} and {args.out / 'utilization.png'}")
         return 0
-    plan = utilization.plan_for(args.quick)
+    plan = plan_for(args.quick)
     if args.inner_steps is not None:
         plan = dataclasses.replace(plan, inner_steps=args.inner_steps)
     if args.cap is not None:

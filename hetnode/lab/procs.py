@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import logging
 import os
 import signal
 import subprocess
@@ -16,6 +17,8 @@ from pathlib import Path
 from typing import Any
 
 from hetnode.errors import HetnodeError
+
+log = logging.getLogger(__name__)
 
 HETNODE = [sys.executable, "-m", "hetnode.cli.main"]
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -33,6 +36,10 @@ def _die_with_parent() -> Callable[[], None]:
             os._exit(1)
 
     return preexec
+
+
+class Interrupted(HetnodeError):
+    """A stop signal arrived while waiting for a READY line."""
 
 
 class LabProcess:
@@ -79,9 +86,13 @@ class LabProcess:
                 self.ready.setdefault("maddrs", ",".join(w for w in words if w.startswith("/")))
                 self._ready.set()
 
-    def wait_ready(self, timeout: float = 120.0) -> dict[str, str]:
+    def wait_ready(self, timeout: float = 120.0, stop: threading.Event | None = None) -> dict[str, str]:
+        """The READY line's fields; `stop` (set by a signal handler) ends the wait early with Interrupted."""
         deadline = time.monotonic() + timeout
-        while not self._ready.wait(min(0.5, max(0.0, deadline - time.monotonic()))):
+        poll = 0.5 if stop is None else 0.2
+        while not self._ready.wait(min(poll, max(0.0, deadline - time.monotonic()))):
+            if stop is not None and stop.is_set():
+                raise Interrupted(f"interrupted while waiting for {self.name}")
             if self.proc.poll() is not None:  # it will not come: say so now, not at the deadline
                 raise HetnodeError(
                     f"{self.name} exited with {self.proc.returncode} before READY:\n{self.tail()}"
@@ -113,6 +124,7 @@ class LabProcess:
         try:
             self.proc.wait(timeout)
         except subprocess.TimeoutExpired:
+            log.warning("%s did not stop within %.0f s: killing it", self.name, timeout)
             self.proc.kill()
             self.proc.wait(10)
         if self.detached:  # our own group: p2pd and DHT helpers of a killed daemon are in it, orphaned

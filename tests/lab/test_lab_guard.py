@@ -12,10 +12,10 @@ import pytest
 
 from hetnode.config import load_config, replace
 from hetnode.errors import ConfigError, HetnodeError
-from hetnode.lab.demo.swarm import alive, descendants
 from hetnode.lab.guard import roles_seen
 from hetnode.lab.procs import LabProcess, stop_all
-from hetnode.lab.runs import network
+from hetnode.lab.proctree import alive, descendants
+from hetnode.lab.runs import network, network_plan
 from hetnode.lab.scale import calibrate as scale_calibrate
 from hetnode.lab.scale.lab_runs import CalibrationPlan
 
@@ -24,7 +24,7 @@ CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 
 def test_a_chain_link_below_the_stage_minimum_is_refused_naming_the_key_and_the_value_needed(tmp_path):
     config = load_config(CONFIGS / "tiny.toml")
-    plan = dataclasses.replace(network.plan_for(True), slow_mbit=2.0)
+    plan = dataclasses.replace(network_plan.plan_for(True), slow_mbit=2.0)
     with pytest.raises(ConfigError) as refused:
         network.run_benchmark(config, plan, tmp_path)  # refused before root is asked for
     assert refused.value.key == "network.stage_min_up_mbps" and refused.value.path == "--slow-mbit"

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from hetnode.lab.demo.swarm import alive, descendants
 from hetnode.lab.netlab.hosts import lab_namespaces, lab_unavailable, stray_links
+from hetnode.lab.proctree import alive, descendants
 
 NEEDS_ROOT = pytest.mark.skipif(bool(lab_unavailable()), reason=lab_unavailable())
 STARTED = "coordinator up; starting"  # bench network's progress line once the lab and coordinator are up

@@ -16,7 +16,8 @@ import pytest
 from hetnode.lab.netlab.hosts import NetLab, parse_net_dev
 from hetnode.lab.netlab.link_trace import CLOCK_TICKS, LinkTrace, LinkTracer
 from hetnode.lab.netlab.sync_windows import round_windows, window_cores, window_cpu, window_load
-from hetnode.lab.runs.network import NetworkPlan, critical_sync_s, stage_times, summarise_swarm
+from hetnode.lab.runs.network_plan import NetworkPlan
+from hetnode.lab.runs.network_report import critical_sync_s, stage_times, summarise_swarm
 
 NEEDS_ROOT = pytest.mark.skipif(
     os.geteuid() != 0 or not shutil.which("ip") or not shutil.which("tc"),

@@ -18,7 +18,7 @@ from hetnode.cli.main import build_parser
 from hetnode.config import load_config
 from hetnode.errors import ConfigError, HetnodeError
 from hetnode.lab.cpu_quota import CPU_ROOT, CpuQuotas, parse_cpu_stat, quota_us, stray_folders
-from hetnode.lab.runs import utilization
+from hetnode.lab.runs import utilization, utilization_plan
 from hetnode.lab.runs import utilization_figures as fig
 from hetnode.lab.runs.utilization_report import left_out_reasons, plot, since_first_sealed, summarise
 from hetnode.lab.swarm import merged_history
@@ -187,7 +187,7 @@ def _run(label: str, overlap: bool, logged_overlap: bool, shift: float) -> dict:
 def test_the_report_holds_both_rules_the_run_without_verification_and_says_when_overlap_was_not_real(
     capsys: pytest.CaptureFixture,
 ):
-    plan = utilization.plan_for(quick=True)
+    plan = utilization_plan.plan_for(quick=True)
     runs = {"lockstep": _run("lockstep", False, False, 0.0), "overlap": _run("overlap", True, False, 1.0)}
     runs["overlap-no-verify"] = _run("overlap-no-verify", True, False, 2.0)
     report = summarise(load_config(TINY), plan, runs)
@@ -233,7 +233,7 @@ def test_a_cap_sweep_reports_each_caps_trade_against_lockstep_and_overlap():
 
 
 def test_a_report_is_written_again_from_the_runs_a_benchmark_left(tmp_path: Path):
-    plan = dataclasses.replace(utilization.plan_for(quick=True), cap_ratio=3, extra_caps=(2,))
+    plan = dataclasses.replace(utilization_plan.plan_for(quick=True), cap_ratio=3, extra_caps=(2,))
     runs = {"lockstep": _run("lockstep", False, False, 0.0), "overlap": _run("overlap", True, True, 1.0)}
     runs["paced+overlap@2H"] = _run("paced+overlap@2H", True, True, 1.5)  # an extra cap: reported, plotted
     first = utilization.write_report(load_config(TINY), plan, runs, tmp_path, "hetnode bench utilization x")
@@ -263,25 +263,27 @@ def test_a_coordinator_that_evaluates_beside_the_seal_has_its_evaluation_folded_
 
 
 def test_the_plan_refuses_what_cannot_measure_utilisation():
-    config, plan = load_config(TINY), utilization.plan_for(quick=True)
-    utilization.check_plan(config, plan, cores=2)
+    config, plan = load_config(TINY), utilization_plan.plan_for(quick=True)
+    utilization_plan.check_plan(config, plan, cores=2)
     with pytest.raises(ConfigError, match="network.stage_min_up_mbps"):
-        utilization.check_plan(config, dataclasses.replace(plan, stage_mbit=2.0), cores=2)
+        utilization_plan.check_plan(config, dataclasses.replace(plan, stage_mbit=2.0), cores=2)
     with pytest.raises(ConfigError, match="--budget"):
-        utilization.check_plan(config, dataclasses.replace(plan, budget_s=10.0), cores=2)
+        utilization_plan.check_plan(config, dataclasses.replace(plan, budget_s=10.0), cores=2)
     with pytest.raises(HetnodeError, match="quotas add up"):
-        utilization.check_plan(config, dataclasses.replace(plan, replica_cpu=0.5), cores=2)
+        utilization_plan.check_plan(config, dataclasses.replace(plan, replica_cpu=0.5), cores=2)
     with pytest.raises(ConfigError, match="--rules"):
-        utilization.check_plan(config, dataclasses.replace(plan, rules=("lockstep", "paced")), cores=2)
+        utilization_plan.check_plan(config, dataclasses.replace(plan, rules=("lockstep", "paced")), cores=2)
     with pytest.raises(ConfigError, match="--cap"):
-        utilization.check_plan(config, dataclasses.replace(plan, extra_caps=(2, 0)), cores=2)
-    capped = utilization.lab_config(config, plan, overlap=True, verify=True, schedule="paced", cap_ratio=2)
+        utilization_plan.check_plan(config, dataclasses.replace(plan, extra_caps=(2, 0)), cores=2)
+    capped = utilization_plan.lab_config(
+        config, plan, overlap=True, verify=True, schedule="paced", cap_ratio=2
+    )
     assert capped.outer.max_inner_steps == 2 * plan.inner_steps
-    lab = utilization.lab_config(config, plan, overlap=True, verify=False)
+    lab = utilization_plan.lab_config(config, plan, overlap=True, verify=False)
     assert lab.outer.max_inner_steps == plan.cap_ratio * plan.inner_steps
     assert lab.outer.overlap and not lab.outer.verify and lab.outer.inner_steps == plan.inner_steps
     assert lab.network.anchor_min_up_mbps <= plan.anchor_mbit  # 50 Mbit/s anchors are anchors here
-    links = utilization.lab_links(plan)
+    links = utilization_plan.lab_links(plan)
     assert {2 * (a.delay_ms + b.delay_ms) for a in links.values() for b in links.values()} == {40.0}
     assert links["stage-1"].up_mbit == 8.0 and links["anchor-2"].down_mbit == 50.0
 
@@ -330,7 +332,7 @@ def test_a_run_that_stalled_is_reported_beside_the_ones_that_worked(tmp_path: Pa
         "overlap": {"label": "overlap", "error": "overlap: the anchors trained and synced no round\n  ..."},
         "overlap-no-verify": {"label": "overlap-no-verify", "error": "stalled"},
     }
-    report = summarise(load_config(TINY), utilization.plan_for(quick=True), runs)
+    report = summarise(load_config(TINY), utilization_plan.plan_for(quick=True), runs)
     assert report["rules"]["overlap"]["error"].startswith("overlap:")
     assert report["rules"]["lockstep"]["replicas"][0]["rounds"] == 4 and report["equal_tokens_at"] is None
     assert report["targets"]["swarm_tokens_per_s_ratio"]["met"] is None

@@ -28,9 +28,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from hetnode.algo.sparseloco import SparseLoCoCodec  # noqa: E402
 from hetnode.daemon.swarm import find_run  # noqa: E402
+from hetnode.lab.nodes import nodes_on_loopback  # noqa: E402
 from hetnode.model.shards import layer_digests  # noqa: E402
 from hetnode.net.identity import ephemeral_identity, owner_subkey  # noqa: E402
-from hetnode.net.node import CONTROL_HANDLER, DEFAULT_LIMITS, SwarmNode  # noqa: E402
+from hetnode.net.node import CONTROL_HANDLER, SwarmNode  # noqa: E402
 from hetnode.net.records import (  # noqa: E402
     RecordCapsValidator,
     new_changes_record,
@@ -423,19 +424,20 @@ async def crowd(a: Attacker) -> None:
 async def duplicates(a: Attacker) -> None:
     """one update announced under `--identities` identities (each its own p2pd, record and signature) for
     every round the coordinator opens: the sealer must weigh and credit it as one training at most."""
-    nodes = [a.node] + [
-        await SwarmNode.start(ephemeral_identity(), DEFAULT_LIMITS, [LOOPBACK], initial_peers=[a.peer_maddr])
-        for _ in range(a.identities - 1)
-    ]
-    served: dict[tuple[str, int, str], bytes] = {}
-    for node in nodes[1:]:  # each identity in the run's DHT, as the first one joined it
-        await node.join_dht(a.node.run or "", [a.peer_maddr], coordinator=a.coordinator)
-    for node in nodes:
-        node.set_payloads(
-            lambda round_, shard, replica, asker, me=node.identity.peer_id: served.get((me, round_, shard))
-        )
-    announced, rounds = -1, 0
-    try:
+    # each identity in the run's DHT, as the first one joined it
+    more = nodes_on_loopback(
+        a.identities - 1, a.node.run or "", initial_peers=[a.peer_maddr], coordinator=a.coordinator
+    )
+    async with more as others:
+        nodes = [a.node, *others]
+        served: dict[tuple[str, int, str], bytes] = {}
+        for node in nodes:
+            node.set_payloads(
+                lambda round_, shard, replica, asker, me=node.identity.peer_id: served.get(
+                    (me, round_, shard)
+                )
+            )
+        announced, rounds = -1, 0
         while time.monotonic() < a.until:
             round_ = await a.coordinator_round() + 1
             if round_ != announced:
@@ -453,9 +455,6 @@ async def duplicates(a: Attacker) -> None:
             for i, node in enumerate(nodes):
                 await node.store_own("peers", a.record(name=f"{a.name}-{i}"), 60.0)
             await asyncio.sleep(0.5)
-    finally:
-        for node in nodes[1:]:
-            await node.shutdown()
     a.result.update(identities=[node.identity.peer_id for node in nodes], rounds_announced=rounds)
 
 
@@ -478,8 +477,7 @@ ATTACKS = {
 
 
 async def main(args: argparse.Namespace) -> None:
-    node = await SwarmNode.start(ephemeral_identity(), DEFAULT_LIMITS, [LOOPBACK], initial_peers=[args.peer])
-    try:
+    async with nodes_on_loopback(1, initial_peers=[args.peer]) as (node,):
         contact = await find_run(node, args.peer, 30.0, asyncio.Event())
         model = GlobalModel(contact.manifest.config)
         attacker = Attacker(node, contact.coordinator, model, args.seconds, f"attacker-{args.attack}")
@@ -487,8 +485,6 @@ async def main(args: argparse.Namespace) -> None:
         attacker.targets, attacker.identities = args.target, args.identities
         await ATTACKS[args.attack](attacker)
         print("RESULT " + json.dumps(attacker.result), flush=True)
-    finally:
-        await node.shutdown()
 
 
 if __name__ == "__main__":

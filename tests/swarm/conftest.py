@@ -1,5 +1,6 @@
-"""Real daemons as subprocesses on loopback: start them, wait for READY lines, query `hetnode status`,
-and on teardown stop every one of them and check that no p2pd is left behind."""
+"""Real daemons as subprocesses on loopback, started and stopped by the lab's launcher
+(`hetnode/lab/swarm.py`): start them, wait for READY lines, query `hetnode status`, and on teardown stop the
+peers, then the coordinators, and check that no p2pd is left behind."""
 
 from __future__ import annotations
 
@@ -8,7 +9,6 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 import time
 import urllib.request
 from collections.abc import Callable
@@ -17,49 +17,35 @@ from pathlib import Path
 import pytest
 
 from hetnode.config import dump_config, load_config, replace
-from hetnode.lab.demo.swarm import alive, descendants, process_name, read_jsonl
+from hetnode.errors import HetnodeError
+from hetnode.lab.demo.swarm import read_jsonl
+from hetnode.lab.procs import LabProcess
+from hetnode.lab.proctree import alive, descendants, process_name
+from hetnode.lab.swarm import Launcher, Member
 from hetnode.wire.round_history import merge_history
 
 ROOT = Path(__file__).resolve().parents[2]
 LOOPBACK = "/ip4/127.0.0.1/tcp/0"
 HETNODE = [sys.executable, "-m", "hetnode.cli.main"]
+STOP_TIMEOUT_S = 30.0  # a daemon that has not exited by then is killed
 
 
-class Daemon:
+class Daemon(LabProcess):
+    """A test's daemon: in the test's process group (a test may signal it), its p2pd noted at READY."""
+
     def __init__(
-        self, name: str, args: list[str], log_path: Path, prefix: list[str], command: list[str] | None = None
+        self, name: str, argv: list[str], log_path: Path, prefix: list[str] | None = None, *, detach=False
     ) -> None:
-        self.name = name
-        self.log_path = log_path
-        self.log = open(log_path, "w")  # noqa: SIM115 - closed in stop()
-        env = dict(os.environ, PYTHONUNBUFFERED="1")
-        self.proc = subprocess.Popen(
-            prefix + (command or HETNODE) + args,
-            stdout=subprocess.PIPE,
-            stderr=self.log,
-            text=True,
-            cwd=ROOT,
-            env=env,
-        )
-        self.lines: list[str] = []
-        self.ready: dict[str, str] | None = None
-        self._ready_event = threading.Event()
-        self._reader = threading.Thread(target=self._read, daemon=True)
-        self._reader.start()
+        super().__init__(name, argv, log_path, prefix, detach=detach)
         self.p2pd: list[int] = []
 
-    def _read(self) -> None:
-        for line in self.proc.stdout:
-            self.lines.append(line.rstrip("\n"))
-            if line.startswith("READY ") and self.ready is None:
-                self.ready = dict(part.split("=", 1) for part in line.split()[1:])
-                self._ready_event.set()
-
-    def wait_ready(self, timeout: float = 90.0) -> dict[str, str]:
-        if not self._ready_event.wait(timeout):
-            raise AssertionError(f"{self.name} printed no READY line in {timeout:.0f} s:\n{self.tail()}")
+    def wait_ready(self, timeout: float = 90.0, stop=None) -> dict[str, str]:
+        try:
+            ready = super().wait_ready(timeout, stop)
+        except HetnodeError as exc:  # a test failure, with the log's tail
+            raise AssertionError(str(exc)) from None
         self.p2pd = [p for p in descendants(self.proc.pid) if process_name(p) == "p2pd"]
-        return self.ready
+        return ready
 
     def live_p2pd(self) -> list[int]:
         return [pid for pid in self.p2pd if alive(pid)]
@@ -69,29 +55,14 @@ class Daemon:
         assert self.ready is not None
         return self.ready["peer_id"]
 
-    @property
-    def maddr(self) -> str:
-        assert self.ready is not None
-        return self.ready["maddrs"].split(",")[0]
-
     def tail(self, lines: int = 30) -> str:
-        if not self.log.closed:
-            self.log.flush()
-        text = self.log_path.read_text().splitlines()[-lines:]
-        return "\n".join(text)
+        return super().tail(lines)
 
-    def stop(self, sig: int | None = signal.SIGTERM, timeout: float = 30.0) -> int | None:
+    def stop(self, sig: int | None = signal.SIGTERM, timeout: float = STOP_TIMEOUT_S) -> int | None:
         """Send `sig` (once; None when it was sent already), wait, and kill only if it hangs."""
-        if self.proc.poll() is None:
-            if sig is not None:
-                self.proc.send_signal(sig)
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
-        self.log.close()
-        return self.proc.returncode
+        if self.proc.poll() is None and sig is not None:
+            self.proc.send_signal(sig)
+        return self.finish(timeout)
 
 
 def all_evaluated(history: list[dict], upto: int | None = None) -> bool:
@@ -103,7 +74,8 @@ class Swarm:
     def __init__(self, tmp_path: Path, data_dir: Path) -> None:
         self.tmp_path = tmp_path
         self.data_dir = data_dir  # the session's token cache: every daemon reads the corpus from here
-        self.daemons: list[Daemon] = []
+        self.launcher = Launcher(tmp_path, detach=False, process=Daemon)
+        self.daemons: list[Daemon] = []  # in order of start (a test may reorder it)
 
     all_evaluated = staticmethod(all_evaluated)
 
@@ -122,7 +94,12 @@ class Swarm:
         self, name: str, args: list[str], prefix: list[str] | None = None, command: list[str] | None = None
     ) -> Daemon:
         """`command`: what runs instead of `hetnode` (a test's hook script that then runs the CLI)."""
-        daemon = Daemon(name, args, self.tmp_path / f"{name}.log", prefix or [], command)
+        coordinator = args[:1] == ["bootstrap"]
+        daemon = self.launcher.spawn(name, (command or HETNODE) + args, prefix or [], coordinator=coordinator)
+        return self._started(daemon)
+
+    def _started(self, daemon: LabProcess) -> Daemon:
+        assert isinstance(daemon, Daemon)
         self.daemons.append(daemon)
         return daemon
 
@@ -130,10 +107,12 @@ class Swarm:
         self, config: Path, data_dir: Path | None = None, listen: str = LOOPBACK, extra=(), command=None
     ) -> Daemon:
         data_dir = data_dir or self.tmp_path / "bootstrap"
-        args = ["bootstrap", "--config", str(config), "--listen", listen, "--data-dir", str(data_dir)]
         if "--http-port" not in extra:
-            args += ["--http-port", "0"]  # any free port: the READY line says which (http=...)
-        return self.start("bootstrap", [*args, *extra], command=command)
+            extra = ["--http-port", "0", *extra]  # any free port: the READY line says which (http=...)
+        boot = self.launcher.start_coordinator(
+            config, data_dir, extra, name="bootstrap", listen=listen, command=command, prefix=[]
+        )
+        return self._started(boot)
 
     def join(
         self,
@@ -146,11 +125,12 @@ class Swarm:
         command=None,
     ):
         """`command`: what runs instead of `hetnode` (a test's hook script that then runs the CLI)."""
-        args = ["join", "--peer", peer, "--name", name, "--bandwidth", bandwidth, "--listen", listen]
-        args += ["--data-dir", str(self.tmp_path / name), "--data-cache", str(self.data_dir)]
+        more = ["--data-cache", str(self.data_dir)]
         if "--metrics-port" not in extra:
-            args += ["--metrics-port", "0"]  # every test daemon serves /metrics (READY says where)
-        return self.start(name, [*args, *extra], prefix, command)
+            more += ["--metrics-port", "0"]  # every test daemon serves /metrics (READY says where)
+        member = Member(name, None, bandwidth, (*more, *extra))
+        daemon = self.launcher.start_peer(member, peer, listen=listen, command=command, prefix=prefix or [])
+        return self._started(daemon)
 
     def status(self, peer: str, prefix: list[str] | None = None) -> dict:
         result = subprocess.run(
@@ -192,10 +172,9 @@ class Swarm:
         )
 
     def stop_all(self) -> dict[str, int | None]:
-        for daemon in self.daemons:  # signal all first: they shut down in parallel
-            if daemon.proc.poll() is None:
-                daemon.proc.send_signal(signal.SIGTERM)
-        return {d.name: d.stop(sig=None) for d in self.daemons}
+        """The peers at once, then the coordinators (each group with one shared grace): exit codes."""
+        self.launcher.stop(STOP_TIMEOUT_S)
+        return {d.name: d.proc.returncode for d in self.daemons}
 
     def history(self, data_dir: Path | None = None) -> list[dict]:
         """The coordinator's sealed rounds: one entry per seal line, its evaluated line (scores, credit,
@@ -291,6 +270,7 @@ def _stop_and_check(procs: Swarm) -> None:
     leftovers = procs.leftover_p2pd()
     for pid in leftovers:  # never leave one behind, but fail the test that did
         os.kill(pid, signal.SIGKILL)
+    leftovers += procs.launcher.kill_leftovers(only="p2pd")  # any noted below a daemon while it ran
     assert not leftovers, f"p2pd processes survived their daemons: {leftovers}"
 
 

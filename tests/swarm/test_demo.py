@@ -18,7 +18,8 @@ from bootstrap.ledger import Ledger
 from hetnode.config import dump_config, load_config, replace
 from hetnode.lab.demo.credit import credit_standings
 from hetnode.lab.demo.markdown import result_line
-from hetnode.lab.demo.swarm import alive, descendants, process_name, read_jsonl, start_time
+from hetnode.lab.demo.swarm import read_jsonl
+from hetnode.lab.proctree import alive, descendants, process_name, start_time
 from hetnode.wire.round_history import merge_history
 
 pytestmark = pytest.mark.slow

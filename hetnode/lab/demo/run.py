@@ -26,8 +26,10 @@ from hetnode.lab.demo.live import LiveView
 from hetnode.lab.demo.plots import PLOTS
 from hetnode.lab.demo.report import DemoRecord, result_line, stopping_line, summarise, write_report
 from hetnode.lab.demo.rounds import replicas_text, swarm_counts
-from hetnode.lab.demo.swarm import COORDINATOR, DemoSwarm, Interrupted, SwarmPlan, read_jsonl
+from hetnode.lab.demo.swarm import DemoSwarm, SwarmPlan, read_jsonl
 from hetnode.lab.netlab.hosts import check_lab_possible
+from hetnode.lab.procs import Interrupted
+from hetnode.lab.swarm import COORDINATOR
 from hetnode.service.round_log import ROUND_LOG
 
 log = logging.getLogger(__name__)

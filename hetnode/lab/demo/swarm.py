@@ -1,18 +1,15 @@
-"""The demo's processes: a coordinator, anchors and edge peers as real `hetnode` daemons, on loopback or
-each in its own network namespace (`hetnode/lab/netlab/hosts.py`), started and stopped in order.
-
-Every child runs in its own process group (`LabProcess(detach=True)`): a Ctrl+C at the terminal reaches
-only the demo, which then stops the peers first and the coordinator last, instead of every daemon and
-every `p2pd` getting the signal at once. Each child also gets SIGTERM if the demo dies. The `p2pd`
-processes below the daemons are noted while they run and killed if any outlives its daemon.
+"""The demo's swarm: a coordinator, anchors and edge peers as real `hetnode` daemons, on loopback or each in
+its own network namespace (`hetnode/lab/netlab/hosts.py`), started and stopped in order by the lab's launcher
+(`hetnode/lab/swarm.py`: detached process groups, so a Ctrl+C at the terminal reaches only the demo, which
+then stops the peers first and the coordinator last; the `p2pd` processes below the daemons are noted while
+they run and killed if any outlives its daemon). What is the demo's own: its plan, the waits a stop signal
+interrupts, and reading the running swarm (the coordinator's HTTP API, `hetnode status`).
 """
 
 from __future__ import annotations
 
 import json
 import logging
-import os
-import signal
 import subprocess
 import sys
 import threading
@@ -22,16 +19,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from hetnode.errors import HetnodeError
 from hetnode.lab.netlab.hosts import NetLab
 from hetnode.lab.procs import HETNODE, LabProcess
+from hetnode.lab.swarm import COORDINATOR, Launcher, Member
 from hetnode.wire.round_history import merge_history
 
 log = logging.getLogger(__name__)
 
-LOOPBACK = "127.0.0.1"
 HISTORY = "rounds.jsonl"  # the coordinator's sealed rounds (bootstrap/round_keeper.py)
-COORDINATOR = "coordinator"
 STOP_TIMEOUT_S = 30.0  # a daemon that has not exited by then is killed
 READY_TIMEOUT_S = 240.0  # two busy cores, five processes importing torch at once
 HTTP_TIMEOUT_S = 3.0
@@ -39,17 +34,6 @@ _FETCH = (  # runs inside a namespace: the coordinator's HTTP server is reachabl
     "import sys,urllib.request;"
     "sys.stdout.write(urllib.request.urlopen(sys.argv[1],timeout=float(sys.argv[2])).read().decode())"
 )
-
-
-class Interrupted(HetnodeError):
-    """A stop signal arrived while the swarm was starting."""
-
-
-@dataclass(frozen=True)
-class Member:
-    name: str
-    role: str  # "anchor" or "stage" (passed as --role)
-    bandwidth_mbit: float  # declared with --bandwidth; also the shaped rate of an edge
 
 
 @dataclass(frozen=True)
@@ -62,14 +46,18 @@ class SwarmPlan:
     anchor_mbit: float = 1000.0
 
     def members(self) -> list[Member]:
-        anchors = [Member(f"anchor-{i}", "anchor", self.anchor_mbit) for i in range(1, self.anchors + 1)]
+        """Anchors and edges; an edge's declared Mbit/s is also the shaped rate of its link."""
+        metrics = ("--metrics-port", "0")
+        anchors = [
+            Member(f"anchor-{i}", "anchor", self.anchor_mbit, metrics) for i in range(1, self.anchors + 1)
+        ]
         edges = self.chains * self.stages
-        return anchors + [Member(f"edge-{j}", "stage", self.edge_mbit) for j in range(1, edges + 1)]
+        return anchors + [Member(f"edge-{j}", "stage", self.edge_mbit, metrics) for j in range(1, edges + 1)]
 
     def rates(self) -> dict[str, float | None]:
         """Link rates for the lab: the coordinator and anchors unshaped, edges at `edge_mbit`."""
         return {COORDINATOR: None} | {
-            m.name: (m.bandwidth_mbit if m.role == "stage" else None) for m in self.members()
+            m.name: (m.declared_mbit if m.role == "stage" else None) for m in self.members()
         }
 
 
@@ -81,11 +69,9 @@ class DemoSwarm:
         self.work = work
         self.stop = stop
         self.lab: NetLab | None = None
-        self.coordinator: LabProcess | None = None
-        self.peers: list[LabProcess] = []
+        self.launcher = Launcher(work)
         self.status_url: str | None = None
         self.leftovers: list[int] = []  # processes that outlived their daemon and were killed
-        self._tracked: dict[int, str] = {}  # pid -> its /proc start time, so a reused pid is not hit
 
     # -- starting ------------------------------------------------------------------------------------
 
@@ -95,23 +81,14 @@ class DemoSwarm:
         if self.plan.shaped:
             self.lab = NetLab(self.plan.rates())
             self.lab.__enter__()
-        boot = ["bootstrap", "--config", str(config_path), "--listen", self._listen(COORDINATOR)]
-        boot += ["--http-port", "0", "--data-dir", str(self.work / "bootstrap")]
-        self.coordinator = self._spawn(COORDINATOR, boot)
-        ready = self._wait_ready(self.coordinator)
+            self.launcher.lab = self.lab
+        boot = self.launcher.start_coordinator(config_path, self.work / "bootstrap", ["--http-port", "0"])
+        ready = self.launcher.wait_ready(boot, READY_TIMEOUT_S, self.stop)
         self.status_url = ready.get("http")
-        for member in self.plan.members():
-            args = ["join", "--peer", self.coordinator.maddr, "--name", member.name]
-            args += ["--bandwidth", f"{member.bandwidth_mbit:g}", "--role", member.role]
-            args += ["--listen", self._listen(member.name), "--data-dir", str(self.work / member.name)]
-            self.peers.append(self._spawn(member.name, [*args, "--metrics-port", "0"]))
-        for peer in self.peers:
-            self._wait_ready(peer)
-        self.track()
+        self.launcher.start_peers(boot.maddr, self.plan.members(), READY_TIMEOUT_S, self.stop)
 
     def _listen(self, host: str) -> str:
-        address = self.lab.hosts[host].address if self.lab else LOOPBACK
-        return f"/ip4/{address}/tcp/0"
+        return self.launcher.listen(host)
 
     def status_where(self) -> str:
         """Where the status page can be read: from here, or only inside the coordinator's namespace."""
@@ -121,33 +98,24 @@ class DemoSwarm:
         return f"{self.status_url}/ inside the coordinator's namespace: ip netns exec {namespace} curl ..."
 
     def _prefix(self, host: str) -> list[str]:
-        return self.lab.hosts[host].prefix if self.lab else []
-
-    def _spawn(self, name: str, args: list[str]) -> LabProcess:
-        return LabProcess(name, [*HETNODE, *args], self.log_path(name), self._prefix(name), detach=True)
+        return self.launcher.prefix(host)
 
     def log_path(self, name: str) -> Path:
         return self.work / f"{name}.log"
 
-    def _wait_ready(self, process: LabProcess, timeout: float = READY_TIMEOUT_S) -> dict[str, str]:
-        deadline = time.monotonic() + timeout
-        while process.ready is None:
-            if self.stop.is_set():
-                raise Interrupted(f"interrupted while waiting for {process.name}")
-            if process.proc.poll() is not None:
-                raise HetnodeError(
-                    f"{process.name} exited with {process.proc.returncode} before READY:\n{process.tail()}"
-                )
-            if time.monotonic() > deadline:
-                raise HetnodeError(f"{process.name} printed no READY line in {timeout:.0f} s")
-            self.stop.wait(0.2)
-        return process.ready
+    @property
+    def coordinator(self) -> LabProcess | None:
+        return self.launcher.coordinator
+
+    @property
+    def peers(self) -> list[LabProcess]:
+        return self.launcher.peers
 
     # -- while it runs -------------------------------------------------------------------------------
 
     @property
     def processes(self) -> list[LabProcess]:
-        return ([self.coordinator] if self.coordinator else []) + self.peers
+        return self.launcher.processes
 
     def peer_ids(self) -> dict[str, str]:
         """name -> peer id, for every process that printed its READY line."""
@@ -207,31 +175,19 @@ class DemoSwarm:
 
     def track(self) -> None:
         """Note every process below our daemons (their p2pd), to make sure none outlives them."""
-        for process in self.processes:
-            for pid in descendants(process.proc.pid):
-                started = start_time(pid)
-                if started is not None:
-                    self._tracked.setdefault(pid, started)
+        self.launcher.track()
 
     # -- stopping ------------------------------------------------------------------------------------
 
     def stop_peers(self) -> None:
-        _stop_together(self.peers)
+        self.launcher.stop_peers(STOP_TIMEOUT_S)
 
     def stop_coordinator(self) -> None:
-        _stop_together(self.processes[:1] if self.coordinator else [])
+        self.launcher.stop_coordinator(STOP_TIMEOUT_S)
 
     def close(self) -> None:
         """After the daemons stopped: kill anything of theirs still alive, then remove the lab."""
-        self.track()
-        for pid, started in self._tracked.items():
-            if start_time(pid) == started and alive(pid):
-                log.warning("pid %d (%s) outlived its daemon: killing it", pid, process_name(pid))
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except OSError:
-                    continue
-                self.leftovers.append(pid)
+        self.leftovers.extend(self.launcher.kill_leftovers())
         if self.lab is not None:
             self.lab.close()
             self.lab = None
@@ -247,7 +203,7 @@ class DemoSwarm:
                 {
                     "name": process.name,
                     "role": member.role if member else COORDINATOR,
-                    "bandwidth_mbit": member.bandwidth_mbit if member else None,
+                    "bandwidth_mbit": member.declared_mbit if member else None,
                     "shaped": bool(self.lab or self.plan.shaped) and member is not None,
                     "peer_id": ids.get(process.name),
                     "log": str(process.log_path),
@@ -256,22 +212,6 @@ class DemoSwarm:
                 }
             )
         return rows
-
-
-def _stop_together(processes: list[LabProcess], timeout: float = STOP_TIMEOUT_S) -> None:
-    """SIGTERM to all at once (they shut down in parallel), then wait; kill only one that hangs."""
-    for process in processes:
-        if process.proc.poll() is None:
-            process.proc.send_signal(signal.SIGTERM)
-    deadline = time.monotonic() + timeout
-    for process in processes:
-        try:
-            process.proc.wait(max(0.1, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            log.warning("%s did not stop within %.0f s: killing it", process.name, timeout)
-            process.proc.kill()
-            process.proc.wait(10)
-        process.stop()  # it has exited: this only closes its log
 
 
 def read_jsonl(path: Path) -> list[dict[str, Any]]:
@@ -289,46 +229,3 @@ def read_jsonl(path: Path) -> list[dict[str, Any]]:
         if isinstance(row, dict):
             rows.append(row)
     return rows
-
-
-# -- processes, from /proc --------------------------------------------------------------------------------
-
-
-def _stat(pid: int) -> list[str] | None:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except (OSError, IndexError):
-        return None
-
-
-def descendants(pid: int) -> list[int]:
-    """Every process below `pid` (children, their children, ...)."""
-    children: dict[int, list[int]] = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit() and (fields := _stat(int(entry.name))) is not None:
-            children.setdefault(int(fields[1]), []).append(int(entry.name))
-    found, todo = [], [pid]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            found.append(child)
-            todo.append(child)
-    return found
-
-
-def start_time(pid: int) -> str | None:
-    """The process's start time in clock ticks since boot (with the pid, it names one process)."""
-    fields = _stat(pid)
-    return fields[19] if fields else None
-
-
-def process_name(pid: int) -> str | None:
-    try:
-        return Path(f"/proc/{pid}/comm").read_text().strip()
-    except OSError:
-        return None
-
-
-def alive(pid: int) -> bool:
-    """Running (a zombie has exited; it only waits for its parent to reap it)."""
-    fields = _stat(pid)
-    return fields is not None and fields[0] != "Z"

@@ -8,18 +8,14 @@ calibration runs it (`hetnode/lab/scale/dht.py`: the bench layer starts networki
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import statistics
 import time
 
 import msgpack
 
+from hetnode.lab.nodes import nodes_on_loopback
 from hetnode.net import loop
-from hetnode.net.identity import ephemeral_identity
-from hetnode.net.node import DEFAULT_LIMITS, SwarmNode
-
-LOOPBACK = ["/ip4/127.0.0.1/tcp/0"]
 
 
 def seal_of_size(round_: int, nbytes: int) -> dict:
@@ -34,15 +30,7 @@ def seal_of_size(round_: int, nbytes: int) -> dict:
 
 
 async def measure(seal_bytes: int, peers: int, tries: int) -> dict[str, float]:
-    nodes: list[SwarmNode] = []
-    try:
-        nodes.append(await SwarmNode.start(ephemeral_identity(), DEFAULT_LIMITS, LOOPBACK))
-        await nodes[0].join_dht("seal-trip", [])
-        maddrs = await nodes[0].visible_maddrs()
-        for _ in range(peers - 1):
-            node = await SwarmNode.start(ephemeral_identity(), DEFAULT_LIMITS, LOOPBACK, initial_peers=maddrs)
-            await node.join_dht("seal-trip", maddrs)
-            nodes.append(node)
+    async with nodes_on_loopback(peers, "seal-trip") as nodes:
         sealer, reader = nodes[0], nodes[-1]
         stores, reads = [], []
         for i in range(tries):
@@ -54,9 +42,6 @@ async def measure(seal_bytes: int, peers: int, tries: int) -> dict[str, float]:
             await reader.read_field("seal", latest=False)
             reads.append(time.perf_counter() - started)
         return {"store_s": statistics.median(stores), "read_s": statistics.median(reads)}
-    finally:
-        for node in reversed(nodes):
-            await asyncio.shield(node.shutdown())
 
 
 def main() -> None:

@@ -14,18 +14,15 @@ both p2pds over the bytes moved. The scale calibration runs it in a process of i
 from __future__ import annotations
 
 import argparse
-import asyncio
 import hashlib
 import json
 import os
 import time
 from pathlib import Path
 
+from hetnode.lab.nodes import nodes_on_loopback
 from hetnode.net import loop
-from hetnode.net.identity import ephemeral_identity
-from hetnode.net.node import DEFAULT_LIMITS, SwarmNode
 
-LOOPBACK = ["/ip4/127.0.0.1/tcp/0"]
 TICKS = os.sysconf("SC_CLK_TCK")
 
 
@@ -51,14 +48,7 @@ def cpu_now() -> float:
 
 
 async def measure(payload_bytes: int, payloads: int, rounds: int) -> dict[str, float]:
-    nodes: list[SwarmNode] = []
-    try:
-        author = await SwarmNode.start(ephemeral_identity(), DEFAULT_LIMITS, LOOPBACK)
-        nodes.append(author)
-        fetcher = await SwarmNode.start(
-            ephemeral_identity(), DEFAULT_LIMITS, LOOPBACK, initial_peers=await author.visible_maddrs()
-        )
-        nodes.append(fetcher)
+    async with nodes_on_loopback(2) as (author, fetcher):
         owner = author.identity.peer_id
         held = {str(i): os.urandom(payload_bytes) for i in range(payloads)}
         digests = {shard: hashlib.sha256(data).hexdigest() for shard, data in held.items()}
@@ -78,9 +68,6 @@ async def measure(payload_bytes: int, payloads: int, rounds: int) -> dict[str, f
         wall_s, cpu_s = time.perf_counter() - started, cpu_now() - cpu
         moved = rounds * payloads * payload_bytes
         return {"cpu_s_per_byte": cpu_s / moved, "moved_bytes": moved, "wall_s": wall_s}
-    finally:
-        for node in reversed(nodes):
-            await asyncio.shield(node.shutdown())
 
 
 def main() -> None:

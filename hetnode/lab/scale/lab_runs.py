@@ -46,7 +46,8 @@ from hetnode.lab.netlab.sync_windows import (
     window_cpu,
     window_load,
 )
-from hetnode.lab.procs import HETNODE, LabProcess, stop_all
+from hetnode.lab.procs import LabProcess
+from hetnode.lab.swarm import Launcher, Member
 from hetnode.wire.round_history import merge_history
 
 ROUND_LOG = "rounds-local.jsonl"  # what every daemon writes per round (hetnode/service/round_log.py)
@@ -162,33 +163,25 @@ def _run_swarm(
     lab: NetLab, config_path: Path, plan: CalibrationPlan, work: Path, progress: bool
 ) -> tuple[list[dict], dict[str, str], float, dict[str, int]]:
     """The daemons in the lab until the measured rounds are in; every daemon (and its p2pd) stopped on the
-    way out, in reverse order of start."""
+    way out: the replicas, then the coordinator."""
     anchors, stages = plan.names()
-    processes: list[LabProcess] = []
+
+    def pinned(name: str) -> list[str]:  # inside the host's namespace
+        return ONE_THREAD + ["taskset", "-c", plan.anchor_cores if name in anchors else plan.chain_cores]
+
+    launcher = Launcher(work, lab, inside=pinned)
     try:
-        host = lab.hosts["coordinator"]
-        argv = [*HETNODE, "bootstrap", "--config", str(config_path), "--data-dir", str(work / "coordinator")]
-        argv += ["--listen", f"/ip4/{host.address}/tcp/0", "--http-port", "off", "--metrics-port", "0"]
-        # detached: a terminal's Ctrl+C reaches only us, and we stop the daemons in order
-        prefix = host.prefix + ONE_THREAD + ["taskset", "-c", plan.chain_cores]
-        boot = LabProcess("coordinator", argv, work / "coordinator.log", prefix, detach=True)
-        processes.append(boot)
-        boot.wait_ready()
+        extra = ["--http-port", "off", "--metrics-port", "0"]
+        boot = launcher.start_coordinator(config_path, work / "coordinator", extra)
+        launcher.wait_ready(boot, 120.0)
         _say(
             progress, f"lab {lab.tag}: coordinator up; starting {len(anchors)} anchors, {len(stages)} stages"
         )
-        for name in (*anchors, *stages):
-            host = lab.hosts[name]
-            role, rate = ("anchor", plan.anchor_mbit) if name in anchors else ("stage", plan.stage_mbit)
-            argv = [*HETNODE, "join", "--peer", boot.maddr, "--name", name, "--role", role]
-            argv += ["--bandwidth", f"{rate:g}", "--listen", f"/ip4/{host.address}/tcp/0"]
-            argv += ["--data-dir", str(work / name), "--metrics-port", "0"]
-            cores = plan.anchor_cores if name in anchors else plan.chain_cores
-            prefix = host.prefix + ONE_THREAD + ["taskset", "-c", cores]
-            processes.append(LabProcess(name, argv, work / f"{name}.log", prefix, detach=True))
-        ready = {p.name: p.wait_ready(240.0) for p in processes}
-        ids = {name: r["peer_id"] for name, r in ready.items() if name != "coordinator"}
-        urls = {name: _metrics_url(r) for name, r in ready.items()}
+        members = [Member(a, "anchor", plan.anchor_mbit, ("--metrics-port", "0")) for a in anchors]
+        members += [Member(s, "stage", plan.stage_mbit, ("--metrics-port", "0")) for s in stages]
+        ids = launcher.start_peers(boot.maddr, members, 240.0)
+        processes = launcher.processes
+        urls = {p.name: _metrics_url(p.ready or {}) for p in processes}
         rtt_s = measure_rtt(lab, anchors[0], boot.maddr)
         _say(
             progress,
@@ -200,10 +193,10 @@ def _run_swarm(
         # the cleanup short: daemons left running hang once their namespace's links are gone
         with shielded():
             # replicas first, all at once (each takes seconds to announce its exit), then the coordinator
-            stop_all(processes[1:], STOP_GRACE_S)
-            stop_all(processes[:1], STOP_GRACE_S / 2)
+            launcher.stop(STOP_GRACE_S, STOP_GRACE_S / 2)
+            launcher.kill_leftovers()
             kill_leftovers(lab)
-    return samples, ids, rtt_s, {p.name: p.proc.pid for p in processes}
+    return samples, ids, rtt_s, {p.name: p.proc.pid for p in launcher.processes}
 
 
 def kill_leftovers(lab: NetLab) -> None:
