@@ -225,3 +225,15 @@ def test_the_cycle_check_finds_a_circle_and_names_it():
     graph = {"a": {"b"}, "b": {"c"}, "c": {"a", "d"}, "d": set(), "e": {"e2"}, "e2": {"e"}}
     assert _cycles(graph) == [["a", "b", "c", "a"], ["e", "e2", "e"]]
     assert _cycles({"a": {"b"}, "b": set()}) == []
+
+
+LAB_FILE_LINES = 400  # the lab wing's modules stay small enough to read at once (issue 37)
+
+
+def test_no_lab_module_is_over_the_line_limit():
+    long = {
+        str(path.relative_to(ROOT)): n
+        for path in (ROOT / "hetnode" / "lab").rglob("*.py")
+        if (n := len(path.read_text(encoding="utf-8").splitlines())) > LAB_FILE_LINES
+    }
+    assert not long, f"lab modules over {LAB_FILE_LINES} lines (split them by job): {long}"
