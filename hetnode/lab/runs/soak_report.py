@@ -14,7 +14,7 @@ import statistics
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import matplotlib
 
@@ -26,9 +26,6 @@ from hetnode.lab.netlab.wan import describe  # noqa: E402
 from hetnode.lab.runs import soak_checks  # noqa: E402
 from hetnode.lab.runs.soak_plan import NAT_ANCHOR, SoakPlan  # noqa: E402
 from hetnode.lab.scale.lab_runs import read_rounds  # noqa: E402
-
-if TYPE_CHECKING:
-    from hetnode.lab.runs.soak import Soak
 
 MIN_SLOPE_SPAN_S = 600.0  # a life's samples after its warm-up must span this much for a slope
 LEDGER = "ledger.sqlite"
@@ -81,7 +78,19 @@ def _credited(ledger: Path) -> dict[int, set[str]]:
     return out
 
 
-def summarise(soak: Soak, config: Config, plan: SoakPlan, left: dict[str, list]) -> dict[str, Any]:
+class SoakRecord(Protocol):
+    """What a finished soak (`soak.py` `Soak`) hands its report: its folder, the churn it caused, each
+    daemon life's resources, the digest checks and the coordinator's sealed history."""
+
+    work: Path
+    events: list[dict[str, Any]]
+    resources: dict[str, Resources]
+    digests: list[dict[str, Any]]
+
+    def history(self) -> list[dict[str, Any]]: ...
+
+
+def summarise(soak: SoakRecord, config: Config, plan: SoakPlan, left: dict[str, list]) -> dict[str, Any]:
     history = soak.history()
     checks = [c for sample in soak.digests for c in sample["checks"]]
     ledger_path = soak.work / "coordinator" / LEDGER
