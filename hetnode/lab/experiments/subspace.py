@@ -1,7 +1,8 @@
 """`hetnode bench subspace`: full replicas vs anchors + compressed chains, over compression ratios.
 
 All runs sync with SparseLoCo and see the same tokens. The mixed swarms have 2 anchors and 2 chains
-of 2 stages; chain boundaries carry k subspace coefficients per token (bf16) instead of d values, at
+of 2 stages, each stage the round a chain member runs (`StageRound`); chain boundaries carry k subspace
+coefficients per token (bf16) instead of d values (fp32, as a daemon's uncompressed chain sends them), at
 d/(k+1) ∈ {4, 8, 16, 32, 64}. `selective` constrains only the chains; `everything` constrains the
 anchors too (arXiv 2601.02360 finds selective better at ≥ 16×).
 """
@@ -112,7 +113,7 @@ def _summarise(sim: ReplicaSimulation, swarm: Swarm, rank: int | None, d: int, f
         return result
     boundaries = swarm.chain_stages - 1
     tokens = sum(c.tokens for c in chains)
-    workers = [w for c in chains for w in c.chain.workers]
+    workers = [stage.worker for c in chains for stage in c.chain.stages]
     timing = {k: sum(w.timings[k] for w in workers) for k in ("compute", "optimizer", "projection")}
     result.update(
         compression_ratio=d / (rank + 1) if rank else 1.0,
@@ -133,7 +134,7 @@ def plot_subspace(report: dict, path: Path) -> None:
             ax.plot(xs, [runs[n]["final_eval_loss"] for n in names], "o-", label=mode)
     for name, style, label in (
         ("replicas", ("gray", "--"), "4 full replicas (no chains)"),
-        ("mixed-dense", ("black", ":"), "mixed, dense bf16 boundaries"),
+        ("mixed-dense", ("black", ":"), "mixed, dense fp32 boundaries"),
     ):
         if name in runs:
             ax.axhline(runs[name]["final_eval_loss"], color=style[0], ls=style[1], label=label)

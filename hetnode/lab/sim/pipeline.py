@@ -6,13 +6,17 @@ the first stage to the last), then every stage runs the backward of micro-batch 
 Stage s therefore holds P−s micro-batches in flight and each update it applies was computed on weights
 P−1−s updates old; the last stage is never stale. After the last micro-batch of a round no new forward
 starts and the pipeline drains (one bubble per outer step). Frames pass through the wire codec when a
-`FrameSpec` is given, so bytes are counted from encoded messages and validated like network input.
+`FrameLimits` is given, so bytes are counted from encoded messages and validated like network input.
+
+`run_1f1b` is the schedule over any stages; `PipelineChain` runs it over bare stage workers fed from a data
+slot (the staleness bench), `hetnode.lab.sim.stage_chain.StageChain` over the stages a chain member runs.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
@@ -21,6 +25,17 @@ from hetnode.data import TokenDataset
 from hetnode.training.stage_worker import Frame, StageWorker, build_stage_worker
 from hetnode.wire.activation_frame import FrameLimits, decode_frame, encode_frame
 
+Batch = tuple[torch.Tensor, torch.Tensor]  # (tokens, targets)
+Feed = Callable[[], tuple[int, Batch]]  # the first stage's next micro-batch and its index
+
+
+class ChainStage(Protocol):
+    """What the schedule calls on a stage: a `StageWorker`, or the daemon's `StageRound` around one."""
+
+    def forward(self, mb: int, incoming: Frame | Batch) -> Frame | torch.Tensor: ...
+
+    def backward(self, mb: int, grad: torch.Tensor | None = None) -> torch.Tensor | None: ...
+
 
 @dataclass
 class ChainStats:
@@ -28,6 +43,78 @@ class ChainStats:
     activation_bytes: int = 0  # forward frames, all boundaries
     gradient_bytes: int = 0  # backward frames, all boundaries
     tokens: int = 0
+
+
+class Boundaries:
+    """The transport between stages: a direct call, or the wire codec when `limits` are given (encoded
+    bytes counted, decoded frames validated like network input). `round` goes in every frame's header."""
+
+    def __init__(self, limits: FrameLimits | None = None) -> None:
+        self.limits = limits
+        self.round = 0
+
+    def carry(self, frame: Frame, stats: ChainStats) -> Frame:
+        if self.limits is None:
+            return frame
+        data = encode_frame("act", self.round, frame.mb, frame.tensor, frame.tokens, frame.targets)
+        stats.activation_bytes += len(data)
+        decoded = decode_frame(data, self.limits, expect_kind="act")
+        return Frame(decoded.mb, decoded.tensor, decoded.tokens, decoded.targets)
+
+    def carry_grad(self, mb: int, grad: torch.Tensor, stats: ChainStats) -> torch.Tensor:
+        if self.limits is None:
+            return grad
+        data = encode_frame("grad", self.round, mb, grad)
+        stats.gradient_bytes += len(data)
+        return decode_frame(data, self.limits, expect_kind="grad").tensor
+
+
+def run_1f1b(
+    stages: Sequence[ChainStage],
+    feed: Feed,
+    micro_batches: int,
+    boundaries: Boundaries,
+    eval_every: int = 0,
+    on_eval: Callable[[int], None] | None = None,
+) -> ChainStats:
+    """Push `micro_batches` from `feed` through `stages` on the 1F1B schedule and drain; each one is one
+    update per stage.
+
+    With `on_eval`, call it after every `eval_every` updates: right after a backward sweep every stage
+    holds the same number of updates, so the chain's newest weights are a consistent model."""
+    stats = ChainStats()
+    losses: list[torch.Tensor] = []  # read once after the run: each read waits for the device
+    pending: dict[tuple[int, int], Frame] = {}  # (stage, mb) -> frame waiting for that stage
+    fed: list[int] = []  # the micro-batch index of each position, as the feed named it
+    last = len(stages) - 1
+    for cycle in range(micro_batches + last):
+        for s, stage in enumerate(stages):
+            position = cycle - s
+            if not 0 <= position < micro_batches:
+                continue
+            if s == 0:
+                mb, incoming = feed()
+                fed.append(mb)
+                stats.tokens += incoming[0].numel()
+            else:
+                mb = fed[position]
+                incoming = pending.pop((s, mb))
+            out = stage.forward(mb, incoming)
+            if s < last:
+                pending[(s + 1, mb)] = boundaries.carry(out, stats)
+            else:
+                losses.append(out)
+        position = cycle - last
+        if 0 <= position < micro_batches:
+            mb, grad = fed[position], None
+            for s in range(last, -1, -1):
+                grad = stages[s].backward(mb, grad)
+                if grad is not None:
+                    grad = boundaries.carry_grad(mb, grad, stats)
+            if on_eval is not None and eval_every > 0 and (position + 1) % eval_every == 0:
+                on_eval(position + 1)
+    stats.losses = torch.stack(losses).tolist() if losses else []
+    return stats
 
 
 class PipelineChain:
@@ -47,9 +134,8 @@ class PipelineChain:
         self.dataset = dataset
         self.slot = slot
         self.num_slots = num_slots
-        self.limits = limits
+        self.boundaries = Boundaries(limits)
         self.step = 0  # micro-batches started so far (indexes the data schedule)
-        self.round = 0
 
     @property
     def depth(self) -> int:
@@ -58,58 +144,13 @@ class PipelineChain:
     def run(
         self, micro_batches: int, eval_every: int = 0, on_eval: Callable[[int], None] | None = None
     ) -> ChainStats:
-        """Push `micro_batches` through the pipeline and drain it; each one is one update per stage.
+        """Push `micro_batches` of our data slot through the pipeline and drain it (`run_1f1b`)."""
+        return run_1f1b(self.workers, self._next_batch, micro_batches, self.boundaries, eval_every, on_eval)
 
-        With `on_eval`, call it after every `eval_every` updates: right after a backward sweep every stage
-        holds the same number of updates, so the chain's newest weights are a consistent model."""
-        stats = ChainStats()
-        losses: list[torch.Tensor] = []  # read once after the run: each read waits for the device
-        pending: dict[tuple[int, int], Frame] = {}  # (stage, mb) -> frame waiting for that stage
-        last = self.depth - 1
-        first_mb = self.step
-        for cycle in range(micro_batches + last):
-            for s, worker in enumerate(self.workers):
-                mb = first_mb + cycle - s
-                if not first_mb <= mb < first_mb + micro_batches:
-                    continue
-                if s == 0:
-                    incoming = self.dataset.train_batch(self.slot, self.num_slots, mb)
-                    stats.tokens += incoming[0].numel()
-                else:
-                    incoming = pending.pop((s, mb))
-                out = worker.forward(mb, incoming)
-                if s < last:
-                    pending[(s + 1, mb)] = self._carry(out, stats)
-                else:
-                    losses.append(out)
-            mb = first_mb + cycle - last
-            if first_mb <= mb < first_mb + micro_batches:
-                grad = None
-                for s in range(last, -1, -1):
-                    grad = self.workers[s].backward(mb, grad)
-                    if grad is not None:
-                        grad = self._carry_grad(mb, grad, stats)
-                done = mb - first_mb + 1
-                if on_eval is not None and eval_every > 0 and done % eval_every == 0:
-                    on_eval(done)
-        self.step += micro_batches
-        stats.losses = torch.stack(losses).tolist() if losses else []
-        return stats
-
-    def _carry(self, frame: Frame, stats: ChainStats) -> Frame:
-        if self.limits is None:
-            return frame
-        data = encode_frame("act", self.round, frame.mb, frame.tensor, frame.tokens, frame.targets)
-        stats.activation_bytes += len(data)
-        decoded = decode_frame(data, self.limits, expect_kind="act")
-        return Frame(decoded.mb, decoded.tensor, decoded.tokens, decoded.targets)
-
-    def _carry_grad(self, mb: int, grad: torch.Tensor, stats: ChainStats) -> torch.Tensor:
-        if self.limits is None:
-            return grad
-        data = encode_frame("grad", self.round, mb, grad)
-        stats.gradient_bytes += len(data)
-        return decode_frame(data, self.limits, expect_kind="grad").tensor
+    def _next_batch(self) -> tuple[int, Batch]:
+        mb = self.step
+        self.step += 1
+        return mb, self.dataset.train_batch(self.slot, self.num_slots, mb)
 
     @torch.no_grad()
     def evaluate(self, batches: int) -> float:

@@ -4,25 +4,20 @@ baseline's single trainer.
 Every replica keeps the global parameters θ^t exactly as every other replica has them and, each round,
 trains from them and hands back its update. An anchor is a thin driver of the round a peer's anchor runs
 (`hetnode.training.anchor_round.AnchorRound`: the assigned batches of its data slot, `LocalRounds`, error
-feedback), so the in-process benches measure that code. A chain trains a *working copy* for H
-micro-batches and reports the pseudo-gradient against the copy it started from. Under the subspace
-constraint the working copy is P(θ^t) and the embedding's out-of-subspace part joins the frozen table,
-T_fix' = T_fix + (T_S − P(T_S)), so the working input embedding equals the global one (docs/chains.md,
-"Subspace-compressed boundaries")."""
+feedback), so the in-process benches measure that code; a chain likewise drives the rounds a chain's
+members run (`hetnode.lab.sim.stage_chain.StageChain` over `hetnode.training.stage_round.StageRound`)."""
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 
 import torch
 
 from hetnode.algo.aggregate import NesterovOuter
-from hetnode.algo.sparseloco import CompressedTensor, ErrorFeedback, SparseLoCoCodec, pseudo_gradient
-from hetnode.lab.sim.pipeline import PipelineChain
+from hetnode.algo.sparseloco import CompressedTensor
+from hetnode.lab.sim.stage_chain import StageChain
 from hetnode.training.anchor_round import AnchorRound
 from hetnode.training.trainer import InnerTrainer
-from hetnode.training.working_copy import WorkingCopy
 
 Params = dict[str, torch.Tensor]
 Update = dict[str, CompressedTensor] | Params  # SparseLoCo: compressed with error feedback; DiLoCo: dense Δ
@@ -105,53 +100,24 @@ class DDPReplica(Replica):
 
 
 class ChainReplica(Replica):
-    """A pipeline in one process: its working copy of θ trained for H micro-batches, its pseudo-gradient
-    compressed with error feedback of its own."""
+    """Drives a chain's stage rounds in lockstep (`StageChain`): every stage stands on θ, the round's
+    assigned batches go through the pipeline, each stage compresses its Δ with its own error feedback."""
 
-    def __init__(
-        self, replica_id: str, chain: PipelineChain, global_params: Params, working: WorkingCopy, method
-    ) -> None:
+    def __init__(self, chain: StageChain, global_params: Params, method) -> None:
         self.chain = chain
-        self._tokens = 0
-        self.working = working
-        self.reference: Params = {}
-        self.feedback = (
-            ErrorFeedback(SparseLoCoCodec(method.topk, method.tile), method.error_feedback)
-            if method.kind == "sparseloco"
-            else None
-        )
-        super().__init__(replica_id, global_params, method)
-
-    def begin_round(self) -> None:
-        self.reference, fixed = self.working.prepare(self.global_params)
-        with torch.no_grad():
-            for name, param in self.local_params().items():
-                param.copy_(self.reference[name])
-        self._set_fixed(fixed)
+        super().__init__(chain.id, global_params, method)
 
     def train(self, round_: int, steps: int) -> None:
-        self.begin_round()
+        self.chain.start_round(HeldTheta(self.global_params, round_ - 1), round_)
         stats = self.chain.run(steps)  # drains at the end: one bubble per outer step
-        self.chain.round += 1
-        self._tokens += stats.tokens
         self.activation_bytes += stats.activation_bytes
         self.gradient_bytes += stats.gradient_bytes
 
     def update(self, round_: int) -> Update:
-        delta = pseudo_gradient(self.reference, self.local_params())
-        return delta if self.feedback is None else self.feedback.compress(delta)
-
-    def local_params(self) -> Params:
-        return self.chain.params()
+        if self.sparse:
+            return self.chain.compress(round_)
+        return self.chain.pseudo_gradient()  # DiLoCo sends Δ dense, without error feedback
 
     @property
     def tokens(self) -> int:
-        return self._tokens
-
-    def _set_fixed(self, fixed: torch.Tensor | None) -> None:
-        # Every stage that encodes or decodes uses this round's T_fix'; the first stage also adds it.
-        for worker in self.chain.workers:
-            if worker.constraint is not None and fixed is not None:
-                worker.constraint = dataclasses.replace(worker.constraint, fixed=fixed)
-            if worker.stage.first:
-                worker.stage.fixed_embedding = fixed
+        return self.chain.tokens

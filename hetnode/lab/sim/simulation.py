@@ -17,17 +17,14 @@ from hetnode.algo.aggregate import AGGREGATION_RULES, aggregate_dense, aggregate
 from hetnode.algo.sparseloco import DenseCodec
 from hetnode.config import Config, replace
 from hetnode.data import TokenDataset
-from hetnode.lab.sim.pipeline import PipelineChain, build_chain_workers
 from hetnode.lab.sim.replicas import AnchorReplica, ChainReplica, DDPReplica, Params, Replica, Update
+from hetnode.lab.sim.stage_chain import StageChain
 from hetnode.model import build_model
 from hetnode.model.shards import shard_names
-from hetnode.model.subspace import SubspaceConstraint
 from hetnode.planning.layer_split import split_layers
 from hetnode.replica.global_model import base_fixed_embedding
 from hetnode.training.anchor_round import AnchorRound
 from hetnode.training.trainer import InnerTrainer
-from hetnode.training.working_copy import WorkingCopy
-from hetnode.wire.activation_frame import FrameLimits, value_bounds
 from hetnode.wire.sync_payload import ShardSpec, SyncPayload, decode_payload, encode_payload
 
 MethodKind = Literal["ddp", "diloco", "sparseloco"]
@@ -80,8 +77,9 @@ class RoundStats:
 
 
 def round_config(config: Config, method: SyncMethod, swarm: Swarm) -> Config:
-    """`config` as an anchor of this simulation reads it: H, codec and α of `method`, lockstep rounds of H
-    steps, and the subspace mode of `swarm` (an anchor is constrained in "everything" only)."""
+    """`config` as an anchor and a chain's stages of this simulation read it: H, codec and α of `method`,
+    lockstep rounds of H steps, the subspace mode (an anchor is constrained in "everything" only), the
+    stages and the chain optimiser of `swarm`."""
     config = replace(
         config,
         "outer",
@@ -92,7 +90,13 @@ def round_config(config: Config, method: SyncMethod, swarm: Swarm) -> Config:
         lr=method.outer_lr,
         schedule="steps",
     )
-    return replace(config, "pipeline", compression=swarm.mode, stages=swarm.chain_stages)
+    return replace(
+        config,
+        "pipeline",
+        compression=swarm.mode,
+        stages=swarm.chain_stages,
+        chain_optimizer=swarm.chain_optimizer,
+    )
 
 
 class ReplicaSimulation:
@@ -110,7 +114,7 @@ class ReplicaSimulation:
         self.last_outgoing: dict[str, dict[str, bytes]] = {}  # the last round's payloads, per replica
         self.round = 0
         seed = config.run.seed
-        # the config an anchor's round reads: the method's H and codec, the swarm's subspace mode
+        # the config an anchor's and a stage's round read: the method's H and codec, the swarm's subspace mode
         self.round_config = round_config(config, method, swarm)
         self.eval_model = build_model(config.model, seed=seed)
         initial = dict(self.eval_model.named_parameters())  # θ⁰, the same on every replica
@@ -132,7 +136,9 @@ class ReplicaSimulation:
             for r in range(swarm.anchors):
                 anchor = AnchorRound(self.round_config, dataset, f"anchor-{r:03d}")
                 self.replicas.append(AnchorReplica(anchor, initial, method))
-            self._add_chains(dataset, splits, initial, base_fixed)
+            for c in range(swarm.chains):
+                chain = StageChain(self.round_config, splits, f"chain-{c:03d}", dataset)
+                self.replicas.append(ChainReplica(chain, initial, method))
         first = self.replicas[0].global_params
         self.shards = shard_names(first)
         codec = "sparseloco" if method.kind == "sparseloco" else "fp32"
@@ -144,44 +150,6 @@ class ReplicaSimulation:
             for shard, names in self.shards.items()
         }
         self._dense_bytes = sum(len(b) for b in self._encode_dense("probe", first).values())
-
-    def _add_chains(
-        self, dataset: TokenDataset, splits: list[range], initial: Params, base_fixed: torch.Tensor | None
-    ) -> None:
-        config, swarm, method = self.config, self.swarm, self.method
-        compress = swarm.mode != "none"
-        constraint = None
-        if compress:
-            constraint = SubspaceConstraint.create(
-                config.model, config.pipeline.subspace_rank, splits[-1].start, config.run.seed
-            )
-        width = config.pipeline.subspace_rank if compress else config.model.d_model
-        max_act, max_grad = value_bounds(config.model.d_model)
-        limits = FrameLimits(
-            config.data.batch_size,
-            config.data.seq_len,
-            width,
-            "bf16",
-            config.model.vocab_size,
-            int(config.network.max_frame_mb * 2**20),
-            max_act=max_act,
-            max_grad=max_grad,
-        )
-        for c in range(swarm.chains):
-            workers = build_chain_workers(
-                config,
-                splits,
-                swarm.chain_optimizer,
-                compress=compress,
-                constrained=compress,
-                seed=config.run.seed,
-                wire_dtype=torch.bfloat16,
-            )
-            chain = PipelineChain(
-                workers, dataset, slot=swarm.anchors + c, num_slots=swarm.replicas, limits=limits
-            )
-            working = WorkingCopy(constraint, base_fixed)
-            self.replicas.append(ChainReplica(f"chain-{c:03d}", chain, initial, working, method))
 
     def run_round(self) -> RoundStats:
         if self.method.kind == "ddp":

@@ -5,6 +5,7 @@ import torch
 
 from hetnode.config import Config, replace
 from hetnode.data import TokenDataset
+from hetnode.lab.sim.replicas import HeldTheta
 from hetnode.lab.sim.simulation import ReplicaSimulation, Swarm, SyncMethod
 from hetnode.model.shards import layer_digests
 
@@ -67,8 +68,8 @@ def test_baselines_run_and_learn(config: Config, dataset: TokenDataset, kind: st
 
 @pytest.mark.parametrize("mode", ["selective", "everything"])
 def test_mixed_swarm_of_anchors_and_a_compressed_chain(config: Config, dataset: TokenDataset, mode: str):
-    """2 anchors + 1 chain of 2 stages: every copy of the global model stays identical, loss falls, and a
-    chain's pseudo-gradient for constrained weights lies in span(U) (it is P(θ) − θ_local)."""
+    """2 anchors + 1 chain of 2 stages (the stage rounds a chain member runs): every copy of the global model
+    stays identical, loss falls, and a chain's pseudo-gradient for constrained weights lies in span(U)."""
     swarm = Swarm(anchors=2, chains=1, chain_stages=2, mode=mode)
     sim = ReplicaSimulation(config, dataset, SyncMethod("sl", "sparseloco", inner_steps=5, topk=64), swarm)
     before = sim.evaluate()
@@ -79,17 +80,25 @@ def test_mixed_swarm_of_anchors_and_a_compressed_chain(config: Config, dataset: 
     assert stats.activation_bytes > 0
     # 15 steps fall by about 0.5 (the old simulator's batches: 0.502, the assigned batches: 0.495)
     assert stats.eval_loss < before - 0.4
-    chain = sim.replicas[2]
-    constraint = chain.working.constraint
-    delta = chain.reference["blocks.0.attn.wo.weight"] - chain.local_params()["blocks.0.attn.wo.weight"]
+    chain = sim.replicas[2].chain
+    assert chain.tokens > 0 and chain.tokens == chain.stages[1].tokens
+    # the next round, begun as a chain member begins it: every stage on θ, T_fix' from the θ stage 0 names
+    chain.start_round(HeldTheta(sim.global_params(2), sim.round - 1), sim.round)
+    first = chain.stages[0]
+    assert first.drift_base == sim.round - 1
+    assert all(stage.drift_base == first.drift_base for stage in chain.stages)
+    # at the start of a round the working input embedding equals the global one: P(T_S) + T_fix' = T_S + T_fix
+    stage0 = first.worker.stage
+    working_input = stage0.embed.weight + stage0.fixed_embedding
+    global_input = sim.global_params(2)["embed.weight"] + sim.eval_model.fixed_embedding
+    torch.testing.assert_close(working_input, global_input, atol=1e-6, rtol=0)
+    # a chain's pseudo-gradient for constrained weights lies in span(U) (it is P(θ) − θ_local)
+    chain.run(5)
+    delta = first.local.pseudo_gradient()["blocks.0.attn.wo.weight"]
+    assert delta.abs().max() > 0
+    constraint = first.worker.constraint
     torch.testing.assert_close(
         constraint.project_tensor("blocks.0.attn.wo.weight", delta), delta, atol=1e-6, rtol=0
     )
-    # at the start of a round the working input embedding equals the global one: P(T_S) + T_fix' = T_S + T_fix
-    stage0 = chain.chain.workers[0].stage
-    chain.begin_round()
-    working_input = stage0.embed.weight + stage0.fixed_embedding
-    global_input = chain.global_params["embed.weight"] + sim.eval_model.fixed_embedding
-    torch.testing.assert_close(working_input, global_input, atol=1e-6, rtol=0)
     anchor_constrained = sim.replicas[0].trainer.constraint is not None
     assert anchor_constrained == (mode == "everything")
