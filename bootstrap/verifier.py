@@ -74,6 +74,7 @@ from hetnode.algo.scoring import (
 )
 from hetnode.config import Config
 from hetnode.data.dataset import TokenDataset
+from hetnode.planning.roles import lineage_of
 from hetnode.planning.rounds import NUM_DATA_SLOTS, assigned_batches, data_slot
 from hetnode.training.precision import autocast_for
 from hetnode.wire.sync_payload import DecodedPayload
@@ -113,13 +114,21 @@ class Replica:
 
     key: str  # the anchor's peer id, or the chain id
     slot: int  # its data slot: the assigned batches the verifier scores it on
+    lineage: str = ""  # whose assigned batches: a chain's lineage (`planning.roles.lineage_of`), else key
+
+    @property
+    def batches_of(self) -> str:
+        return self.lineage or self.key
 
 
 def replica_of(peer: str, record: Mapping | None) -> Replica:
-    """A stage's replica is its chain (from its record); anyone else is a replica of its own."""
+    """A stage's replica is its chain (from its record), which trains on its lineage's data; anyone else is
+    a replica of its own."""
     chain = (record or {}).get("chain") if (record or {}).get("role") == "stage" else None
-    key = chain if isinstance(chain, str) and chain else peer
-    return Replica(key, data_slot(key))
+    if not (isinstance(chain, str) and chain):
+        return Replica(peer, data_slot(peer))
+    lineage = lineage_of(chain, (record or {}).get("chain_lineage") or "")
+    return Replica(chain, data_slot(lineage), lineage)
 
 
 class Verifier:
@@ -473,7 +482,7 @@ class Verifier:
         """One of the batches the replica was assigned in `round_` for the `steps` it claims (its data
         slot and round are public), which one drawn from our secret: work that helps only on some of its
         batches is caught too, and so is a claim of steps that were not taken, on its batches' share."""
-        batches = assigned_batches(replica.key, round_, steps, self.config.outer.step_cap)
+        batches = assigned_batches(replica.batches_of, round_, steps, self.config.outer.step_cap)
         index = batches[int(self._draw(b"batch", round_, replica.key) * len(batches))]
         inputs, targets = self.dataset.train_batch(replica.slot, NUM_DATA_SLOTS, index)
         return batches_on([(inputs[:SCORE_SEQUENCES], targets[:SCORE_SEQUENCES])], self.device)

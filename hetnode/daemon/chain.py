@@ -21,7 +21,8 @@ is stood on (else the stage waits, and that wait is what utilisation counts).
 
 Anything wrong with a neighbour (a frame that fails validation, a gradient the stage refuses to step on,
 a stream that breaks, a member whose record expired) breaks the chain: in-flight work is dropped, θ is
-untouched, and the peer daemon dissolves the chain at the next boundary.
+untouched, and the peer daemon says so in its record: at the next boundary the chain goes on with a spare
+in the empty stage, or dissolves (docs/chains.md, "When a member leaves").
 """
 
 from __future__ import annotations
@@ -94,6 +95,7 @@ class ChainLayout:
     index: int  # our stage
     members: tuple[str, ...]  # peer id of each stage, in stage order
     splits: tuple[range, ...]  # layers of each stage
+    lineage: str = ""  # the name the chain was founded under: whose data slot it trains on
 
     @classmethod
     def from_view(cls, view: SwarmView, chain: str, peer_id: str) -> ChainLayout | None:
@@ -106,7 +108,7 @@ class ChainLayout:
         for member in members:
             first, last = view.peers[member]["layers"]
             splits.append(range(first, last + 1))
-        return cls(chain, members.index(peer_id), members, tuple(splits))
+        return cls(chain, members.index(peer_id), members, tuple(splits), status.lineage)
 
     @property
     def first(self) -> bool:
@@ -215,7 +217,13 @@ class ChainLoop:
         if layout.first:
             dataset = await asyncio.to_thread(training_dataset, self.config)
         self.training = await asyncio.to_thread(
-            StageTraining, self.config, layout.splits, layout.index, layout.chain, dataset, self.device
+            StageTraining,
+            self.config,
+            layout.splits,
+            layout.index,
+            layout.lineage or layout.chain,
+            dataset,
+            self.device,
         )
         restored = await asyncio.to_thread(self.training.load_local_state, self.state_path, self.global_model)
         if restored is not None:
@@ -332,7 +340,7 @@ class ChainLoop:
         while not await sleep_or_stop(stop, self.config.network.heartbeat_s):
             view = await self.rounds.view.get()
             if not view.chain_is_live(self.layout.chain):
-                raise ChainBroken("a member's record is gone: the chain is not live any more")
+                raise ChainBroken("the records say the chain is not live (a member left or says it broke)")
 
     # --- rounds ------------------------------------------------------------------------------------
 

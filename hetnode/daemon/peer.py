@@ -4,7 +4,8 @@ its class and takes a role: anchor at once, or a stage in a chain assembled at a
 Chain assembly at boundary t (docs/swarm.md): every idle stage candidate reads the idle set, computes the
 same packing (`pack_chains`), writes its claim into its own record and waits until all members' records
 confirm the same assignment before the confirmation deadline; otherwise it returns to the pool and
-tries again at the next boundary. A live chain that loses a member dissolves at the next boundary.
+tries again at the next boundary. A live chain that loses a member goes on at the next boundary with a
+spare in the empty stage (`plan_successors`), or dissolves when there is none.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ from hetnode.net.records import new_peer_record
 from hetnode.net.streams import PeerRequestError
 from hetnode.planning.reachability import Reachability, assess
 from hetnode.planning.roles import (
+    ChainPlan,
     ClassThresholds,
     LinkClass,
     Role,
@@ -47,7 +49,7 @@ from hetnode.planning.roles import (
     classify_link,
     format_layout,
     next_role,
-    pack_chains,
+    plan_boundary,
     wanted_role,
 )
 from hetnode.protocol.membership import Membership
@@ -59,7 +61,7 @@ from hetnode.service.http_server import HttpServer, Response
 from hetnode.service.lifecycle import Stopped, print_ready, sleep_or_stop, stop_on_signals, until_stopped
 from hetnode.service.limits import limits_of
 from hetnode.service.metrics import PeerMetrics
-from hetnode.service.presence import Presence, keep_in_dht
+from hetnode.service.presence import NO_CHAIN, Presence, keep_in_dht
 from hetnode.wire.manifest import PROTOCOL_VERSION
 
 log = logging.getLogger(__name__)
@@ -100,10 +102,11 @@ class PeerDaemon:
         self.link_class: LinkClass = "slow"
         self.assignment: StageAssignment | None = None
         self.chain_live = False
-        self.chain_broken = False  # our chain's training ended: leave it at the next boundary
+        self.chain_broken = False  # our chain's training ended: continue or leave it at the next boundary
         self._measuring: asyncio.Task | None = None
         self._role_task: asyncio.Task | None = None  # the anchor loop or our chain stage
         self._role_key: str | None = None  # "anchor" or the chain id
+        self._saying_broken: asyncio.Task | None = None  # our record says our chain broke
         self.metrics: PeerMetrics | None = None
         self._http: HttpServer | None = None
         self._config: Config | None = None
@@ -272,7 +275,7 @@ class PeerDaemon:
 
     def _reap_role_task(self) -> None:
         """Note how our role's training ended, if it has: a chain's that ended other than by our stop (a
-        member died, its stream broke) is broken, and the boundary that notices dissolves it."""
+        member died, its stream broke) is broken, and the boundary that notices continues or dissolves it."""
         task = self._role_task
         if task is not None and task.done():
             self._role_task = None
@@ -328,7 +331,20 @@ class PeerDaemon:
                 faults_named(self.options.fault),
             )
         self._role_task = asyncio.create_task(loop.run(stop), name=f"role-{wanted}")
+        if wanted != "anchor":
+            self._role_task.add_done_callback(self._chain_stage_ended)
         self._role_key = wanted
+
+    def _chain_stage_ended(self, task: asyncio.Task) -> None:
+        """Say at once that our chain broke (a neighbour left or misbehaved): the boundary's plan keeps us
+        at our stage and finds a spare for the empty one (`plan_successors`), whoever reads it first."""
+        if task.cancelled() or task.exception() is not None or task.result() == "stopped":
+            return
+        if task is self._role_task and not self.chain_broken:
+            self.chain_broken = True
+            self._saying_broken = asyncio.get_running_loop().create_task(
+                self.presence.update(chain_broken=True), name="chain-broken"
+            )
 
     def _info(self) -> dict:
         return {
@@ -446,6 +462,12 @@ class PeerDaemon:
         await self._apply_remeasurement(boundary)
         self._reap_role_task()  # before deciding: a chain that broke since the last boundary is left now
         view = await self._view()
+        held = self.assignment
+        lost = held is not None and (self.chain_broken or not view.chain_is_live(held.chain))
+        if lost and record["wants"] == "stage":
+            if await self._continue_chain(boundary, stop):
+                return
+            view = await self._view()
         in_live_chain = (
             self.assignment is not None
             and view.chain_is_live(self.assignment.chain)
@@ -458,7 +480,7 @@ class PeerDaemon:
             self.assignment, self.chain_live, self.chain_broken = None, False, False
             layers = [0, self.config.model.n_layers - 1] if role == "anchor" else None
             await self.presence.update(
-                role=role, chain=None, stage=None, layers=layers, chain_layout=None, outer_step=boundary
+                **(NO_CHAIN | {"role": role, "layers": layers, "outer_step": boundary})
             )
             log.info("boundary %d: role %s", boundary, role)
         self._run_role(stop, view)
@@ -471,38 +493,95 @@ class PeerDaemon:
         # let members of chains that dissolved at this boundary publish "idle" before we read the pool
         if await sleep_or_stop(stop, min(0.5, n.confirm_s / 3)):
             return
-        view = await self._view(max_age_s=0)
-        plans = pack_chains(
-            view.idle_candidates(boundary), self.config.pipeline.stages, self.config.model.n_layers, boundary
+        plan = await self._plan(boundary)
+        if plan is None:
+            return
+        await self._claim(plan, boundary, opened, stop)
+
+    async def _continue_chain(self, boundary: int, stop: asyncio.Event) -> bool:
+        """Our chain lost a member or broke: keep our stage in its successor if the boundary's plan has one
+        (a spare steps in, or the members re-form in place). We claim the successor once every newcomer
+        has, so that a spare reading the pool late still finds our chain as it was. False: no successor
+        confirmed, we leave the chain as before."""
+        n = self.config.network
+        opened = time.monotonic()
+        self.chain_live = False
+        self._run_role(stop)  # our stage stops; its local state on disk goes on in a successor
+        if not self.chain_broken:  # say so first: the plan keeps only the members that say the chain broke
+            self.chain_broken = True
+            await self.presence.update(chain_broken=True)
+        # let the other members' records say whether they are still in the chain before we read them
+        if await sleep_or_stop(stop, min(0.5, n.confirm_s / 3)):
+            return True
+        plan = await self._plan(boundary)
+        own = self.node.identity.peer_id
+        if plan is None or not plan.lineage or own not in plan.survivors:
+            log.info("boundary %d: no successor for our chain (no spare for its empty stages)", boundary)
+            return False
+        log.info(
+            "boundary %d: chain %s goes on as %s (%s)",
+            boundary,
+            self.assignment.chain if self.assignment else "?",
+            plan.chain,
+            "spares " + ", ".join(p[-6:] for p in plan.newcomers) if plan.newcomers else "re-formed in place",
         )
-        mine = assignment_for(plans, self.node.identity.peer_id)
+        deadline = opened + n.confirm_s
+        while time.monotonic() < deadline:
+            view = await self._view(max_age_s=0)
+            if all((view.peers.get(p) or {}).get("chain") == plan.chain for p in plan.newcomers):
+                return await self._claim(plan, boundary, opened, stop)
+            if await sleep_or_stop(stop, 0.2):
+                return True
+        log.info("chain %s: the spares did not step in within %.1f s", plan.chain, n.confirm_s)
+        return False
+
+    async def _plan(self, boundary: int) -> ChainPlan | None:
+        """The boundary's plan (`plan_boundary`) from the records as they are now: the chain it puts us in."""
+        view = await self._view(max_age_s=0)
+        plans = plan_boundary(
+            view.chains(),
+            view.idle_candidates(boundary),
+            self.config.pipeline.stages,
+            self.config.model.n_layers,
+            boundary,
+        )
         log.debug(
             "boundary %d: idle pool %s -> chains %s",
             boundary,
             sorted(c.peer_id[-6:] for c in view.idle_candidates(boundary)),
             [[m[-6:] for m in p.members] for p in plans],
         )
-        if mine is None:
-            return
-        self.assignment = mine
+        own = self.node.identity.peer_id
+        return next((p for p in plans if own in p.members), None)
+
+    async def _claim(self, plan: ChainPlan, boundary: int, opened: float, stop: asyncio.Event) -> bool:
+        """Claim our stage of `plan` in our record and wait, until `confirm_s` after `opened`, for every
+        member to claim it; then train. False (and back to the pool) when the chain is not confirmed."""
+        n = self.config.network
+        mine = assignment_for([plan], self.node.identity.peer_id)
+        assert mine is not None
+        self.assignment, self.chain_live, self.chain_broken = mine, False, False
         await self.presence.update(
             role="stage",
             chain=mine.chain,
             stage=mine.stage,
             layers=list(mine.layers),
             chain_layout=format_layout(mine.layout),
+            chain_lineage=plan.lineage or None,
+            chain_broken=None,
             outer_step=boundary,
         )
         deadline = opened + n.confirm_s
+        view = await self._view(max_age_s=0)
         while time.monotonic() < deadline:
             view = await self._view(max_age_s=0)
             if view.chain_is_live(mine.chain):
                 self.chain_live = True
                 log.info("chain %s live: stage %d, layers %d..%d", mine.chain, mine.stage, *mine.layers)
                 self._run_role(stop, view)
-                return
+                return True
             if await sleep_or_stop(stop, 0.2):
-                return
+                return True
         problems = [c.problem for c in view.chains() if c.chain == mine.chain]
         log.info(
             "chain %s not confirmed in %.1f s (%s): back to the pool",
@@ -511,7 +590,8 @@ class PeerDaemon:
             problems[0] if problems else "no claims seen",
         )
         self.assignment, self.chain_live = None, False
-        await self.presence.update(role="idle", chain=None, stage=None, layers=None, chain_layout=None)
+        await self.presence.update(role="idle", **NO_CHAIN)
+        return False
 
     async def _apply_remeasurement(self, boundary: int) -> None:
         """Re-measure now and then (auto bandwidth only); a new class changes the role at a boundary."""

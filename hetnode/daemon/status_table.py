@@ -137,5 +137,7 @@ def render_table(document: dict[str, Any]) -> str:
     for chain in chains:
         members = ", ".join(_cell(str(peer or "?")[-8:], 8) for peer in chain.get("stages") or [])
         state = "live" if chain.get("live") else f"not live ({_cell(chain.get('problem'), 80)})"
-        lines.append(f"chain {_cell(chain.get('id'), 64)}: {state}; stages {members}")
+        lineage = chain.get("lineage")
+        since = f" (goes on from {_cell(lineage, 64)})" if lineage and lineage != chain.get("id") else ""
+        lines.append(f"chain {_cell(chain.get('id'), 64)}{since}: {state}; stages {members}")
     return "\n".join(lines)

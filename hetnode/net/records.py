@@ -137,6 +137,10 @@ class PeerRecord(pydantic.BaseModel):
     layers: pydantic.conlist(pydantic.conint(strict=True, ge=0), min_items=2, max_items=2) | None  # type: ignore[valid-type]
     # the whole chain (peer, first layer, last layer) per stage, which the chain's name commits to
     chain_layout: pydantic.conlist(ChainMember, max_items=64) | None = None  # type: ignore[valid-type]
+    # a successor chain's lineage (the name its chain was founded under), which its name commits to
+    chain_lineage: pydantic.constr(strict=True, max_length=64) | None = None  # type: ignore[valid-type]
+    # this member's training in its chain ended (a neighbour left or misbehaved): continue it at the boundary
+    chain_broken: pydantic.StrictBool | None = None
     # a closed run: the coordinator's signed admission of this peer (`hetnode.wire.admission`)
     admission: pydantic.constr(strict=True, max_length=2048) | None = None  # type: ignore[valid-type]
     outer_step: pydantic.conint(strict=True, ge=0)  # type: ignore[valid-type]
@@ -403,6 +407,8 @@ def new_peer_record(name: str, **fields: Any) -> dict[str, Any]:
         "stage": None,
         "layers": None,
         "chain_layout": None,
+        "chain_lineage": None,
+        "chain_broken": None,
         "outer_step": 0,
         "last_seen": time.time(),
         "version": 1,

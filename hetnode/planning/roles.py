@@ -3,6 +3,10 @@
 Every peer runs these functions on its own view of the DHT. They are deterministic in their inputs (order
 of the input never matters), so peers that see the same records compute the same plan; peers that see
 different records compute different plans, and the confirmation step (`chain_status`) catches that.
+
+A chain outlives its members (`plan_successors`): when one leaves or the chain breaks, its survivors keep
+their stages and an idle peer takes each empty one at the next boundary, under a new name that carries the
+chain's lineage (the name it was founded under: its data slot, `lineage_of`).
 """
 
 from __future__ import annotations
@@ -99,16 +103,31 @@ class StageAssignment:
 class ChainPlan:
     chain: str
     stages: tuple[StageAssignment, ...]
+    lineage: str = ""  # a successor's: the name its chain was founded under ("" for a new chain)
+    survivors: tuple[str, ...] = ()  # a successor's members that held their stage before
+
+    @property
+    def newcomers(self) -> tuple[str, ...]:
+        """The members that step in (all of a new chain's)."""
+        return tuple(p for p in self.members if p not in self.survivors)
 
     @property
     def members(self) -> tuple[str, ...]:
         return tuple(s.peer_id for s in self.stages)
 
 
-def chain_id(boundary: int, assignments: Sequence[tuple[str, tuple[int, int]]]) -> str:
-    """A name that commits to the whole assignment: peers that agree on it agree on every stage."""
-    text = f"{boundary}|" + "|".join(f"{peer}:{first}-{last}" for peer, (first, last) in assignments)
+def chain_id(boundary: int, assignments: Sequence[tuple[str, tuple[int, int]]], lineage: str = "") -> str:
+    """A name that commits to the whole assignment (and to the lineage of a successor): peers that agree on
+    it agree on every stage."""
+    head = f"{boundary}|{lineage}|" if lineage else f"{boundary}|"
+    text = head + "|".join(f"{peer}:{first}-{last}" for peer, (first, last) in assignments)
     return f"{chain_prefix(boundary)}{hashlib.sha256(text.encode()).hexdigest()[:10]}"
+
+
+def lineage_of(chain: str, lineage: str = "") -> str:
+    """The name a chain was founded under, which its successors keep: what its data slot and assigned
+    batches hash (`planning.rounds.data_slot`). A founding chain's lineage is its own name."""
+    return lineage or chain
 
 
 def chain_prefix(boundary: int) -> str:
@@ -165,6 +184,8 @@ class Claim:
     stage: int
     layers: tuple[int, int]
     layout: Layout = ()
+    lineage: str = ""  # a successor's lineage, which its name commits to
+    broken: bool = False  # the claimer's training in this chain ended (a neighbour left or misbehaved)
 
 
 @dataclass(frozen=True)
@@ -173,6 +194,9 @@ class ChainStatus:
     live: bool
     stages: tuple[str | None, ...]  # peer id per stage, None where no member claims it
     problem: str  # empty when live
+    lineage: str = ""  # the name the chain was founded under (`lineage_of`)
+    layout: Layout = ()  # what the name commits to (empty when no claim commits to it)
+    broken: tuple[str, ...] = ()  # members whose record says their training in the chain ended
 
 
 def format_layout(layout: Layout) -> list[str]:
@@ -202,7 +226,12 @@ def commits(claim: Claim) -> bool:
         return False
     if layout[claim.stage] != (claim.peer_id, *claim.layers):
         return False
-    return chain_id(boundary, [(peer, (first, last)) for peer, first, last in layout]) == claim.chain
+    if claim.lineage:  # a lineage is a chain founded at an earlier boundary
+        founded = _boundary_of(claim.lineage)
+        if founded is None or founded >= boundary:
+            return False
+    assignments = [(peer, (first, last)) for peer, first, last in layout]
+    return chain_id(boundary, assignments, claim.lineage) == claim.chain
 
 
 def chain_status(claims: Iterable[Claim], stages_per_chain: int, n_layers: int) -> list[ChainStatus]:
@@ -224,13 +253,95 @@ def chain_status(claims: Iterable[Claim], stages_per_chain: int, n_layers: int) 
             )
             continue
         layout = valid[0].layout  # every valid claim has it: the name commits to one layout
+        lineage = lineage_of(name, valid[0].lineage)
         claimed = {c.peer_id for c in valid}
+        broken = tuple(sorted(c.peer_id for c in valid if c.broken))
         slots = tuple(peer if peer in claimed else None for peer, _, _ in layout)
         problem = _layout_problem(layout, stages_per_chain, n_layers)
         if not problem and None in slots:
             problem = f"stage {slots.index(None)} has no member"
-        result.append(ChainStatus(chain=name, live=not problem, stages=slots, problem=problem))
+        if not problem and broken:
+            problem = f"broken (says {', '.join(p[-6:] for p in broken)})"
+        result.append(ChainStatus(name, not problem, slots, problem, lineage, layout, broken))
     return result
+
+
+def plan_successors(
+    chains: Iterable[ChainStatus],
+    idle: Iterable[Candidate],
+    stages_per_chain: int,
+    n_layers: int,
+    boundary: int,
+) -> tuple[list[ChainPlan], list[Candidate]]:
+    """At `boundary`, continue every chain formed earlier that lost a member or broke: its survivors keep
+    their stages and layers (their local state stays valid) and idle candidates, fastest first, take the
+    empty stages. Returns the successors, and the candidates left for `pack_chains`.
+
+    Survivors: the members whose record says their training in the chain ended. An honest member's does
+    within seconds of a neighbour leaving (the stream breaks at both ends, or its watch sees the neighbour's
+    record gone); a member that says nothing is taken for gone, and so is a departed peer whose record has
+    not expired yet. A broken chain whose members all survive re-forms in place.
+    A chain with more empty stages than there are candidates is not continued: its survivors go back to
+    the pool. A lineage is continued once: not while it has a live chain (a member that noticed the break
+    late is left behind by its successor, and goes back to the pool). Chains are served in name order, so
+    every peer hands the same spare to the same chain."""
+    chains = list(chains)
+    running = {status.lineage for status in chains if status.live}
+    # one successor per lineage: of its chains, the one whose members say it broke (they are there to
+    # say so), then the newest (an older one's claims are a straggler's, or a departed member's record)
+    chosen: dict[str, ChainStatus] = {}
+    for status in chains:
+        formed = _boundary_of(status.chain)
+        if status.live or formed is None or formed >= boundary or status.lineage in running:
+            continue
+        rank = (bool(status.broken), formed, status.chain)
+        best = chosen.get(status.lineage)
+        if best is None or rank > (bool(best.broken), _boundary_of(best.chain) or 0, best.chain):
+            chosen[status.lineage] = status
+    pool = sorted({c.peer_id: c for c in idle}.values(), key=lambda c: (-c.tflops, c.peer_id))
+    plans = []
+    for status in sorted(chosen.values(), key=lambda c: c.chain):
+        if _layout_problem(status.layout, stages_per_chain, n_layers):
+            continue
+        survivors = set(status.broken)
+        if not survivors:
+            continue
+        vacant = [i for i, (peer, _, _) in enumerate(status.layout) if peer not in survivors]
+        spares = [c for c in pool if c.peer_id not in survivors][: len(vacant)]
+        if len(spares) < len(vacant):
+            continue
+        taken = {c.peer_id for c in spares}
+        pool = [c for c in pool if c.peer_id not in taken]
+        fill = dict(zip(vacant, (c.peer_id for c in spares), strict=True))
+        layout = tuple(
+            (fill.get(i, peer), first, last) for i, (peer, first, last) in enumerate(status.layout)
+        )
+        name = chain_id(boundary, [(p, (f, la)) for p, f, la in layout], status.lineage)
+        plans.append(
+            ChainPlan(
+                chain=name,
+                stages=tuple(
+                    StageAssignment(chain=name, stage=i, peer_id=peer, layers=(first, last), layout=layout)
+                    for i, (peer, first, last) in enumerate(layout)
+                ),
+                lineage=status.lineage,
+                survivors=tuple(sorted(survivors)),
+            )
+        )
+    return plans, pool
+
+
+def plan_boundary(
+    chains: Iterable[ChainStatus],
+    idle: Iterable[Candidate],
+    stages_per_chain: int,
+    n_layers: int,
+    boundary: int,
+) -> list[ChainPlan]:
+    """Every peer's plan at `boundary`: successors of the chains that lost members first (`plan_successors`),
+    then new chains packed from the idle candidates left (`pack_chains`)."""
+    successors, left = plan_successors(chains, idle, stages_per_chain, n_layers, boundary)
+    return successors + pack_chains(left, stages_per_chain, n_layers, boundary)
 
 
 def _layout_problem(layout: Layout, stages_per_chain: int, n_layers: int) -> str:

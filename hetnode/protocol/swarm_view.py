@@ -83,6 +83,8 @@ class SwarmView:
                 record["stage"],
                 tuple(record["layers"]),
                 parse_layout(record.get("chain_layout") or []),
+                record.get("chain_lineage") or "",
+                bool(record.get("chain_broken")),
             )
             for peer_id, record in self.peers.items()
             if record["role"] == "stage"
@@ -142,6 +144,8 @@ class SwarmView:
             r["stage"],
             r["layers"],
             r.get("chain_layout"),
+            r.get("chain_lineage"),
+            r.get("chain_broken"),
             r["link_class"],
             r["tflops"],
         ]
@@ -179,7 +183,13 @@ class SwarmView:
             )
         )
         chains = [
-            {"id": c.chain, "live": c.live, "stages": list(c.stages), "problem": c.problem}
+            {
+                "id": c.chain,
+                "live": c.live,
+                "stages": list(c.stages),
+                "problem": c.problem,
+                "lineage": c.lineage,
+            }
             for c in self.chains()
         ]
         # "round" kept as it was named first; "boundary_round" says what it counts (not a sync round)

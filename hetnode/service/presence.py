@@ -22,7 +22,27 @@ log = logging.getLogger(__name__)
 
 RECORD_VERSION = 1
 # the fields whose change is an event for the swarm (roles, chains, links); the per-round ones are not
-EVENT_FIELDS = ("role", "wants", "chain", "stage", "layers", "chain_layout", "link_class", "admission")
+EVENT_FIELDS = (
+    "role",
+    "wants",
+    "chain",
+    "stage",
+    "layers",
+    "chain_layout",
+    "chain_lineage",
+    "chain_broken",
+    "link_class",
+    "admission",
+)
+# a record's chain fields when it holds no stage
+NO_CHAIN = {
+    "chain": None,
+    "stage": None,
+    "layers": None,
+    "chain_layout": None,
+    "chain_lineage": None,
+    "chain_broken": None,
+}
 STABLE_STEPS = 3  # unchanged periods at one cadence before it doubles
 RETRY_S = 2.0  # after a store no DHT node accepted: try again this soon, not a stretched heartbeat later
 
@@ -131,7 +151,7 @@ class Presence:
 
     async def announce_offline(self) -> None:
         try:
-            offline = {"role": "offline", "chain": None, "stage": None, "layers": None, "chain_layout": None}
+            offline = {"role": "offline", **NO_CHAIN}
             await asyncio.wait_for(self.update(**offline), 5.0)
         except Exception as exc:  # shutting down: the record will expire anyway
             log.debug("offline announcement failed: %r", exc)

@@ -67,9 +67,10 @@ class StageRound:
         compress: bool | None = None,
         ahead_from: AheadFrom = "eager",
     ) -> None:
-        """`compress`: subspace-compressed boundaries; by default when the config's compression mode
-        constrains chains (`selective` or `everything`); `ahead_from`: where a round ahead trains from
-        until θ lands (`LocalRounds`)."""
+        """`chain`: the chain's lineage (`planning.roles.lineage_of`), whose data slot the first stage reads
+        and which a successor keeps; `compress`: subspace-compressed boundaries; by default when the
+        config's compression mode constrains chains (`selective` or `everything`); `ahead_from`: where a
+        round ahead trains from until θ lands (`LocalRounds`)."""
         if len(splits) < 2:
             raise ValueError("a chain has at least two stages")
         if index == 0 and dataset is None:

@@ -120,8 +120,12 @@ def test_stale_work_is_named_by_its_header(setup):
 
 def test_a_chain_is_one_replica():
     stage = {"role": "stage", "chain": "c5-0"}
-    assert replica_of("p1", stage) == replica_of("p2", stage) == Replica("c5-0", data_slot("c5-0"))
+    assert replica_of("p1", stage) == replica_of("p2", stage) == Replica("c5-0", data_slot("c5-0"), "c5-0")
     assert replica_of("anchor", {"role": "anchor", "chain": None}).key == "anchor"
+    # a chain that went on with a spare trains, and is scored, on its lineage's data
+    successor = {"role": "stage", "chain": "c9-1", "chain_lineage": "c5-0"}
+    replica = replica_of("p3", successor)
+    assert replica.key == "c9-1" and replica.slot == data_slot("c5-0") and replica.batches_of == "c5-0"
 
 
 def test_large_swarms_are_scored_in_a_secret_draw_no_one_can_predict(setup):

@@ -83,3 +83,15 @@ def test_a_peer_that_only_says_it_is_the_coordinator_is_not_the_reference():
     assert digest_agreement(impostor, reference) == "DIFFER 6/6"
     assert digest_agreement(peer("p", "P" * 46, "stage", 5, {"unknown-shard": "x"}), reference) == "-"
     assert digest_agreement(peer("p", "P" * 46, "stage", 5, {"embed": "e0"}), None) == "-"
+
+
+def test_a_chain_that_went_on_with_a_spare_says_where_it_comes_from():
+    document = swarm()
+    stages = ["S" * 45 + "0", "S" * 45 + "1"]
+    document["chains"] = [
+        {"id": "c9-aaaa", "live": True, "stages": stages, "problem": "", "lineage": "c3-bbbb"},
+        {"id": "c4-cccc", "live": False, "stages": [stages[0], None], "problem": "stage 1 has no member"},
+    ]
+    table = render_table(document)
+    assert "chain c9-aaaa (goes on from c3-bbbb): live" in table
+    assert "chain c4-cccc: not live (stage 1 has no member)" in table  # a founding chain, or an older peer's

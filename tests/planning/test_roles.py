@@ -10,10 +10,14 @@ from hetnode.planning.roles import (
     ClassThresholds,
     anchor_memory_gb,
     assignment_for,
+    chain_id,
     chain_status,
     classify_link,
+    lineage_of,
     next_role,
     pack_chains,
+    plan_boundary,
+    plan_successors,
     wanted_role,
 )
 
@@ -168,3 +172,154 @@ def test_a_strangers_claim_on_a_live_chain_changes_nothing():
     ]
     [status] = chain_status(claims + intruders, 3, 4)
     assert status.live and status.stages == plan.members
+
+
+# --- successors: a chain outlives its members ---------------------------------------------------------
+
+
+def _successor_claims(plan, broken=()):
+    return [
+        Claim(s.peer_id, s.chain, s.stage, s.layers, s.layout, plan.lineage, s.peer_id in broken)
+        for s in plan.stages
+    ]
+
+
+def _formed_chain(stages=3, n_layers=6, boundary=5):
+    [plan] = pack_chains(_candidates(stages), stages, n_layers=n_layers, boundary=boundary)
+    return plan
+
+
+def _broken(claims):
+    """The claims of members whose training in the chain ended (their records say so)."""
+    return [Claim(c.peer_id, c.chain, c.stage, c.layers, c.layout, c.lineage, True) for c in claims]
+
+
+def test_a_spare_takes_the_empty_stage_and_the_chain_keeps_its_lineage():
+    plan = _formed_chain()
+    gone = plan.members[1]
+    claims = _broken(c for c in _claims(plan) if c.peer_id != gone)
+    spares = [Candidate("spare-slow", 0.5), Candidate("spare-fast", 5.0)]
+    [status] = chain_status(claims, 3, 6)
+    assert not status.live and status.lineage == plan.chain
+    successors, left = plan_successors([status], spares, 3, 6, boundary=6)
+    [successor] = successors
+    assert [c.peer_id for c in left] == ["spare-slow"]  # the fastest spare stepped in
+    assert successor.members == (plan.members[0], "spare-fast", plan.members[2])
+    assert successor.survivors == tuple(sorted(set(plan.members) - {gone}))
+    assert successor.newcomers == ("spare-fast",)
+    # every stage keeps its layers (the survivors' local state stays valid), the lineage is the founder's
+    assert [s.layers for s in successor.stages] == [s.layers for s in plan.stages]
+    assert successor.lineage == plan.chain and successor.chain != plan.chain
+    assert successor.chain.startswith("c6-")
+    # once every member claims it, the successor is live and says its lineage
+    [live] = chain_status(_successor_claims(successor), 3, 6)
+    assert live.live and live.lineage == plan.chain and live.stages == successor.members
+    # its own successor keeps the founder's lineage
+    again = _broken(c for c in _successor_claims(successor) if c.peer_id != "spare-fast")
+    [third], _ = plan_successors(chain_status(again, 3, 6), spares, 3, 6, boundary=7)
+    assert third.lineage == plan.chain and third.members[1] == "spare-fast"
+
+
+def test_successor_plans_agree_whatever_the_order():
+    plans = [pack_chains(_candidates(2, seed=seed), 2, n_layers=4, boundary=3)[0] for seed in (1, 2, 3)]
+    claims = _broken(c for plan in plans for c in _claims(plan)[1:])  # every chain lost its first stage
+    spares = _candidates(5, seed=9)
+    reference = plan_boundary(chain_status(claims, 2, 4), spares, 2, 4, boundary=4)
+    assert sum(1 for p in reference if p.lineage) == 3  # three successors, one new chain of the rest
+    assert len(reference) == 4
+    for seed in range(5):
+        rng = random.Random(seed)
+        shuffled_claims, shuffled_spares = claims[:], spares[:]
+        rng.shuffle(shuffled_claims)
+        rng.shuffle(shuffled_spares)
+        statuses = chain_status(shuffled_claims, 2, 4)
+        rng.shuffle(statuses)
+        assert plan_boundary(statuses, shuffled_spares, 2, 4, boundary=4) == reference
+
+
+def test_without_enough_spares_the_chain_is_not_continued():
+    plan = _formed_chain()
+    claims = _broken(_claims(plan)[:1])  # two stages empty
+    successors, left = plan_successors(chain_status(claims, 3, 6), [Candidate("only", 1.0)], 3, 6, 6)
+    assert successors == [] and [c.peer_id for c in left] == ["only"]
+
+
+def test_the_members_that_say_the_chain_broke_survive_and_a_silent_one_is_replaced():
+    plan = _formed_chain(stages=2, n_layers=4)
+    first, second = plan.members
+    # both alive, one says its training broke: the other, whose record is stale or who noticed late, is out
+    claims = [
+        Claim(s.peer_id, s.chain, s.stage, s.layers, s.layout, "", s.peer_id == first) for s in plan.stages
+    ]
+    [status] = chain_status(claims, 2, 4)
+    assert not status.live and "broken" in status.problem and status.broken == (first,)
+    [successor], _ = plan_successors([status], [Candidate("spare", 1.0)], 2, 4, boundary=6)
+    assert successor.members == (first, "spare")
+    # both say so: the chain re-forms in place, no spare needed, under a new name of the same lineage
+    claims = [Claim(s.peer_id, s.chain, s.stage, s.layers, s.layout, "", True) for s in plan.stages]
+    [in_place], left = plan_successors(chain_status(claims, 2, 4), [Candidate("spare", 1.0)], 2, 4, 6)
+    assert in_place.members == plan.members and in_place.newcomers == () and len(left) == 1
+    assert in_place.chain != plan.chain and in_place.lineage == plan.chain
+
+
+def test_a_lineage_with_a_live_chain_is_not_continued_again():
+    plan = _formed_chain(stages=2, n_layers=4)
+    first, second = plan.members
+    [successor], _ = plan_successors(
+        chain_status(_broken(_claims(plan)[:1]), 2, 4), [Candidate("spare", 1.0)], 2, 4, boundary=6
+    )
+    # the successor runs; the member left behind still claims the old chain, broken, alone
+    left_behind = Claim(second, plan.chain, 1, plan.stages[1].layers, plan.stages[1].layout, "", True)
+    statuses = chain_status(_successor_claims(successor) + [left_behind], 2, 4)
+    successors, _ = plan_successors(statuses, [Candidate("other", 1.0)], 2, 4, boundary=7)
+    assert successors == []  # no second chain on the same lineage: the straggler goes back to the pool
+
+
+def test_a_chain_formed_at_this_boundary_is_not_continued_yet():
+    plan = _formed_chain(boundary=6)
+    claims = _broken(_claims(plan)[:2])
+    assert plan_successors(chain_status(claims, 3, 6), [Candidate("s", 1.0)], 3, 6, boundary=6)[0] == []
+
+
+def test_a_lineage_must_be_an_older_chain():
+    """A successor's name commits to its lineage: a claim cannot move it, nor name a chain not yet founded."""
+    plan = _formed_chain(stages=2, n_layers=4)
+    [successor], _ = plan_successors(
+        chain_status(_broken(_claims(plan)[:1]), 2, 4), [Candidate("spare", 1.0)], 2, 4, boundary=6
+    )
+    claims = _successor_claims(successor)
+    assert chain_status(claims, 2, 4)[0].live
+    moved = [Claim(c.peer_id, c.chain, c.stage, c.layers, c.layout, "c1-0123456789") for c in claims]
+    assert "name" in chain_status(moved, 2, 4)[0].problem
+    layout = ((plan.members[0], 0, 1), ("spare", 2, 3))
+    future = chain_id(6, [(p, (f, last)) for p, f, last in layout], "c9-0123456789")
+    forged = [
+        Claim(p, future, i, (f, last), layout, "c9-0123456789") for i, (p, f, last) in enumerate(layout)
+    ]
+    assert not chain_status(forged, 2, 4)[0].live
+    assert lineage_of(plan.chain) == plan.chain and lineage_of(successor.chain, plan.chain) == plan.chain
+
+
+def test_a_lineage_is_continued_once_from_the_chain_whose_members_say_it_broke():
+    plan = _formed_chain(stages=2, n_layers=4)
+    first, second = plan.members
+    # a successor that was never confirmed: its newcomer died with its claim still in the records
+    [failed], _ = plan_successors(
+        chain_status(_broken(_claims(plan)[:1]), 2, 4), [Candidate("gone", 9.0)], 2, 4, 6
+    )
+    stale = [c for c in _successor_claims(failed) if c.peer_id == "gone"]
+    survivor = Claim(first, plan.chain, 0, plan.stages[0].layers, plan.stages[0].layout, "", True)
+    statuses = chain_status(stale + [survivor], 2, 4)
+    successors, _ = plan_successors(statuses, [Candidate("spare", 1.0)], 2, 4, boundary=7)
+    [successor] = successors
+    assert successor.survivors == (first,) and successor.members == (first, "spare")
+    assert successor.lineage == plan.chain
+
+
+def test_a_member_that_says_nothing_is_not_a_survivor():
+    """A departed peer's record outlives it (up to its lifetime): a chain whose only claims come from members
+    that do not say it broke is not continued, so nobody is planned into a chain with a dead peer."""
+    plan = _formed_chain(stages=2, n_layers=4)
+    [status] = chain_status(_claims(plan)[1:], 2, 4)  # the first stage's record is gone, the second silent
+    assert not status.live and status.broken == ()
+    assert plan_successors([status], [Candidate("spare", 1.0)], 2, 4, boundary=6)[0] == []

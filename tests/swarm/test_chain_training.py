@@ -190,28 +190,77 @@ def test_the_chain_goes_on_when_the_anchor_dies_and_the_anchor_catches_up(swarm)
     swarm.replicas_agree_at(boot.maddr, history[-1]["round"], {"anchor", "edge-1", "edge-2"})
 
 
-def test_a_chain_that_loses_a_stage_is_left_out_and_dissolves(swarm):
+def test_a_spare_steps_in_for_a_member_that_left_and_without_one_the_chain_dissolves(swarm):
+    """A chain outlives a member: the survivor keeps its stage and local state, the idle spare takes the
+    empty stage at the next boundary, and the chain keeps its lineage (its data slot). Once no spare is
+    left, a chain that loses a member is left out of the seals and dissolves."""
     # (a wider in-flight window than the schedule's, to hide latency: its extra staleness is logged)
-    boot, anchor, edges = start_anchor_and_chain(swarm, max_in_flight=4)
-    chain = {edge.peer_id for edge in edges}
-    swarm.wait_for_history(
-        lambda h: any(sealed_with(chain)(e) for e in h), 240, "a round with the chain in it"
+    config = swarm.config(
+        outer={**FAST_ROUNDS, "verify": True},
+        pipeline={"stages": 2, "max_in_flight": 4},
+        network={"boundary_s": 6.0, "confirm_s": 3.0},
     )
-    first, last = weight_delays(swarm, edges)
-    assert 1 < first <= 3 and last == 0  # up to W − 1 = 3 updates old on the first stage, not P − 1 = 1
-    edges[1].proc.send_signal(signal.SIGKILL)
-    edges[1].proc.wait(10)
+    boot = swarm.bootstrap(config)
+    boot.wait_ready()
+    anchor = swarm.join("anchor", boot.maddr, "1000")
+    edges = {name: swarm.join(name, boot.maddr, "20") for name in ("edge-1", "edge-2", "edge-3")}
+    for daemon in [anchor, *edges.values()]:
+        daemon.wait_ready()
+    by_id = {edge.peer_id: edge for edge in edges.values()}
+    document = swarm.wait_for(boot.maddr, lambda d: any(c["live"] for c in d["chains"]), 120, "a live chain")
+    [founded] = document["chains"]
+    first, second = (by_id[p] for p in founded["stages"])
+    [spare] = [edge for edge in edges.values() if edge not in (first, second)]
+    swarm.wait_for_history(
+        lambda h: any(sealed_with({first.peer_id, second.peer_id})(e) for e in h),
+        240,
+        "a round with the chain",
+    )
+    assert founded["lineage"] == founded["id"]
+    delays = weight_delays(swarm, [first, second])
+    assert 1 < delays[0] <= 3 and delays[1] == 0  # up to W − 1 = 3 updates old on the first stage, not P − 1
+
+    # the second stage dies: the first keeps its stage, the spare takes the empty one, same lineage
+    second.proc.send_signal(signal.SIGKILL)
+    second.proc.wait(10)
+    killed_at = swarm.history()[-1]["round"]
+
+    def continued(document: dict) -> bool:
+        return any(
+            c["live"] and c["lineage"] == founded["id"] and c["stages"] == [first.peer_id, spare.peer_id]
+            for c in document["chains"]
+        )
+
+    document = swarm.wait_for(boot.maddr, continued, timeout=90, what="the spare steps in")
+    successor = next(c for c in document["chains"] if c["live"])
+    assert successor["id"] != founded["id"]
+    history = swarm.wait_for_history(
+        lambda h: any(sealed_with({first.peer_id, spare.peer_id})(e) for e in h[killed_at + 1 :]),
+        240,
+        "a round sealed with the survivor and the spare",
+    )
+    logs = first.tail(400)
+    assert f"goes on as {successor['id']}" in logs and "in-flight work dropped" in logs
+    # the survivor's stage resumed its slice of θ, error feedback and optimiser from its local state
+    assert "resumed local state (θ, error feedback and optimiser)" in logs
+    assert "stage 1 of 2 connected" in spare.tail(400)
+    for entry in history[killed_at + 1 :]:
+        assert second.peer_id not in entry["contributors"]  # the dead member's partial work is never sealed
+    swarm.replicas_agree_at(boot.maddr, history[-1]["round"], {"anchor", first.name, spare.name})
+
+    # no spare left: the chain that loses its second stage is left out, and its survivor goes back to the pool
+    spare.proc.send_signal(signal.SIGKILL)
+    spare.proc.wait(10)
     killed_at = swarm.history()[-1]["round"]
     history = swarm.wait_for_history(
         lambda h: len(h) > killed_at + 3, 240, "three rounds after the stage died"
     )
     for entry in history[killed_at + 2 :]:
         assert entry["contributors"] == [anchor.peer_id]  # the chain's partial work never enters a seal
-    assert "in-flight work dropped" in edges[0].tail(200)
 
     def dissolved(document: dict) -> bool:
-        survivor = next((p for p in document["peers"] if p["name"] == "edge-1"), None)
+        survivor = next((p for p in document["peers"] if p["name"] == first.name), None)
         return survivor is not None and survivor["role"] == "idle" and not document["chains"]
 
     document = swarm.wait_for(boot.maddr, dissolved, timeout=60, what="the survivor is back in the pool")
-    swarm.agree_with_coordinator(document, {"anchor", "edge-1"})
+    swarm.agree_with_coordinator(document, {"anchor", first.name})
