@@ -88,6 +88,10 @@ def frame_write_timeout_s(nbytes: int, up_mbps: float) -> float:
 class ChainBroken(HetnodeError):
     """This chain cannot go on (a neighbour left, or sent something invalid)."""
 
+    def __init__(self, message: str, blame: str | None = None) -> None:
+        super().__init__(message)
+        self.blame = blame  # the neighbour whose frame failed our checks (it cannot be an honest one's)
+
 
 @dataclass(frozen=True)
 class ChainLayout:
@@ -181,6 +185,7 @@ class ChainLoop:
         self.drain_s = 0.0  # paced, first stage: from the last micro-batch fed to the round's end, last round
         self.window: asyncio.Semaphore | None = None
         self.failed: asyncio.Future[str] | None = None
+        self.blamed: str | None = None  # the neighbour whose frame broke the chain (`ChainBroken.blame`)
         self.upstream: OpenStream | None = None
         self.downstream: OpenStream | None = None
         self._upstream_ready: asyncio.Event = asyncio.Event()
@@ -255,10 +260,12 @@ class ChainLoop:
                 waiter.cancel()
             await asyncio.gather(rounds, stopped, return_exceptions=True)
             error = rounds.exception() if rounds.done() and not rounds.cancelled() else None
-            if error is not None:
-                self._fail(str(error) if isinstance(error, ChainBroken) else f"round loop failed: {error!r}")
+            if isinstance(error, ChainBroken):
+                self._broken(error)
+            elif error is not None:
+                self._fail(f"round loop failed: {error!r}")
         except ChainBroken as exc:
-            self._fail(str(exc))
+            self._broken(exc)
         finally:
             self._closing.set()
             if not layout.first:
@@ -281,11 +288,21 @@ class ChainLoop:
         if self.failed is not None and not self.failed.done():
             self.failed.set_result(reason)
 
+    def _broken(self, exc: ChainBroken) -> None:
+        """The chain ends; the first neighbour caught sending what no honest stage sends is kept in
+        `blamed` (the peer daemon says so in its record: the chain goes on without it)."""
+        if exc.blame is not None and self.blamed is None and (self.failed is None or not self.failed.done()):
+            self.blamed = exc.blame
+            log.warning("chain %s: %s sent what no honest stage sends: %s", self.layout.chain, exc.blame, exc)
+        self._fail(str(exc))
+
     def _task_ended(self, task: asyncio.Task) -> None:
         if task.cancelled():
             return
         exc = task.exception()
-        if exc is not None:  # a task that returns was stopped
+        if isinstance(exc, ChainBroken):
+            self._broken(exc)
+        elif exc is not None:  # a task that returns was stopped
             self._fail(str(exc))
 
     async def _connect(self, stop: asyncio.Event) -> None:
@@ -643,7 +660,9 @@ class ChainLoop:
             try:
                 frame = decode_frame(data, limits, expect_kind=kinds)
             except WireError as exc:
-                raise ChainBroken(f"invalid activation frame from the previous stage: {exc}") from None
+                raise ChainBroken(
+                    f"invalid activation frame from the previous stage: {exc}", self.layout.upstream
+                ) from None
             if frame.kind == "drift":
                 await self._take_drift(frame.round, frame.base)
                 continue
@@ -657,7 +676,7 @@ class ChainLoop:
             incoming = Frame(frame.mb, frame.tensor, frame.tokens, frame.targets)
             async with self.compute:
                 if training.in_flight(frame.mb):
-                    raise ChainBroken(f"micro-batch {frame.mb} arrived twice")
+                    raise ChainBroken(f"micro-batch {frame.mb} arrived twice", self.layout.upstream)
                 out = await self._computed(training.forward, frame.mb, incoming)
                 if self.layout.last:
                     grad = await self._computed(training.backward, frame.mb)
@@ -708,14 +727,21 @@ class ChainLoop:
             try:
                 frame = decode_frame(data, limits, expect_kind="grad", expect_round=self.round_)
             except WireError as exc:
-                raise ChainBroken(f"invalid gradient frame from the next stage: {exc}") from None
+                raise ChainBroken(
+                    f"invalid gradient frame from the next stage: {exc}", self.layout.downstream
+                ) from None
             async with self.compute:
                 if not training.in_flight(frame.mb):
-                    raise ChainBroken(f"a gradient for micro-batch {frame.mb}, which is not in flight")
+                    raise ChainBroken(
+                        f"a gradient for micro-batch {frame.mb}, which is not in flight",
+                        self.layout.downstream,
+                    )
                 try:
                     grad = await self._computed(training.backward, frame.mb, frame.tensor)
                 except UpdateRefused as exc:  # refused before any step: our state is as it was
-                    raise ChainBroken(f"a gradient from the next stage was refused: {exc}") from None
+                    raise ChainBroken(
+                        f"a gradient from the next stage was refused: {exc}", self.layout.downstream
+                    ) from None
             if self.window is not None:
                 self.window.release()
             self._count_backward()  # first: the next round's frames may follow this gradient at once

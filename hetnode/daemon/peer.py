@@ -107,6 +107,7 @@ class PeerDaemon:
         self._role_task: asyncio.Task | None = None  # the anchor loop or our chain stage
         self._role_key: str | None = None  # "anchor" or the chain id
         self._saying_broken: asyncio.Task | None = None  # our record says our chain broke
+        self._role_loop: AnchorLoop | ChainLoop | None = None  # what `_role_task` runs
         self.metrics: PeerMetrics | None = None
         self._http: HttpServer | None = None
         self._config: Config | None = None
@@ -331,6 +332,7 @@ class PeerDaemon:
                 faults_named(self.options.fault),
             )
         self._role_task = asyncio.create_task(loop.run(stop), name=f"role-{wanted}")
+        self._role_loop = loop
         if wanted != "anchor":
             self._role_task.add_done_callback(self._chain_stage_ended)
         self._role_key = wanted
@@ -342,8 +344,9 @@ class PeerDaemon:
             return
         if task is self._role_task and not self.chain_broken:
             self.chain_broken = True
+            blame = self._role_loop.blamed if isinstance(self._role_loop, ChainLoop) else None
             self._saying_broken = asyncio.get_running_loop().create_task(
-                self.presence.update(chain_broken=True), name="chain-broken"
+                self.presence.update(chain_broken=True, chain_blame=blame), name="chain-broken"
             )
 
     def _info(self) -> dict:

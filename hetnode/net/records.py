@@ -141,6 +141,8 @@ class PeerRecord(pydantic.BaseModel):
     chain_lineage: pydantic.constr(strict=True, max_length=64) | None = None  # type: ignore[valid-type]
     # this member's training in its chain ended (a neighbour left or misbehaved): continue it at the boundary
     chain_broken: pydantic.StrictBool | None = None
+    # the member whose frame failed our checks (no honest stage sends it): the chain goes on without it
+    chain_blame: pydantic.constr(strict=True, max_length=128) | None = None  # type: ignore[valid-type]
     # a closed run: the coordinator's signed admission of this peer (`hetnode.wire.admission`)
     admission: pydantic.constr(strict=True, max_length=2048) | None = None  # type: ignore[valid-type]
     outer_step: pydantic.conint(strict=True, ge=0)  # type: ignore[valid-type]
@@ -409,6 +411,7 @@ def new_peer_record(name: str, **fields: Any) -> dict[str, Any]:
         "chain_layout": None,
         "chain_lineage": None,
         "chain_broken": None,
+        "chain_blame": None,
         "outer_step": 0,
         "last_seen": time.time(),
         "version": 1,

@@ -186,6 +186,7 @@ class Claim:
     layout: Layout = ()
     lineage: str = ""  # a successor's lineage, which its name commits to
     broken: bool = False  # the claimer's training in this chain ended (a neighbour left or misbehaved)
+    blame: str = ""  # the member whose frame failed the claimer's checks
 
 
 @dataclass(frozen=True)
@@ -197,6 +198,7 @@ class ChainStatus:
     lineage: str = ""  # the name the chain was founded under (`lineage_of`)
     layout: Layout = ()  # what the name commits to (empty when no claim commits to it)
     broken: tuple[str, ...] = ()  # members whose record says their training in the chain ended
+    blamed: tuple[str, ...] = ()  # members another member caught sending what no honest stage sends
 
 
 def format_layout(layout: Layout) -> list[str]:
@@ -256,13 +258,15 @@ def chain_status(claims: Iterable[Claim], stages_per_chain: int, n_layers: int) 
         lineage = lineage_of(name, valid[0].lineage)
         claimed = {c.peer_id for c in valid}
         broken = tuple(sorted(c.peer_id for c in valid if c.broken))
+        members = {peer for peer, _, _ in layout}
+        blamed = tuple(sorted({c.blame for c in valid if c.broken and c.blame in members - {c.peer_id}}))
         slots = tuple(peer if peer in claimed else None for peer, _, _ in layout)
         problem = _layout_problem(layout, stages_per_chain, n_layers)
         if not problem and None in slots:
             problem = f"stage {slots.index(None)} has no member"
         if not problem and broken:
             problem = f"broken (says {', '.join(p[-6:] for p in broken)})"
-        result.append(ChainStatus(name, not problem, slots, problem, lineage, layout, broken))
+        result.append(ChainStatus(name, not problem, slots, problem, lineage, layout, broken, blamed))
     return result
 
 
@@ -280,7 +284,10 @@ def plan_successors(
     Survivors: the members whose record says their training in the chain ended. An honest member's does
     within seconds of a neighbour leaving (the stream breaks at both ends, or its watch sees the neighbour's
     record gone); a member that says nothing is taken for gone, and so is a departed peer whose record has
-    not expired yet. A broken chain whose members all survive re-forms in place.
+    not expired yet. A member that another member blames (its frame failed the receiver's checks: what no
+    honest stage sends) is not a survivor either: the chain goes on without it. Two that blame each other
+    both leave (a liar costs its victim its place, and loses its own). A broken chain whose members all
+    survive re-forms in place.
     A chain with more empty stages than there are candidates is not continued: its survivors go back to
     the pool. A lineage is continued once: not while it has a live chain (a member that noticed the break
     late is left behind by its successor, and goes back to the pool). Chains are served in name order, so
@@ -303,7 +310,7 @@ def plan_successors(
     for status in sorted(chosen.values(), key=lambda c: c.chain):
         if _layout_problem(status.layout, stages_per_chain, n_layers):
             continue
-        survivors = set(status.broken)
+        survivors = set(status.broken) - set(status.blamed)
         if not survivors:
             continue
         vacant = [i for i, (peer, _, _) in enumerate(status.layout) if peer not in survivors]

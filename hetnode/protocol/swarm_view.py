@@ -85,6 +85,7 @@ class SwarmView:
                 parse_layout(record.get("chain_layout") or []),
                 record.get("chain_lineage") or "",
                 bool(record.get("chain_broken")),
+                record.get("chain_blame") or "",
             )
             for peer_id, record in self.peers.items()
             if record["role"] == "stage"
@@ -146,6 +147,7 @@ class SwarmView:
             r.get("chain_layout"),
             r.get("chain_lineage"),
             r.get("chain_broken"),
+            r.get("chain_blame"),
             r["link_class"],
             r["tflops"],
         ]
@@ -189,6 +191,7 @@ class SwarmView:
                 "stages": list(c.stages),
                 "problem": c.problem,
                 "lineage": c.lineage,
+                "blamed": list(c.blamed),
             }
             for c in self.chains()
         ]

@@ -31,6 +31,7 @@ EVENT_FIELDS = (
     "chain_layout",
     "chain_lineage",
     "chain_broken",
+    "chain_blame",
     "link_class",
     "admission",
 )
@@ -42,6 +43,7 @@ NO_CHAIN = {
     "chain_layout": None,
     "chain_lineage": None,
     "chain_broken": None,
+    "chain_blame": None,
 }
 STABLE_STEPS = 3  # unchanged periods at one cadence before it doubles
 RETRY_S = 2.0  # after a store no DHT node accepted: try again this soon, not a stretched heartbeat later

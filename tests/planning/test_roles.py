@@ -323,3 +323,28 @@ def test_a_member_that_says_nothing_is_not_a_survivor():
     [status] = chain_status(_claims(plan)[1:], 2, 4)  # the first stage's record is gone, the second silent
     assert not status.live and status.broken == ()
     assert plan_successors([status], [Candidate("spare", 1.0)], 2, 4, boundary=6)[0] == []
+
+
+def test_a_member_caught_lying_to_its_neighbour_is_left_behind():
+    """The receiver of a frame that failed its checks blames the sender: the chain goes on without it; two
+    members that blame each other both leave it."""
+    plan = _formed_chain(stages=3, n_layers=6)
+    first, liar, last = plan.members
+
+    def claim(stage, blame=""):
+        s = plan.stages[stage]
+        return Claim(s.peer_id, s.chain, s.stage, s.layers, s.layout, "", True, blame)
+
+    # the liar says the chain broke too (its stream ended), but its neighbour caught it
+    [status] = chain_status([claim(0), claim(1), claim(2, blame=liar)], 3, 6)
+    assert status.blamed == (liar,) and "broken" in status.problem
+    [successor], _ = plan_successors([status], [Candidate("spare", 1.0)], 3, 6, boundary=6)
+    assert successor.members == (first, "spare", last) and successor.newcomers == ("spare",)
+    # blaming back: both leave, two spares step in
+    statuses = chain_status([claim(0), claim(1, blame=last), claim(2, blame=liar)], 3, 6)
+    spares = [Candidate("spare-1", 2.0), Candidate("spare-2", 1.0)]
+    [both], _ = plan_successors(statuses, spares, 3, 6, boundary=6)
+    assert both.members == (first, "spare-1", "spare-2")
+    # a blame counts only from a member that says the chain broke, and only against another member
+    [quiet] = chain_status([claim(0), claim(1), claim(2, blame="stranger")], 3, 6)
+    assert quiet.blamed == ()

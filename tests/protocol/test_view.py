@@ -97,7 +97,14 @@ def test_status_document_shows_live_chains_and_stable_fields():
     }
     assert all(stable <= set(p) for p in document["peers"])
     assert document["chains"] == [
-        {"id": plan.chain, "live": True, "stages": list(plan.members), "problem": "", "lineage": plan.chain}
+        {
+            "id": plan.chain,
+            "live": True,
+            "stages": list(plan.members),
+            "problem": "",
+            "lineage": plan.chain,
+            "blamed": [],
+        }
     ]
     del records[plan.stages[1].peer_id]
     [chain] = view_of(records).status_document("run-1", 4)["chains"]

@@ -264,3 +264,38 @@ def test_a_spare_steps_in_for_a_member_that_left_and_without_one_the_chain_disso
 
     document = swarm.wait_for(boot.maddr, dissolved, timeout=60, what="the survivor is back in the pool")
     swarm.agree_with_coordinator(document, {"anchor", first.name})
+
+
+def test_a_stage_that_lies_to_its_neighbour_is_blamed_and_the_chain_goes_on_without_it(swarm):
+    """A stage whose every frame carries a NaN (what no honest stage sends) breaks its chain at the first
+    frame; the receiver blames it in its record, and the chain goes on with a spare in its place, never
+    with the liar: its work never enters a seal."""
+    config = swarm.config(
+        outer={**FAST_ROUNDS, "verify": True},
+        pipeline={"stages": 2},
+        network={"boundary_s": 6.0, "confirm_s": 3.0},
+    )
+    boot = swarm.bootstrap(config)
+    boot.wait_ready()
+    anchor = swarm.join("anchor", boot.maddr, "1000")
+    liar = swarm.join("liar", boot.maddr, "20", extra=["--fault", "frames-nan"])
+    first = swarm.join("edge-1", boot.maddr, "20")
+    for daemon in [anchor, liar, first]:
+        daemon.wait_ready()
+    swarm.wait_for(boot.maddr, lambda d: any(c["live"] for c in d["chains"]), 120, "the liar's chain")
+    second = swarm.join("edge-2", boot.maddr, "20")
+    second.wait_ready()
+    honest = {first.peer_id, second.peer_id}
+
+    def chain_without_liar(document: dict) -> bool:
+        return any(c["live"] and set(c["stages"]) == honest for c in document["chains"])
+
+    swarm.wait_for(boot.maddr, chain_without_liar, timeout=120, what="a live chain of the two honest stages")
+    history = swarm.wait_for_history(
+        lambda h: any(sealed_with(honest)(e) for e in h), 240, "a round sealed with the honest chain"
+    )
+    assert all(liar.peer_id not in e["contributors"] for e in history)
+    caught = first.tail(2000)
+    assert f"{liar.peer_id} sent what no honest stage sends" in caught and "NaN or Inf" in caught
+    assert "sent what no honest stage sends" not in liar.tail(2000)  # it never caught an honest one
+    swarm.replicas_agree_at(boot.maddr, history[-1]["round"], {"anchor", "edge-1", "edge-2"})

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from hetnode.daemon.faults import FAULT_NAMES, STAGE_FAULTS
 from hetnode.daemon.faults.anchor import Copy, Drift, NanPayloads, PseudoGradientFault, Stale, WrongDigests
-from hetnode.daemon.faults.stage import SentActivations, SentGradients
+from hetnode.daemon.faults.stage import SentActivations, SentFrames, SentGradients
 from hetnode.daemon.faults.strategy import HONEST, Faults
 from hetnode.training.faults import PSEUDO_GRADIENT_FAULTS
 
@@ -21,5 +21,5 @@ def faults_named(name: str | None) -> Faults:
         return _ANCHOR[name]()
     if name in STAGE_FAULTS:
         kind, fault = name.split("-", 1)
-        return SentActivations(fault) if kind == "act" else SentGradients(fault)
+        return {"act": SentActivations, "grad": SentGradients, "frames": SentFrames}[kind](fault)
     raise ValueError(f"unknown fault {name!r}; choose from {', '.join(FAULT_NAMES)}")

@@ -1,6 +1,6 @@
 """A chain stage's faults, for tests and benchmarks only: what it does to the tensor of every activation frame
-it sends downstream (`act-…`) or every gradient frame it sends upstream (`grad-…`). Its own weights and
-in-flight work stay honest: only the neighbour sees the fault.
+it sends downstream (`act-…`), every gradient frame it sends upstream (`grad-…`), or both (`frames-…`). Its
+own weights and in-flight work stay honest: only the neighbour sees the fault.
 
 - `nan`: one value NaN, `huge`: one value 1e30 (finite in bf16 and fp32, far past every frame bound): the
   receiving stage's wire check refuses both (`hetnode.wire.activation_frame`);
@@ -53,3 +53,11 @@ class SentGradients(Faults):
 
     def sent_gradients(self, tensor: torch.Tensor) -> torch.Tensor:
         return spoiled(self.fault, tensor)
+
+
+class SentFrames(SentActivations, SentGradients):
+    """Spoils every frame this stage sends, either way (`frames-<fault>`): a liar at any stage."""
+
+    def __init__(self, fault: str) -> None:
+        SentActivations.__init__(self, fault)
+        self.name = f"frames-{fault}"
