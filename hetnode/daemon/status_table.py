@@ -139,5 +139,7 @@ def render_table(document: dict[str, Any]) -> str:
         state = "live" if chain.get("live") else f"not live ({_cell(chain.get('problem'), 80)})"
         lineage = chain.get("lineage")
         since = f" (goes on from {_cell(lineage, 64)})" if lineage and lineage != chain.get("id") else ""
-        lines.append(f"chain {_cell(chain.get('id'), 64)}{since}: {state}; stages {members}")
+        blamed = ", ".join(_cell(str(p)[-8:], 8) for p in chain.get("blamed") or [])
+        caught = f"; caught lying: {blamed}" if blamed else ""
+        lines.append(f"chain {_cell(chain.get('id'), 64)}{since}: {state}; stages {members}{caught}")
     return "\n".join(lines)

@@ -91,7 +91,9 @@ def test_a_chain_that_went_on_with_a_spare_says_where_it_comes_from():
     document["chains"] = [
         {"id": "c9-aaaa", "live": True, "stages": stages, "problem": "", "lineage": "c3-bbbb"},
         {"id": "c4-cccc", "live": False, "stages": [stages[0], None], "problem": "stage 1 has no member"},
+        {"id": "c5-dddd", "live": False, "stages": stages, "problem": "broken", "blamed": [stages[1]]},
     ]
     table = render_table(document)
     assert "chain c9-aaaa (goes on from c3-bbbb): live" in table
     assert "chain c4-cccc: not live (stage 1 has no member)" in table  # a founding chain, or an older peer's
+    assert "chain c5-dddd: not live (broken); stages SSSSSSS0, SSSSSSS1; caught lying: SSSSSSS1" in table
