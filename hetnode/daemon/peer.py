@@ -532,7 +532,7 @@ class PeerDaemon:
         while time.monotonic() < deadline:
             view = await self._view(max_age_s=0)
             if all((view.peers.get(p) or {}).get("chain") == plan.chain for p in plan.newcomers):
-                return await self._claim(plan, boundary, opened, stop)
+                return await self._claim(plan, boundary, time.monotonic(), stop)
             if await sleep_or_stop(stop, 0.2):
                 return True
         log.info("chain %s: the spares did not step in within %.1f s", plan.chain, n.confirm_s)
@@ -559,9 +559,13 @@ class PeerDaemon:
 
     async def _claim(self, plan: ChainPlan, boundary: int, opened: float, stop: asyncio.Event) -> bool:
         """Claim our stage of `plan` in our record and wait, until `confirm_s` after `opened`, for every
-        member to claim it; then train. False (and back to the pool) when the chain is not confirmed."""
+        member to claim it; then train. False (and back to the pool) when the chain is not confirmed.
+        A successor's newcomers wait twice as long: its survivors claim only once they saw them, up to
+        `confirm_s` after they noticed the boundary, which may be later than we did."""
         n = self.config.network
-        mine = assignment_for([plan], self.node.identity.peer_id)
+        own = self.node.identity.peer_id
+        patience = 2 * n.confirm_s if plan.lineage and own in plan.newcomers else n.confirm_s
+        mine = assignment_for([plan], own)
         assert mine is not None
         self.assignment, self.chain_live, self.chain_broken = mine, False, False
         await self.presence.update(
@@ -574,7 +578,7 @@ class PeerDaemon:
             chain_broken=None,
             outer_step=boundary,
         )
-        deadline = opened + n.confirm_s
+        deadline = opened + patience
         view = await self._view(max_age_s=0)
         while time.monotonic() < deadline:
             view = await self._view(max_age_s=0)
@@ -589,7 +593,7 @@ class PeerDaemon:
         log.info(
             "chain %s not confirmed in %.1f s (%s): back to the pool",
             mine.chain,
-            n.confirm_s,
+            patience,
             problems[0] if problems else "no claims seen",
         )
         self.assignment, self.chain_live = None, False
