@@ -377,7 +377,14 @@ def status_snapshot(
         "eval_loss": keeper.eval_loss,
         "peers": sorted(peers, key=lambda p: (p["role"], p["chain"] or "", p["stage"] or 0, p["name"])),
         "chains": [
-            {"chain": c.chain, "members": [m for m in c.stages if m], "live": c.live} for c in view.chains()
+            {
+                "chain": c.chain,
+                "members": [m for m in c.stages if m],
+                "live": c.live,
+                "lineage": c.lineage,
+                "blamed": list(c.blamed),
+            }
+            for c in view.chains()
         ],
         "history": history,
         "samples": newest_samples(keeper.history),  # in the history: a restart keeps them

@@ -289,12 +289,21 @@ def render_page(
     def member(peer_id: Any) -> str:
         return _text(names.get(peer_id) or peer_id) if isinstance(peer_id, str) else _text(peer_id)
 
+    def went_on(c: dict) -> str:
+        """Where a chain that went on with a spare comes from, and whom its members caught lying."""
+        lineage = c.get("lineage")
+        parts = [f"from {_text(lineage)}"] if isinstance(lineage, str) and lineage != c.get("chain") else []
+        blamed = [member(m) for m in _list(c.get("blamed"))]
+        parts += [f"caught lying: {', '.join(blamed)}"] if blamed else []
+        return _e("; ".join(parts))
+
     chains = _table(
-        ["chain", "members", "live"],
+        ["chain", "members", "live", "history"],
         [
             [(_e(_text(c.get("chain"))), False)]
             + [(_e(", ".join(member(m) for m in _list(c.get("members")))), False)]
             + [("yes" if c.get("live") else '<span class="dead">no</span>', False)]
+            + [(went_on(c), False)]
             for c in _dicts(snapshot.get("chains"))
         ],
         "No chains.",

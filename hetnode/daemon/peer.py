@@ -35,7 +35,7 @@ from hetnode.net.identity import load_or_create_identity
 from hetnode.net.node import SwarmNode
 from hetnode.net.peer_ids import peer_id_from_maddr
 from hetnode.net.probe import LinkMeasurement, combine
-from hetnode.net.records import new_peer_record
+from hetnode.net.records import NO_CHAIN, new_peer_record
 from hetnode.net.streams import PeerRequestError
 from hetnode.planning.reachability import Reachability, assess
 from hetnode.planning.roles import (
@@ -61,7 +61,7 @@ from hetnode.service.http_server import HttpServer, Response
 from hetnode.service.lifecycle import Stopped, print_ready, sleep_or_stop, stop_on_signals, until_stopped
 from hetnode.service.limits import limits_of
 from hetnode.service.metrics import PeerMetrics
-from hetnode.service.presence import NO_CHAIN, Presence, keep_in_dht
+from hetnode.service.presence import Presence, keep_in_dht
 from hetnode.wire.manifest import PROTOCOL_VERSION
 
 log = logging.getLogger(__name__)

@@ -388,6 +388,18 @@ def new_changes_record(steps: list[dict[str, Any]]) -> dict[str, Any]:
     return {"steps": steps, "at": time.time()}
 
 
+# a record's chain fields when its peer holds no stage
+NO_CHAIN: dict[str, Any] = {
+    "chain": None,
+    "stage": None,
+    "layers": None,
+    "chain_layout": None,
+    "chain_lineage": None,
+    "chain_broken": None,
+    "chain_blame": None,
+}
+
+
 def new_peer_record(name: str, **fields: Any) -> dict[str, Any]:
     """A complete peer record (hivemind's schema check wants every field, even the nulls): an idle peer
     whose link is not measured yet, with `fields` changed."""
@@ -405,13 +417,7 @@ def new_peer_record(name: str, **fields: Any) -> dict[str, Any]:
         "tflops": 0.0,
         "wants": "idle",
         "role": "idle",
-        "chain": None,
-        "stage": None,
-        "layers": None,
-        "chain_layout": None,
-        "chain_lineage": None,
-        "chain_broken": None,
-        "chain_blame": None,
+        **NO_CHAIN,
         "outer_step": 0,
         "last_seen": time.time(),
         "version": 1,

@@ -15,7 +15,7 @@ from collections.abc import Awaitable
 from typing import Any, TypeVar
 
 from hetnode.net.node import SwarmNode
-from hetnode.net.records import MAX_TTL_S
+from hetnode.net.records import MAX_TTL_S, NO_CHAIN
 from hetnode.service.lifecycle import sleep_or_stop, sleep_or_wake
 
 log = logging.getLogger(__name__)
@@ -35,16 +35,6 @@ EVENT_FIELDS = (
     "link_class",
     "admission",
 )
-# a record's chain fields when it holds no stage
-NO_CHAIN = {
-    "chain": None,
-    "stage": None,
-    "layers": None,
-    "chain_layout": None,
-    "chain_lineage": None,
-    "chain_broken": None,
-    "chain_blame": None,
-}
 STABLE_STEPS = 3  # unchanged periods at one cadence before it doubles
 RETRY_S = 2.0  # after a store no DHT node accepted: try again this soon, not a stretched heartbeat later
 

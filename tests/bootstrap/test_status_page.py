@@ -111,7 +111,16 @@ def snapshot(**overrides) -> dict:
                 "last_seen": NOW,
             },
         ],
-        "chains": [{"chain": "<b>chain-0</b>", "members": ["peer-x", "peer-unknown"], "live": True}],
+        "chains": [
+            {"chain": "<b>chain-0</b>", "members": ["peer-x", "peer-unknown"], "live": True},
+            {
+                "chain": "c9-went-on",
+                "members": ["peer-x", "peer-a"],
+                "live": False,
+                "lineage": "<i>c3-founded</i>",
+                "blamed": ["peer-a"],
+            },
+        ],
         "history": [
             {
                 "round": r,
@@ -208,6 +217,9 @@ def test_html_escapes_peer_chosen_text(server: HttpServer, board: StatusBoard):
     assert "alert(1)</script>" not in page and "<b>chain" not in page and "<i>stage" not in page
     assert "&lt;script&gt;alert(1)&lt;/script&gt;" in page
     assert "&lt;b&gt;chain-0&lt;/b&gt;" in page
+    # a chain that went on with a spare says where from, and whom its members caught lying (by name)
+    assert "<th>history</th>" in page and "<i>c3" not in page
+    assert "from &lt;i&gt;c3-founded&lt;/i&gt;; caught lying: alice" in page
     assert '<noscript><meta http-equiv="refresh" content="5"></noscript>' in page
     assert "<svg" in page and "<polyline" in page
     # the leaderboard: rank, name, tokens, share, rounds, role, last seen
