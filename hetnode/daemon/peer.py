@@ -541,9 +541,10 @@ class PeerDaemon:
     async def _plan(self, boundary: int) -> ChainPlan | None:
         """The boundary's plan (`plan_boundary`) from the records as they are now: the chain it puts us in."""
         view = await self._view(max_age_s=0)
+        pool = view.idle_candidates(boundary)
         plans = plan_boundary(
             view.chains(),
-            view.idle_candidates(boundary),
+            pool,
             self.config.pipeline.stages,
             self.config.model.n_layers,
             boundary,
@@ -551,7 +552,7 @@ class PeerDaemon:
         log.debug(
             "boundary %d: idle pool %s -> chains %s",
             boundary,
-            sorted(c.peer_id[-6:] for c in view.idle_candidates(boundary)),
+            sorted(c.peer_id[-6:] for c in pool),
             [[m[-6:] for m in p.members] for p in plans],
         )
         own = self.node.identity.peer_id
@@ -579,7 +580,7 @@ class PeerDaemon:
             outer_step=boundary,
         )
         deadline = opened + patience
-        view = await self._view(max_age_s=0)
+        view: SwarmView | None = None
         while time.monotonic() < deadline:
             view = await self._view(max_age_s=0)
             if view.chain_is_live(mine.chain):
@@ -589,7 +590,7 @@ class PeerDaemon:
                 return True
             if await sleep_or_stop(stop, 0.2):
                 return True
-        problems = [c.problem for c in view.chains() if c.chain == mine.chain]
+        problems = [c.problem for c in view.chains() if c.chain == mine.chain] if view else []
         log.info(
             "chain %s not confirmed in %.1f s (%s): back to the pool",
             mine.chain,
