@@ -200,6 +200,9 @@ class PipelineConfig:
     # Unanswered micro-batches on a networked chain's first stage. 0: the 1F1B schedule (P − s on stage s,
     # weight delay P−1−s); a larger W hides WAN latency and adds W − P updates of staleness on every stage.
     max_in_flight: int = 0
+    # Workers a stage may have (a pool, all with the stage's layers): spares left over when chains are
+    # packed join the stage with the least compute per layer, up to this many (docs/chains.md "Pools").
+    stage_workers: int = 1
 
 
 @dataclass(frozen=True)
@@ -533,6 +536,7 @@ def validate(config: Config, source: str) -> None:
         "pipeline.subspace_rank",
         f"must be in [1, model.d_model), got {p.subspace_rank}",
     )
+    _require(p.stage_workers >= 1, source, "pipeline.stage_workers", "must be >= 1 (1: one peer per stage)")
     _require(p.max_in_flight >= 0, source, "pipeline.max_in_flight", "must be >= 0 (0: the 1F1B schedule)")
 
     for key in (

@@ -542,12 +542,15 @@ class PeerDaemon:
         """The boundary's plan (`plan_boundary`) from the records as they are now: the chain it puts us in."""
         view = await self._view(max_age_s=0)
         pool = view.idle_candidates(boundary)
+        p = self.config.pipeline
         plans = plan_boundary(
             view.chains(),
             pool,
-            self.config.pipeline.stages,
+            p.stages,
             self.config.model.n_layers,
             boundary,
+            p.stage_workers,
+            {peer: record["tflops"] for peer, record in view.peers.items()},
         )
         log.debug(
             "boundary %d: idle pool %s -> chains %s",

@@ -12,7 +12,7 @@ chain's lineage (the name it was founded under: its data slot, `lineage_of`).
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -87,7 +87,29 @@ class Candidate:
     tflops: float
 
 
-Layout = tuple[tuple[str, int, int], ...]  # (peer id, first layer, last layer) per stage, in stage order
+# (peer id, first layer, last layer) per worker, in stage order: consecutive entries with the same layers
+# are one stage's pool of workers (`stage_pools`); a chain without pools has one entry per stage
+Layout = tuple[tuple[str, int, int], ...]
+Pool = tuple[tuple[str, ...], int, int]  # one stage: its workers, its first and last layer
+
+
+def stage_pools(layout: Layout) -> tuple[Pool, ...]:
+    """A layout's stages in order, each with its workers (consecutive entries with the same layers)."""
+    pools: list[tuple[list[str], int, int]] = []
+    for peer, first, last in layout:
+        if pools and (pools[-1][1], pools[-1][2]) == (first, last):
+            pools[-1][0].append(peer)
+        else:
+            pools.append(([peer], first, last))
+    return tuple((tuple(workers), first, last) for workers, first, last in pools)
+
+
+def stage_of(layout: Layout, peer_id: str) -> int | None:
+    """The stage `peer_id` works at in `layout` (None: not in it)."""
+    for index, (workers, _, _) in enumerate(stage_pools(layout)):
+        if peer_id in workers:
+            return index
+    return None
 
 
 @dataclass(frozen=True)
@@ -136,35 +158,100 @@ def chain_prefix(boundary: int) -> str:
 
 
 def pack_chains(
-    idle: Iterable[Candidate], stages_per_chain: int, n_layers: int, boundary: int
+    idle: Iterable[Candidate],
+    stages_per_chain: int,
+    n_layers: int,
+    boundary: int,
+    stage_workers: int = 1,
 ) -> list[ChainPlan]:
     """Pack idle stage candidates into chains of `stages_per_chain`, layers split by each member's compute.
 
     Candidates are sorted by (compute descending, peer id) and cut into consecutive groups, so each
-    chain gets members of similar speed and its slowest stage limits it least. Left-over peers stay idle.
-    Within a chain the faster member takes the earlier stage (the first stage also loads data).
-    """
+    chain gets members of similar speed and its slowest stage limits it least. Within a chain the faster
+    member takes the earlier stage (the first stage also loads data). Left-over peers join the pools of
+    the chains' slowest stages, up to `stage_workers` workers a stage (`_fill_pools`), or stay idle."""
+    drafts, left = _pack_drafts(idle, stages_per_chain, n_layers)
+    _fill_pools(drafts, left, stage_workers)
+    return [draft.plan(boundary) for draft in drafts]
+
+
+@dataclass
+class _Draft:
+    """A chain being planned, before its name: each stage's workers and layers."""
+
+    pools: list[list[str]]
+    layers: list[tuple[int, int]]
+    compute: dict[str, float]  # TFLOP/s of each worker, as its record says
+    lineage: str = ""
+    survivors: tuple[str, ...] = ()
+
+    def per_layer(self, stage: int) -> float:
+        """The stage's compute per layer: where a spare helps most is where this is least."""
+        first, last = self.layers[stage]
+        return sum(self.compute.get(p, 0.0) for p in self.pools[stage]) / (last - first + 1)
+
+    def plan(self, boundary: int) -> ChainPlan:
+        layout = tuple(
+            (peer, first, last)
+            for workers, (first, last) in zip(self.pools, self.layers, strict=True)
+            for peer in workers
+        )
+        name = chain_id(boundary, [(p, (f, la)) for p, f, la in layout], self.lineage)
+        stage_at = {peer: i for i, workers in enumerate(self.pools) for peer in workers}
+        return ChainPlan(
+            chain=name,
+            stages=tuple(
+                StageAssignment(
+                    chain=name, stage=stage_at[peer], peer_id=peer, layers=(first, last), layout=layout
+                )
+                for peer, first, last in layout
+            ),
+            lineage=self.lineage,
+            survivors=self.survivors,
+        )
+
+
+def _pack_drafts(
+    idle: Iterable[Candidate], stages_per_chain: int, n_layers: int
+) -> tuple[list[_Draft], list[Candidate]]:
     if stages_per_chain < 1:
         raise ValueError(f"stages_per_chain must be >= 1, got {stages_per_chain}")
     unique = {c.peer_id: c for c in idle}
     ordered = sorted(unique.values(), key=lambda c: (-c.tflops, c.peer_id))
-    plans = []
-    for start in range(0, len(ordered) - stages_per_chain + 1, stages_per_chain):
+    drafts = []
+    packed = len(ordered) - len(ordered) % stages_per_chain
+    for start in range(0, packed, stages_per_chain):
         members = ordered[start : start + stages_per_chain]
         ranges = split_layers(n_layers, [max(m.tflops, 1e-6) for m in members])
-        layout = [(m.peer_id, (r.start, r.stop - 1)) for m, r in zip(members, ranges, strict=True)]
-        name = chain_id(boundary, layout)
-        committed = tuple((peer, first, last) for peer, (first, last) in layout)
-        plans.append(
-            ChainPlan(
-                chain=name,
-                stages=tuple(
-                    StageAssignment(chain=name, stage=i, peer_id=peer, layers=layers, layout=committed)
-                    for i, (peer, layers) in enumerate(layout)
-                ),
+        drafts.append(
+            _Draft(
+                [[m.peer_id] for m in members],
+                [(r.start, r.stop - 1) for r in ranges],
+                {m.peer_id: m.tflops for m in members},
             )
         )
-    return plans
+    return drafts, ordered[packed:]
+
+
+def _fill_pools(drafts: Sequence[_Draft], spares: Sequence[Candidate], stage_workers: int) -> list[Candidate]:
+    """Give each spare, fastest first, to the stage of `drafts` with the least compute per layer whose
+    pool has room (ties: the earlier chain, then the later stage: the last one also runs the head).
+    Returns the spares left over."""
+    left = []
+    for spare in sorted(spares, key=lambda c: (-c.tflops, c.peer_id)):
+        open_stages = [
+            (draft.per_layer(s), d, -s)
+            for d, draft in enumerate(drafts)
+            for s in range(len(draft.pools))
+            if len(draft.pools[s]) < stage_workers
+        ]
+        if not open_stages:
+            left.append(spare)
+            continue
+        _, d, neg_stage = min(open_stages)
+        drafts[d].pools[-neg_stage].append(spare.peer_id)
+        drafts[d].compute[spare.peer_id] = spare.tflops
+    return left
 
 
 def assignment_for(plans: Sequence[ChainPlan], peer_id: str) -> StageAssignment | None:
@@ -199,6 +286,8 @@ class ChainStatus:
     layout: Layout = ()  # what the name commits to (empty when no claim commits to it)
     broken: tuple[str, ...] = ()  # members whose record says their training in the chain ended
     blamed: tuple[str, ...] = ()  # members another member caught sending what no honest stage sends
+    # each stage's working members: they claim it, and neither say it broke nor were caught lying
+    workers: tuple[tuple[str, ...], ...] = ()
 
 
 def format_layout(layout: Layout) -> list[str]:
@@ -224,9 +313,9 @@ def commits(claim: Claim) -> bool:
     (docs/security.md, "Exhaust a daemon")."""
     boundary = _boundary_of(claim.chain)
     layout = claim.layout
-    if boundary is None or not 0 <= claim.stage < len(layout):
+    if boundary is None or (claim.peer_id, *claim.layers) not in layout:
         return False
-    if layout[claim.stage] != (claim.peer_id, *claim.layers):
+    if stage_of(layout, claim.peer_id) != claim.stage:
         return False
     if claim.lineage:  # a lineage is a chain founded at an earlier boundary
         founded = _boundary_of(claim.lineage)
@@ -236,12 +325,15 @@ def commits(claim: Claim) -> bool:
     return chain_id(boundary, assignments, claim.lineage) == claim.chain
 
 
-def chain_status(claims: Iterable[Claim], stages_per_chain: int, n_layers: int) -> list[ChainStatus]:
-    """Group claims by chain; a chain is live when every member of the layout its name commits to claims it.
+def chain_status(
+    claims: Iterable[Claim], stages_per_chain: int, n_layers: int, stage_workers: int = 1
+) -> list[ChainStatus]:
+    """Group claims by chain; a chain is live when every stage of the layout its name commits to has a
+    working member: one that claims it, does not say it broke and was not caught lying by another member.
 
     Only claims that commit to the name count (`commits`), so a stranger claiming a live chain's name and
-    stage changes nothing. The layout must have `stages_per_chain` stages whose layer ranges are contiguous
-    in stage order and cover 0..n_layers-1 exactly once.
+    stage changes nothing. The layout must have `stages_per_chain` stages of at most `stage_workers`
+    workers each, whose layer ranges are contiguous in stage order and cover 0..n_layers-1 exactly once.
     """
     by_chain: dict[str, list[Claim]] = {}
     for claim in claims:
@@ -259,14 +351,23 @@ def chain_status(claims: Iterable[Claim], stages_per_chain: int, n_layers: int) 
         claimed = {c.peer_id for c in valid}
         broken = tuple(sorted(c.peer_id for c in valid if c.broken))
         members = {peer for peer, _, _ in layout}
-        blamed = tuple(sorted({c.blame for c in valid if c.broken and c.blame in members - {c.peer_id}}))
-        slots = tuple(peer if peer in claimed else None for peer, _, _ in layout)
-        problem = _layout_problem(layout, stages_per_chain, n_layers)
-        if not problem and None in slots:
-            problem = f"stage {slots.index(None)} has no member"
-        if not problem and broken:
-            problem = f"broken (says {', '.join(p[-6:] for p in broken)})"
-        result.append(ChainStatus(name, not problem, slots, problem, lineage, layout, broken, blamed))
+        blamed = tuple(sorted({c.blame for c in valid if c.blame in members - {c.peer_id}}))
+        gone = set(broken) | set(blamed)
+        pools = stage_pools(layout)
+        workers = tuple(tuple(p for p in pool if p in claimed and p not in gone) for pool, _, _ in pools)
+        slots = tuple(w[0] if w else None for w in workers)
+        problem = _layout_problem(layout, stages_per_chain, n_layers, stage_workers)
+        if not problem:
+            empty = [i for i, w in enumerate(workers) if not w]
+            if empty and any(p in broken for p in pools[empty[0]][0]):
+                problem = f"broken (says {', '.join(p[-6:] for p in broken)})"
+            elif empty and any(p in blamed for p in pools[empty[0]][0]):
+                problem = f"stage {empty[0]}'s member was caught lying"
+            elif empty:
+                problem = f"stage {empty[0]} has no member"
+        result.append(
+            ChainStatus(name, not problem, slots, problem, lineage, layout, broken, blamed, workers)
+        )
     return result
 
 
@@ -276,8 +377,10 @@ def plan_successors(
     stages_per_chain: int,
     n_layers: int,
     boundary: int,
+    stage_workers: int = 1,
+    compute: Mapping[str, float] | None = None,
 ) -> tuple[list[ChainPlan], list[Candidate]]:
-    """At `boundary`, continue every chain formed earlier that lost a member or broke: its survivors keep
+    """At `boundary`, continue every chain formed earlier that lost a stage or broke: its survivors keep
     their stages and layers (their local state stays valid) and idle candidates, fastest first, take the
     empty stages. Returns the successors, and the candidates left for `pack_chains`.
 
@@ -287,11 +390,23 @@ def plan_successors(
     not expired yet. A member that another member blames (its frame failed the receiver's checks: what no
     honest stage sends) is not a survivor either: the chain goes on without it. Two that blame each other
     both leave (a liar costs its victim its place, and loses its own). A broken chain whose members all
-    survive re-forms in place.
+    survive re-forms in place; a stage's pool keeps its surviving workers.
     A chain with more empty stages than there are candidates is not continued: its survivors go back to
     the pool. A lineage is continued once: not while it has a live chain (a member that noticed the break
     late is left behind by its successor, and goes back to the pool). Chains are served in name order, so
-    every peer hands the same spare to the same chain."""
+    every peer hands the same spare to the same chain. `compute`: TFLOP/s per peer (`_fill_pools`)."""
+    drafts, pool = _successor_drafts(chains, idle, stages_per_chain, n_layers, boundary, compute or {})
+    return [d.plan(boundary) for d in drafts], pool
+
+
+def _successor_drafts(
+    chains: Iterable[ChainStatus],
+    idle: Iterable[Candidate],
+    stages_per_chain: int,
+    n_layers: int,
+    boundary: int,
+    compute: Mapping[str, float],
+) -> tuple[list[_Draft], list[Candidate]]:
     chains = list(chains)
     running = {status.lineage for status in chains if status.live}
     # one successor per lineage: of its chains, the one whose members say it broke (they are there to
@@ -306,36 +421,29 @@ def plan_successors(
         if best is None or rank > (bool(best.broken), _boundary_of(best.chain) or 0, best.chain):
             chosen[status.lineage] = status
     pool = sorted({c.peer_id: c for c in idle}.values(), key=lambda c: (-c.tflops, c.peer_id))
-    plans = []
+    drafts = []
     for status in sorted(chosen.values(), key=lambda c: c.chain):
-        if _layout_problem(status.layout, stages_per_chain, n_layers):
+        if _layout_problem(status.layout, stages_per_chain, n_layers, len(status.layout)):
             continue
         survivors = set(status.broken) - set(status.blamed)
         if not survivors:
             continue
-        vacant = [i for i, (peer, _, _) in enumerate(status.layout) if peer not in survivors]
+        stages = stage_pools(status.layout)
+        kept = [[p for p in workers if p in survivors] for workers, _, _ in stages]
+        vacant = [i for i, workers in enumerate(kept) if not workers]
         spares = [c for c in pool if c.peer_id not in survivors][: len(vacant)]
         if len(spares) < len(vacant):
             continue
         taken = {c.peer_id for c in spares}
         pool = [c for c in pool if c.peer_id not in taken]
-        fill = dict(zip(vacant, (c.peer_id for c in spares), strict=True))
-        layout = tuple(
-            (fill.get(i, peer), first, last) for i, (peer, first, last) in enumerate(status.layout)
+        for i, spare in zip(vacant, spares, strict=True):
+            kept[i] = [spare.peer_id]
+        speeds = {p: compute.get(p, 0.0) for workers in kept for p in workers}
+        speeds |= {c.peer_id: c.tflops for c in spares}
+        drafts.append(
+            _Draft(kept, [(f, la) for _, f, la in stages], speeds, status.lineage, tuple(sorted(survivors)))
         )
-        name = chain_id(boundary, [(p, (f, la)) for p, f, la in layout], status.lineage)
-        plans.append(
-            ChainPlan(
-                chain=name,
-                stages=tuple(
-                    StageAssignment(chain=name, stage=i, peer_id=peer, layers=(first, last), layout=layout)
-                    for i, (peer, first, last) in enumerate(layout)
-                ),
-                lineage=status.lineage,
-                survivors=tuple(sorted(survivors)),
-            )
-        )
-    return plans, pool
+    return drafts, pool
 
 
 def plan_boundary(
@@ -344,20 +452,32 @@ def plan_boundary(
     stages_per_chain: int,
     n_layers: int,
     boundary: int,
+    stage_workers: int = 1,
+    compute: Mapping[str, float] | None = None,
 ) -> list[ChainPlan]:
-    """Every peer's plan at `boundary`: successors of the chains that lost members first (`plan_successors`),
-    then new chains packed from the idle candidates left (`pack_chains`)."""
-    successors, left = plan_successors(chains, idle, stages_per_chain, n_layers, boundary)
-    return successors + pack_chains(left, stages_per_chain, n_layers, boundary)
+    """Every peer's plan at `boundary`: successors of the chains that lost a stage first
+    (`plan_successors`), then new chains packed from the idle candidates left (`pack_chains`); the spares
+    left over then join the slowest stages' pools of the chains formed now, up to `stage_workers` each.
+    `compute`: TFLOP/s per peer, as the records say (a survivor's speed, for where a spare helps most)."""
+    successors, left = _successor_drafts(chains, idle, stages_per_chain, n_layers, boundary, compute or {})
+    packed, left = _pack_drafts(left, stages_per_chain, n_layers)
+    drafts = successors + packed
+    _fill_pools(drafts, left, stage_workers)
+    return [draft.plan(boundary) for draft in drafts]
 
 
-def _layout_problem(layout: Layout, stages_per_chain: int, n_layers: int) -> str:
-    if len(layout) != stages_per_chain:
-        return f"{len(layout)} stages, the run has {stages_per_chain}"
+def _layout_problem(layout: Layout, stages_per_chain: int, n_layers: int, stage_workers: int = 1) -> str:
+    pools = stage_pools(layout)
+    if len(pools) != stages_per_chain:
+        return f"{len(pools)} stages, the run has {stages_per_chain}"
+    if len({peer for peer, _, _ in layout}) != len(layout):
+        return "a peer holds two places"
     expected_first = 0
-    for stage, (_, first, last) in enumerate(layout):
+    for stage, (workers, first, last) in enumerate(pools):
         if first != expected_first or last < first:
             return f"stage {stage} layers {first}..{last} break the cover"
+        if len(workers) > stage_workers:
+            return f"stage {stage} has {len(workers)} workers, the run allows {stage_workers}"
         expected_first = last + 1
     if expected_first != n_layers:
         return f"layers cover 0..{expected_first - 1} of 0..{n_layers - 1}"

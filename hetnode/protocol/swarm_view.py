@@ -27,12 +27,17 @@ class SwarmView:
     stages_per_chain: int
     n_layers: int
     departed: set[str] = field(default_factory=set)  # peers whose record says they went offline
+    stage_workers: int = 1  # the most workers a stage's pool may have (`pipeline.stage_workers`)
 
     @classmethod
     def from_entries(
-        cls, entries: Mapping[str, StoredValue], stages_per_chain: int, n_layers: int
+        cls,
+        entries: Mapping[str, StoredValue],
+        stages_per_chain: int,
+        n_layers: int,
+        stage_workers: int = 1,
     ) -> SwarmView:
-        view = cls({}, stages_per_chain, n_layers)
+        view = cls({}, stages_per_chain, n_layers, stage_workers=stage_workers)
         for peer_id, entry in entries.items():
             record = view.admit(peer_id, entry.value)
             if record is not None:
@@ -59,7 +64,10 @@ class SwarmView:
     @classmethod
     async def read(cls, node: SwarmNode, config: Config) -> SwarmView:
         """The current view through `node`: every fresh, valid peer record of the run."""
-        return cls.from_entries(await node.read_field("peers"), config.pipeline.stages, config.model.n_layers)
+        p = config.pipeline
+        return cls.from_entries(
+            await node.read_field("peers"), p.stages, config.model.n_layers, p.stage_workers
+        )
 
     def idle_candidates(self, boundary: int) -> list[Candidate]:
         """The pool at `boundary`: idle stage candidates, plus those that already claimed a chain formed at
@@ -95,27 +103,24 @@ class SwarmView:
         ]
 
     def chains(self) -> list[ChainStatus]:
-        return chain_status(self.claims(), self.stages_per_chain, self.n_layers)
+        return chain_status(self.claims(), self.stages_per_chain, self.n_layers, self.stage_workers)
 
     def chain_is_live(self, chain: str) -> bool:
         return any(c.chain == chain and c.live for c in self.chains())
 
     def expected_contributors(self, round_: int, overlap: bool = False) -> set[str]:
-        """Whom a seal of `round_` waits for: every anchor, and every member of a live chain that holds θ
-        after round_−1 (a chain still forming or catching up is not waited for; it joins a later round).
+        """Whom a seal of `round_` waits for: every anchor, and every working member of a live chain that
+        holds θ after round_−1 (a chain still forming or catching up is not waited for; it joins a later
+        round; a pool's worker that left, says it broke or was caught lying is not waited for either).
         With `overlap` a member may still be applying round_−1 while it trains round_ (at most one round
         unapplied): θ after round_−2 will do."""
-        live = {c.chain for c in self.chains() if c.live}
+        working = {p for c in self.chains() if c.live for workers in c.workers for p in workers}
         oldest = round_ - (2 if overlap else 1)
         return {
             peer
             for peer, r in self.peers.items()
             if r["role"] == "anchor"
-            or (
-                r["role"] == "stage"
-                and r["chain"] in live
-                and _between(r["params_round"], oldest, round_ - 1)
-            )
+            or (r["role"] == "stage" and peer in working and _between(r["params_round"], oldest, round_ - 1))
         }
 
     def signature(self) -> frozenset:
@@ -192,6 +197,7 @@ class SwarmView:
                 "problem": c.problem,
                 "lineage": c.lineage,
                 "blamed": list(c.blamed),
+                "workers": [list(w) for w in c.workers],
             }
             for c in self.chains()
         ]

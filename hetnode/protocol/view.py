@@ -186,7 +186,8 @@ class PeerDirectory:
                 del self._direct[peer]
             elif peer not in entries or entries[peer].expiration < entry.expiration:
                 entries[peer] = entry
-        return SwarmView.from_entries(entries, self.config.pipeline.stages, self.config.model.n_layers)
+        p = self.config.pipeline
+        return SwarmView.from_entries(entries, p.stages, self.config.model.n_layers, p.stage_workers)
 
     def heard_from(self, peer: str) -> None:
         """`peer` spoke to us directly: when the last full read found no record of it, take its record

@@ -18,6 +18,8 @@ from hetnode.planning.roles import (
     pack_chains,
     plan_boundary,
     plan_successors,
+    stage_of,
+    stage_pools,
     wanted_role,
 )
 
@@ -348,3 +350,97 @@ def test_a_member_caught_lying_to_its_neighbour_is_left_behind():
     # a blame counts only from a member that says the chain broke, and only against another member
     [quiet] = chain_status([claim(0), claim(1), claim(2, blame="stranger")], 3, 6)
     assert quiet.blamed == ()
+
+
+# --- pools: a stage held by several workers --------------------------------------------------------------
+
+
+def test_a_left_over_spare_joins_the_stage_with_the_least_compute_per_layer():
+    peers = [Candidate("fast", 4.0), Candidate("second", 2.0), Candidate("spare", 1.0)]
+    [plan] = pack_chains(peers, 2, n_layers=5, boundary=3, stage_workers=2)
+    pools = stage_pools(plan.stages[0].layout)
+    # the two fastest lead, layers split by their compute (3 of 5 on the fast one); per layer the fast
+    # stage has 4.0 / 3, the other 2.0 / 2: the spare goes where that is least
+    assert pools == ((("fast",), 0, 2), (("second", "spare"), 3, 4))
+    assert [(s.peer_id, s.stage, s.layers) for s in plan.stages] == [
+        ("fast", 0, (0, 2)),
+        ("second", 1, (3, 4)),
+        ("spare", 1, (3, 4)),
+    ]
+    # without room (the default: one worker a stage) the spare stays idle, as before pools
+    [single] = pack_chains(peers, 2, n_layers=5, boundary=3)
+    assert single.members == ("fast", "second")
+    # the plan is the same for any order, and the name commits to the pool
+    for seed in range(5):
+        shuffled = random.Random(seed).sample(peers, 3)
+        assert pack_chains(shuffled, 2, n_layers=5, boundary=3, stage_workers=2) == [plan]
+    assert plan.chain != single.chain
+
+
+def test_pools_never_exceed_the_cap_and_spread_over_stages():
+    peers = _candidates(9, seed=4)
+    plans = pack_chains(peers, 2, n_layers=4, boundary=3, stage_workers=2)
+    assert len(plans) == 4  # 8 leads; the ninth joins a pool
+    sizes = [len(w) for p in plans for w, _, _ in stage_pools(p.stages[0].layout)]
+    assert sorted(sizes) == [1] * 7 + [2]
+    wide = pack_chains(_candidates(7, seed=4), 2, n_layers=4, boundary=3, stage_workers=3)
+    assert sum(len(p.members) for p in wide) == 7  # 3 chains, the spare pooled
+    assert all(len(w) <= 3 for p in wide for w, _, _ in stage_pools(p.stages[0].layout))
+
+
+def test_a_pool_keeps_its_chain_live_while_one_worker_is_left():
+    peers = [Candidate("a", 4.0), Candidate("b", 1.0), Candidate("c", 1.0)]
+    [plan] = pack_chains(peers, 2, n_layers=4, boundary=3, stage_workers=2)
+    claims = _claims(plan)
+    [status] = chain_status(claims, 2, 4, stage_workers=2)
+    assert status.live and status.workers == (("a",), ("b", "c"))
+    assert status.stages == ("a", "b")
+    # one of the pool leaves (its record expired), or says its training ended: still live
+    [status] = chain_status([c for c in claims if c.peer_id != "b"], 2, 4, stage_workers=2)
+    assert status.live and status.workers == (("a",), ("c",))
+    [status] = chain_status(_broken(claims[2:]) + claims[:2], 2, 4, stage_workers=2)
+    assert status.live and status.workers == (("a",), ("b",)) and status.broken == ("c",)
+    # the lone first stage leaves: not live
+    [status] = chain_status(claims[1:], 2, 4, stage_workers=2)
+    assert not status.live and status.problem == "stage 0 has no member"
+    # a run that allows one worker a stage takes no pool
+    [status] = chain_status(claims, 2, 4)
+    assert not status.live and "allows 1" in status.problem
+
+
+def test_a_pool_worker_caught_lying_stops_working_but_the_chain_goes_on():
+    peers = [Candidate("a", 4.0), Candidate("b", 1.0), Candidate("c", 1.0)]
+    [plan] = pack_chains(peers, 2, n_layers=4, boundary=3, stage_workers=2)
+    a, b, c = _claims(plan)
+    accused = Claim(a.peer_id, a.chain, a.stage, a.layers, a.layout, blame="c")
+    [status] = chain_status([accused, b, c], 2, 4, stage_workers=2)
+    assert status.live and status.blamed == ("c",) and status.workers == (("a",), ("b",))
+    # a stranger's blame counts for nothing
+    stranger = Claim("x", a.chain, 0, a.layers, a.layout, blame="c")
+    [status] = chain_status([a, b, c, stranger], 2, 4, stage_workers=2)
+    assert status.blamed == ()
+
+
+def test_a_claim_at_the_wrong_stage_of_a_pool_commits_to_nothing():
+    peers = [Candidate("a", 4.0), Candidate("b", 1.0), Candidate("c", 1.0)]
+    [plan] = pack_chains(peers, 2, n_layers=4, boundary=3, stage_workers=2)
+    a, b, c = _claims(plan)
+    wrong = Claim(c.peer_id, c.chain, 0, c.layers, c.layout)
+    [status] = chain_status([a, b, wrong], 2, 4, stage_workers=2)
+    assert status.workers == (("a",), ("b",))
+    assert stage_of(c.layout, "c") == 1 and stage_of(c.layout, "x") is None
+
+
+def test_a_successor_keeps_the_surviving_pool_and_fills_only_empty_stages():
+    peers = [Candidate("a", 4.0), Candidate("b", 1.0), Candidate("c", 1.0)]
+    [plan] = pack_chains(peers, 2, n_layers=4, boundary=3, stage_workers=2)
+    claims = _broken([c for c in _claims(plan) if c.peer_id != "a"])  # the lone first stage left
+    [status] = chain_status(claims, 2, 4, stage_workers=2)
+    compute = {"b": 1.0, "c": 1.0}
+    [successor] = plan_boundary([status], [Candidate("s", 3.0)], 2, 4, 4, 2, compute)
+    assert stage_pools(successor.stages[0].layout) == ((("s",), *plan.stages[0].layers), (("b", "c"), 3, 3))
+    assert successor.lineage == plan.chain and successor.newcomers == ("s",)
+    # with room for two a stage, the spare left over joins the first stage (the second is full)
+    [successor] = plan_boundary([status], [Candidate("s", 3.0), Candidate("t", 0.5)], 2, 4, 4, 2, compute)
+    assert stage_pools(successor.stages[0].layout)[0][0] == ("s", "t")
+    assert set(successor.newcomers) == {"s", "t"}

@@ -104,6 +104,7 @@ def test_status_document_shows_live_chains_and_stable_fields():
             "problem": "",
             "lineage": plan.chain,
             "blamed": [],
+            "workers": [[m] for m in plan.members],
         }
     ]
     del records[plan.stages[1].peer_id]
