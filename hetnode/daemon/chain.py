@@ -2,15 +2,19 @@
 hivemind P2P streams, then taking part in the sealed round with its own layers (docs/chains.md, "Asynchronous
 1F1B with weight stashing", §3.5).
 
-Each boundary between stages s and s+1 is one duplex stream that stage s opens: activation frames
-(subspace coefficients in bf16 with token ids and targets) go down, activation-gradient frames come back
-up. The first stage reads the chain's data slot; every stage but the last keeps at most `stage_window`
-micro-batches unanswered (P − s by default: the 1F1B schedule, whose weight delay is τ_s = P−1−s) and
+A stage may be a pool of workers with the same layers (docs/chains.md, "Pools and routing"); between two
+stages there is one duplex stream per pair of workers, opened by the earlier one (`chain_links`):
+activation frames (subspace coefficients in bf16 with token ids and targets) go down the link the
+routing picks, activation-gradient frames come back up the same link. The first stage reads the chain's
+data slot; every worker but the last stage's keeps at most `stage_window` micro-batches unanswered (P − s
+by default: the 1F1B schedule, whose weight delay is τ_s = P−1−s, per worker whatever the routing) and
 holds a new one back until a gradient came back. Weight stashing in `StageWorker` makes the schedule
 asynchronous without changing the math; each round's log records the weight delays the stage saw.
 
-A round is H micro-batches: the first stage stops feeding after H, every stage finishes its H backward
-passes (the drain), encodes Δ of its own shards and announces. In lockstep it then waits for the seal and
+A round is H micro-batches (paced: as many as fit): the first stage stops feeding after H; a worker whose
+micro-batches are all answered ends the round on each of its links downstream with the count it sent
+there (`end` frames), and a worker that every live link upstream ended, with all it received answered, is
+done; it encodes Δ of its own shards and announces. In lockstep it then waits for the seal and
 applies it before the next round; with `outer.overlap` the round syncs in a task of its own while the
 first stage feeds the next round's micro-batches and later stages accept them (docs/sync.md "Overlap").
 Each stage stands on the new θ when its own apply is done, between two micro-batches, keeping its progress;
@@ -20,9 +24,10 @@ carry their round; at most one round is unapplied: a round is compressed only on
 is stood on (else the stage waits, and that wait is what utilisation counts).
 
 Anything wrong with a neighbour (a frame that fails validation, a gradient the stage refuses to step on,
-a stream that breaks, a member whose record expired) breaks the chain: in-flight work is dropped, θ is
-untouched, and the peer daemon says so in its record: at the next boundary the chain goes on with a spare
-in the empty stage, or dissolves (docs/chains.md, "When a member leaves").
+a stream that breaks, a member whose record expired) loses that link: its micro-batches in flight go to
+another worker of its pool. When a whole neighbouring stage is gone the chain breaks: in-flight work is
+dropped, θ is untouched, and the peer daemon says so in its record: at the next boundary the chain goes on
+with a spare in the empty stage, or dissolves (docs/chains.md, "When a member leaves").
 """
 
 from __future__ import annotations
@@ -31,21 +36,27 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from hetnode.config import Config
+from hetnode.daemon.chain_links import (
+    ChainBroken,
+    ChainLayout,
+    Link,
+    LinkFailed,
+    Neighbours,
+)
 from hetnode.daemon.faults.strategy import HONEST, Faults
 from hetnode.daemon.participant import RoundParticipant
 from hetnode.daemon.rounds import write_state
 from hetnode.daemon.stage_training import StageTraining, drift_refusal
 from hetnode.data.epochs import training_dataset
-from hetnode.errors import HetnodeError, UpdateRefused, WireError
+from hetnode.errors import UpdateRefused, WireError
 from hetnode.net.node import SwarmNode
 from hetnode.net.records import MAX_ROUND_S
-from hetnode.net.streams import OpenStream, PeerRequestError, read_frame, write_frame
 from hetnode.planning.rounds import another_step, floor_seconds
+from hetnode.planning.routing import NormWatch
 from hetnode.protocol.payload_opener import payload_opener
 from hetnode.protocol.view import PeerDirectory, SwarmView
 from hetnode.replica.global_model import GlobalModel, sha256_hex
@@ -71,64 +82,6 @@ if TYPE_CHECKING:
     import torch
 
 log = logging.getLogger(__name__)
-
-CONNECT_S = 30.0  # neighbours must be connected this soon after the chain went live
-WRITE_SLACK = 4.0  # a frame write may take this many times its transfer at our measured upload rate
-MIN_WRITE_TIMEOUT_S = 30.0  # plus this: the first bytes wait for a window, a round trip, a busy neighbour
-
-
-def frame_write_timeout_s(nbytes: int, up_mbps: float) -> float:
-    """How long one frame write may take before the neighbour counts as stalled: the transfer at our
-    measured upload rate, `WRITE_SLACK` times, plus `MIN_WRITE_TIMEOUT_S`. A fixed timeout either breaks a
-    slow honest link on a large frame or waits minutes for a dead neighbour on a fast one."""
-    transfer_s = nbytes * 8 / (max(up_mbps, 1e-3) * 1e6)
-    return MIN_WRITE_TIMEOUT_S + WRITE_SLACK * transfer_s
-
-
-class ChainBroken(HetnodeError):
-    """This chain cannot go on (a neighbour left, or sent something invalid)."""
-
-    def __init__(self, message: str, blame: str | None = None) -> None:
-        super().__init__(message)
-        self.blame = blame  # the neighbour whose frame failed our checks (it cannot be an honest one's)
-
-
-@dataclass(frozen=True)
-class ChainLayout:
-    chain: str
-    index: int  # our stage
-    members: tuple[str, ...]  # peer id of each stage, in stage order
-    splits: tuple[range, ...]  # layers of each stage
-    lineage: str = ""  # the name the chain was founded under: whose data slot it trains on
-
-    @classmethod
-    def from_view(cls, view: SwarmView, chain: str, peer_id: str) -> ChainLayout | None:
-        """The live chain `chain` as the records say, or None when it is not live or we are not in it."""
-        status = next((c for c in view.chains() if c.chain == chain and c.live), None)
-        if status is None or peer_id not in status.stages:
-            return None
-        members = tuple(p for p in status.stages if p is not None)
-        splits = []
-        for member in members:
-            first, last = view.peers[member]["layers"]
-            splits.append(range(first, last + 1))
-        return cls(chain, members.index(peer_id), members, tuple(splits), status.lineage)
-
-    @property
-    def first(self) -> bool:
-        return self.index == 0
-
-    @property
-    def last(self) -> bool:
-        return self.index == len(self.members) - 1
-
-    @property
-    def upstream(self) -> str | None:
-        return None if self.first else self.members[self.index - 1]
-
-    @property
-    def downstream(self) -> str | None:
-        return None if self.last else self.members[self.index + 1]
 
 
 class ChainLoop:
@@ -156,10 +109,7 @@ class ChainLoop:
         self.metrics = metrics
         self.faults = faults
         self.state_path = data_dir / f"stage-state-{node.run}.pt"  # for restarts, as an anchor keeps one
-        self.bytes_sent = 0  # activation and gradient frames, since the chain started
-        self.bytes_received = 0
         self.compute_s = 0.0  # in forward and backward passes, since the chain started
-        self.send_s = 0.0  # writing frames to neighbours, since the chain started
         self.peer_id = node.identity.peer_id
         # the stage's slice of θ only: its memory and its sealed download scale with its layers
         self.coordinator, self.directory = coordinator, directory
@@ -177,18 +127,18 @@ class ChainLoop:
         self._round_requested = asyncio.Event()  # stages after the first: a frame of a new round arrived
         self._requested_round = -1
         self.round_done = asyncio.Event()
-        self.backwards = 0
-        self.received = 0  # act frames of the open round (stages after the first)
-        # micro-batches of the open round: H, or under paced rounds what the first stage says at its end
+        self.backwards = 0  # micro-batches of the open round back-propagated here
+        self.received = 0  # micro-batches of the open round that arrived here (stages after the first)
+        # first stage: the micro-batches it fed in the open round, once it stopped feeding
         self.target: int | None = None
         self.mb_s: float | None = None  # paced, first stage: the time between two micro-batches fed
         self.drain_s = 0.0  # paced, first stage: from the last micro-batch fed to the round's end, last round
         self.window: asyncio.Semaphore | None = None
         self.failed: asyncio.Future[str] | None = None
-        self.blamed: str | None = None  # the neighbour whose frame broke the chain (`ChainBroken.blame`)
-        self.upstream: OpenStream | None = None
-        self.downstream: OpenStream | None = None
-        self._upstream_ready: asyncio.Event = asyncio.Event()
+        self.links = Neighbours(node, layout, self._up_mbps, self._say_blame)
+        self.links.on_lost = self._lost_link
+        # a pool's cheap statistical check: each link's frames against the other workers' (`NormWatch`)
+        self.norms = {"act": NormWatch(), "grad": NormWatch()}
         self._closing = asyncio.Event()
 
     # --- lifecycle ---------------------------------------------------------------------------------
@@ -246,10 +196,12 @@ class ChainLoop:
             await self._rebase(())
             await self._connect(stop)
             tasks = [asyncio.create_task(self._watch_members(stop), name="chain-watch")]
-            if not layout.last:
-                tasks.append(asyncio.create_task(self._read_gradients(), name="chain-grads"))
-            if not layout.first:
-                tasks.append(asyncio.create_task(self._read_activations(), name="chain-acts"))
+            for link in self.links.downs.values():
+                tasks.append(asyncio.create_task(self._serve(link, self._read_gradients), name="chain-grads"))
+            for link in self.links.ups.values():
+                tasks.append(
+                    asyncio.create_task(self._serve(link, self._read_activations), name="chain-acts")
+                )
             for task in tasks:
                 task.add_done_callback(self._task_ended)
             rounds = asyncio.create_task(self._run_rounds(stop), name="chain-rounds")
@@ -273,9 +225,7 @@ class ChainLoop:
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
-            for stream in (self.upstream, self.downstream):
-                if stream is not None:
-                    stream.close()
+            self.links.close()
             if self.training is not None:
                 self.training.worker.drop_in_flight()
             await asyncio.to_thread(self.writer.close)
@@ -288,13 +238,30 @@ class ChainLoop:
         if self.failed is not None and not self.failed.done():
             self.failed.set_result(reason)
 
+    @property
+    def blamed(self) -> str | None:
+        """The first neighbour we caught sending what no honest stage sends (said in our record: the chain
+        goes on without it)."""
+        return self.links.blamed
+
+    @property
+    def bytes_sent(self) -> int:  # activation and gradient frames, since the chain started
+        return self.links.bytes_sent
+
+    @property
+    def bytes_received(self) -> int:
+        return self.links.bytes_received
+
+    @property
+    def send_s(self) -> float:  # writing frames to neighbours, since the chain started
+        return self.links.send_s
+
     def _broken(self, exc: ChainBroken) -> None:
-        """The chain ends; the first neighbour caught sending what no honest stage sends is kept in
-        `blamed` (the peer daemon says so in its record: the chain goes on without it)."""
-        if exc.blame is not None and self.blamed is None and (self.failed is None or not self.failed.done()):
-            self.blamed = exc.blame
-            log.warning("chain %s: %s sent what no honest stage sends: %s", self.layout.chain, exc.blame, exc)
         self._fail(str(exc))
+
+    async def _say_blame(self, peer: str, reason: str) -> None:
+        """Say in our record whom we caught lying: every member then drops it (`ChainStatus.workers`)."""
+        await self.presence.update(chain_blame=peer)
 
     def _task_ended(self, task: asyncio.Task) -> None:
         if task.cancelled():
@@ -306,58 +273,56 @@ class ChainLoop:
             self._fail(str(exc))
 
     async def _connect(self, stop: asyncio.Event) -> None:
-        """Open our stream downstream and wait for the one from upstream."""
-        deadline = time.monotonic() + CONNECT_S
-        while self.layout.downstream is not None and self.downstream is None:
-            try:
-                stream = await self.node.open_stage_stream(self.layout.downstream)
-            except PeerRequestError as exc:
-                problem = str(exc)
-            else:
-                try:  # the next stage accepts with an empty frame once its own chain loop runs
-                    await read_frame(stream.reader, 0, timeout=5.0)
-                    self.downstream = stream
-                    break
-                except (TimeoutError, asyncio.IncompleteReadError, ConnectionError, WireError) as exc:
-                    stream.close()
-                    problem = f"not accepted yet ({type(exc).__name__})"
-            if time.monotonic() > deadline:
-                raise ChainBroken(f"cannot reach the next stage: {problem}")
-            if await sleep_or_stop(stop, 0.5):
-                return
-        while self.layout.upstream is not None and not self._upstream_ready.is_set():
-            if time.monotonic() > deadline:
-                raise ChainBroken("the previous stage did not connect")
-            if await sleep_or_stop(stop, 0.1):  # a stop signal must not wait out CONNECT_S
-                return
+        """Link up with the working members of the neighbouring stages (`Neighbours.connect`)."""
+        view = await self.rounds.view.get()
+        await self.links.connect(self._working(view), stop)
+        layout = self.layout
         log.info(
-            "chain %s: stage %d of %d connected (layers %d..%d)",
-            self.layout.chain,
-            self.layout.index,
-            len(self.layout.members),
-            self.layout.splits[self.layout.index].start,
-            self.layout.splits[self.layout.index].stop - 1,
+            "chain %s: stage %d of %d connected (layers %d..%d; %d worker(s) upstream, %d downstream)",
+            layout.chain,
+            layout.index,
+            layout.stages,
+            layout.splits[layout.index].start,
+            layout.splits[layout.index].stop - 1,
+            len(self.links.ups),
+            len(self.links.downs),
         )
+
+    def _working(self, view: SwarmView) -> set[str]:
+        """The chain's working members as the records say; the whole layout when they do not say (a
+        harness without records)."""
+        status = next((c for c in view.chains() if c.chain == self.layout.chain), None)
+        if status is None:
+            return {p for pool in self.layout.pools for p in pool}
+        return {p for workers in status.workers for p in workers}
 
     async def _accept_upstream(
         self, peer: str, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
     ) -> None:
-        if peer != self.layout.upstream or self.upstream is not None:
-            log.warning(
-                "chain %s: refusing a stream from %s (not our previous stage)", self.layout.chain, peer
-            )
-            return
-        await write_frame(writer, b"", 5.0)  # accepted
-        self.upstream = OpenStream(peer, reader, writer)
-        self._upstream_ready.set()
-        await self._closing.wait()  # the stream lives as long as the chain
+        if await self.links.accept(peer, reader, writer):
+            await self._closing.wait()  # the stream lives as long as the chain
 
     async def _watch_members(self, stop: asyncio.Event) -> None:
-        """Break the chain when the records say it is not live any more (a member vanished)."""
+        """Break the chain when the records say it is not live any more (a whole stage left); lose the links
+        to neighbours that stopped working in it (left, said their training ended, caught lying)."""
         while not await sleep_or_stop(stop, self.config.network.heartbeat_s):
             view = await self.rounds.view.get()
             if not view.chain_is_live(self.layout.chain):
                 raise ChainBroken("the records say the chain is not live (a member left or says it broke)")
+            await self.links.drop_gone(view)
+
+    async def _serve(self, link: Link, reader: Callable[[Link], Any]) -> None:
+        """Read `link` with `reader` until it fails; then it is lost (`Neighbours.lose`: ChainBroken when it
+        was the last of its stage's)."""
+        try:
+            await reader(link)
+        except LinkFailed as exc:
+            await self.links.lose(link, str(exc), blame=exc.blame)
+
+    def _lost_link(self, link: Link) -> None:
+        self.norms["act"].forget(link.peer)
+        self.norms["grad"].forget(link.peer)
+        self._check_done()  # a round may wait for nothing more from a worker upstream that left
 
     # --- rounds ------------------------------------------------------------------------------------
 
@@ -389,10 +354,11 @@ class ChainLoop:
         async with self.compute:
             await asyncio.to_thread(training.begin_round, round_, drift_base)
         self.backwards = self.received = 0
-        self.target = None if self.config.outer.paced else self.config.outer.inner_steps
+        self.target = None
+        self.links.new_round()
         self.round_done.clear()
         self.window = asyncio.Semaphore(
-            stage_window(len(self.layout.members), self.layout.index, self.config.pipeline.max_in_flight)
+            stage_window(self.layout.stages, self.layout.index, self.config.pipeline.max_in_flight)
         )
         delays_before = len(training.worker.staleness)
         self.round_ = round_
@@ -404,6 +370,8 @@ class ChainLoop:
         await self._until(self.round_done)
         self.drain_s = time.monotonic() - fed
         trained_s = time.monotonic() - started
+        for link in self.links.live(self.links.downs):  # all answered: each link's count is final
+            await self.links.send(link, encode_round_end(round_, link.served))
         # at most one unapplied round: this one is compressed on θ of the round before
         waited = time.monotonic()
         if not await self._settle_sync(stop) or not await self._stand_on(round_ - 1, stop):
@@ -421,6 +389,11 @@ class ChainLoop:
                 training.base + 1,
             )
             return True
+        if self.backwards == 0:
+            # the routing gave us nothing this round (fewer micro-batches than workers): nothing to
+            # announce; what the error feedback holds goes with the next round
+            log.info("round %d: no micro-batch came this way; nothing to announce", round_)
+            return True
         async with self.compute:
             messages = await asyncio.to_thread(training.end_round, round_, self.peer_id)
         payloads = self.rounds.keep(round_, messages)
@@ -428,14 +401,15 @@ class ChainLoop:
             "round": round_,
             "shards": {shard: sha256_hex(data) for shard, data in payloads.items()},
             "tokens": training.tokens - tokens_before,
-            "steps": self.target,  # micro-batches: H, or under paced rounds as many as fit
+            "steps": self.backwards,  # micro-batches this worker served: H, or paced as many as fit
             "train_s": float(round(trained_s, 3)),  # the chain's pace, for a paced round's budget
         }
         log.info(
-            "round %d: stage %d trained in %.1f s%s (%.1f s waiting for the round before): "
-            "announcing shards %s",
+            "round %d: stage %d trained %d micro-batches in %.1f s%s (%.1f s waiting for the round "
+            "before): announcing shards %s",
             round_,
             self.layout.index,
+            self.backwards,
             trained_s,
             f" (loss {training.worker.last_loss:.3f})" if self.layout.last else "",
             wait_s,
@@ -614,13 +588,14 @@ class ChainLoop:
         return await self._settle_sync(stop) and await self._stand_on(base, stop)
 
     async def _feed(self, round_: int) -> None:
-        """First stage: name the θ round of the round's T_fix', then start H micro-batches, never more than
-        the stage's window unanswered. Paced rounds: as many as end within the round's budget (the last
-        round's drain counted), between the floor and the cap, then the round's end frame with the count."""
+        """First stage: name the θ round of the round's T_fix' to every worker downstream, then start H
+        micro-batches (paced: as many as end within the round's budget, the last round's drain counted,
+        between the floor and the cap), never more than the stage's window unanswered."""
         training = self.training
         o = self.config.outer
         if training.drift_base is not None:
-            await self._send(self.downstream, encode_drift(round_, training.drift_base))
+            for link in self.links.live(self.links.downs):
+                await self.links.send(link, encode_drift(round_, training.drift_base))
         budget = self.rounds.round_budget_s
         began = last = time.monotonic()
         fed = 0
@@ -637,116 +612,143 @@ class ChainLoop:
             async with self.compute:
                 mb, batch = training.next_batch()
                 frame = await self._computed(training.forward, mb, batch)
-            await self._send(self.downstream, self._act_frame(round_, mb, frame))
+            await self.links.route(mb, self._act_frame(round_, mb, frame))
             fed += 1
             now = time.monotonic()
             took, last = now - last, now
             self.mb_s = took if self.mb_s is None else 0.8 * self.mb_s + 0.2 * took
             if not o.paced and fed == o.inner_steps:
-                return
-        if o.paced:
-            await self._send(self.downstream, encode_round_end(round_, fed))
-            self._round_has(fed)
+                break
+        self.target = fed
+        self._check_done()
 
-    async def _read_activations(self) -> None:
-        """Stages after the first: forward what arrives; the last stage also runs the backward at once."""
+    async def _read_activations(self, link: Link) -> None:
+        """Stages after the first, one link from a worker upstream: forward what arrives and route it on;
+        the last stage also runs the backward at once and answers on the same link."""
         training = self.training
         limits = training.limits
-        kinds: tuple[FrameKind, ...] = ("act", "drift") if limits.d_model else ("act",)
-        if self.config.outer.paced:
-            kinds += ("end",)
+        kinds: tuple[FrameKind, ...] = ("act", "end", "drift") if limits.d_model else ("act", "end")
         while True:
-            data = await self._receive(self.upstream, frame_size_limit(limits, kinds))
+            data = await self.links.receive(link, frame_size_limit(limits, kinds))
             try:
                 frame = decode_frame(data, limits, expect_kind=kinds)
             except WireError as exc:
-                raise ChainBroken(
-                    f"invalid activation frame from the previous stage: {exc}", self.layout.upstream
+                raise LinkFailed(
+                    f"invalid activation frame from the previous stage: {exc}", blame=True
                 ) from None
             if frame.kind == "drift":
-                await self._take_drift(frame.round, frame.base)
+                await self._take_drift(link, frame.round, frame.base)
                 continue
+            await self._wait_for_round(frame.round, fresh=frame.kind == "act")
             if frame.kind == "end":
-                await self._take_round_end(frame.round, frame.mb)
+                self._take_round_end(link, frame.round, frame.mb)
                 continue
-            await self._wait_for_round(frame.round)
+            self._judge(link, "act", frame.tensor)
+            link.received += 1
+            again = self._sent_again(link, frame.mb)
+            if again:
+                continue
             self.received += 1
             if not self.layout.last:  # the last stage answers at once: it never holds a micro-batch
                 await self._enter_window()
             incoming = Frame(frame.mb, frame.tensor, frame.tokens, frame.targets)
             async with self.compute:
-                if training.in_flight(frame.mb):
-                    raise ChainBroken(f"micro-batch {frame.mb} arrived twice", self.layout.upstream)
                 out = await self._computed(training.forward, frame.mb, incoming)
                 if self.layout.last:
                     grad = await self._computed(training.backward, frame.mb)
             if self.layout.last:  # counted first: the next round's frames may follow this gradient at once
                 self._count_backward()
-                await self._send(self.upstream, self._grad_frame(frame.round, frame.mb, grad))
+                await self.links.send(link, self._grad_frame(frame.round, frame.mb, grad))
             else:
-                await self._send(self.downstream, self._act_frame(frame.round, frame.mb, out))
+                self.links.came_from[frame.mb] = link
+                await self.links.route(frame.mb, self._act_frame(frame.round, frame.mb, out))
 
-    async def _take_drift(self, round_: int, base: int) -> None:
-        """Keep the θ round of the T_fix' of the round about to start and pass it on down the chain (as we
-        encode it: the bytes we forward are never the sender's). Overlapped, a round the swarm sealed
+    def _sent_again(self, link: Link, mb: int) -> bool:
+        """Micro-batch `mb` arrived on `link` while in flight here: True when the previous stage sent it
+        again because the worker it first came through left (its gradient then goes back this way);
+        LinkFailed when it is a duplicate no honest stage sends."""
+        if not self.training.in_flight(mb):
+            return False
+        first = self.links.came_from.get(mb)
+        if first is not None and first.lost and first is not link:
+            self.links.came_from[mb] = link
+            return True
+        raise LinkFailed(f"micro-batch {mb} arrived twice", blame=True)
+
+    def _judge(self, link: Link, kind: str, tensor: torch.Tensor) -> None:
+        """A pool's statistical check: a frame far off what the stage's other workers send is a lie."""
+        links = self.links.ups if kind == "act" else self.links.downs
+        if len(self.links.live(links)) < 2:
+            return
+        why = self.norms[kind].judge(link.peer, float(tensor.float().norm()))
+        if why is not None:
+            side = "previous" if kind == "act" else "next"
+            raise LinkFailed(
+                f"{'activation' if kind == 'act' else 'gradient'} frame from the {side} stage: {why}", True
+            )
+
+    async def _take_drift(self, link: Link, round_: int, base: int) -> None:
+        """Keep the θ round of the T_fix' of the round about to start and pass it on to every worker
+        downstream (as we encode it: the bytes we forward are never the sender's). The same word from a
+        second worker of the previous stage's pool is taken once. Overlapped, a round the swarm sealed
         without us while the first stage started it is trained along (`_next_round`), so its drift frame
-        is taken too. The first stage's word is checked (`drift_refusal`): a refusal breaks the chain."""
+        is taken too. The first stage's word is checked (`drift_refusal`): a refusal loses the link."""
+        if self.drift_base == (round_, base) and link.drift_round < round_:
+            link.drift_round = round_
+            return
         held = self.global_model.params_round
         oldest = held - 1 if self.config.outer.overlap else held + 1
         named = self.drift_base[0] if self.drift_base is not None else -1
         refusal = drift_refusal(round_, base, oldest, max(named, self.last_round))
         if refusal is not None:
-            raise ChainBroken(f"refused the previous stage's drift frame: {refusal}")
+            raise LinkFailed(f"refused the previous stage's drift frame: {refusal}")
         self.drift_base = (round_, base)
-        if not self.layout.last:
-            await self._send(self.downstream, encode_drift(round_, base))
+        link.drift_round = round_
+        for down in self.links.live(self.links.downs):
+            await self.links.send(down, encode_drift(round_, base))
 
-    async def _take_round_end(self, round_: int, count: int) -> None:
-        """Paced rounds: the first stage says the open round had `count` micro-batches; every one of them
-        has arrived before this frame (one stream, in order). Passed on down the chain, as we encode it."""
-        o = self.config.outer
-        if not self.round_open.is_set() or round_ != self.round_ or self.target is not None:
-            raise ChainBroken(f"a round-end frame for round {round_}, which is not the round open here")
-        if count != self.received or not o.step_floor <= count <= o.step_cap:
-            raise ChainBroken(f"round {round_} ends at {count} micro-batches; {self.received} arrived")
-        if not self.layout.last:
-            await self._send(self.downstream, encode_round_end(round_, count))
-        self._round_has(count)
+    def _take_round_end(self, link: Link, round_: int, count: int) -> None:
+        """A worker upstream says it sent us `count` micro-batches of the open round, all of which arrived
+        before this frame (one stream, in order)."""
+        if round_ != self.round_ or link.ended:
+            raise LinkFailed(f"a round-end frame for round {round_}, which is not the round open here")
+        if count != link.received:
+            raise LinkFailed(
+                f"round {round_} ends at {count} micro-batches on this link; {link.received} arrived"
+            )
+        link.ended = True
+        self._check_done()
 
-    def _round_has(self, count: int) -> None:
-        """The open round has `count` micro-batches: it is done once that many backward passes are."""
-        self.target = count
-        self._done_when_drained()
-
-    async def _read_gradients(self) -> None:
-        """Stages before the last: back-propagate each gradient that returns, pass it on upstream."""
+    async def _read_gradients(self, link: Link) -> None:
+        """Stages before the last, one link to a worker downstream: back-propagate each gradient that
+        returns, pass it on up the link its micro-batch came from."""
         training = self.training
         limits = training.limits
         while True:
-            data = await self._receive(self.downstream, limits.max_bytes)
+            data = await self.links.receive(link, limits.max_bytes)
             try:
                 frame = decode_frame(data, limits, expect_kind="grad", expect_round=self.round_)
             except WireError as exc:
-                raise ChainBroken(
-                    f"invalid gradient frame from the next stage: {exc}", self.layout.downstream
-                ) from None
+                raise LinkFailed(f"invalid gradient frame from the next stage: {exc}", blame=True) from None
+            self._judge(link, "grad", frame.tensor)
             async with self.compute:
-                if not training.in_flight(frame.mb):
-                    raise ChainBroken(
-                        f"a gradient for micro-batch {frame.mb}, which is not in flight",
-                        self.layout.downstream,
+                if not training.in_flight(frame.mb) or not self.links.expects(frame.mb, link):
+                    raise LinkFailed(
+                        f"a gradient for micro-batch {frame.mb}, which is not in flight", blame=True
                     )
                 try:
                     grad = await self._computed(training.backward, frame.mb, frame.tensor)
                 except UpdateRefused as exc:  # refused before any step: our state is as it was
-                    raise ChainBroken(
-                        f"a gradient from the next stage was refused: {exc}", self.layout.downstream
+                    raise LinkFailed(
+                        f"a gradient from the next stage was refused: {exc}", blame=True
                     ) from None
+                self.links.answered(frame.mb)
             if self.window is not None:
                 self.window.release()
+            up = self.links.came_from.pop(frame.mb, None)
             self._count_backward()  # first: the next round's frames may follow this gradient at once
-            if grad is not None:
-                await self._send(self.upstream, self._grad_frame(frame.round, frame.mb, grad))
+            if grad is not None and up is not None:
+                await self.links.send(up, self._grad_frame(frame.round, frame.mb, grad))
 
     async def _enter_window(self) -> None:
         """Wait for room in this stage's in-flight window (a gradient coming back makes room)."""
@@ -759,28 +761,40 @@ class ChainLoop:
 
     def _count_backward(self) -> None:
         self.backwards += 1
-        self._done_when_drained()
+        self._check_done()
 
-    def _done_when_drained(self) -> None:
-        if self.target is not None and self.backwards >= self.target:
+    def _check_done(self) -> None:
+        """The open round is done here once all its micro-batches are answered: the first stage's, once it
+        stopped feeding; a later stage's, once every live link upstream ended the round."""
+        if not self.round_open.is_set():
+            return
+        if self.layout.first:
+            done = self.target is not None and self.backwards >= self.target
+        else:
+            ended = all(link.ended for link in self.links.live(self.links.ups))
+            done = ended and self.backwards >= self.received
+        if done:
             self.round_open.clear()  # at once: a frame of the next round asks for it, it is no stray
             self.round_done.set()
 
-    async def _wait_for_round(self, round_: int) -> None:
+    async def _wait_for_round(self, round_: int, fresh: bool = True) -> None:
         """Hold a frame until its round is open here: the first frame of a round asks the round loop to
-        open it (after the seal of the previous one is applied)."""
+        open it (after the seal of the previous one is applied). `fresh`: an act frame (counted against
+        the cap)."""
         if self.round_open.is_set():
             if self.round_ != round_:
-                raise ChainBroken(f"a frame of round {round_} arrived while training round {self.round_}")
-            most = self.config.outer.step_cap if self.target is None else self.target
-            if self.received >= most:
-                raise ChainBroken(f"more than {most} micro-batches in round {self.round_}")
+                raise LinkFailed(f"a frame of round {round_} arrived while training round {self.round_}")
+            cap = self.config.outer.step_cap
+            if fresh and self.received >= cap:
+                raise LinkFailed(f"more than {cap} micro-batches in round {self.round_}", blame=True)
             return
+        if round_ <= self.last_round:
+            raise LinkFailed(f"a frame of round {round_}, which ended here")
         self._requested_round = round_
         self._round_requested.set()
         await self._until(self.round_open)
         if self.round_ != round_:
-            raise ChainBroken(f"a frame of round {round_} arrived while training round {self.round_}")
+            raise LinkFailed(f"a frame of round {round_} arrived while training round {self.round_}")
 
     async def _computed(self, step: Callable[..., Any], *args: Any) -> Any:
         """`step(*args)` in a worker thread, its time counted in `compute_s`."""
@@ -800,31 +814,8 @@ class ChainLoop:
         """The gradient frame of micro-batch `mb`, as our strategy sends it upstream."""
         return encode_frame("grad", round_, mb, self.faults.sent_gradients(grad))
 
-    async def _send(self, stream: OpenStream | None, data: bytes) -> None:
-        assert stream is not None
-        started = time.perf_counter()
-        try:
-            await write_frame(stream.writer, data, frame_write_timeout_s(len(data), self._up_mbps()))
-            self.bytes_sent += len(data)
-            self.send_s += time.perf_counter() - started
-        except (TimeoutError, ConnectionError, OSError) as exc:
-            raise ChainBroken(f"stream to {stream.peer[-8:]} broke ({type(exc).__name__})") from None
-
     def _up_mbps(self) -> float:
         """Our upload rate as last measured (our record), else the least a stage may have (the config)."""
         measured = self.presence.record.get("up_mbps")
         floor = self.config.network.stage_min_up_mbps
         return float(measured) if isinstance(measured, int | float) and measured > 0 else floor
-
-    async def _receive(self, stream: OpenStream | None, max_bytes: int) -> bytes:
-        assert stream is not None
-        try:
-            # no timeout: between rounds a neighbour is silent while the seal is pending; a dead one is
-            # noticed by the stream closing or by `_watch_members`
-            data = await read_frame(stream.reader, max_bytes, timeout=None)
-            self.bytes_received += len(data)
-            return data
-        except (asyncio.IncompleteReadError, ConnectionError, OSError) as exc:
-            raise ChainBroken(f"stream from {stream.peer[-8:]} ended ({type(exc).__name__})") from None
-        except WireError as exc:
-            raise ChainBroken(f"bad frame from {stream.peer[-8:]}: {exc}") from None

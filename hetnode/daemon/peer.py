@@ -22,7 +22,8 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from hetnode.config import Config
 from hetnode.daemon.anchor import AnchorLoop
-from hetnode.daemon.chain import ChainLayout, ChainLoop
+from hetnode.daemon.chain import ChainLoop
+from hetnode.daemon.chain_links import ChainLayout
 from hetnode.daemon.faults.factory import faults_named
 from hetnode.daemon.peer_address import is_url, resolve_peer
 from hetnode.daemon.reach import reach_swarm

@@ -236,13 +236,14 @@ def _pack_drafts(
 def _fill_pools(drafts: Sequence[_Draft], spares: Sequence[Candidate], stage_workers: int) -> list[Candidate]:
     """Give each spare, fastest first, to the stage of `drafts` with the least compute per layer whose
     pool has room (ties: the earlier chain, then the later stage: the last one also runs the head).
-    Returns the spares left over."""
+    The first stage keeps one worker: it reads the chain's data and names each round's T_fix', which
+    every worker downstream takes from one sender. Returns the spares left over."""
     left = []
     for spare in sorted(spares, key=lambda c: (-c.tflops, c.peer_id)):
         open_stages = [
             (draft.per_layer(s), d, -s)
             for d, draft in enumerate(drafts)
-            for s in range(len(draft.pools))
+            for s in range(1, len(draft.pools))
             if len(draft.pools[s]) < stage_workers
         ]
         if not open_stages:

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from hetnode.config import load_config
-from hetnode.daemon.chain import MIN_WRITE_TIMEOUT_S, WRITE_SLACK, frame_write_timeout_s
+from hetnode.daemon.chain_links import MIN_WRITE_TIMEOUT_S, WRITE_SLACK, frame_write_timeout_s
 from hetnode.daemon.stage_training import frame_limits
 from hetnode.lab.scale.pace import frame_bytes
 from hetnode.wire.activation_frame import encode_drift

@@ -20,7 +20,8 @@ import pytest
 import torch
 
 from hetnode.config import Config, replace
-from hetnode.daemon.chain import ChainLayout, ChainLoop
+from hetnode.daemon.chain import ChainLoop
+from hetnode.daemon.chain_links import ChainLayout
 from hetnode.daemon.stage_training import KEPT_EMBEDDINGS, frame_limits
 from hetnode.net import loop
 from hetnode.net.identity import ephemeral_identity
@@ -84,7 +85,7 @@ def stage(config: Config, node: SwarmNode, upstream: str, data_dir: Path) -> Cha
     """The last stage of a two-stage chain whose first stage is `upstream`; its coordinator sealed nothing."""
     n = config.model.n_layers
     layout = ChainLayout(
-        "chain-x", 1, (upstream, node.identity.peer_id), (range(0, n // 2), range(n // 2, n))
+        "chain-x", 1, ((upstream,), (node.identity.peer_id,)), (range(0, n // 2), range(n // 2, n))
     )
     n_cfg = config.network
     presence = Presence(node, new_peer_record("edge", role="stage"), n_cfg.heartbeat_s, n_cfg.record_ttl_s)

@@ -15,7 +15,8 @@ from pathlib import Path
 import pytest
 
 from hetnode.config import Config, replace
-from hetnode.daemon.chain import ChainLayout, ChainLoop
+from hetnode.daemon.chain import ChainLoop
+from hetnode.daemon.chain_links import ChainLayout
 from hetnode.daemon.faults.factory import faults_named
 from hetnode.daemon.stage_training import stage_part
 from hetnode.net import loop
@@ -46,7 +47,7 @@ def stage(
     config: Config, node: SwarmNode, index: int, members: tuple[str, str], data_dir: Path, fault: str | None
 ) -> ChainLoop:
     """Stage `index` of the chain `members`; its coordinator sealed nothing."""
-    layout = ChainLayout("chain-x", index, members, splits(config))
+    layout = ChainLayout("chain-x", index, tuple((m,) for m in members), splits(config))
     n_cfg = config.network
     record = new_peer_record(f"stage-{index}", role="stage")
     presence = Presence(node, record, n_cfg.heartbeat_s, n_cfg.record_ttl_s)

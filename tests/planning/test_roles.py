@@ -440,7 +440,15 @@ def test_a_successor_keeps_the_surviving_pool_and_fills_only_empty_stages():
     [successor] = plan_boundary([status], [Candidate("s", 3.0)], 2, 4, 4, 2, compute)
     assert stage_pools(successor.stages[0].layout) == ((("s",), *plan.stages[0].layers), (("b", "c"), 3, 3))
     assert successor.lineage == plan.chain and successor.newcomers == ("s",)
-    # with room for two a stage, the spare left over joins the first stage (the second is full)
-    [successor] = plan_boundary([status], [Candidate("s", 3.0), Candidate("t", 0.5)], 2, 4, 4, 2, compute)
-    assert stage_pools(successor.stages[0].layout)[0][0] == ("s", "t")
-    assert set(successor.newcomers) == {"s", "t"}
+    # the spare left over: the second stage's pool is full, the first stage takes no pool
+    plans = plan_boundary([status], [Candidate("s", 3.0), Candidate("t", 0.5)], 2, 4, 4, 3, compute)
+    assert stage_pools(plans[0].stages[0].layout)[1][0] == ("b", "c", "t")
+    plans = plan_boundary([status], [Candidate("s", 3.0), Candidate("t", 0.5)], 2, 4, 4, 2, compute)
+    assert "t" not in plans[0].members
+
+
+def test_the_first_stage_takes_no_pool():
+    # per layer the first stage is the slowest (1 layer of 1.0 against 3 of 9.0): the spare still goes on
+    peers = [Candidate("a", 9.0), Candidate("b", 9.0), Candidate("c", 1.0)]
+    [plan] = pack_chains(peers, 2, n_layers=4, boundary=3, stage_workers=2)
+    assert [len(w) for w, _, _ in stage_pools(plan.stages[0].layout)] == [1, 2]

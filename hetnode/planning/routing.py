@@ -1,0 +1,95 @@
+"""Which worker of the next stage's pool a micro-batch goes to, and what a stage learns of each worker: pure
+decisions over what the sender observed (docs/chains.md, "Pools and routing").
+
+A sender knows, for each worker it is connected to, how many of its micro-batches the worker holds now
+and how long one took it lately (round trip over the queue it joined, `ServiceTime`). A micro-batch goes
+where it is expected back soonest; a worker not yet tried this round goes first, so that every worker of
+the pool takes part in every round (a worker that served nothing has nothing to announce, and the seal
+would wait for it).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+SERVICE_EMA = 0.3  # weight of the newest observation in a worker's time per micro-batch
+NORM_EMA = 0.1  # weight of the newest frame in a link's typical log-norm
+NORM_FACTOR = 32.0  # a frame this many times off the other workers' typical norm is a lie
+NORM_WARMUP = 8  # frames the other workers must have sent before a norm is judged
+
+
+@dataclass(frozen=True)
+class WorkerLoad:
+    """One worker of the next stage as the sender sees it."""
+
+    peer: str
+    served: int  # micro-batches sent to it this round
+    in_flight: int  # of those, not answered yet
+    per_mb_s: float | None  # its time per micro-batch lately (None: not measured yet)
+
+
+def pick_worker(workers: Sequence[WorkerLoad]) -> str:
+    """The worker the next micro-batch goes to: one not tried this round (fewest in flight), else the one
+    expected to answer first, (in flight + 1) × its time per micro-batch (a worker not measured yet counts
+    as the fastest measured one); ties to fewer in flight, then peer id."""
+    if not workers:
+        raise ValueError("no worker to route to")
+    untried = [w for w in workers if w.served == 0]
+    if untried:
+        return min(untried, key=lambda w: (w.in_flight, w.peer)).peer
+    known = [w.per_mb_s for w in workers if w.per_mb_s is not None]
+    fallback = min(known) if known else 1.0
+    return min(
+        workers,
+        key=lambda w: (
+            (w.in_flight + 1) * (fallback if w.per_mb_s is None else w.per_mb_s),
+            w.in_flight,
+            w.peer,
+        ),
+    ).peer
+
+
+class ServiceTime:
+    """A worker's time per micro-batch: each round trip divided by the queue the micro-batch joined (itself
+    included), smoothed."""
+
+    def __init__(self) -> None:
+        self.per_mb_s: float | None = None
+
+    def observe(self, round_trip_s: float, queue: int) -> None:
+        sample = max(round_trip_s, 0.0) / max(queue, 1)
+        self.per_mb_s = (
+            sample if self.per_mb_s is None else (1 - SERVICE_EMA) * self.per_mb_s + SERVICE_EMA * sample
+        )
+
+
+class NormWatch:
+    """The cheap statistical check of a pool: each link's typical log-norm of the tensors it sends (of one
+    kind), and whether a new frame's norm is `NORM_FACTOR` times off the other links' typical one. Frames
+    judged off are not learned from, so a worker that turns to lying is compared with honest history."""
+
+    def __init__(self) -> None:
+        self.typical: dict[str, float] = {}  # link -> EMA of log-norm
+        self.count: dict[str, int] = {}
+
+    def judge(self, link: str, norm: float) -> str | None:
+        """Why a frame of norm `norm` from `link` is a lie (None: it is not, and it is learned from)."""
+        others = [self.typical[p] for p in self.typical if p != link and self.count[p] >= NORM_WARMUP]
+        value = math.log(max(norm, 1e-30))
+        if others:
+            reference = sum(others) / len(others)
+            if abs(value - reference) > math.log(NORM_FACTOR):
+                return (
+                    f"a tensor of norm {norm:.3g}, {math.exp(abs(value - reference)):.0f}× off the "
+                    f"{math.exp(reference):.3g} the stage's other workers send"
+                )
+        old = self.typical.get(link)
+        self.typical[link] = value if old is None else (1 - NORM_EMA) * old + NORM_EMA * value
+        self.count[link] = self.count.get(link, 0) + 1
+        return None
+
+    def forget(self, link: str) -> None:
+        self.typical.pop(link, None)
+        self.count.pop(link, None)

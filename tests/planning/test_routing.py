@@ -1,0 +1,52 @@
+"""Routing a micro-batch to a worker of the next stage's pool, and what a sender learns of each worker."""
+
+import math
+
+import pytest
+
+from hetnode.planning.routing import NORM_FACTOR, NORM_WARMUP, NormWatch, ServiceTime, WorkerLoad, pick_worker
+
+
+def test_every_worker_is_tried_each_round_before_the_fastest_is_preferred():
+    fast = WorkerLoad("a", served=3, in_flight=0, per_mb_s=0.1)
+    idle = WorkerLoad("b", served=0, in_flight=0, per_mb_s=9.0)
+    assert pick_worker([fast, idle]) == "b"  # not tried this round: it goes first, however slow
+    assert pick_worker([fast, WorkerLoad("b", 1, 0, 9.0)]) == "a"
+
+
+def test_a_micro_batch_goes_where_it_is_expected_back_soonest():
+    slow = WorkerLoad("slow", served=2, in_flight=0, per_mb_s=3.0)
+    busy = WorkerLoad("busy", served=2, in_flight=1, per_mb_s=1.0)
+    assert pick_worker([slow, busy]) == "busy"  # 2 × 1.0 < 1 × 3.0
+    busier = WorkerLoad("busy", served=2, in_flight=3, per_mb_s=1.0)
+    assert pick_worker([slow, busier]) == "slow"  # 4 × 1.0 > 3.0
+    # not measured yet: counted as the fastest measured; ties to fewer in flight, then the name
+    assert pick_worker([WorkerLoad("x", 1, 1, None), WorkerLoad("y", 1, 0, 2.0)]) == "y"
+    assert pick_worker([WorkerLoad("b", 1, 0, 1.0), WorkerLoad("a", 1, 0, 1.0)]) == "a"
+    with pytest.raises(ValueError):
+        pick_worker([])
+
+
+def test_a_workers_time_per_micro_batch_is_its_round_trip_over_its_queue():
+    service = ServiceTime()
+    service.observe(4.0, queue=2)
+    assert service.per_mb_s == 2.0
+    service.observe(1.0, queue=1)
+    assert service.per_mb_s == pytest.approx(0.7 * 2.0 + 0.3 * 1.0)
+
+
+def test_a_worker_that_turns_to_sending_frames_far_off_the_pools_is_caught_at_its_first():
+    watch = NormWatch()
+    for i in range(NORM_WARMUP):
+        assert watch.judge("honest", 1.0 + 0.1 * (i % 3)) is None
+        assert watch.judge("liar", 1.2) is None
+    assert watch.judge("liar", 1.2 * NORM_FACTOR * 1.5) is not None
+    assert watch.judge("liar", 1.2 / NORM_FACTOR / 1.5) is not None
+    # its lies were not learned from: the honest worker is still judged against honest history
+    assert watch.judge("honest", 1.1) is None and math.isclose(math.exp(watch.typical["liar"]), 1.2)
+    # within the factor is honest variation (gradients shrink as the loss falls)
+    assert watch.judge("liar", 1.2 * NORM_FACTOR / 2) is None
+    # alone (no other worker with history) nothing is judged
+    assert NormWatch().judge("solo", 1e9) is None
+    watch.forget("honest")
+    assert watch.judge("liar", 1e9) is None
