@@ -112,6 +112,7 @@ class RoundKeeper:
             config, ledger, checkpoints_root(data_dir.path), node.run, self._evaluated, metrics
         )
         self._rescued: dict[tuple[int, tuple[str, ...]], set[str]] = {}  # the last `_rescue` verdict
+        self._caught_logged: set[str] = set()  # chain members caught lying, said in the log once
         self._names: dict[str, str] = {}  # display names from peer records, as last seen
         n = config.network
         self.view = directory or PeerDirectory(node, config, n.heartbeat_s, n.heartbeat_s)
@@ -221,9 +222,20 @@ class RoundKeeper:
         """Whom the seal of `round_` waits for: the view's expected replicas, and those expected last time
         whose record the view lost without a word of leaving (a DHT that hid or dropped it: its records
         live seconds, its announcements come straight to us). One that is really gone misses this round
-        and is not waited for again (`Sealer.waiting_for`)."""
+        and is not waited for again (`Sealer.waiting_for`); a pool's worker that its live chain goes on
+        without is not waited for at all."""
         expected = view.expected_contributors(round_, self.config.outer.overlap)
-        expected |= lost_records(self._expected_before, view.peers, view.departed, self.sealer.missed)
+        # a pool's worker whose record is gone while its chain lives on without it is gone: the members
+        # that still claim the chain commit to it and work without it (docs/chains.md, "Pools")
+        left_pools = {
+            peer
+            for chain in view.chains()
+            if chain.live
+            for peer, _, _ in chain.layout
+            if not any(peer in workers for workers in chain.workers)
+        }
+        lost = lost_records(self._expected_before, view.peers, view.departed, self.sealer.missed)
+        expected |= lost - left_pools
         self._expected_before = expected
         return expected
 
@@ -237,6 +249,15 @@ class RoundKeeper:
         if not self.sealer.ready(expected, seen):
             return
         started = time.monotonic()
+        # a chain member another member caught lying to it is out of its chain's routing: its payload
+        # (trained, if at all, on its own lies' echo) is not sealed either (docs/chains.md, "Pools")
+        caught = {peer for chain in view.chains() for peer in chain.blamed} & set(seen)
+        if caught - self._caught_logged:
+            log.info("round %d: leaving out %s: caught lying to their chains", round_, sorted(caught))
+            self._caught_logged |= caught
+        seen = {peer: a for peer, a in seen.items() if peer not in caught}
+        if not seen:
+            return
         replicas = {peer: replica_of(peer, view.peers.get(peer)).key for peer in seen}
         # paced: replicas sitting out say how long their floor of steps takes; the budget lets them in
         floors = [

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import socket
 import time
 from pathlib import Path
@@ -29,6 +30,17 @@ def port_or_off(text: str) -> int | None:
     if not 0 <= port < 65536:
         raise argparse.ArgumentTypeError(f"port must be in 0..65535, got {port}")
     return port
+
+
+def positive_number(text: str) -> float:
+    """A finite number > 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text}")
+    return value
 
 
 def register(commands: argparse._SubParsersAction) -> None:
@@ -184,6 +196,12 @@ def register(commands: argparse._SubParsersAction) -> None:
     join.add_argument(
         "--fault", choices=FAULT_NAMES, default=None, help=argparse.SUPPRESS
     )  # tests only: a hostile or faulty anchor or stage (`hetnode.daemon.faults`)
+    join.add_argument(
+        "--fault-after", type=positive_number, default=0.0, metavar="SECONDS", help=argparse.SUPPRESS
+    )  # tests only: a stage's frame fault begins this long after start (a worker that turns to lying)
+    join.add_argument(
+        "--tflops", type=positive_number, default=None, help=argparse.SUPPRESS
+    )  # labs only: advertise this compute instead of measuring it (which peers lead chains, and pools)
     join.set_defaults(handler=run_join)
 
     status = commands.add_parser("status", help="show the swarm as the DHT sees it")
@@ -331,6 +349,8 @@ def run_join(args: argparse.Namespace) -> int:
         metrics_port=args.metrics_port,
         http_host=args.http_host,
         fault=args.fault,
+        fault_after_s=args.fault_after,
+        tflops=args.tflops,
         coordinator=coordinator,
         data_source=args.data_source,
         data_cache=args.data_cache,

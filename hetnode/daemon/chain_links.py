@@ -113,6 +113,7 @@ class Link:
     lost: bool = False
     # a link to the next stage: what we sent it in the open round, and how fast it answers
     served: int = 0
+    answered: int = 0  # of those, answered
     service: ServiceTime = field(default_factory=ServiceTime)
     # a link from the previous stage: what it sent us in the open round
     received: int = 0
@@ -239,7 +240,7 @@ class Neighbours:
 
     def new_round(self) -> None:
         for link in (*self.ups.values(), *self.downs.values()):
-            link.served = link.received = 0
+            link.served = link.received = link.answered = 0
             link.ended = False
 
     # --- routing ---------------------------------------------------------------------------------------
@@ -254,6 +255,7 @@ class Neighbours:
             loads = [WorkerLoad(k.peer, k.served, self._queue(k), k.service.per_mb_s) for k in links]
             link = self.downs[pick_worker(loads)]
             self.routed[mb] = Routed(link, frame, time.monotonic(), self._queue(link) + 1)
+            log.debug("micro-batch %d -> %s (%d in flight there)", mb, link.peer[-8:], self.routed[mb].queue)
             link.served += 1
             if await self.send(link, frame):
                 return
@@ -272,7 +274,16 @@ class Neighbours:
     def answered(self, mb: int) -> None:
         """`mb`'s gradient came back and was stepped on: its round trip is learned and it is forgotten."""
         routed = self.routed.pop(mb)
-        routed.link.service.observe(time.monotonic() - routed.sent_at, routed.queue)
+        link = routed.link
+        link.answered += 1
+        if link.answered > 1:  # a round's first answer waits for the round to open there: not its pace
+            link.service.observe(time.monotonic() - routed.sent_at, routed.queue)
+        log.debug(
+            "micro-batch %d back from %s in %.2f s",
+            mb,
+            routed.link.peer[-8:],
+            time.monotonic() - routed.sent_at,
+        )
 
     # --- sending, receiving --------------------------------------------------------------------------
 

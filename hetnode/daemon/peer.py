@@ -86,6 +86,8 @@ class JoinOptions:
     metrics_port: int | None = None  # None: no /metrics; 0: any free port
     http_host: str = "127.0.0.1"
     fault: str | None = None  # tests only: a hostile or faulty anchor or stage (`hetnode.daemon.faults`)
+    fault_after_s: float = 0.0  # tests only: a stage's frame fault begins this long after the daemon started
+    tflops: float | None = None  # the compute to advertise instead of measuring it (labs: a fixed layout)
     coordinator: str | None = None  # the coordinator's peer id we mean to follow (pinned)
     token: str | None = None  # a join token, for runs that admit by token
     data_source: str | None = None  # our own copy of the run's data (None: the bundled corpus)
@@ -97,6 +99,7 @@ class JoinOptions:
 class PeerDaemon:
     def __init__(self, options: JoinOptions) -> None:
         self.options = options
+        self._fault_begins_at = time.monotonic() + options.fault_after_s  # tests only (`--fault-after`)
         self.node: SwarmNode | None = None
         self.contact: RunContact | None = None
         self.presence: Presence | None = None
@@ -330,7 +333,7 @@ class PeerDaemon:
                 self.options.device,
                 self.metrics,
                 self.directory,
-                faults_named(self.options.fault),
+                faults_named(self.options.fault, self._fault_begins_at),
             )
         self._role_task = asyncio.create_task(loop.run(stop), name=f"role-{wanted}")
         self._role_loop = loop
@@ -366,7 +369,7 @@ class PeerDaemon:
         then publish what we measured and the role it gives."""
         device = self.options.device
         mem_gb = available_memory_gb(device)
-        tflops = measure_tflops(device)
+        tflops = self.options.tflops if self.options.tflops is not None else measure_tflops(device)
         record = new_peer_record(
             self.options.name,
             mem_gb=round(float(mem_gb), 2),

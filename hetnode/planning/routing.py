@@ -67,8 +67,10 @@ class ServiceTime:
 
 class NormWatch:
     """The cheap statistical check of a pool: each link's typical log-norm of the tensors it sends (of one
-    kind), and whether a new frame's norm is `NORM_FACTOR` times off the other links' typical one. Frames
-    judged off are not learned from, so a worker that turns to lying is compared with honest history."""
+    kind). A frame is a lie when its norm is `NORM_FACTOR` times off both its own link's typical norm and
+    the other links': a worker that turns to lying changes at once, an honest one never does, and the
+    other workers say which of the two moved. Judged once the link and another have `NORM_WARMUP` frames;
+    frames judged off are not learned from, so a liar is compared with its honest history."""
 
     def __init__(self) -> None:
         self.typical: dict[str, float] = {}  # link -> EMA of log-norm
@@ -76,17 +78,19 @@ class NormWatch:
 
     def judge(self, link: str, norm: float) -> str | None:
         """Why a frame of norm `norm` from `link` is a lie (None: it is not, and it is learned from)."""
-        others = [self.typical[p] for p in self.typical if p != link and self.count[p] >= NORM_WARMUP]
         value = math.log(max(norm, 1e-30))
-        if others:
+        others = [self.typical[p] for p in self.typical if p != link and self.count[p] >= NORM_WARMUP]
+        own = self.typical.get(link)
+        if others and own is not None and self.count[link] >= NORM_WARMUP:
             reference = sum(others) / len(others)
-            if abs(value - reference) > math.log(NORM_FACTOR):
+            limit = math.log(NORM_FACTOR)
+            if abs(value - reference) > limit and abs(value - own) > limit:
                 return (
-                    f"a tensor of norm {norm:.3g}, {math.exp(abs(value - reference)):.0f}× off the "
-                    f"{math.exp(reference):.3g} the stage's other workers send"
+                    f"a tensor of norm {norm:.3g}, {math.exp(abs(value - own)):.0f}× off its own and "
+                    f"{math.exp(abs(value - reference)):.0f}× off the {math.exp(reference):.3g} the "
+                    "stage's other workers send"
                 )
-        old = self.typical.get(link)
-        self.typical[link] = value if old is None else (1 - NORM_EMA) * old + NORM_EMA * value
+        self.typical[link] = value if own is None else (1 - NORM_EMA) * own + NORM_EMA * value
         self.count[link] = self.count.get(link, 0) + 1
         return None
 

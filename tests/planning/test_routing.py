@@ -40,13 +40,25 @@ def test_a_worker_that_turns_to_sending_frames_far_off_the_pools_is_caught_at_it
     for i in range(NORM_WARMUP):
         assert watch.judge("honest", 1.0 + 0.1 * (i % 3)) is None
         assert watch.judge("liar", 1.2) is None
-    assert watch.judge("liar", 1.2 * NORM_FACTOR * 1.5) is not None
+    why = watch.judge("liar", 1.2 * NORM_FACTOR * 1.5)
+    assert why is not None and "off its own" in why
     assert watch.judge("liar", 1.2 / NORM_FACTOR / 1.5) is not None
-    # its lies were not learned from: the honest worker is still judged against honest history
-    assert watch.judge("honest", 1.1) is None and math.isclose(math.exp(watch.typical["liar"]), 1.2)
+    # its lies were not learned from: it is still judged against its honest history, and so is the other
+    assert watch.judge("liar", 1e6) is not None and math.isclose(math.exp(watch.typical["liar"]), 1.2)
+    assert watch.judge("honest", 1.1) is None
     # within the factor is honest variation (gradients shrink as the loss falls)
     assert watch.judge("liar", 1.2 * NORM_FACTOR / 2) is None
     # alone (no other worker with history) nothing is judged
     assert NormWatch().judge("solo", 1e9) is None
     watch.forget("honest")
     assert watch.judge("liar", 1e9) is None
+
+
+def test_an_honest_worker_is_never_blamed_for_what_a_liar_taught_the_pool():
+    # the liar lies from its first frame: the honest worker, steady against its own history, is not blamed
+    watch = NormWatch()
+    for _ in range(3 * NORM_WARMUP):
+        assert watch.judge("liar", 1e3) is None  # steady against its own history: left to the verifier
+        assert watch.judge("honest", 1.0) is None
+    # and a worker new to the pool is not judged before its own history
+    assert watch.judge("newcomer", 1e6) is None

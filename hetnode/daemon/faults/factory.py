@@ -11,8 +11,9 @@ from hetnode.training.faults import PSEUDO_GRADIENT_FAULTS
 _ANCHOR = {"stale": Stale, "copy": Copy, "nan": NanPayloads, "digest": WrongDigests, "drift": Drift}
 
 
-def faults_named(name: str | None) -> Faults:
-    """A new strategy for fault `name` (a stale anchor's θ history starts empty with each role)."""
+def faults_named(name: str | None, begins_at: float = 0.0) -> Faults:
+    """A new strategy for fault `name` (a stale anchor's θ history starts empty with each role).
+    `begins_at`: a stage's frame faults act from this `time.monotonic()` instant on."""
     if name is None:
         return HONEST
     if name in PSEUDO_GRADIENT_FAULTS:
@@ -21,5 +22,5 @@ def faults_named(name: str | None) -> Faults:
         return _ANCHOR[name]()
     if name in STAGE_FAULTS:
         kind, fault = name.split("-", 1)
-        return {"act": SentActivations, "grad": SentGradients, "frames": SentFrames}[kind](fault)
+        return {"act": SentActivations, "grad": SentGradients, "frames": SentFrames}[kind](fault, begins_at)
     raise ValueError(f"unknown fault {name!r}; choose from {', '.join(FAULT_NAMES)}")

@@ -6,9 +6,14 @@ own weights and in-flight work stay honest: only the neighbour sees the fault.
   receiving stage's wire check refuses both (`hetnode.wire.activation_frame`);
 - `signflip`: every value negated, `scaled`: every value ×1e3 (honest frames on tiny stay 2.6·10⁴ times
   below the bounds): valid frames that only their effect on the loss gives away;
-- `shape`: one coefficient too many per token: refused for its shape."""
+- `shape`: one coefficient too many per token: refused for its shape.
+
+`begins_at` (a `time.monotonic()` instant; `hetnode join --fault-after SECONDS`): honest until then, a
+worker that turns to lying mid-run."""
 
 from __future__ import annotations
+
+import time
 
 import torch
 
@@ -33,31 +38,43 @@ def spoiled(fault: str, tensor: torch.Tensor) -> torch.Tensor:
     raise ValueError(f"{fault!r} is not a frame fault (nan, huge, signflip, scaled, shape)")
 
 
-class SentActivations(Faults):
+class _FrameFault(Faults):
+    def __init__(self, fault: str, kind: str, begins_at: float = 0.0) -> None:
+        spoiled(fault, torch.zeros(1, 1, 1))  # an unknown fault fails here, not at the first frame
+        self.fault, self.name, self.begins_at = fault, f"{kind}-{fault}", begins_at
+
+    def _spoiled(self, tensor: torch.Tensor) -> torch.Tensor:
+        return spoiled(self.fault, tensor) if time.monotonic() >= self.begins_at else tensor
+
+
+class SentActivations(_FrameFault):
     """Spoils every activation frame this stage sends downstream (`act-<fault>`)."""
 
-    def __init__(self, fault: str) -> None:
-        spoiled(fault, torch.zeros(1, 1, 1))  # an unknown fault fails here, not at the first frame
-        self.fault, self.name = fault, f"act-{fault}"
+    def __init__(self, fault: str, begins_at: float = 0.0) -> None:
+        super().__init__(fault, "act", begins_at)
 
     def sent_activations(self, tensor: torch.Tensor) -> torch.Tensor:
-        return spoiled(self.fault, tensor)
+        return self._spoiled(tensor)
 
 
-class SentGradients(Faults):
+class SentGradients(_FrameFault):
     """Spoils every gradient frame this stage sends upstream (`grad-<fault>`)."""
 
-    def __init__(self, fault: str) -> None:
-        spoiled(fault, torch.zeros(1, 1, 1))
-        self.fault, self.name = fault, f"grad-{fault}"
+    def __init__(self, fault: str, begins_at: float = 0.0) -> None:
+        super().__init__(fault, "grad", begins_at)
 
     def sent_gradients(self, tensor: torch.Tensor) -> torch.Tensor:
-        return spoiled(self.fault, tensor)
+        return self._spoiled(tensor)
 
 
-class SentFrames(SentActivations, SentGradients):
+class SentFrames(_FrameFault):
     """Spoils every frame this stage sends, either way (`frames-<fault>`): a liar at any stage."""
 
-    def __init__(self, fault: str) -> None:
-        SentActivations.__init__(self, fault)
-        self.name = f"frames-{fault}"
+    def __init__(self, fault: str, begins_at: float = 0.0) -> None:
+        super().__init__(fault, "frames", begins_at)
+
+    def sent_activations(self, tensor: torch.Tensor) -> torch.Tensor:
+        return self._spoiled(tensor)
+
+    def sent_gradients(self, tensor: torch.Tensor) -> torch.Tensor:
+        return self._spoiled(tensor)
