@@ -7,10 +7,12 @@ from __future__ import annotations
 
 import sqlite3
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
 from bootstrap.ledger import Contribution, Ledger, LedgerError, credit_round, shard_tokens
+from bootstrap.round_keeper import RoundKeeper
 from bootstrap.status_html import render_page
 from hetnode.config import load_config, replace
 from hetnode.planning.rounds import replica_tokens, shard_order
@@ -173,3 +175,19 @@ def test_a_stage_pool_splits_its_stages_share_by_the_steps_each_served(tiny):
     assert abs(rows["a"].tokens - stage_0 * 3 / 7) <= 1 and abs(rows["b"].tokens - stage_0 * 4 / 7) <= 1
     assert rows["a"].replica_tokens == rows["s"].replica_tokens == 7 * per_step
     assert sum(r.tokens for r in rows.values()) <= 7 * per_step
+
+
+def test_the_coordinator_credits_a_pool_by_the_steps_its_sealed_workers_served(tiny):
+    """`RoundKeeper.credits` hands the ledger each chain member's stage and the seal's steps."""
+    schedule, sizes = tiny
+    config = replace(load_config(ROOT / "configs" / "tiny.toml"), "outer", inner_steps=10)
+    keeper = SimpleNamespace(config=config, global_model=GlobalModel(config))
+    split = (["embed", "0", "1", "2"], ["3", "head"])
+    contributions = [("a", payloads(split[0])), ("b", payloads(split[0])), ("s", payloads(split[1]))]
+    sealed = SimpleNamespace(
+        contributions=contributions, earned={}, record={"contributions": []}, steps={"a": 4, "b": 6, "s": 10}
+    )
+    stages = {"a": ("c1-0", 0), "b": ("c1-0", 0), "s": ("c1-0", 1)}
+    rows = {r.peer: r.tokens for r in RoundKeeper.credits(keeper, sealed, {}, stages)}
+    lone = {r.peer: r.tokens for r in credit_round(schedule, sizes, 10, [contributions[0]], {})}
+    assert rows["a"] == lone["a"] * 4 // 10 and rows["b"] == lone["a"] * 6 // 10
