@@ -207,6 +207,8 @@ def credit_round(
     weights: Mapping[str, int] | None = None,
     full_weight: int = 1,
     steps: Mapping[str, int] | None = None,
+    stages: Mapping[str, tuple[str, int]] | None = None,
+    served: Mapping[str, int] | None = None,
 ) -> list[Contribution]:
     """The ledger rows of one sealed round, from the protocol alone: `schedule` tokens per replica (H x
     batch x seq), the model's shards in order with their parameter counts (`sizes`), and each sealed
@@ -215,27 +217,53 @@ def credit_round(
     history, as its weight does; `weights` None: full weight each). Paced rounds (`steps`: the sealed
     steps per contribution, within the cap) scale a replica's schedule by its steps over H; otherwise
     claimed tokens and steps play no part. `names` (display names from the peers' records) are advice and
-    earn nothing."""
+    earn nothing.
+
+    Stage pools (`stages`: each chain member's (chain, stage); several sealed ones on one stage are its
+    pool): the stage earns what a lone stage would, split among its workers by the micro-batches each
+    served (`served`: the sealed steps, verified where paced; None: `steps`, else equal shares). Under
+    paced rounds the stage's steps are its chain's count, the fewest its stages served between their
+    workers (within H)."""
     per_step = schedule // max(1, inner_steps)
     whole = {shard for shard, _ in sizes}
+    contributions = list(contributions)
+    served = served if served is not None else steps or {}
 
     def share(peer: str) -> tuple[int, int]:
         weight = full_weight if weights is None else min(weights.get(peer, full_weight), full_weight)
         return weight, full_weight
 
+    def tokens_of(taken: int) -> int:
+        return schedule if taken == inner_steps else per_step * taken
+
+    pools: dict[tuple[str, int], list[str]] = {}
+    for peer, _ in contributions:
+        if stages is not None and peer in stages:
+            pools.setdefault(stages[peer], []).append(peer)
+    count: dict[str, int] = {}  # chain -> the fewest steps one of its stages served between its workers
+    for (chain, _), pool in pools.items():
+        total = sum(served.get(p, inner_steps) for p in pool)
+        count[chain] = min(count.get(chain, total), total)
+    pooled = {peer: (chain, pool) for (chain, _), pool in pools.items() if len(pool) > 1 for peer in pool}
+
     rows = []
     for peer, payloads in contributions:
         taken = inner_steps if steps is None else steps.get(peer, inner_steps)
-        trained = schedule if taken == inner_steps else per_step * taken
+        part = (1, 1)
+        if peer in pooled:
+            chain, pool = pooled[peer]
+            taken = inner_steps if steps is None else min(count[chain], inner_steps)
+            mine = [served.get(p, 1) for p in pool]
+            part = (served.get(peer, 1), sum(mine)) if sum(mine) > 0 else (1, len(pool))
+        trained = tokens_of(taken)
+        credited = credited_tokens(shard_tokens(trained, sizes), payloads)
         rows.append(
             Contribution(
                 peer=peer,
                 name=names.get(peer) or peer[-8:],
                 role="anchor" if set(payloads) >= whole else "stage",
-                tokens=credited_tokens(shard_tokens(trained, sizes), payloads)
-                * share(peer)[0]
-                // share(peer)[1],
-                inner_steps=taken,
+                tokens=credited * part[0] * share(peer)[0] // (part[1] * share(peer)[1]),
+                inner_steps=min(served.get(peer, taken), inner_steps) if peer in pooled else taken,
                 bytes_sent=sum(len(data) for data in payloads.values()),
                 replica_tokens=trained,
             )

@@ -25,6 +25,7 @@ import logging
 import os
 import time
 from collections import deque
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -258,14 +259,16 @@ class RoundKeeper:
         seen = {peer: a for peer, a in seen.items() if peer not in caught}
         if not seen:
             return
-        replicas = {peer: replica_of(peer, view.peers.get(peer)).key for peer in seen}
+        of = {peer: replica_of(peer, view.peers.get(peer)) for peer in seen}
+        replicas = {peer: r.key for peer, r in of.items()}
+        stages = {peer: r.stage for peer, r in of.items()}  # a stage's pool of workers counts as one stage
         # paced: replicas sitting out say how long their floor of steps takes; the budget lets them in
         floors = [
             r["floor_s"]
             for r in view.peers.values()
             if r["role"] in ("anchor", "stage") and isinstance(r.get("floor_s"), float)
         ]
-        sealed = await self.sealer.decide(round_, seen, replicas, floors)
+        sealed = await self.sealer.decide(round_, seen, replicas, floors, stages)
         if sealed is None:
             return
         entry, work = await self._commit(sealed, started)
@@ -308,7 +311,9 @@ class RoundKeeper:
         if len(self._names) > 100_000:
             self._names.clear()
         self._names.update({peer: record["name"] for peer, record in peers.items()})
-        credits = self.credits(sealed, self._names)
+        members = {peer: replica_of(peer, peers.get(peer)) for peer, _ in sealed.contributions}
+        stages = {p: (r.key, r.stage) for p, r in members.items() if r.stage is not None and r.key != p}
+        credits = self.credits(sealed, self._names, stages)
         weights = {c["peer"]: c["weight"] for c in sealed.record["contributions"]}
         digests = await asyncio.to_thread(self.global_model.digests)
         entry = {
@@ -400,11 +405,17 @@ class RoundKeeper:
             }
         return self._rescued[key]
 
-    def credits(self, sealed: SealedRound, names: dict[str, str]) -> list[Contribution]:
+    def credits(
+        self,
+        sealed: SealedRound,
+        names: dict[str, str],
+        stages: Mapping[str, tuple[str, int]] | None = None,
+    ) -> list[Contribution]:
         """The ledger rows of a sealed round, from the protocol: every contribution was validated, so its
         shards are the model's; tokens and steps follow from the manifest's schedule and the parameters of
         those shards (`bootstrap.ledger.credit_round`: a chain's tokens split over its stages in proportion
-        to the parameters each delivered). `names` are advice: they earn nothing."""
+        to the parameters each delivered, a stage's over its pool's workers by the steps each served).
+        `names` are advice: they earn nothing; `stages`: each chain member's (chain, stage)."""
         order = shard_order(self.config.model.n_layers)
         sizes = [(shard, self.global_model.dense_bytes([shard]) // 4) for shard in order]
         schedule, steps = replica_tokens(self.config), self.config.outer.inner_steps
@@ -415,7 +426,9 @@ class RoundKeeper:
         # them cannot be told from noise at this scale (docs/sync.md, "Paced rounds"), so a claim can
         # earn no more than one replica's schedule, as before paced rounds
         taken = {p: min(n, steps) for p, n in sealed.steps.items()} if self.config.outer.paced else None
-        return credit_round(schedule, sizes, steps, sealed.contributions, names, weights, full, taken)
+        return credit_round(
+            schedule, sizes, steps, sealed.contributions, names, weights, full, taken, stages, sealed.steps
+        )
 
     def _append_history(self, entry: dict[str, Any], durable: bool = False) -> None:
         """`durable`: on disk before this returns, power cut included (a seal line, ahead of its seal)."""

@@ -15,7 +15,9 @@ Two passes per round:
   weighted median norm, and the loss change is measured on one of the batches it was assigned this round
   and on a held-out batch, both drawn from our secret. A chain's stages take the chain's score, and each
   stage's part is also tried alone: a stage whose part hurts is judged by it, a stage whose part helps is
-  never judged negative for a neighbour's (no framing). Improvements become relative scores
+  never judged negative for a neighbour's (no framing). A chain with a pool (several workers on one
+  stage, each its own copy of the slice) is tried per combination of one worker a stage, and each worker
+  takes the best combination it is in. Improvements become relative scores
   (`hetnode.algo.scoring`), an exponential average per peer and the weight it earns. The score of round t
   reaches them when the worker is done with it: usually before round t+1 is sealed, at worst a round or
   two later.
@@ -54,7 +56,7 @@ import math
 import os
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -103,6 +105,7 @@ AVERAGE_WEIGHT = 0.5  # of the newest score in a peer's exponential average (whi
 MIN_SCORES = 2  # scores a peer needs before its average can refuse it weight or credit
 TRIAL_STEP = 0.5  # of the outer learning rate: each update is tried alone at this reduced step
 SCORE_SEQUENCES = 4  # sequences per scoring batch: a few forward passes per contribution, not a round's work
+MAX_COMBINATIONS = 16  # trials of one pooled chain (`pool_combinations`): each costs a few forward passes
 
 Contribution = tuple[str, list[DecodedPayload]]  # (peer, its decoded payloads)
 Sparse = dict[str, tuple]
@@ -115,6 +118,7 @@ class Replica:
     key: str  # the anchor's peer id, or the chain id
     slot: int  # its data slot: the assigned batches the verifier scores it on
     lineage: str = ""  # whose assigned batches: a chain's lineage (`planning.roles.lineage_of`), else key
+    stage: int | None = None  # a chain member's stage (its record's): a pool's workers share it
 
     @property
     def batches_of(self) -> str:
@@ -128,7 +132,9 @@ def replica_of(peer: str, record: Mapping | None) -> Replica:
     if not (isinstance(chain, str) and chain):
         return Replica(peer, data_slot(peer))
     lineage = lineage_of(chain, (record or {}).get("chain_lineage") or "")
-    return Replica(chain, data_slot(lineage), lineage)
+    stage = (record or {}).get("stage")
+    stage = stage if isinstance(stage, int) and not isinstance(stage, bool) and stage >= 0 else None
+    return Replica(chain, data_slot(lineage), lineage, stage)
 
 
 class Verifier:
@@ -300,48 +306,64 @@ class Verifier:
         started = time.perf_counter()
         params = on_device(params, self.device)  # θ is never copied back
         trial = self._trial(round_, params, contributions, replicas, steps)
-        newcomers = {k for k, peers in trial.members.items() if not any(self.earned.weight(p) for p in peers)}
-        picked = self._sample(round_, sorted(set(trial.members) - newcomers), trial.weight) + self._newcomers(
+        by_replica = trial.by_replica
+        newcomers = {
+            r
+            for r, keys in by_replica.items()
+            if not any(self.earned.weight(p) for p in trial.peers_of(keys))
+        }
+        weight = {r: max(trial.weight[k] for k in keys) for r, keys in by_replica.items()}
+        drawn = self._sample(round_, sorted(set(by_replica) - newcomers), weight) + self._newcomers(
             round_, sorted(newcomers)
         )
+        picked = [key for r in drawn for key in by_replica[r]]  # a pooled chain: each combination
         anchors = [key for key in picked if trial.is_anchor(key)]
         chains = [key for key in picked if not trial.is_anchor(key)]
         held_out = self._held_out(round_)
         with autocast_for(self.device):
             before = batch_loss(self.model, params, held_out)
         own = {
-            key: self._assigned(round_, replicas[trial.members[key][0]], trial.steps[key]) for key in picked
+            r: self._assigned(round_, replicas[trial.members[by_replica[r][0]][0]], trial.batches[r])
+            for r in drawn
         }
         own_before: dict[str, float] = {}  # loss(θ) on each replica's batch: once, whatever is tried on it
 
         def improvement(update: Sparse, key: str) -> float:
-            """Loss improvement of `update` (clipped as replica `key`'s) on `key`'s batch and the held-out."""
+            """Loss improvement of `update` (clipped as `key`'s) on its replica's batch and the held-out."""
             delta = trial.clipped(update, key, self.device)
+            batch = own[trial.replica[key]]
             with autocast_for(self.device):
-                if key not in own_before:
-                    own_before[key] = batch_loss(self.model, params, own[key])
+                if trial.replica[key] not in own_before:
+                    own_before[trial.replica[key]] = batch_loss(self.model, params, batch)
                 return (
-                    loss_improvement(self.model, params, delta, trial.step, own[key], before=own_before[key])
+                    loss_improvement(
+                        self.model, params, delta, trial.step, batch, before=own_before[trial.replica[key]]
+                    )
                     + loss_improvement(self.model, params, delta, trial.step, held_out, before=before)
                 ) / trial.pace[key]
 
         whole = {key: improvement(trial.merged[key], key) for key in picked}
         scores: dict[str, float] = {}
         if whole:
-            scale = _scale(whole, {key: trial.weight[key] for key in whole})
+            scale = _scale(whole, {key: trial.held[key] for key in whole})
             self.recent_scale = scale
             relative = {key: value / scale - SCORE_MARGIN for key, value in whole.items()}
             scores |= {key: relative[key] for key in anchors}
             # a chain's stages take the chain's score, but each is also tried alone on its own layers: a
             # stage whose part hurts is judged by it, and a stage whose part helps is never judged
-            # negative for a neighbour's (no framing)
+            # negative for a neighbour's (no framing). A pool's worker takes the best score of the
+            # combinations it is in: a pool-mate's or a neighbour's bad part does not frame it either.
+            best: dict[str, str] = {}
             for key in chains:
                 for peer in trial.members[key]:
-                    alone = improvement(trial.updates[peer], key)
-                    if alone < 0:
-                        scores[peer] = min(relative[key], alone / scale - SCORE_MARGIN)
-                    else:
-                        scores[peer] = max(relative[key], 0.0)
+                    if peer not in best or relative[key] > relative[best[peer]]:
+                        best[peer] = key
+            for peer, key in best.items():
+                alone = improvement(trial.updates[peer], key)
+                if alone < 0:
+                    scores[peer] = min(relative[key], alone / scale - SCORE_MARGIN)
+                else:
+                    scores[peer] = max(relative[key], 0.0)
         for peer, score in scores.items():
             previous = self.averages.get(peer, 0.0)
             self.averages[peer] = (1 - AVERAGE_WEIGHT) * previous + AVERAGE_WEIGHT * score
@@ -374,7 +396,9 @@ class Verifier:
             before = batch_loss(self._seal_model, params, held_out)
             for key, update in trial.merged.items():
                 delta = trial.clipped(update, key, self.device)
-                own = self._assigned(round_, replicas[trial.members[key][0]], trial.steps[key])
+                own = self._assigned(
+                    round_, replicas[trial.members[key][0]], trial.batches[trial.replica[key]]
+                )
                 improvements[key] = (
                     loss_improvement(self._seal_model, params, delta, trial.step, own)
                     + loss_improvement(self._seal_model, params, delta, trial.step, held_out, before=before)
@@ -385,6 +409,7 @@ class Verifier:
             if scale is None
             else {key for key, score in relative_scores(improvements, scale=scale).items() if score >= 0}
         )
+        # a pool's worker passes when any combination it is in passes
         return {peer for key in passed for peer in trial.members[key]}
 
     def _trial(
@@ -395,21 +420,49 @@ class Verifier:
         replicas: Mapping[str, Replica],
         steps: Mapping[str, int] | None = None,
     ) -> _Trial:
+        """The round's contributions as trials, one per replica, except a chain with a pool (a stage
+        several workers hold, each training its own copy of the slice on the micro-batches routed to it):
+        one per combination of one worker a stage (`pool_combinations`), keyed f"{chain}#{i}", since
+        merging two workers' updates of the same tensors would keep only one of them."""
         updates = {peer: _sparse_of(decoded) for peer, decoded in contributions}
         peer_weight = self.earned.counted(updates)
+        stages: dict[str, dict[int | str, list[str]]] = {}  # replica key -> stage -> its workers
+        for peer in updates:
+            r = replicas[peer]
+            stages.setdefault(r.key, {}).setdefault(peer if r.stage is None else r.stage, []).append(peer)
         members: dict[str, list[str]] = {}
+        replica: dict[str, str] = {}
+        batches: dict[str, int] = {}
+        for r, pools in stages.items():
+            ordered = [sorted(pools[s]) for s in sorted(pools, key=lambda s: (isinstance(s, str), s))]
+            combos = pool_combinations(ordered)
+            for i, combo in enumerate(combos):
+                key = r if len(combos) == 1 else f"{r}#{i}"
+                # without a pool: the replica's peers in contribution order, as before pools
+                members[key] = (
+                    list(combo) if len(combos) > 1 else [p for p in updates if replicas[p].key == r]
+                )
+                replica[key] = r
+            # the chain's micro-batches: its fewest over stages, a pool's workers' summed (within the cap)
+            cap = self.config.outer.step_cap
+            batches[r] = min(min(sum(self._steps(steps, p) for p in pool), cap) for pool in ordered)
         merged: dict[str, Sparse] = {}
-        for peer, update in updates.items():
-            key = replicas[peer].key
-            members.setdefault(key, []).append(peer)
-            merged.setdefault(key, {}).update(update)
-        # a chain weighs as its lightest stage: its update is only as trusted as the least trusted part
+        for key, peers in members.items():
+            for peer in peers:
+                merged.setdefault(key, {}).update(updates[peer])
+        # a chain (each combination of a pooled one) weighs as its lightest stage: its update is only as
+        # trusted as the least trusted part
         weight = {key: min(peer_weight[p] for p in peers) for key, peers in members.items()}
+        # in the round's statistics (median norm, median steps, yardstick) a replica counts once, however
+        # many combinations its pools make: each takes its share of the replica's weight (integers)
+        shares = {r: sum(1 for k in replica if replica[k] == r) for r in stages}
+        unit = math.lcm(*shares.values()) if shares else 1
+        held = {key: weight[key] * unit // shares[replica[key]] for key in members}
         norms = {key: update_norm(update) for key, update in merged.items()}
         median = (
             float(
                 weighted_median(
-                    torch.tensor([norms[k] for k in merged], dtype=torch.float64), [weight[k] for k in merged]
+                    torch.tensor([norms[k] for k in merged], dtype=torch.float64), [held[k] for k in merged]
                 )
             )
             if merged
@@ -417,11 +470,25 @@ class Verifier:
         )
         shapes = {name: tuple(t.shape) for name, t in params.items()}
         step = self.config.outer.lr * TRIAL_STEP
-        # a chain trains H micro-batches a round; its stages claim them alike
+        # a chain trains H micro-batches a round; its stages claim them alike (a pool's worker: those it
+        # served, which the pace makes up for as it does for a slow replica)
         key_steps = {key: min(self._steps(steps, p) for p in peers) for key, peers in members.items()}
-        pace = self._pace(key_steps, weight, faster=False)
+        pace = self._pace(key_steps, held, faster=False)
         return _Trial(
-            updates, peer_weight, members, merged, weight, norms, median, shapes, step, key_steps, pace
+            updates,
+            peer_weight,
+            members,
+            merged,
+            weight,
+            norms,
+            median,
+            shapes,
+            step,
+            key_steps,
+            pace,
+            replica,
+            held,
+            batches,
         )
 
     def _steps(self, steps: Mapping[str, int] | None, peer: str) -> int:
@@ -529,9 +596,24 @@ class _Trial:
     step: float
     steps: dict[str, int]  # replica key -> the inner steps it claims (within [1, the cap])
     pace: dict[str, float]  # replica key -> its steps' pace (`Verifier._pace`)
+    # the keys above are trial keys: a replica's, or one per combination of a pooled chain's workers
+    replica: dict[str, str] = field(default_factory=dict)  # trial key -> its replica's key
+    held: dict[str, int] = field(default_factory=dict)  # trial key -> its weight in the round's medians
+    batches: dict[str, int] = field(default_factory=dict)  # replica key -> the micro-batches it trained
 
     def is_anchor(self, key: str) -> bool:
         return self.members[key] == [key]
+
+    @property
+    def by_replica(self) -> dict[str, list[str]]:
+        """Replica key -> its trial keys, in order."""
+        out: dict[str, list[str]] = {}
+        for key in self.members:
+            out.setdefault(self.replica[key], []).append(key)
+        return out
+
+    def peers_of(self, keys: Sequence[str]) -> list[str]:
+        return list(dict.fromkeys(peer for key in keys for peer in self.members[key]))
 
     def clipped(self, update: Sparse, key: str, device: torch.device) -> dict[str, torch.Tensor]:
         """`update` (a replica's, or a part of it) dense on `device`, scaled by its replica's clip factor
@@ -541,6 +623,18 @@ class _Trial:
         if norm > self.median > 0:
             delta = {name: t * (self.median / norm) for name, t in delta.items()}
         return delta
+
+
+def pool_combinations(
+    stages: Sequence[Sequence[str]], bound: int = MAX_COMBINATIONS
+) -> list[tuple[str, ...]]:
+    """The trials of a chain whose stages hold these workers (in stage order, each pool in a fixed order):
+    every combination of one worker a stage while there are at most `bound`; beyond, the i-th worker of
+    each pool (round robin) for i below the largest pool, which still tries every worker."""
+    if math.prod(len(pool) for pool in stages) <= bound:
+        return list(itertools.product(*stages))
+    widest = max(len(pool) for pool in stages)
+    return [tuple(pool[i % len(pool)] for pool in stages) for i in range(widest)]
 
 
 def duplicate_level(pairs: Mapping[tuple[str, str], float], weights: Mapping[str, int]) -> float:

@@ -51,6 +51,7 @@ from hetnode.protocol.seal_screening import Rescue, Screen, Weigh, earned_weight
 from hetnode.protocol.seal_weights import (
     paced_weights,
     per_replica,
+    pool_workers,
     sealed_steps,
     verified_steps,  # noqa: F401  (trust_bench imports it from here)
 )
@@ -229,12 +230,15 @@ class Sealer:
         seen: dict[str, Announcement],
         replica_of: Mapping[str, str] | None = None,
         floors: Iterable[float] = (),
+        stage_of: Mapping[str, int | None] | None = None,
     ) -> SealedRound | None:
         """Validate every announced contribution, aggregate the valid ones, keep their payloads to serve
         and write the seal record; nothing is stored yet (the coordinator first puts on disk what its
         catch-up needs after a crash, then calls `publish`). `replica_of`: peer -> its replica (a chain's
         stages: the chain), so that a paced round's budget counts a chain once (None: each on its own);
-        `floors`: the seconds live replicas say their floor of steps takes (`RoundBudget.seconds_for`).
+        `floors`: the seconds live replicas say their floor of steps takes (`RoundBudget.seconds_for`);
+        `stage_of`: a chain member's stage, so that a stage's pool of workers counts as one stage in
+        steps and weight (`pool_workers`; None: one worker a stage).
 
         None when no contribution was valid: nothing is sealed, and the excluded announcements are dropped
         from `seen` so the round stays open for whoever announces next."""
@@ -279,12 +283,14 @@ class Sealer:
         excluded += sorted(rejected)
         good = [g for g in good if g[0].peer_id not in rejected]
         earned = earned_weights(self.weigh, self.recent_weights, [a.peer_id for a, _, _ in good])
+        replica_of, stage_of = replica_of or {}, stage_of or {}
         if self.config.outer.paced:  # steps are claims: each counts only the steps its update shows
             # off the loop: judging each update against all the others grows as the cube of their number
             steps |= await asyncio.to_thread(
-                sealed_steps, self.config, round_, good, steps, earned, replica_of or {}
+                sealed_steps, self.config, round_, good, steps, earned, replica_of, stage_of
             )
-        weights = paced_weights(self.config, earned, steps)
+        pooled = pool_workers([a.peer_id for a, _, _ in good], replica_of, stage_of)
+        weights = paced_weights(self.config, earned, steps, pooled)
         good, prepared = await self._prepare(round_, good, excluded, weights)
         if prepared is None:
             for peer in excluded:
@@ -314,7 +320,7 @@ class Sealer:
             "prev": self.global_model.seal_hash or "",
         }
         if self.budget is not None:
-            self.budget.observe(per_replica(good, steps, earned, replica_of or {}))
+            self.budget.observe(per_replica(good, steps, earned, replica_of, stage_of))
             if (budget := self.budget.seconds_for(floors)) is not None:
                 record["budget_s"] = float(round(budget, 3))
             self.budget_s = record.get("budget_s")

@@ -7,10 +7,12 @@ from __future__ import annotations
 
 import sqlite3
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
 from bootstrap.ledger import Contribution, Ledger, LedgerError, credit_round, shard_tokens
+from bootstrap.round_keeper import RoundKeeper
 from bootstrap.status_html import render_page
 from hetnode.config import load_config, replace
 from hetnode.planning.rounds import replica_tokens, shard_order
@@ -143,3 +145,49 @@ def test_paced_rounds_credit_each_replica_its_own_steps_and_a_chain_its_h(tiny):
     # weight still scales credit: a newcomer at half weight earns half its steps' tokens
     half = credit_round(schedule, sizes, 10, sealed[:1], {}, {"fast": 1}, 2, steps)[0]
     assert half.tokens == 10 * per_step
+
+
+def test_a_stage_pool_splits_its_stages_share_by_the_steps_each_served(tiny):
+    """A stage held by two workers (each trains its own copy of the slice on the micro-batches routed to
+    it) earns what a lone stage would, split by their steps: the chain earns one replica's schedule."""
+    schedule, sizes = tiny  # H = 10
+    split = (["embed", "0", "1", "2"], ["3", "head"])
+    sealed = [("a", payloads(split[0])), ("b", payloads(split[0])), ("s", payloads(split[1]))]
+    stages = {"a": ("c1-0", 0), "b": ("c1-0", 0), "s": ("c1-0", 1)}
+    served = {"a": 4, "b": 6, "s": 10}
+    lone = {r.peer: r for r in credit_round(schedule, sizes, 10, [sealed[0], sealed[2]], {})}
+    rows = {r.peer: r for r in credit_round(schedule, sizes, 10, sealed, {}, stages=stages, served=served)}
+    assert rows["a"].tokens == lone["a"].tokens * 4 // 10 and rows["b"].tokens == lone["a"].tokens * 6 // 10
+    assert rows["s"].tokens == lone["s"].tokens
+    assert sum(r.tokens for r in rows.values()) <= schedule  # the pool is one stage, not two
+    assert (rows["a"].inner_steps, rows["b"].inner_steps, rows["a"].replica_tokens) == (4, 6, schedule)
+    # without the stages each worker was credited a lone stage's share: the chain earned more than H
+    unsplit = credit_round(schedule, sizes, 10, sealed, {})
+    assert sum(r.tokens for r in unsplit) > schedule
+    # paced: the stage's steps are the chain's count (its fewest stage, the pool's served summed), split
+    per_step = schedule // 10
+    paced = {"a": 3, "b": 4, "s": 7}
+    rows = {
+        r.peer: r
+        for r in credit_round(schedule, sizes, 10, sealed, {}, steps=paced, stages=stages, served=paced)
+    }
+    stage_0 = lone["a"].tokens * 7 * per_step // schedule
+    assert abs(rows["a"].tokens - stage_0 * 3 / 7) <= 1 and abs(rows["b"].tokens - stage_0 * 4 / 7) <= 1
+    assert rows["a"].replica_tokens == rows["s"].replica_tokens == 7 * per_step
+    assert sum(r.tokens for r in rows.values()) <= 7 * per_step
+
+
+def test_the_coordinator_credits_a_pool_by_the_steps_its_sealed_workers_served(tiny):
+    """`RoundKeeper.credits` hands the ledger each chain member's stage and the seal's steps."""
+    schedule, sizes = tiny
+    config = replace(load_config(ROOT / "configs" / "tiny.toml"), "outer", inner_steps=10)
+    keeper = SimpleNamespace(config=config, global_model=GlobalModel(config))
+    split = (["embed", "0", "1", "2"], ["3", "head"])
+    contributions = [("a", payloads(split[0])), ("b", payloads(split[0])), ("s", payloads(split[1]))]
+    sealed = SimpleNamespace(
+        contributions=contributions, earned={}, record={"contributions": []}, steps={"a": 4, "b": 6, "s": 10}
+    )
+    stages = {"a": ("c1-0", 0), "b": ("c1-0", 0), "s": ("c1-0", 1)}
+    rows = {r.peer: r.tokens for r in RoundKeeper.credits(keeper, sealed, {}, stages)}
+    lone = {r.peer: r.tokens for r in credit_round(schedule, sizes, 10, [contributions[0]], {})}
+    assert rows["a"] == lone["a"] * 4 // 10 and rows["b"] == lone["a"] * 6 // 10
