@@ -46,6 +46,7 @@ from hetnode.daemon.chain_links import (
     Link,
     LinkFailed,
     Neighbours,
+    Routed,
 )
 from hetnode.daemon.faults.strategy import HONEST, Faults
 from hetnode.daemon.participant import RoundParticipant
@@ -137,6 +138,8 @@ class ChainLoop:
         self.failed: asyncio.Future[str] | None = None
         self.links = Neighbours(node, layout, self._up_mbps, self._say_blame)
         self.links.on_lost = self._lost_link
+        # gradients back from downstream, waiting for an older micro-batch's (`_step_in_order`)
+        self.held_grads: dict[int, tuple[Link, Any, Routed]] = {}
         # a pool's cheap statistical check: each link's frames against the other workers' (`NormWatch`)
         self.norms = {"act": NormWatch(), "grad": NormWatch()}
         self._closing = asyncio.Event()
@@ -720,8 +723,8 @@ class ChainLoop:
         self._check_done()
 
     async def _read_gradients(self, link: Link) -> None:
-        """Stages before the last, one link to a worker downstream: back-propagate each gradient that
-        returns, pass it on up the link its micro-batch came from."""
+        """Stages before the last, one link to a worker downstream: take each gradient that returns
+        (checked at once), back-propagated in the order its micro-batches went down (`_step_in_order`)."""
         training = self.training
         limits = training.limits
         while True:
@@ -731,24 +734,39 @@ class ChainLoop:
             except WireError as exc:
                 raise LinkFailed(f"invalid gradient frame from the next stage: {exc}", blame=True) from None
             self._judge(link, "grad", frame.tensor)
+            mb = frame.mb
+            if not training.in_flight(mb) or not self.links.expects(mb, link) or mb in self.held_grads:
+                raise LinkFailed(f"a gradient for micro-batch {mb}, which is not in flight", blame=True)
+            self.held_grads[mb] = (link, frame, self.links.answered(mb))
+            await self._step_in_order()
+
+    async def _step_in_order(self) -> None:
+        """Back-propagate the held gradients while the oldest micro-batch in flight has one. Workers of a
+        pool answer out of order; stepping in forward order keeps each micro-batch's weight delay within
+        the window, P−1−s, as in 1F1B (a younger answer waits for the older one, never the reverse)."""
+        training = self.training
+        while True:
+            oldest = next(iter(training.worker.in_flight), None)
+            if oldest is None or oldest not in self.held_grads:
+                return
+            link, frame, sent = self.held_grads.pop(oldest)
             async with self.compute:
-                if not training.in_flight(frame.mb) or not self.links.expects(frame.mb, link):
-                    raise LinkFailed(
-                        f"a gradient for micro-batch {frame.mb}, which is not in flight", blame=True
-                    )
                 try:
-                    grad = await self._computed(training.backward, frame.mb, frame.tensor)
+                    grad = await self._computed(training.backward, oldest, frame.tensor)
                 except UpdateRefused as exc:  # refused before any step: our state is as it was
-                    raise LinkFailed(
-                        f"a gradient from the next stage was refused: {exc}", blame=True
-                    ) from None
-                self.links.answered(frame.mb)
+                    refused = f"a gradient from the next stage was refused: {exc}"
+                else:
+                    refused = None
+            if refused is not None:  # its micro-batch goes to another worker of the pool
+                await self.links.lose(link, refused, blame=True)
+                await self.links.route(oldest, sent.frame)
+                continue
             if self.window is not None:
                 self.window.release()
-            up = self.links.came_from.pop(frame.mb, None)
+            up = self.links.came_from.pop(oldest, None)
             self._count_backward()  # first: the next round's frames may follow this gradient at once
             if grad is not None and up is not None:
-                await self.links.send(up, self._grad_frame(frame.round, frame.mb, grad))
+                await self.links.send(up, self._grad_frame(frame.round, oldest, grad))
 
     async def _enter_window(self) -> None:
         """Wait for room in this stage's in-flight window (a gradient coming back makes room)."""

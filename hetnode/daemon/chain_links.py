@@ -271,19 +271,18 @@ class Neighbours:
         routed = self.routed.get(mb)
         return routed is not None and routed.link is link
 
-    def answered(self, mb: int) -> None:
-        """`mb`'s gradient came back and was stepped on: its round trip is learned and it is forgotten."""
+    def answered(self, mb: int) -> Routed:
+        """`mb`'s gradient came back: its round trip is learned and it is forgotten here (what was sent is
+        handed back, to send again should the gradient be refused)."""
         routed = self.routed.pop(mb)
         link = routed.link
         link.answered += 1
         if link.answered > 1:  # a round's first answer waits for the round to open there: not its pace
             link.service.observe(time.monotonic() - routed.sent_at, routed.queue)
         log.debug(
-            "micro-batch %d back from %s in %.2f s",
-            mb,
-            routed.link.peer[-8:],
-            time.monotonic() - routed.sent_at,
+            "micro-batch %d back from %s in %.2f s", mb, link.peer[-8:], time.monotonic() - routed.sent_at
         )
+        return routed
 
     # --- sending, receiving --------------------------------------------------------------------------
 

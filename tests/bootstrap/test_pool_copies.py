@@ -64,9 +64,8 @@ def _pool_round(config, dataset, theta, pooled: int) -> dict[str, dict[str, byte
     }
 
 
-@pytest.mark.parametrize("pooled", [0, 1], ids=["pooled-first-stage", "pooled-last-stage"])
-def test_two_workers_of_a_pool_are_not_copies(tiny_config, pooled):
-    config = tiny_config
+def test_two_workers_of_a_pool_are_not_copies(tiny_config):
+    config, pooled = tiny_config, 1  # the first stage takes no pool (docs/chains.md, "Pools")
     dataset = TokenDataset.build(config.data, config.model.vocab_size, config.run.seed)
     theta = GlobalModel(config)
     payloads = _pool_round(config, dataset, theta, pooled)
@@ -74,7 +73,7 @@ def test_two_workers_of_a_pool_are_not_copies(tiny_config, pooled):
     a, b = (_sparse_of(dict(contributions)[f"stage-{pooled}/{k}"]) for k in range(2))
     assert set(a) == set(b)  # the same tensors: the pool's slice
     overlap = index_overlap(a, b)
-    assert 0.1 < overlap < DUPLICATE_FLOOR, overlap  # measured 0.195 (first stage), 0.367 (last)
+    assert 0.1 < overlap < DUPLICATE_FLOOR, overlap  # measured 0.367
     model = build_model(config.model, seed=config.run.seed)
     model.fixed_embedding = base_fixed_embedding(config)
     assert "copy" not in Verifier(config, dataset, model).screen(0, contributions).values()

@@ -78,7 +78,7 @@ def test_a_pool_shares_the_micro_batches_and_the_chain_keeps_its_rounds_when_a_w
     assert all(r["max_weight_delay"] == 0 for log in logs[1:] for r in log.values())
 
     # one worker of the pool dies mid-round (a second into a round it trains): the chain keeps its
-    # name, the micro-batches it held go to the other worker, and the round is sealed with the chain
+    # name, any micro-batch it held goes to the other worker, and the round is sealed with the chain
     dead, alive = pool
     applied = dead.tail(400).count("applied")
     deadline = time.monotonic() + 60
@@ -102,7 +102,7 @@ def test_a_pool_shares_the_micro_batches_and_the_chain_keeps_its_rounds_when_a_w
     logs = first.tail(3000)
     assert "in-flight work dropped" not in logs  # the chain never broke
     assert f"lost {dead.peer_id[-8:]} of the next stage" in logs
-    assert "goes to another worker" in logs
+    # (whether it held a micro-batch at that instant is chance: test_chain_links.py sends one on for sure)
     swarm.replicas_agree_at(boot.maddr, history[-1]["round"], {"anchor", first.name, alive.name})
 
 
