@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -333,6 +334,23 @@ class Coordinator:
             await node.store_own("manifest", manifest.envelope(), MANIFEST_TTL_S)
 
 
+def served_shares(workers: Sequence[Sequence[str]], history: Sequence[Mapping]) -> dict[str, float]:
+    """For each stage with a pool: each worker's share of the stage's micro-batches in the newest sealed
+    round that had any of them (the steps each announced)."""
+    shares: dict[str, float] = {}
+    for pool in workers:
+        if len(pool) < 2:
+            continue
+        for entry in reversed(history):
+            steps = entry.get("steps") or {}
+            served = {p: steps[p] for p in pool if isinstance(steps.get(p), int)}
+            total = sum(served.values())
+            if total > 0:
+                shares |= {p: round(n / total, 3) for p, n in served.items()}
+                break
+    return shares
+
+
 def status_snapshot(
     config: Config, state: dict, keeper: RoundKeeper, view: SwarmView, maddrs: list[str]
 ) -> dict:
@@ -380,6 +398,10 @@ def status_snapshot(
             {
                 "chain": c.chain,
                 "members": [m for m in c.stages if m],
+                "workers": [list(w) for w in c.workers],
+                # a pool's workers: each one's share of the stage's micro-batches, newest sealed round
+                "served": served_shares(c.workers, keeper.history),
+                "dropped": c.dropped,
                 "live": c.live,
                 "lineage": c.lineage,
                 "blamed": list(c.blamed),

@@ -295,13 +295,27 @@ def render_page(
         parts = [f"from {_text(lineage)}"] if isinstance(lineage, str) and lineage != c.get("chain") else []
         blamed = [member(m) for m in _list(c.get("blamed"))]
         parts += [f"caught lying: {', '.join(blamed)}"] if blamed else []
+        dropped = c.get("dropped") if isinstance(c.get("dropped"), Mapping) else {}
+        left = [f"{member(p)} ({_text(why)})" for p, why in dropped.items() if why != "caught lying"]
+        parts += [f"dropped: {', '.join(left)}"] if left else []
         return _e("; ".join(parts))
 
+    def stages(c: dict) -> str:
+        """Each stage's workers, a pool's with its share of the micro-batches (newest sealed round)."""
+        served = c.get("served") if isinstance(c.get("served"), Mapping) else {}
+        pools = _list(c.get("workers")) or [[m] for m in _list(c.get("members"))]
+
+        def worker(peer: Any) -> str:
+            share = _number(served.get(peer)) if isinstance(peer, str) else None
+            return member(peer) + (f" ({share:.0%})" if share is not None else "")
+
+        return _e(" | ".join(", ".join(worker(p) for p in _list(pool)) for pool in pools))
+
     chains = _table(
-        ["chain", "members", "live", "history"],
+        ["chain", "stages (workers)", "live", "history"],
         [
             [(_e(_text(c.get("chain"))), False)]
-            + [(_e(", ".join(member(m) for m in _list(c.get("members")))), False)]
+            + [(stages(c), False)]
             + [("yes" if c.get("live") else '<span class="dead">no</span>', False)]
             + [(went_on(c), False)]
             for c in _dicts(snapshot.get("chains"))

@@ -135,11 +135,25 @@ def render_table(document: dict[str, Any]) -> str:
     if not chains:
         lines.append("no chains")
     for chain in chains:
-        members = ", ".join(_cell(str(peer or "?")[-8:], 8) for peer in chain.get("stages") or [])
+        pools = chain.get("workers") or [[peer] for peer in chain.get("stages") or []]
+        members = " | ".join(
+            ", ".join(
+                _cell(str(peer or "?")[-8:], 8) for peer in (pool if isinstance(pool, list) else [pool])
+            )
+            or "-"
+            for pool in pools
+        )
         state = "live" if chain.get("live") else f"not live ({_cell(chain.get('problem'), 80)})"
         lineage = chain.get("lineage")
         since = f" (goes on from {_cell(lineage, 64)})" if lineage and lineage != chain.get("id") else ""
         blamed = ", ".join(_cell(str(p)[-8:], 8) for p in chain.get("blamed") or [])
         caught = f"; caught lying: {blamed}" if blamed else ""
-        lines.append(f"chain {_cell(chain.get('id'), 64)}{since}: {state}; stages {members}{caught}")
+        dropped = chain.get("dropped")
+        left = [
+            f"{_cell(str(p)[-8:], 8)} ({_cell(why, 40)})"
+            for p, why in (dropped.items() if isinstance(dropped, dict) else ())
+            if why != "caught lying"
+        ]
+        gone = f"; dropped: {', '.join(left)}" if left else ""
+        lines.append(f"chain {_cell(chain.get('id'), 64)}{since}: {state}; stages {members}{caught}{gone}")
     return "\n".join(lines)

@@ -290,6 +290,22 @@ class ChainStatus:
     # each stage's working members: they claim it, and neither say it broke nor were caught lying
     workers: tuple[tuple[str, ...], ...] = ()
 
+    @property
+    def dropped(self) -> dict[str, str]:
+        """The members of the layout that no longer work in the chain, and why (for people to read)."""
+        working = {p for workers in self.workers for p in workers}
+        reasons = {}
+        for peer, _, _ in self.layout:
+            if peer in working:
+                continue
+            if peer in self.blamed:
+                reasons[peer] = "caught lying"
+            elif peer in self.broken:
+                reasons[peer] = "its training in the chain ended"
+            else:
+                reasons[peer] = "left"
+        return reasons
+
 
 def format_layout(layout: Layout) -> list[str]:
     """A layout as records carry it: "peer:first-last" per stage (the text `chain_id` hashes)."""

@@ -198,6 +198,7 @@ class SwarmView:
                 "lineage": c.lineage,
                 "blamed": list(c.blamed),
                 "workers": [list(w) for w in c.workers],
+                "dropped": c.dropped,
             }
             for c in self.chains()
         ]

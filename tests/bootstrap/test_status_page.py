@@ -120,6 +120,14 @@ def snapshot(**overrides) -> dict:
                 "lineage": "<i>c3-founded</i>",
                 "blamed": ["peer-a"],
             },
+            {
+                "chain": "c9-pooled",
+                "members": ["peer-x", "peer-a"],
+                "workers": [["peer-x"], ["peer-a", "peer-p"]],
+                "served": {"peer-a": 0.6, "peer-p": 0.4},
+                "dropped": {"peer-gone": "left"},
+                "live": True,
+            },
         ],
         "history": [
             {
@@ -220,6 +228,8 @@ def test_html_escapes_peer_chosen_text(server: HttpServer, board: StatusBoard):
     # a chain that went on with a spare says where from, and whom its members caught lying (by name)
     assert "<th>history</th>" in page and "<i>c3" not in page
     assert "from &lt;i&gt;c3-founded&lt;/i&gt;; caught lying: alice" in page
+    # a stage's pool: its workers, the share of the micro-batches each served, who was dropped and why
+    assert "alice (60%), peer-p (40%)" in page and "dropped: peer-gone (left)" in page
     assert '<noscript><meta http-equiv="refresh" content="5"></noscript>' in page
     assert "<svg" in page and "<polyline" in page
     # the leaderboard: rank, name, tokens, share, rounds, role, last seen
@@ -290,3 +300,16 @@ def test_clean_text_keeps_text_and_replaces_what_could_break_the_page():
     assert clean_text("a\tb\nc é 漢字 🙂") == "a\tb\nc é 漢字 🙂"
     assert clean_text("\x00\x07\x7f\x85\u202e\u2066") == "\ufffd" * 6
     assert clean_text("\ud800x") == "\ufffdx"  # a lone surrogate could not be encoded as UTF-8
+
+
+def test_a_pools_shares_come_from_the_newest_round_that_had_it():
+    from bootstrap.coordinator import served_shares
+
+    history = [
+        {"round": 1, "steps": {"a": 10, "b": 6, "c": 4}},
+        {"round": 2, "steps": {"a": 10, "b": 9, "c": 1}},
+        {"round": 3, "steps": {"x": 10}},  # a round without the pool: not its share
+    ]
+    assert served_shares([["a"], ["b", "c"]], history) == {"b": 0.9, "c": 0.1}
+    assert served_shares([["a"], ["b"]], history) == {}  # no pool, no shares
+    assert served_shares([["b", "c"]], []) == {}

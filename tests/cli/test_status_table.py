@@ -96,4 +96,22 @@ def test_a_chain_that_went_on_with_a_spare_says_where_it_comes_from():
     table = render_table(document)
     assert "chain c9-aaaa (goes on from c3-bbbb): live" in table
     assert "chain c4-cccc: not live (stage 1 has no member)" in table  # a founding chain, or an older peer's
-    assert "chain c5-dddd: not live (broken); stages SSSSSSS0, SSSSSSS1; caught lying: SSSSSSS1" in table
+    assert "chain c5-dddd: not live (broken); stages SSSSSSS0 | SSSSSSS1; caught lying: SSSSSSS1" in table
+
+
+def test_a_pool_shows_its_workers_and_why_one_was_dropped():
+    document = swarm()
+    a, b, c, d = ("S" * 45 + str(i) for i in range(4))
+    document["chains"] = [
+        {
+            "id": "c9-aaaa",
+            "live": True,
+            "stages": [a, b],
+            "problem": "",
+            "workers": [[a], [b, c]],
+            "blamed": [d],
+            "dropped": {d: "caught lying", "L" * 46: "left"},
+        }
+    ]
+    table = render_table(document)
+    assert "stages SSSSSSS0 | SSSSSSS1, SSSSSSS2; caught lying: SSSSSSS3; dropped: LLLLLLLL (left)" in table

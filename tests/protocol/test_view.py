@@ -105,6 +105,7 @@ def test_status_document_shows_live_chains_and_stable_fields():
             "lineage": plan.chain,
             "blamed": [],
             "workers": [[m] for m in plan.members],
+            "dropped": {},
         }
     ]
     del records[plan.stages[1].peer_id]
