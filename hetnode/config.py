@@ -200,8 +200,9 @@ class PipelineConfig:
     # Unanswered micro-batches on a networked chain's first stage. 0: the 1F1B schedule (P − s on stage s,
     # weight delay P−1−s); a larger W hides WAN latency and adds W − P updates of staleness on every stage.
     max_in_flight: int = 0
-    # Workers a stage may have (a pool, all with the stage's layers): spares left over when chains are
-    # packed join the stage with the least compute per layer, up to this many (docs/chains.md "Pools").
+    # Workers a stage past the first may have (a pool, all with the stage's layers). Above 1, idle peers
+    # join the pools of live chains' slowest stages (compute per layer) before another chain forms, and a
+    # chain goes on with a worker of a pool gone (docs/chains.md, "Pools and routing").
     stage_workers: int = 1
 
 

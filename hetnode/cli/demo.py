@@ -26,6 +26,12 @@ def register(commands: argparse._SubParsersAction) -> None:
         "--chain-stages", type=int, default=None, help="edge peers per chain (default: the config's stages)"
     )
     demo.add_argument("--chains", type=int, default=1, help="chains of edge peers (default 1)")
+    demo.add_argument(
+        "--chain-workers",
+        type=int,
+        default=1,
+        help="workers on each chain's slowest stage: a pool sharing its micro-batches (default 1)",
+    )
     demo.add_argument("--edge-mbit", type=float, default=20.0, help="the edges' link speed in Mbit/s")
     demo.add_argument(
         "--rounds",
@@ -52,6 +58,7 @@ def run(args: argparse.Namespace) -> int:
         anchors=args.anchors,
         chains=args.chains,
         stages=args.chain_stages,
+        workers=args.chain_workers,
         edge_mbit=args.edge_mbit,
         quick=args.quick,
         shaped=args.shaped,

@@ -128,6 +128,17 @@ class ChainPlan:
     lineage: str = ""  # a successor's: the name its chain was founded under ("" for a new chain)
     survivors: tuple[str, ...] = ()  # a successor's members that held their stage before
 
+    @classmethod
+    def of_layout(cls, chain: str, layout: Layout, lineage: str, survivors: Iterable[str]) -> ChainPlan:
+        """The plan a chain's committed layout stands for (as its claims show it)."""
+        stage_at = {p: i for i, (workers, _, _) in enumerate(stage_pools(layout)) for p in workers}
+        return cls(
+            chain,
+            tuple(StageAssignment(chain, stage_at[p], p, (f, la), layout) for p, f, la in layout),
+            lineage,
+            tuple(sorted(set(survivors))),
+        )
+
     @property
     def newcomers(self) -> tuple[str, ...]:
         """The members that step in (all of a new chain's)."""
@@ -170,7 +181,7 @@ def pack_chains(
     chain gets members of similar speed and its slowest stage limits it least. Within a chain the faster
     member takes the earlier stage (the first stage also loads data). Left-over peers join the pools of
     the chains' slowest stages, up to `stage_workers` workers a stage (`_fill_pools`), or stay idle."""
-    drafts, left = _pack_drafts(idle, stages_per_chain, n_layers)
+    drafts, left = _pack_drafts(idle, stages_per_chain, n_layers, stage_workers)
     _fill_pools(drafts, left, stage_workers)
     return [draft.plan(boundary) for draft in drafts]
 
@@ -184,6 +195,7 @@ class _Draft:
     compute: dict[str, float]  # TFLOP/s of each worker, as its record says
     lineage: str = ""
     survivors: tuple[str, ...] = ()
+    refused: frozenset[str] = frozenset()  # peers this chain takes no more (`ChainStatus.accused`)
 
     def per_layer(self, stage: int) -> float:
         """The stage's compute per layer: where a spare helps most is where this is least."""
@@ -212,15 +224,20 @@ class _Draft:
 
 
 def _pack_drafts(
-    idle: Iterable[Candidate], stages_per_chain: int, n_layers: int
+    idle: Iterable[Candidate], stages_per_chain: int, n_layers: int, stage_workers: int = 1
 ) -> tuple[list[_Draft], list[Candidate]]:
+    """Chains of the fastest candidates, P a chain: as few as hold every candidate once the pools of their
+    stages past the first are full (`stage_workers` each), so that a chain's pools fill before another
+    chain forms. The rest are left for the pools."""
     if stages_per_chain < 1:
         raise ValueError(f"stages_per_chain must be >= 1, got {stages_per_chain}")
     unique = {c.peer_id: c for c in idle}
     ordered = sorted(unique.values(), key=lambda c: (-c.tflops, c.peer_id))
+    # as few chains as hold everyone, each with full pools past its first stage; never more than P apiece
+    holds = stages_per_chain + (stages_per_chain - 1) * (max(stage_workers, 1) - 1)
+    count = min(len(ordered) // stages_per_chain, -(-len(ordered) // holds))
     drafts = []
-    packed = len(ordered) - len(ordered) % stages_per_chain
-    for start in range(0, packed, stages_per_chain):
+    for start in range(0, count * stages_per_chain, stages_per_chain):
         members = ordered[start : start + stages_per_chain]
         ranges = split_layers(n_layers, [max(m.tflops, 1e-6) for m in members])
         drafts.append(
@@ -230,7 +247,7 @@ def _pack_drafts(
                 {m.peer_id: m.tflops for m in members},
             )
         )
-    return drafts, ordered[packed:]
+    return drafts, ordered[count * stages_per_chain :]
 
 
 def _fill_pools(drafts: Sequence[_Draft], spares: Sequence[Candidate], stage_workers: int) -> list[Candidate]:
@@ -243,6 +260,7 @@ def _fill_pools(drafts: Sequence[_Draft], spares: Sequence[Candidate], stage_wor
         open_stages = [
             (draft.per_layer(s), d, -s)
             for d, draft in enumerate(drafts)
+            if spare.peer_id not in draft.refused
             for s in range(1, len(draft.pools))
             if len(draft.pools[s]) < stage_workers
         ]
@@ -289,6 +307,9 @@ class ChainStatus:
     blamed: tuple[str, ...] = ()  # members another member caught sending what no honest stage sends
     # each stage's working members: they claim it, and neither say it broke nor were caught lying
     workers: tuple[tuple[str, ...], ...] = ()
+    # every peer a member's record names as caught lying, in or out of the layout: the chain takes none
+    # of them into its pools (a liar dropped from a chain does not come back to it as a spare)
+    accused: tuple[str, ...] = ()
 
     @property
     def dropped(self) -> dict[str, str]:
@@ -382,8 +403,9 @@ def chain_status(
                 problem = f"stage {empty[0]}'s member was caught lying"
             elif empty:
                 problem = f"stage {empty[0]} has no member"
+        accused = tuple(sorted({c.blame for c in valid if c.blame and c.blame != c.peer_id}))
         result.append(
-            ChainStatus(name, not problem, slots, problem, lineage, layout, broken, blamed, workers)
+            ChainStatus(name, not problem, slots, problem, lineage, layout, broken, blamed, workers, accused)
         )
     return result
 
@@ -448,7 +470,8 @@ def _successor_drafts(
         stages = stage_pools(status.layout)
         kept = [[p for p in workers if p in survivors] for workers, _, _ in stages]
         vacant = [i for i, workers in enumerate(kept) if not workers]
-        spares = [c for c in pool if c.peer_id not in survivors][: len(vacant)]
+        spares = [c for c in pool if c.peer_id not in survivors and c.peer_id not in status.accused]
+        spares = spares[: len(vacant)]
         if len(spares) < len(vacant):
             continue
         taken = {c.peer_id for c in spares}
@@ -457,9 +480,9 @@ def _successor_drafts(
             kept[i] = [spare.peer_id]
         speeds = {p: compute.get(p, 0.0) for workers in kept for p in workers}
         speeds |= {c.peer_id: c.tflops for c in spares}
-        drafts.append(
-            _Draft(kept, [(f, la) for _, f, la in stages], speeds, status.lineage, tuple(sorted(survivors)))
-        )
+        layers = [(f, la) for _, f, la in stages]
+        refused = frozenset(status.accused)
+        drafts.append(_Draft(kept, layers, speeds, status.lineage, tuple(sorted(survivors)), refused))
     return drafts, pool
 
 
@@ -472,15 +495,48 @@ def plan_boundary(
     stage_workers: int = 1,
     compute: Mapping[str, float] | None = None,
 ) -> list[ChainPlan]:
-    """Every peer's plan at `boundary`: successors of the chains that lost a stage first
-    (`plan_successors`), then new chains packed from the idle candidates left (`pack_chains`); the spares
-    left over then join the slowest stages' pools of the chains formed now, up to `stage_workers` each.
-    `compute`: TFLOP/s per peer, as the records say (a survivor's speed, for where a spare helps most)."""
-    successors, left = _successor_drafts(chains, idle, stages_per_chain, n_layers, boundary, compute or {})
-    packed, left = _pack_drafts(left, stages_per_chain, n_layers)
-    drafts = successors + packed
-    _fill_pools(drafts, left, stage_workers)
-    return [draft.plan(boundary) for draft in drafts]
+    """Every peer's plan at `boundary`:
+    1. successors of the chains that lost a stage (`plan_successors`): their empty stages come first;
+    2. with `stage_workers` > 1, live chains whose pools have room grow: idle candidates join the stage
+       with the least compute per layer (`_fill_pools`), and the chain goes on under a new name with its
+       lineage (`_grown_drafts`): a chain's slowest stages get their workers before another chain forms;
+    3. new chains from the candidates left (`_pack_drafts`), the spares left over joining the pools of
+       the successors and new chains.
+    `compute`: TFLOP/s per peer, as the records say (a member's speed, for where a spare helps most)."""
+    chains = list(chains)
+    compute = compute or {}
+    successors, left = _successor_drafts(chains, idle, stages_per_chain, n_layers, boundary, compute)
+    grown, left = _grown_drafts(chains, left, boundary, stage_workers, compute)
+    packed, left = _pack_drafts(left, stages_per_chain, n_layers, stage_workers)
+    _fill_pools(successors + packed, left, stage_workers)
+    return [draft.plan(boundary) for draft in successors + grown + packed]
+
+
+def _grown_drafts(
+    chains: Sequence[ChainStatus],
+    idle: Sequence[Candidate],
+    boundary: int,
+    stage_workers: int,
+    compute: Mapping[str, float],
+) -> tuple[list[_Draft], list[Candidate]]:
+    """The live chains formed before `boundary` that take spares into their pools: each goes on with its
+    working members where they are (their local state stays valid) and the spares, under its lineage."""
+    if stage_workers <= 1 or not idle:
+        return [], list(idle)
+    drafts = []
+    for status in sorted(chains, key=lambda c: c.chain):
+        formed = _boundary_of(status.chain)
+        if not status.live or formed is None or formed >= boundary:
+            continue
+        stages = stage_pools(status.layout)
+        pools = [list(workers) for workers in status.workers]
+        members = tuple(sorted(p for workers in pools for p in workers))
+        speeds = {p: compute.get(p, 0.0) for p in members}
+        layers = [(f, la) for _, f, la in stages]
+        drafts.append(_Draft(pools, layers, speeds, status.lineage, members, frozenset(status.accused)))
+    sizes = [sum(len(w) for w in d.pools) for d in drafts]
+    left = _fill_pools(drafts, idle, stage_workers)
+    return [d for d, size in zip(drafts, sizes, strict=True) if sum(len(w) for w in d.pools) > size], left
 
 
 def _layout_problem(layout: Layout, stages_per_chain: int, n_layers: int, stage_workers: int = 1) -> str:
@@ -499,6 +555,11 @@ def _layout_problem(layout: Layout, stages_per_chain: int, n_layers: int, stage_
     if expected_first != n_layers:
         return f"layers cover 0..{expected_first - 1} of 0..{n_layers - 1}"
     return ""
+
+
+def formed_at(name: str) -> int | None:
+    """The boundary a chain was formed at, from its name (None: not a chain's name)."""
+    return _boundary_of(name)
 
 
 def _boundary_of(name: str) -> int | None:

@@ -377,15 +377,19 @@ def test_a_left_over_spare_joins_the_stage_with_the_least_compute_per_layer():
     assert plan.chain != single.chain
 
 
-def test_pools_never_exceed_the_cap_and_spread_over_stages():
+def test_pools_fill_before_another_chain_forms_and_never_exceed_the_cap():
     peers = _candidates(9, seed=4)
     plans = pack_chains(peers, 2, n_layers=4, boundary=3, stage_workers=2)
-    assert len(plans) == 4  # 8 leads; the ninth joins a pool
-    sizes = [len(w) for p in plans for w, _, _ in stage_pools(p.stages[0].layout)]
-    assert sorted(sizes) == [1] * 7 + [2]
+    assert len(plans) == 3  # a chain holds 3 (its second stage a pool of 2): 3 chains hold the 9
+    sizes = sorted(len(w) for p in plans for w, _, _ in stage_pools(p.stages[0].layout))
+    assert sizes == [1] * 3 + [2] * 3
     wide = pack_chains(_candidates(7, seed=4), 2, n_layers=4, boundary=3, stage_workers=3)
-    assert sum(len(p.members) for p in wide) == 7  # 3 chains, the spare pooled
+    assert len(wide) == 2 and sum(len(p.members) for p in wide) == 7  # 2 chains of up to 4 hold the 7
     assert all(len(w) <= 3 for p in wide for w, _, _ in stage_pools(p.stages[0].layout))
+    three = pack_chains(_candidates(7, seed=4), 3, n_layers=6, boundary=3, stage_workers=2)
+    assert len(three) == 2 and sum(len(p.members) for p in three) == 7  # a chain holds 5: two for 7
+    # one worker a stage (the default): as many chains as fit, as before pools
+    assert len(pack_chains(_candidates(9, seed=4), 2, n_layers=4, boundary=3)) == 4
 
 
 def test_a_pool_keeps_its_chain_live_while_one_worker_is_left():
@@ -452,3 +456,43 @@ def test_the_first_stage_takes_no_pool():
     peers = [Candidate("a", 9.0), Candidate("b", 9.0), Candidate("c", 1.0)]
     [plan] = pack_chains(peers, 2, n_layers=4, boundary=3, stage_workers=2)
     assert [len(w) for w, _, _ in stage_pools(plan.stages[0].layout)] == [1, 2]
+
+
+def test_a_live_chain_takes_a_spare_into_its_pool_and_keeps_its_lineage():
+    [plan] = pack_chains([Candidate("a", 4.0), Candidate("b", 2.0)], 2, n_layers=4, boundary=3)
+    [status] = chain_status(_claims(plan), 2, 4, stage_workers=2)
+    assert status.live
+    compute = {"a": 4.0, "b": 2.0}
+    [grown] = plan_boundary([status], [Candidate("s", 1.0)], 2, 4, 5, 2, compute)
+    assert grown.lineage == plan.chain and grown.chain.startswith("c5-")
+    assert grown.survivors == ("a", "b") and grown.newcomers == ("s",)
+    assert stage_pools(grown.stages[0].layout) == ((("a",), 0, 2), (("b", "s"), 3, 3))
+    # the members keep their stages and layers: their local state stays valid
+    assert {(s.peer_id, s.stage, s.layers) for s in grown.stages} >= {
+        (s.peer_id, s.stage, s.layers) for s in plan.stages
+    }
+    # one worker a stage: a live chain takes nobody; two idle peers then form a chain of their own
+    assert plan_boundary([status], [Candidate("s", 1.0)], 2, 4, 5, 1, compute) == []
+    # a chain formed at this very boundary is still forming: it grows at a later one
+    assert plan_boundary([status], [Candidate("s", 1.0)], 2, 4, 3, 2, compute) == []
+
+
+def test_a_growing_chain_leaves_its_departed_workers_behind():
+    peers = [Candidate("a", 4.0), Candidate("b", 2.0), Candidate("c", 1.0)]
+    [plan] = pack_chains(peers, 2, n_layers=4, boundary=3, stage_workers=3)
+    claims = [c for c in _claims(plan) if c.peer_id != "c"]  # c left; the chain lives on with b
+    [status] = chain_status(claims, 2, 4, stage_workers=3)
+    [grown] = plan_boundary([status], [Candidate("s", 1.0)], 2, 4, 6, 3, {"a": 4.0, "b": 2.0})
+    assert stage_pools(grown.stages[0].layout)[1][0] == ("b", "s") and "c" not in grown.members
+
+
+def test_a_chain_takes_back_no_peer_its_members_caught_lying():
+    [plan] = pack_chains([Candidate("a", 4.0), Candidate("b", 2.0)], 2, n_layers=4, boundary=3)
+    a, b = _claims(plan)
+    accusing = Claim(a.peer_id, a.chain, a.stage, a.layers, a.layout, blame="liar")
+    [status] = chain_status([accusing, b], 2, 4, stage_workers=2)
+    assert status.live and status.accused == ("liar",) and status.blamed == ()  # not in the layout
+    idle = [Candidate("liar", 9.0), Candidate("s", 1.0)]
+    [grown] = plan_boundary([status], idle, 2, 4, 5, 2, {"a": 4.0, "b": 2.0})
+    assert grown.newcomers == ("s",)  # the faster idle peer is the one it caught
+    assert plan_boundary([status], idle[:1], 2, 4, 5, 2, {"a": 4.0, "b": 2.0}) == []

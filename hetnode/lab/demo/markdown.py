@@ -205,13 +205,16 @@ def render_markdown(summary: Mapping[str, Any]) -> str:
         chains = [
             [
                 ch.get("chain"),
-                ", ".join(ch.get("members") or []),
+                _stages_cell(ch),
                 "yes" if ch.get("live") else "no",
                 ch.get("first_seen"),
             ]
             for ch in summary["chains"]
         ]
-        parts += [table(["chain", "members", "live when last seen", "first seen at round"], chains), ""]
+        parts += [
+            table(["chain", "stages (workers)", "live when last seen", "first seen at round"], chains),
+            "",
+        ]
     parts += ["## Rounds", ""]
     rows = [_round_row(r) for r in summary["rounds"]]
     parts += [table(ROUND_HEADERS, rows, "rlrrrrrr") if rows else "No round was sealed.", ""]
@@ -313,3 +316,15 @@ def _digests_text(digests: Mapping[str, Any] | None, last: int | None) -> str:
             " The swarm trained on while the demo checked: a peer holds θ after the round it applied last."
         )
     return head + "\n\n" + table(["peer", "round held", "equal digests", "why not"], rows, "lrll")
+
+
+def _stages_cell(chain: dict[str, Any]) -> str:
+    """Each stage's workers (a pool's with its share of the micro-batches), and who was dropped and why."""
+    served = chain.get("served") or {}
+    pools = chain.get("workers") or [[m] for m in chain.get("members") or []]
+    cell = " | ".join(
+        ", ".join(f"{w} ({served[w]:.0%})" if isinstance(served.get(w), float) else str(w) for w in pool)
+        for pool in pools
+    )
+    dropped = chain.get("dropped") or {}
+    return cell + (f"; dropped: {', '.join(f'{p} ({why})' for p, why in dropped.items())}" if dropped else "")

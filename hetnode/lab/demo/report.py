@@ -104,6 +104,7 @@ def summarise(record: DemoRecord) -> dict[str, Any]:
     totals = {k: sum(r["bytes"][k] for r in rounds) for k in ("anchor", "stage", "sparse", "dense")}
     config = record.config
     stages = config.get("pipeline", {}).get("stages") or 1
+    per_chain = stages + (config.get("pipeline", {}).get("stage_workers") or 1) - 1  # edges a chain
     ledger = record.contributions if isinstance(record.contributions, Mapping) else {}
     return {
         "outcome": record.outcome,
@@ -122,10 +123,11 @@ def summarise(record: DemoRecord) -> dict[str, Any]:
             "n_layers": config.get("model", {}).get("n_layers"),
             "inner_steps": config.get("outer", {}).get("inner_steps"),
             "stages": config.get("pipeline", {}).get("stages"),
+            "stage_workers": config.get("pipeline", {}).get("stage_workers") or 1,
             "compression": config.get("pipeline", {}).get("compression"),
         },
         # replicas = anchors + chains (a chain is one replica); peers = the daemons beside the coordinator
-        "swarm": swarm_counts([str(p.get("role")) for p in record.processes], stages),
+        "swarm": swarm_counts([str(p.get("role")) for p in record.processes], per_chain),
         "processes": [p | {"log": _rel(p["log"], record.out)} for p in record.processes],
         "chains": record.chains,
         "first_stage_round": next((r["round"] for r in rounds if r["with_stages"]), None),

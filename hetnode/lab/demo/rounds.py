@@ -101,7 +101,8 @@ def loss_text(value: Any) -> str:
 
 def swarm_counts(roles: Sequence[str], stages: int) -> dict[str, int]:
     """Peers and replicas from the peers' roles ("anchor" or "stage"; others are not peers of the swarm).
-    A chain of `stages` stage peers is one replica (docs/glossary.md): replicas = anchors + chains."""
+    A chain of `stages` stage peers (its pools' workers included) is one replica (docs/glossary.md):
+    replicas = anchors + chains."""
     anchors = sum(role == "anchor" for role in roles)
     edges = sum(role == "stage" for role in roles)
     chains = -(-edges // max(1, stages))

@@ -48,6 +48,7 @@ class DemoOptions:
     anchors: int = 2
     chains: int = 1
     stages: int | None = None  # None: the config's pipeline.stages
+    workers: int = 1  # workers on each chain's slowest stage (pipeline.stage_workers)
     edge_mbit: float = 20.0
     quick: bool = False
     shaped: bool = False
@@ -60,6 +61,8 @@ def prepare_config(options: DemoOptions) -> Config:
         config = replace(config, "outer", inner_steps=QUICK_INNER_STEPS)
     if options.stages is not None and options.stages != config.pipeline.stages:
         config = replace(config, "pipeline", stages=options.stages)
+    if options.workers != config.pipeline.stage_workers:
+        config = replace(config, "pipeline", stage_workers=max(options.workers, 1))
     return config
 
 
@@ -69,6 +72,10 @@ def check_options(options: DemoOptions, config: Config) -> None:
 
     if options.anchors < 0 or options.chains < 0:
         raise bad("--anchors/--chains", "must be >= 0")
+    if not 1 <= options.workers <= 8:
+        raise bad("--chain-workers", f"must be in 1..8, got {options.workers}")
+    if options.workers > 1 and (options.stages or config.pipeline.stages) < 2:
+        raise bad("--chain-workers", "a pool needs a stage past the first: --chain-stages 2 or more")
     if options.anchors + options.chains == 0:
         raise bad("--anchors/--chains", "a swarm needs at least one anchor or one chain")
     if options.rounds < 1:
@@ -119,7 +126,9 @@ def run_demo(options: DemoOptions) -> int:
     config_path = out / "config.toml"
     config_path.write_text(dump_config(config))
     stages = config.pipeline.stages
-    plan = SwarmPlan(options.anchors, options.chains, stages, options.edge_mbit, options.shaped)
+    plan = SwarmPlan(
+        options.anchors, options.chains, stages, options.edge_mbit, options.shaped, workers=options.workers
+    )
     stop = threading.Event()
     swarm = DemoSwarm(plan, out / "swarm", stop)
     started = time.monotonic()
@@ -128,7 +137,8 @@ def run_demo(options: DemoOptions) -> int:
     where = "shaped links in network namespaces" if options.shaped else "loopback"
     print(
         f"hetnode demo: a coordinator, {options.anchors} anchor(s) and {options.chains} chain(s) of "
-        f"{stages} edge peer(s) at {options.edge_mbit:g} Mbit/s on {where}; {options.rounds} rounds of "
+        f"{stages} stage(s), {stages + options.workers - 1} edge peer(s) each at {options.edge_mbit:g} "
+        f"Mbit/s on {where}; {options.rounds} rounds of "
         f"H = {config.outer.inner_steps} ({config.run.name}). Logs: {swarm.work}/*.log",
         flush=True,
     )
@@ -142,7 +152,10 @@ def run_demo(options: DemoOptions) -> int:
                 digests = check_digests(swarm)
                 outcome = "interrupted" if stop.is_set() else outcome
                 print(
-                    digest_line(digests, swarm_counts([m.role for m in plan.members()], stages)), flush=True
+                    digest_line(
+                        digests, swarm_counts([m.role for m in plan.members()], stages + options.workers - 1)
+                    ),
+                    flush=True,
                 )
                 wait_for_evaluation(swarm, options.rounds)
         except Interrupted:
@@ -219,6 +232,12 @@ def note_chains(
             continue
         seen = chains.setdefault(chain["chain"], {"chain": chain["chain"], "first_seen": next_round})
         seen["members"] = [str(names.get(m) or m) for m in chain.get("members") or []]
+        pools = chain.get("workers") or []
+        seen["workers"] = [[str(names.get(m) or m) for m in pool] for pool in pools if isinstance(pool, list)]
+        if isinstance(chain.get("served"), dict):
+            seen["served"] = {str(names.get(p) or p): share for p, share in chain["served"].items()}
+        if isinstance(chain.get("dropped"), dict):
+            seen["dropped"] = {str(names.get(p) or p): why for p, why in chain["dropped"].items()}
         seen["live"] = bool(chain.get("live"))
 
 

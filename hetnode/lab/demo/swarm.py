@@ -44,6 +44,7 @@ class SwarmPlan:
     edge_mbit: float
     shaped: bool = False
     anchor_mbit: float = 1000.0
+    workers: int = 1  # workers on each chain's slowest stage: P + workers − 1 edges a chain
 
     def members(self) -> list[Member]:
         """Anchors and edges; an edge's declared Mbit/s is also the shaped rate of its link."""
@@ -51,7 +52,7 @@ class SwarmPlan:
         anchors = [
             Member(f"anchor-{i}", "anchor", self.anchor_mbit, metrics) for i in range(1, self.anchors + 1)
         ]
-        edges = self.chains * self.stages
+        edges = self.chains * (self.stages + self.workers - 1)
         return anchors + [Member(f"edge-{j}", "stage", self.edge_mbit, metrics) for j in range(1, edges + 1)]
 
     def rates(self) -> dict[str, float | None]:

@@ -36,12 +36,20 @@ def test_members_and_link_rates():
     assert rates["coordinator"] is None and rates["anchor-1"] is None and rates["edge-4"] == 20.0
 
 
+def test_chain_workers_pool_the_slowest_stage():
+    assert prepare_config(options(workers=3)).pipeline.stage_workers == 3
+    plan = SwarmPlan(anchors=1, chains=2, stages=2, edge_mbit=20.0, workers=3)
+    assert sum(m.role == "stage" for m in plan.members()) == 2 * (2 + 3 - 1)  # P + N − 1 edges a chain
+
+
 @pytest.mark.parametrize(
     ("changes", "flag"),
     [
         ({"anchors": -1}, "--anchors/--chains"),
         ({"anchors": 0, "chains": 0}, "--anchors/--chains"),
         ({"rounds": 0}, "--rounds"),
+        ({"workers": 0}, "--chain-workers"),
+        ({"workers": 3, "stages": 1}, "--chain-workers"),
         ({"edge_mbit": 0.0}, "--edge-mbit"),
         ({"edge_mbit": 1.0}, "--edge-mbit"),  # below stage_min_up_mbps: the edges would idle
     ],
