@@ -11,22 +11,16 @@ from hetnode.algo.scoring import index_overlap
 from hetnode.config import replace
 from hetnode.daemon.faults.factory import faults_named
 from hetnode.daemon.rounds import AnchorTraining
-from hetnode.data.dataset import TokenDataset
-from hetnode.model.decoder import build_model
 from hetnode.planning.rounds import data_slot
-from hetnode.replica.global_model import GlobalModel, base_fixed_embedding
+from hetnode.replica.global_model import GlobalModel
 from hetnode.wire.sync_payload import decode_payload
 
 HONEST = ["honest-a", "honest-b", "honest-c"]
 
 
 @pytest.fixture(scope="module")
-def setup(tiny_config):
-    config = replace(tiny_config, "outer", inner_steps=4)
-    dataset = TokenDataset.build(config.data, config.model.vocab_size, config.run.seed)
-    model = build_model(config.model, seed=config.run.seed)
-    model.fixed_embedding = base_fixed_embedding(config)
-    return config, dataset, model
+def setup(verifier_parts):
+    return verifier_parts
 
 
 def _decoded(global_model, peer, payloads):

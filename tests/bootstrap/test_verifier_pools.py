@@ -8,23 +8,17 @@ from __future__ import annotations
 import pytest
 
 from bootstrap.verifier import MAX_COMBINATIONS, Replica, Verifier, pool_combinations, replica_of
-from hetnode.config import replace
 from hetnode.daemon.faults.factory import faults_named
 from hetnode.daemon.rounds import AnchorTraining
-from hetnode.data.dataset import TokenDataset
-from hetnode.model.decoder import build_model
 from hetnode.planning.rounds import data_slot, shard_order
-from hetnode.replica.global_model import GlobalModel, base_fixed_embedding
+from hetnode.replica.global_model import GlobalModel
 
 CHAIN = "c1-0"
 
 
 @pytest.fixture(scope="module")
-def setup(tiny_config):
-    config = replace(tiny_config, "outer", inner_steps=4)
-    dataset = TokenDataset.build(config.data, config.model.vocab_size, config.run.seed)
-    model = build_model(config.model, seed=config.run.seed)
-    model.fixed_embedding = base_fixed_embedding(config)
+def setup(verifier_parts):
+    config, dataset, model = verifier_parts
     theta = GlobalModel(config)
     trained = {}
     for peer, fault in (("honest-a", None), ("honest-b", None), ("honest-c", None), ("flip-x", "signflip")):
