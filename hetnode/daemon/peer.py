@@ -73,7 +73,7 @@ MAX_PROBE_ANCHORS = 3
 PIN_FILE = "coordinator.json"  # the coordinator this data dir follows, once it joined
 REMEASURE_EVERY_BOUNDARIES = 20
 # a chain's members wait this many confirm_s for the spares of a grown (or continued) chain to claim it
-GROWTH_PATIENCE = 3
+GROWTH_PATIENCE = 6
 
 
 @dataclass(frozen=True)
@@ -585,7 +585,11 @@ class PeerDaemon:
         deadline = time.monotonic() + patience
         while time.monotonic() < deadline:
             fresh = await self._view(max_age_s=0)
-            if all((fresh.peers.get(peer) or {}).get("chain") == plan.chain for peer in plan.newcomers):
+            claimed = {
+                peer for peer in plan.members if (fresh.peers.get(peer) or {}).get("chain") == plan.chain
+            }
+            # every spare claims it, or another member saw them first and moved: we follow it
+            if set(plan.newcomers) <= claimed or claimed & (set(plan.survivors) - {own}):
                 self.chain_live = False
                 self._run_role(stop)  # our stage stops; its local state on disk goes on in the grown chain
                 return await self._claim(plan, boundary, time.monotonic(), stop)
