@@ -100,7 +100,13 @@ SHOWN = {
         "post_kill_tokens_per_s",
     ),
     "spare": ("rounds_lost", "successor_after_s", "lineage_kept"),
-    "malicious_worker": ("rounds_to_drop", "eval_loss", "eval_loss_clean", "liar_rounds_sealed_after_drop"),
+    "malicious_worker": (
+        "rounds_to_drop",
+        "rounds_to_blame",
+        "eval_loss",
+        "eval_loss_clean",
+        "liar_rounds_sealed_after_drop",
+    ),
 }
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from datetime import datetime
 from pathlib import Path
 
 import pytest
@@ -98,6 +99,19 @@ def test_rounds_to_drop_count_seals_from_the_fault_to_the_status_that_shows_the_
         and fig.rounds_sealed_with(HISTORY, "S1a", 101.0) == 1
     )
     assert fig.rounds_sealed_with(HISTORY, "S1b", 0.0, before=106.0) == 2
+
+
+def test_the_blame_is_timed_by_the_first_stages_log_line():
+    near = datetime(2026, 12, 5, 23, 59, 58).timestamp()
+    log = (
+        "23:59:50 hetnode INFO hetnode.daemon.chain: round 7 applied\n"
+        "00:00:03 hetnode WARNING hetnode.daemon.chain_links: chain c2: S1b sent what no honest stage sends: "
+        "norm 32x off\n"
+        "00:00:09 hetnode WARNING hetnode.daemon.chain_links: chain c2: S1b sent what no honest stage sends\n"
+    )
+    at = fig.logged_at(log, f"S1b {fig.BLAME_LINE}", near)
+    assert at == pytest.approx(datetime(2026, 12, 6, 0, 0, 4).timestamp())  # the next day, end of its second
+    assert fig.logged_at(log, f"S1a {fig.BLAME_LINE}", near) is None
 
 
 STATUS = {
@@ -247,7 +261,13 @@ def _runs() -> dict[str, dict]:
         "malicious_worker",
         2.0,
         _seals(2.0, 5, "A", "S0", "S1a", "S1b") + _seals(2.0, 10, "A", "S0", "S1a", start=6),
-        {"liar": "stage-1b", "fault_at": 107.0, "dropped_seen_at": 111.0, "fault_clock_from": "daemon.lock"},
+        {
+            "liar": "stage-1b",
+            "fault_at": 107.0,
+            "dropped_seen_at": 111.0,
+            "blame_logged_at": 108.0,
+            "fault_clock_from": "daemon.lock",
+        },
     )
     return {
         "one_worker": _run("one_worker", 3.0, _seals(3.0, 10, "A", "S0", "S1a")),
@@ -281,6 +301,7 @@ def test_the_report_has_the_issues_keys_and_figures(tmp_path: Path, capsys):
     assert report["spare"]["successor"] == [["stage-0"], ["stage-1b"]]
     liar = report["malicious_worker"]
     assert liar["rounds_to_drop"] == 2  # rounds 4 (108.5) and 5 (110.5) between the fault and the read
+    assert liar["rounds_to_blame"] == 0 and liar["blamed_after_s"] == 1.0  # caught before round 4 was sealed
     assert liar["liar_rounds_sealed_after_drop"] == 0 and liar["liar_rounds_sealed_before_fault"] == 3
     assert liar["eval_loss"] == pytest.approx(liar["eval_loss_clean"])  # the same losses at the same tokens
     assert report["targets"]["spare_rounds_lost"]["met"] and report["targets"]["digest_disagreements"]["met"]

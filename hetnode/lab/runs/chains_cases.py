@@ -14,7 +14,13 @@ from typing import Any
 
 from hetnode.lab.guard import LabStalled, check_running, stalled_reason
 from hetnode.lab.procs import HETNODE
-from hetnode.lab.runs.chains_figures import dropped_by_chain, first_seal_with, sealed_with
+from hetnode.lab.runs.chains_figures import (
+    BLAME_LINE,
+    dropped_by_chain,
+    first_seal_with,
+    logged_at,
+    sealed_with,
+)
 from hetnode.lab.runs.chains_plan import CASES, FIRST, LIAR, SECOND, ChainsPlan
 from hetnode.lab.swarm import RunningSwarm
 from hetnode.service.http_server import DEFAULT_STATUS_PORT
@@ -215,6 +221,10 @@ def _catch_the_liar(watch: Watch, plan: ChainsPlan, record: dict[str, Any]) -> N
             )
         time.sleep(plan.status_poll_s)
     seen = record["events"]["dropped_seen_at"]
+    names = (record.get("layout_before") or {}).get("names") or [[FIRST]]
+    log = watch.swarm.work / f"{names[0][0]}.log"  # the first stage's: it caught the lie
+    text = log.read_text(errors="replace") if log.exists() else ""
+    record["events"]["blame_logged_at"] = logged_at(text, f"{ids[LIAR]} {BLAME_LINE}", fault_at)
     watch.until(
         lambda h: (
             sum(float(e["time"]) > seen and sealed_with(e, {ids[FIRST]}) for e in h)

@@ -21,14 +21,18 @@ Definitions (BENCHMARKS.md says the same):
 - **rounds lost** (a spare steps in) is the number of rounds sealed after the kill without the first stage
   among the contributors, until the first round sealed with the first stage and the spare together;
 - **rounds to drop** (a liar in the pool) is the number of rounds sealed after the fault began and no later
-  than the first status read that shows the liar blamed or dropped by its chain;
+  than the first status read that shows the liar blamed or dropped by its chain (the status is read every
+  `status_poll_s`, and the coordinator refreshes what it serves every heartbeat: the count includes that
+  lag); **rounds to blame**, the same up to the first stage's log line that blames it (1 s resolution);
 - **eval loss against clean** is each run's eval loss, interpolated over its cumulative sealed (credited)
   tokens, at the largest token count both runs reached (`loss_at_equal`).
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable, Mapping, Sequence
+from datetime import datetime
 from typing import Any
 
 from hetnode.lab.runs.utilization_figures import (
@@ -40,6 +44,8 @@ from hetnode.lab.runs.utilization_figures import (
 )
 
 Record = Mapping[str, Any]
+BLAME_LINE = "sent what no honest stage sends"  # hetnode/daemon/chain_links.py, naming the liar first
+DAY_S = 86400.0
 
 
 def sealed_with(entry: Record, peers: Iterable[str]) -> bool:
@@ -137,6 +143,20 @@ def rounds_to_drop(history: Sequence[Record], fault_at: float, dropped_at: float
     if dropped_at is None:
         return None
     return sum(fault_at < float(e["time"]) <= dropped_at for e in history)
+
+
+def logged_at(log_text: str, marker: str, near: float) -> float | None:
+    """When the first log line holding `marker` was written: its leading HH:MM:SS (the daemons' log format,
+    local time) on the day that puts it nearest `near` (wall clock), plus a second (the line was written
+    within the second it names: no later than that). None when no line holds it."""
+    for line in log_text.splitlines():
+        found = re.match(r"(\d\d):(\d\d):(\d\d) ", line) if marker in line else None
+        if found is not None:
+            hour, minute, second = (int(g) for g in found.groups())
+            day = datetime.fromtimestamp(near).replace(hour=hour, minute=minute, second=second, microsecond=0)
+            at = day.timestamp()
+            return at + DAY_S * round((near - at) / DAY_S) + 1.0
+    return None
 
 
 def rounds_sealed_with(

@@ -62,9 +62,10 @@ KEYS = {
         "rounds_lost", "successor_after_s", "back_round", "lineage_kept", "successor", "killed", "spare",
     ),
     "malicious_worker": (
-        "rounds_to_drop", "eval_loss", "eval_loss_clean", "eval_loss_ratio", "eval_at_tokens",
-        "eval_loss_final", "dropped_after_s", "liar_rounds_sealed_after_fault",
-        "liar_rounds_sealed_before_fault", "liar_rounds_sealed_after_drop", "fault_clock_from",
+        "rounds_to_drop", "rounds_to_blame", "eval_loss", "eval_loss_clean", "eval_loss_ratio",
+        "eval_at_tokens", "eval_loss_final", "dropped_after_s", "blamed_after_s",
+        "liar_rounds_sealed_after_fault", "liar_rounds_sealed_before_fault", "liar_rounds_sealed_after_drop",
+        "fault_clock_from",
     ),
 }  # fmt: skip
 
@@ -135,15 +136,19 @@ def spare(run: Mapping[str, Any]) -> dict[str, Any]:
 def malicious_worker(run: Mapping[str, Any], clean: Mapping[str, Any] | None) -> dict[str, Any]:
     ids, events = run["peer_ids"], run["events"]
     liar, fault_at, seen = ids[events["liar"]], events["fault_at"], events.get("dropped_seen_at")
+    blamed = events.get("blame_logged_at")
     loss = eval_against_clean(run["history"], (clean or {}).get("history"))
     return {
         "rounds_to_drop": rounds_to_drop(run["history"], fault_at, seen),
+        # the same up to the first stage's log line that blamed it: what the status adds is its lag
+        "rounds_to_blame": rounds_to_drop(run["history"], fault_at, blamed),
         "eval_loss": loss["eval_loss"],
         "eval_loss_clean": loss["eval_loss_clean"],
         "eval_loss_ratio": loss["ratio"],
         "eval_at_tokens": loss["at_tokens"],
         "eval_loss_final": loss["eval_loss_final"],
         "dropped_after_s": seen - fault_at if seen is not None else None,
+        "blamed_after_s": blamed - fault_at if blamed is not None else None,
         "liar_rounds_sealed_after_fault": rounds_sealed_with(run["history"], liar, fault_at),
         # honest first? (the liar may be caught before its pool's work was ever sealed)
         "liar_rounds_sealed_before_fault": rounds_sealed_with(run["history"], liar, 0.0, fault_at),
