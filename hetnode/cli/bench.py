@@ -10,7 +10,7 @@ import dataclasses
 from pathlib import Path
 
 from hetnode.algo.aggregation_rules import AGGREGATION_RULES
-from hetnode.cli import bench_soak, bench_utilization, bench_wan
+from hetnode.cli import bench_chains, bench_soak, bench_utilization, bench_wan
 from hetnode.errors import ConfigError
 
 CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs"
@@ -22,6 +22,7 @@ def register(commands: argparse._SubParsersAction) -> None:
     bench_soak.register(benches)
     bench_wan.register(benches)
     bench_utilization.register(benches)
+    bench_chains.register(benches)
     sparse = benches.add_parser("sparseloco", help="DDP vs DiLoCo vs SparseLoCo: loss against bytes")
     sparse.add_argument("--quick", action="store_true", help="tiny config, 2 replicas (a few minutes)")
     sparse.add_argument(
