@@ -41,7 +41,6 @@ from hetnode.net.streams import PeerRequestError
 from hetnode.planning.reachability import Reachability, assess
 from hetnode.planning.roles import (
     ChainPlan,
-    ChainStatus,
     ClassThresholds,
     LinkClass,
     Role,
@@ -50,7 +49,7 @@ from hetnode.planning.roles import (
     assignment_for,
     classify_link,
     format_layout,
-    formed_at,
+    grown_successor,
     next_role,
     plan_boundary,
     wanted_role,
@@ -72,7 +71,7 @@ log = logging.getLogger(__name__)
 MAX_PROBE_ANCHORS = 3
 PIN_FILE = "coordinator.json"  # the coordinator this data dir follows, once it joined
 REMEASURE_EVERY_BOUNDARIES = 20
-# a chain's members wait this many confirm_s for the spares of a grown (or continued) chain to claim it
+# the spares of a grown (or continued) chain wait this many confirm_s for its members to claim it too
 GROWTH_PATIENCE = 6
 
 
@@ -553,88 +552,35 @@ class PeerDaemon:
         return False
 
     async def _follow_growth(self, boundary: int, view: SwarmView, stop: asyncio.Event) -> bool:
-        """Our live chain takes spares into its pools at this boundary (`plan_boundary`, step 2): once every
-        spare claims the grown chain we stop our stage and claim it, keeping our stage and local state.
-        A member that reads the records late, after another member moved, follows the grown chain that
-        member claims. Until then our stage trains on; False: not growing (or the spares did not come)."""
-        p, n = self.config.pipeline, self.config.network
+        """Our chain grew (`plan_boundary` step 2): its spares claim the grown chain at the boundary they
+        read, and we follow it once the records show it (`grown_successor`), keeping our stage and local
+        state; our stage trains until then. False: nothing to follow."""
+        p = self.config.pipeline
         held = self.assignment
         if p.stage_workers <= 1 or held is None:
             return False
-        own = self.node.identity.peer_id
-        statuses = {c.chain: c for c in view.chains()}
-        ours = statuses.get(held.chain)
-        if ours is None:
+        chains = view.chains()
+        ours = next((c for c in chains if c.chain == held.chain), None)
+        grown = grown_successor(ours, chains, p.stage_workers) if ours is not None else None
+        if grown is None:
             return False
-        plan = (
-            self._grown_plan(boundary, view, ours)
-            if ours.live
-            else self._moved_plan(boundary, ours, statuses)
+        own = self.node.identity.peer_id
+        members = {peer for peer, _, _ in ours.layout}
+        plan = ChainPlan.of_layout(
+            grown.chain, grown.layout, grown.lineage, members & {peer for peer, _, _ in grown.layout}
         )
-        if plan is None or own not in plan.survivors:
+        if own not in plan.survivors:
             return False
         log.info(
-            "boundary %d: chain %s takes %s into its pools: goes on as %s",
+            "boundary %d: chain %s took %s into its pools: goes on as %s",
             boundary,
             held.chain,
-            ", ".join(peer[-6:] for peer in plan.newcomers),
+            ", ".join(peer[-6:] for peer in plan.newcomers) or "nobody new",
             plan.chain,
         )
-        # the spares read the pool, plan and claim first; our stage trains on meanwhile: waiting is free
-        patience = GROWTH_PATIENCE * n.confirm_s
-        deadline = time.monotonic() + patience
-        while time.monotonic() < deadline:
-            fresh = await self._view(max_age_s=0)
-            claimed = {
-                peer for peer in plan.members if (fresh.peers.get(peer) or {}).get("chain") == plan.chain
-            }
-            # every spare claims it, or another member saw them first and moved: we follow it
-            if set(plan.newcomers) <= claimed or claimed & (set(plan.survivors) - {own}):
-                self.chain_live = False
-                self._run_role(stop)  # our stage stops; its local state on disk goes on in the grown chain
-                return await self._claim(plan, boundary, time.monotonic(), stop)
-            if await sleep_or_stop(stop, 0.2):
-                return True
-        log.info(
-            "chain %s: the spares did not step in within %.1f s; training on", plan.chain, 2 * n.confirm_s
-        )
-        return False
-
-    def _grown_plan(self, boundary: int, view: SwarmView, ours: ChainStatus) -> ChainPlan | None:
-        """The boundary's plan for our live chain's lineage, if it grows (read from our view)."""
-        p = self.config.pipeline
-        plans = plan_boundary(
-            view.chains(),
-            view.idle_candidates(boundary),
-            p.stages,
-            self.config.model.n_layers,
-            boundary,
-            p.stage_workers,
-            {peer: record["tflops"] for peer, record in view.peers.items()},
-        )
-        return next(
-            (plan for plan in plans if plan.lineage == ours.lineage and plan.chain != ours.chain), None
-        )
-
-    def _moved_plan(
-        self, boundary: int, ours: ChainStatus, statuses: dict[str, ChainStatus]
-    ) -> ChainPlan | None:
-        """Our chain stopped being live because a member moved into its grown successor: that successor,
-        formed later under our lineage, keeping us where we are, claimed by one of our members (we may
-        have missed the spares at the boundary it was formed at)."""
-        own = self.node.identity.peer_id
-        mine = next(((peer, f, la) for peer, f, la in ours.layout if peer == own), None)
-        members = {peer for peer, _, _ in ours.layout} - {own}
-        for status in statuses.values():
-            if (
-                (formed_at(status.chain) or -1) > (formed_at(ours.chain) or -1)
-                and status.lineage == ours.lineage
-                and mine in status.layout
-                and members & {peer for workers in status.workers for peer in workers}
-            ):
-                survivors = {peer for peer, _, _ in status.layout} & (members | {own})
-                return ChainPlan.of_layout(status.chain, status.layout, status.lineage, survivors)
-        return None
+        self.chain_live = False
+        self._run_role(stop)  # our stage stops; its local state on disk goes on in the grown chain
+        return await self._claim(plan, boundary, time.monotonic(), stop)
 
     async def _plan(self, boundary: int) -> ChainPlan | None:
         """The boundary's plan (`plan_boundary`) from the records as they are now: the chain it puts us in."""

@@ -512,6 +512,39 @@ def plan_boundary(
     return [draft.plan(boundary) for draft in successors + grown + packed]
 
 
+def grown_successor(
+    ours: ChainStatus, chains: Iterable[ChainStatus], stage_workers: int
+) -> ChainStatus | None:
+    """The chain our chain grew into, as the records show it: formed later under our lineage, with our
+    stages and layers, every working member of ours where it is, and the rest newcomers in the pools of
+    stages past the first (at most `stage_workers` a stage), each claiming it and none caught lying by us.
+    The newest such chain, or None. Members follow it at whatever boundary they read it (peers act on
+    boundaries a few seconds apart: a plan computed at each would name it differently)."""
+    mine = stage_pools(ours.layout)
+    working = {p: i for i, workers in enumerate(ours.workers) for p in workers}
+    best: ChainStatus | None = None
+    for status in chains:
+        formed, since = _boundary_of(status.chain), _boundary_of(ours.chain)
+        if formed is None or since is None or formed <= since or status.lineage != ours.lineage:
+            continue
+        pools = stage_pools(status.layout)
+        if [(f, la) for _, f, la in pools] != [(f, la) for _, f, la in mine] or not working:
+            continue
+        at = {p: i for i, (workers, _, _) in enumerate(pools) for p in workers}
+        claimed = {p for workers in status.workers for p in workers}
+        newcomers = set(at) - set(working)
+        if (
+            any(at.get(p) != i for p, i in working.items())
+            or any(at[p] == 0 or p not in claimed or p in ours.accused for p in newcomers)
+            or any(len(workers) > stage_workers for workers, _, _ in pools[1:])
+            or not (newcomers or claimed & set(working))
+        ):
+            continue
+        if best is None or (formed, status.chain) > (_boundary_of(best.chain) or 0, best.chain):
+            best = status
+    return best
+
+
 def _grown_drafts(
     chains: Sequence[ChainStatus],
     idle: Sequence[Candidate],

@@ -13,6 +13,7 @@ from hetnode.planning.roles import (
     chain_id,
     chain_status,
     classify_link,
+    grown_successor,
     lineage_of,
     next_role,
     pack_chains,
@@ -496,3 +497,21 @@ def test_a_chain_takes_back_no_peer_its_members_caught_lying():
     [grown] = plan_boundary([status], idle, 2, 4, 5, 2, {"a": 4.0, "b": 2.0})
     assert grown.newcomers == ("s",)  # the faster idle peer is the one it caught
     assert plan_boundary([status], idle[:1], 2, 4, 5, 2, {"a": 4.0, "b": 2.0}) == []
+
+
+def test_members_follow_the_chain_their_spares_claim_whatever_boundary_named_it():
+    [plan] = pack_chains([Candidate("a", 4.0), Candidate("b", 2.0)], 2, n_layers=4, boundary=3)
+    [ours] = chain_status(_claims(plan), 2, 4, stage_workers=2)
+    compute = {"a": 4.0, "b": 2.0}
+    # the spare planned at boundary 7, the members read the records at boundary 8 (or 6): same chain
+    [grown] = plan_boundary([ours], [Candidate("s", 1.0)], 2, 4, 7, 2, compute)
+    spare = [c for c in _successor_claims(grown) if c.peer_id == "s"]
+    statuses = chain_status(_claims(plan) + spare, 2, 4, stage_workers=2)
+    assert grown_successor(ours, statuses, 2).chain == grown.chain
+    # not before the spare claims it, nor past the cap
+    assert grown_successor(ours, chain_status(_claims(plan), 2, 4, stage_workers=2), 2) is None
+    assert grown_successor(ours, statuses, 1) is None
+    # a stranger claiming an extension with itself in a pool is no spare the members caught lying
+    accusing = Claim("a", plan.chain, 0, (0, 2), plan.stages[0].layout, blame="s")
+    [accuser] = chain_status([accusing, _claims(plan)[1]], 2, 4, stage_workers=2)
+    assert grown_successor(accuser, statuses, 2) is None
