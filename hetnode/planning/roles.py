@@ -537,7 +537,7 @@ def grown_successor(
             any(at.get(p) != i for p, i in working.items())
             or any(at[p] == 0 or p not in claimed or p in ours.accused for p in newcomers)
             or any(len(workers) > stage_workers for workers, _, _ in pools[1:])
-            or not (newcomers or claimed & set(working))
+            or not newcomers
         ):
             continue
         if best is None or (formed, status.chain) > (_boundary_of(best.chain) or 0, best.chain):
