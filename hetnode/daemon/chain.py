@@ -292,12 +292,13 @@ class ChainLoop:
         )
 
     def _working(self, view: SwarmView) -> set[str]:
-        """The chain's working members as the records say; the whole layout when they do not say (a
-        harness without records)."""
+        """The members to link up with: the whole layout, but for those the records say stopped working
+        in the chain or were caught lying (one not claiming it yet may be a moment behind us)."""
+        members = {p for pool in self.layout.pools for p in pool}
         status = next((c for c in view.chains() if c.chain == self.layout.chain), None)
         if status is None:
-            return {p for pool in self.layout.pools for p in pool}
-        return {p for workers in status.workers for p in workers}
+            return members
+        return members - {p for p, why in status.dropped.items() if why != "left"}
 
     async def _accept_upstream(
         self, peer: str, reader: asyncio.StreamReader, writer: asyncio.StreamWriter

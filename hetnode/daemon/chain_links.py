@@ -31,6 +31,7 @@ from hetnode.service.lifecycle import sleep_or_stop
 log = logging.getLogger(__name__)
 
 CONNECT_S = 30.0  # neighbours must be connected this soon after the chain went live
+STRAGGLER_S = 10.0  # with a link each way, how long the others of the neighbouring pools are waited for
 WRITE_SLACK = 4.0  # a frame write may take this many times its transfer at our measured upload rate
 MIN_WRITE_TIMEOUT_S = 30.0  # plus this: the first bytes wait for a window, a round trip, a busy neighbour
 
@@ -165,10 +166,13 @@ class Neighbours:
     # --- making links --------------------------------------------------------------------------------
 
     async def connect(self, working: set[str], stop: asyncio.Event) -> None:
-        """Open a link to each working member of the next stage's pool and wait for links from the previous
-        stage's working members, until every one is there or `CONNECT_S` passed with one each way."""
+        """Open a link to each expected member of the next stage's pool and wait for links from the previous
+        stage's, until every one is there; or, with one each way, `STRAGGLER_S` passed (a member that
+        joins its chain a moment after us still gets in: links are made only now); else until
+        `CONNECT_S`."""
         layout = self.layout
-        deadline = time.monotonic() + CONNECT_S
+        started = time.monotonic()
+        deadline = started + CONNECT_S
         wanted_down = [p for p in layout.downstream if p in working]
         wanted_up = {p for p in layout.upstream if p in working}
         problems: dict[str, str] = {}
@@ -183,6 +187,8 @@ class Neighbours:
             if not missing_down and not missing_up:
                 break
             enough = (self.downs or layout.last) and (self.ups or layout.first)
+            if enough and time.monotonic() > started + STRAGGLER_S:
+                break
             if time.monotonic() > deadline:
                 if enough:
                     break
@@ -193,9 +199,7 @@ class Neighbours:
                 return
         self.accepting = False
         for peer in (*[p for p in wanted_down if p not in self.downs], *(wanted_up - set(self.ups))):
-            log.info(
-                "chain %s: %s did not connect in %.0f s: going on without it", layout.chain, peer, CONNECT_S
-            )
+            log.info("chain %s: %s did not connect: going on without it", layout.chain, peer)
 
     async def _open(self, peer: str) -> str:
         """Open our link to `peer` of the next stage; "" once it accepted, else what went wrong."""
