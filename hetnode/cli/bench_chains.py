@@ -48,6 +48,12 @@ def register(benches: argparse._SubParsersAction) -> None:
         "(default 120, --quick 80)",
     )
     parser.add_argument(
+        "--verify",
+        action="store_true",
+        help="run the coordinator's verifier (off by default: its scores, not the chain, would decide "
+        "which rounds count)",
+    )
+    parser.add_argument(
         "--resummarise",
         action="store_true",
         help="no lab: write the report again from the runs an earlier benchmark left in --out (its work/)",
@@ -74,6 +80,8 @@ def run(args: argparse.Namespace) -> int:
         plan = dataclasses.replace(plan, cases=tuple(c.strip() for c in args.cases.split(",") if c.strip()))
     if args.measure is not None:
         plan = dataclasses.replace(plan, measure_s=args.measure)
+    if args.verify:
+        plan = dataclasses.replace(plan, verify=True)
     if args.fault_after is not None:
         plan = dataclasses.replace(plan, fault_after_s=args.fault_after)
     command = "hetnode " + " ".join(shlex.quote(a) for a in sys.argv[1:])
@@ -119,7 +127,8 @@ def print_summary(report: dict[str, Any]) -> None:
         print(f"{case:<17} " + "  ".join(f"{key} {_show(figures.get(key))}" for key in keys))
     print(
         f"two workers / one: tokens/s {_show(report['two_over_one_tokens_per_s'])}x, "
-        f"while training {_show(report['two_over_one_train_tokens_per_s'])}x"
+        f"while training {_show(report['two_over_one_train_tokens_per_s'])}x, "
+        f"each against its anchor {_show(report['two_over_one_against_anchor'])}x"
     )
     print(f"digest disagreements: {report['digest_disagreements']} in {report['digest_checks']} checks")
     for name, t in report["targets"].items():

@@ -361,8 +361,10 @@ class ChainLoop:
         self.target = None
         self.links.new_round()
         self.round_done.clear()
+        # a pool of W after us: W times the window, one step per W gradients (`StageWorker.accumulate`)
+        width = training.worker.accumulate = self.layout.width_after
         self.window = asyncio.Semaphore(
-            stage_window(self.layout.stages, self.layout.index, self.config.pipeline.max_in_flight)
+            width * stage_window(self.layout.stages, self.layout.index, self.config.pipeline.max_in_flight)
         )
         delays_before = len(training.worker.staleness)
         self.round_ = round_
@@ -372,6 +374,8 @@ class ChainLoop:
             await self._feed(round_)
         fed = time.monotonic()
         await self._until(self.round_done)
+        async with self.compute:  # the round's last, partial group of gradients
+            await asyncio.to_thread(training.worker.flush)
         self.drain_s = time.monotonic() - fed
         trained_s = time.monotonic() - started
         for link in self.links.live(self.links.downs):  # all answered: each link's count is final
@@ -744,7 +748,9 @@ class ChainLoop:
     async def _step_in_order(self) -> None:
         """Back-propagate the held gradients while the oldest micro-batch in flight has one. Workers of a
         pool answer out of order; stepping in forward order keeps each micro-batch's weight delay within
-        the window, P−1−s, as in 1F1B (a younger answer waits for the older one, never the reverse)."""
+        P−1−s steps, as in 1F1B (a younger answer waits for the older one, never the reverse). Before a
+        pool of W, W times the window is in flight and a step takes W gradients: its room comes back
+        with the step, so the delay in steps stays P−1−s."""
         training = self.training
         while True:
             oldest = next(iter(training.worker.in_flight), None)
@@ -752,6 +758,7 @@ class ChainLoop:
                 return
             link, frame, sent = self.held_grads.pop(oldest)
             async with self.compute:
+                applied = training.worker.applied  # under the lock: only steps this backward takes
                 try:
                     grad = await self._computed(training.backward, oldest, frame.tensor)
                 except UpdateRefused as exc:  # refused before any step: our state is as it was
@@ -762,8 +769,9 @@ class ChainLoop:
                 await self.links.lose(link, refused, blame=True)
                 await self.links.route(oldest, sent.frame)
                 continue
-            if self.window is not None:
-                self.window.release()
+            if self.window is not None:  # room once a step took it in (a group's last gradient)
+                for _ in range(training.worker.applied - applied):
+                    self.window.release()
             up = self.links.came_from.pop(oldest, None)
             self._count_backward()  # first: the next round's frames may follow this gradient at once
             if grad is not None and up is not None:

@@ -100,6 +100,11 @@ class ChainLayout:
         return () if self.first else self.pools[self.index - 1]
 
     @property
+    def width_after(self) -> int:
+        """The most workers any later stage has: a stage keeps that many times its window in flight."""
+        return max((len(pool) for pool in self.pools[self.index + 1 :]), default=1)
+
+    @property
     def downstream(self) -> tuple[str, ...]:
         """The next stage's workers (none for the last stage)."""
         return () if self.last else self.pools[self.index + 1]

@@ -115,6 +115,7 @@ class StageTraining(StageRound):
             "feedback": self.feedback.state_dict(),
             "optimizer": snapshot_optimizer(self.worker.optimizer),
             "version": self.worker.version,
+            "applied": self.worker.applied,
             "tokens": self.tokens,
             "next_mb": self.next_mb,
         }
@@ -149,6 +150,7 @@ class StageTraining(StageRound):
                 raise CheckpointError(f"{path} was saved for another model")
             self.worker.optimizer.load_state_dict(state["optimizer"])
             self.worker.version = int(state["version"])
+            self.worker.applied = int(state.get("applied", state["version"]))
             self.tokens, self.next_mb = int(state["tokens"]), int(state["next_mb"])
         except (OSError, KeyError, RuntimeError, ValueError, TypeError, pickle.UnpicklingError) as exc:
             raise CheckpointError(f"{path} is unreadable ({exc}); move it away to start fresh") from None

@@ -168,9 +168,9 @@ class StageRound:
         H = o.inner_steps
         self.next_mb = assigned_batches(self.chain, round_, H, o.step_cap).start
         # a chain formed at round r trains at the swarm's point of the schedule, not in a warmup of its own
-        self.worker.schedule_offset = max(0, round_ * H - self.worker.version)
+        self.worker.schedule_offset = max(0, round_ * H - self.worker.applied)
         # paced: however many micro-batches the round has, it covers the round's part of the schedule
-        self.worker.paced_round = (round_, self.worker.version, H, o.step_cap) if o.paced else None
+        self.worker.paced_round = (round_, self.worker.applied, H, o.step_cap) if o.paced else None
         self.drift = self.drift_base = None
         c = self.worker.constraint
         if c is not None:

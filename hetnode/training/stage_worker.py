@@ -114,6 +114,13 @@ class StageWorker:
         # paced rounds: (round, our version when it began, H, the cap): the schedule moves by round
         self.paced_round: tuple[int, int, int, int] | None = None
         self.version = 0  # optimiser updates applied so far
+        self.applied = 0  # micro-batches whose gradient is in the weights: the schedule's position
+        # Micro-batches a step carries: a stage whose next stage is a pool of W workers keeps W times the
+        # 1F1B window in flight to keep them busy, and steps once per W gradients, so that its weight delay,
+        # counted in steps, stays P−1−s (`flush` applies a round's last, partial group)
+        self.accumulate = 1
+        self._pending: Grads | None = None  # the summed gradients of the group not yet stepped on
+        self._pending_mbs: list[tuple[int, int]] = []  # (micro-batch, our version at its forward)
         self.in_flight: dict[int, _InFlight] = {}
         self.staleness: list[tuple[int, int]] = []  # (micro-batch, updates between its forward and backward)
         self._last_loss: torch.Tensor | None = None
@@ -233,9 +240,35 @@ class StageWorker:
             self.refusals = self.refusals.to(ok.device) + (~ok).long()
         elif not bool(ok):
             raise refusal(mb, list(grads.values()))
-        self.staleness.append((mb, self.version - version))
-        self._step(grads)
+        self._add(grads, mb, version)
+        if len(self._pending_mbs) >= self.accumulate:
+            self.flush()
         return sent
+
+    def _add(self, grads: Grads, mb: int, version: int) -> None:
+        if self._pending is None:
+            self._pending = grads
+        else:
+            for name, grad in grads.items():
+                held = self._pending[name]
+                self._pending[name] = grad if held is None else held if grad is None else held + grad
+        self._pending_mbs.append((mb, version))
+
+    def flush(self) -> int:
+        """Step on the gradients held back for a group (their mean); the micro-batches it applied."""
+        if self._pending is None:
+            return 0
+        count = len(self._pending_mbs)
+        grads = {n: None if g is None else g / count for n, g in self._pending.items()}
+        self.staleness.extend((mb, self.version - version) for mb, version in self._pending_mbs)
+        self._pending, self._pending_mbs = None, []
+        self._step(grads, count)
+        return count
+
+    @property
+    def held_back(self) -> int:
+        """Micro-batches back-propagated whose gradients wait for the rest of their group."""
+        return len(self._pending_mbs)
 
     def _gradients(self, flight: _InFlight, grad: torch.Tensor | None) -> tuple[Grads, torch.Tensor | None]:
         """The weights' gradients and the received frame's, recomputing the forward unless its graph was
@@ -251,7 +284,8 @@ class StageWorker:
         grads.update(zip(names, found[: len(names)], strict=True))
         return grads, None if received is None else found[-1]
 
-    def _step(self, grads: Grads) -> None:
+    def _step(self, grads: Grads, micro_batches: int = 1) -> None:
+        """One optimiser update with `grads`, the mean over `micro_batches`."""
         for name, param in self.stage.named_parameters():
             param.grad = grads[name]
         start = time.perf_counter()
@@ -261,10 +295,10 @@ class StageWorker:
         if self.grad_clip > 0:
             nn.utils.clip_grad_norm_(self.stage.parameters(), self.grad_clip)
         if self.paced_round is None:
-            lr = self.lr_at(self.version + self.schedule_offset)
+            lr = self.lr_at(self.applied + self.schedule_offset)
         else:
             round_, began, inner_steps, cap = self.paced_round
-            lr = self.lr_at(schedule_position(round_, self.version - began, inner_steps, cap))
+            lr = self.lr_at(schedule_position(round_, self.applied - began, inner_steps, cap))
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         self.optimizer.step()
@@ -276,10 +310,13 @@ class StageWorker:
         self.timings["projection"] += (projected - start) + (done - stepped)
         self.timings["optimizer"] += stepped - projected
         self.version += 1
+        self.applied += micro_batches
 
     def drop_in_flight(self) -> None:
-        """Forget unfinished micro-batches (a chain that lost a member); weights are unaffected."""
+        """Forget unfinished micro-batches (a chain that lost a member), and gradients held back for a
+        group; weights are unaffected."""
         self.in_flight.clear()
+        self._pending, self._pending_mbs = None, []
 
     # -- boundary codec ----------------------------------------------------------------------------
     def _encode(self, x: torch.Tensor, tokens: torch.Tensor, c: SubspaceConstraint) -> torch.Tensor:

@@ -189,9 +189,10 @@ def test_each_case_runs_its_layout_with_fixed_compute_and_the_liar_only_where_it
     config, plan = load_config(TINY), chains_plan.plan_for(quick=True)
     pooled = chains_plan.case_config(config, plan, "two_workers")
     assert pooled.pipeline.stages == 2 and pooled.pipeline.stage_workers == 2
-    assert (
-        pooled.outer.inner_steps == plan.inner_steps and not pooled.outer.verify and not pooled.outer.overlap
-    )
+    o = pooled.outer
+    assert o.inner_steps == plan.inner_steps and not o.verify and o.overlap and o.paced
+    # a round is a budget of round_s the chain fills with micro-batches, below a cap it never reaches
+    assert o.min_round_s == plan.round_s and o.step_cap == plan.max_micro_batches
     assert pooled.network.boundary_s == 4.0 and pooled.network.anchor_min_up_mbps <= plan.anchor_mbit
     assert chains_plan.case_config(config, plan, "spare").pipeline.stage_workers == 1
     one = chains_plan.members(plan, "one_worker")

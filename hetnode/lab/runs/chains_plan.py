@@ -56,6 +56,11 @@ class ChainsPlan:
     anchor_cpu: float = 0.5
     first_stage_cpu: float = 0.4
     worker_cpu: float = 0.2
+    # paced rounds: at least round_s of training each (long beside the chain's few seconds of start-up and
+    # catch-up under its quotas), up to max_micro_batches a round (above what either chain fits in round_s)
+    verify: bool = False  # the coordinator's verifier on (`--verify`): its scores of the pool in the ledger
+    round_s: float = 6.0
+    max_micro_batches: int = 60
     warmup_rounds: int = 2  # after the first round sealed with the whole chain, before tokens/s is measured
     measure_s: float = 240.0  # one_worker, two_workers: seconds of rounds measured after the warm-up
     rounds_before_event: int = 4  # rounds sealed with the whole chain before a kill (the pre-kill rate)
@@ -127,11 +132,24 @@ def check_plan(config: Config, plan: ChainsPlan, cores: int | None = None) -> No
 
 
 def lab_config(config: Config, plan: ChainsPlan, stage_workers: int) -> Config:
-    """Lockstep rounds of H steps without the verifier (what is measured is the chain's rounds, not its
-    scores: a verifier that leaves a chain's work out, as on `tiny`, BENCHMARKS.md, would read as rounds
-    lost), two stages, `stage_workers` per stage, the lab's control-plane timings."""
+    """Paced, overlapped rounds of at least `round_s`, without the verifier unless `verify` (what is measured
+    is the chain's rounds, not its scores: a verifier that leaves a chain's work out would read as rounds
+    lost), two stages, `stage_workers` per stage, the lab's control-plane timings.
+
+    Paced, so that a round's length is a budget and the chain feeds as many micro-batches as fit in it: a
+    pool shows as more micro-batches a round. Lockstep rounds of H did not measure the chain at all: the
+    anchor's round (about 1 s) was shorter than the chain's start-up and catch-up under its quotas, so the
+    chain never held the round before in time for a seal to wait for it (measured: 30 rounds sealed with the
+    anchor alone, in lockstep and overlapped)."""
     config = replace(
-        config, "outer", inner_steps=plan.inner_steps, overlap=False, verify=False, schedule="steps"
+        config,
+        "outer",
+        inner_steps=plan.inner_steps,
+        overlap=True,
+        verify=plan.verify,
+        schedule="paced",
+        min_round_s=plan.round_s,
+        max_inner_steps=plan.max_micro_batches,
     )
     config = replace(config, "pipeline", stages=STAGES, stage_workers=stage_workers)
     config = replace(config, "data", batch_size=plan.batch_size, seq_len=plan.seq_len)

@@ -225,12 +225,18 @@ def summarise(
     killed, spared, liar = cases["worker_killed"], cases["spare"], cases["malicious_worker"]
     lost, rounds_lost, to_drop = killed["sealed_rounds_lost"], spared["rounds_lost"], liar["rounds_to_drop"]
     loss_ratio = liar["eval_loss_ratio"]
+    pool_gain = ratio(two["tokens_per_s"], one["tokens_per_s"])
     targets = {
+        "two_workers_over_one_tokens_per_s": target(
+            pool_gain, 1.7, pool_gain is not None and pool_gain >= 1.7
+        ),
         "worker_killed_sealed_rounds_lost": target(_f(lost), 0.0, lost == 0),
         "spare_rounds_lost": target(_f(rounds_lost), 1.0, rounds_lost is not None and rounds_lost <= 1),
         "malicious_worker_rounds_to_drop": target(_f(to_drop), 2.0, to_drop is not None and to_drop <= 2),
-        "malicious_worker_eval_loss_within_2pct_of_clean": target(
-            loss_ratio, 1.02, loss_ratio is not None and abs(loss_ratio - 1) <= 0.02
+        # damage is a higher loss: a run with the liar that ends lower than the clean one (two swarms,
+        # each with its own timing) shows none
+        "malicious_worker_eval_loss_at_most_2pct_above_clean": target(
+            loss_ratio, 1.02, loss_ratio is not None and loss_ratio <= 1.02
         ),
         "digest_disagreements": target(
             float(digests["digest_disagreements"]), 0.0, digests["digest_disagreements"] == 0
@@ -246,12 +252,18 @@ def summarise(
             "seq_len": plan.seq_len,
             "stages": 2,
             "boundary_s": boundary,
-            "verify": False,
+            "verify": plan.verify,
         },
         "plan": asdict(plan),
         **cases,
         **digests,
-        "two_over_one_tokens_per_s": ratio(two["tokens_per_s"], one["tokens_per_s"]),
+        "two_over_one_tokens_per_s": pool_gain,
+        # each case's chain against the anchor beside it, under the same fixed quota: how much of the
+        # ratio is the machine's speed drifting between cases (a shared VM's cores are not constant)
+        "two_over_one_against_anchor": ratio(
+            ratio(two["tokens_per_s"], two["anchor_tokens_per_s"]),
+            ratio(one["tokens_per_s"], one["anchor_tokens_per_s"]),
+        ),
         "two_over_one_train_tokens_per_s": ratio(two["train_tokens_per_s"], one["train_tokens_per_s"]),
         "targets": targets,
         "runs": {case: _short(run) for case, run in runs.items()},
