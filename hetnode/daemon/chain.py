@@ -56,7 +56,7 @@ from hetnode.data.epochs import training_dataset
 from hetnode.errors import UpdateRefused, WireError
 from hetnode.net.node import SwarmNode
 from hetnode.net.records import MAX_ROUND_S
-from hetnode.planning.rounds import another_step, floor_seconds
+from hetnode.planning.rounds import another_step, floor_seconds, round_budget_left
 from hetnode.planning.routing import NormWatch
 from hetnode.protocol.payload_opener import payload_opener
 from hetnode.protocol.view import PeerDirectory, SwarmView
@@ -604,14 +604,13 @@ class ChainLoop:
         if training.drift_base is not None:
             for link in self.links.live(self.links.downs):
                 await self.links.send(link, encode_drift(round_, training.drift_base))
-        budget = self.rounds.round_budget_s
         began = last = time.monotonic()
         fed = 0
         while another_step(
             fed,
             time.monotonic() - began + self.drain_s,
             self.mb_s,
-            budget,
+            round_budget_left(self.rounds.round_budget_s, began, round_, self.rounds.seal_seen),
             o.step_floor,
             o.step_cap,
             o.inner_steps,

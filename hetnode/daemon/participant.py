@@ -110,6 +110,7 @@ class RoundParticipant:
         self.last_apply = (0.0, 0, 0.0)  # (seconds, bytes fetched, seconds fetching) of the last apply
         self.last_contributors = 1  # in the last seal we applied
         self.round_budget_s: float | None = None  # paced rounds: the newest budget a seal gave us
+        self.seal_seen: tuple[int, float] | None = None  # the newest seal we saw: (round, monotonic time)
         # authors of the last seals we applied: they fetch this round's payloads from us, so stream slots
         # are kept for them (and the sealers) that a crowd of strangers cannot fill
         self._recent_authors: collections.deque[frozenset[str]] = collections.deque(maxlen=PREFERRED_SEALS)
@@ -201,6 +202,10 @@ class RoundParticipant:
         if isinstance(budget, float) and 0 < budget <= MAX_ROUND_S:
             self.round_budget_s = budget
 
+    def _saw_seal(self, round_: int) -> None:
+        if self.seal_seen is None or round_ > self.seal_seen[0]:
+            self.seal_seen = (round_, time.monotonic())
+
     async def sit_out(self, round_: int, stop: asyncio.Event) -> bool:
         """Take no part in `round_` (paced: this replica is too slow for the budget): wait for its seal and
         apply it, or catch up. False: stopped."""
@@ -236,6 +241,7 @@ class RoundParticipant:
             sealed = await self.seals.wait(round_, announcement, stop, waiting_since)
             if sealed is not None:
                 self.held.saw_seal(sealed[1]["round"])  # our payload of that round may go to anyone now
+                self._saw_seal(sealed[1]["round"])
             return sealed
         finally:
             self.last_seal_wait_s = time.monotonic() - waiting_since
@@ -423,6 +429,7 @@ class RoundParticipant:
                 await fetch_state(self.node, sealer, self.global_model, seal["round"], digests)
                 self.global_model.seal_hash = seal_digest(seal)
                 self._take_budget(seal)
+                self._saw_seal(seal["round"])
                 log.info("caught up: holding θ after round %d", self.global_model.params_round)
                 return True
             except (PeerRequestError, WireError) as exc:

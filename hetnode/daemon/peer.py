@@ -52,6 +52,7 @@ from hetnode.planning.roles import (
     grown_successor,
     next_role,
     plan_boundary,
+    stepped_in_successor,
     wanted_role,
 )
 from hetnode.protocol.membership import Membership
@@ -532,6 +533,8 @@ class PeerDaemon:
         plan = await self._plan(boundary)
         own = self.node.identity.peer_id
         if plan is None or not plan.lineage or own not in plan.survivors:
+            plan = await self._stepped_in(own)
+        if plan is None:
             log.info("boundary %d: no successor for our chain (no spare for its empty stages)", boundary)
             return False
         log.info(
@@ -550,6 +553,20 @@ class PeerDaemon:
                 return True
         log.info("chain %s: the spares did not step in within %.1f s", plan.chain, n.confirm_s)
         return False
+
+    async def _stepped_in(self, own: str) -> ChainPlan | None:
+        """The successor a spare already claimed for our chain (`stepped_in_successor`), as a plan."""
+        held = self.assignment
+        if held is None:
+            return None
+        chains = (await self._view(max_age_s=0)).chains()
+        ours = next((c for c in chains if c.chain == held.chain), None)
+        found = stepped_in_successor(ours, chains, own) if ours is not None else None
+        if found is None:
+            return None
+        members = {peer for peer, _, _ in ours.layout}
+        survivors = members & {peer for peer, _, _ in found.layout}
+        return ChainPlan.of_layout(found.chain, found.layout, found.lineage, survivors)
 
     async def _follow_growth(self, boundary: int, view: SwarmView, stop: asyncio.Event) -> bool:
         """Our chain grew (`plan_boundary` step 2): its spares claim the grown chain at the boundary they

@@ -545,6 +545,37 @@ def grown_successor(
     return best
 
 
+def stepped_in_successor(ours: ChainStatus, chains: Iterable[ChainStatus], own: str) -> ChainStatus | None:
+    """The successor spares stepped into for our broken chain, as the records show it: formed later under
+    our lineage, with our stages and layers, us at our stage, and every member that was not one of ours
+    claiming it, none caught lying by us. The newest such chain, or None. A member whose own plan found no
+    successor follows it: a spare that read the break a boundary before us claimed it then, and is no
+    spare in the records we read (measured: the chain dissolved and lost three more rounds)."""
+    mine = stage_pools(ours.layout)
+    ours_members = {p for p, _, _ in ours.layout}
+    our_stage = stage_of(ours.layout, own)
+    since = _boundary_of(ours.chain)
+    best: ChainStatus | None = None
+    for status in chains:
+        formed = _boundary_of(status.chain)
+        if formed is None or since is None or formed <= since or status.lineage != ours.lineage:
+            continue
+        pools = stage_pools(status.layout)
+        if our_stage is None or [(f, la) for _, f, la in pools] != [(f, la) for _, f, la in mine]:
+            continue
+        claimed = {p for workers in status.workers for p in workers}
+        newcomers = {p for p, _, _ in status.layout} - ours_members
+        if (
+            stage_of(status.layout, own) != our_stage
+            or not newcomers
+            or any(p not in claimed or p in ours.accused for p in newcomers)
+        ):
+            continue
+        if best is None or (formed, status.chain) > (_boundary_of(best.chain) or 0, best.chain):
+            best = status
+    return best
+
+
 def _grown_drafts(
     chains: Sequence[ChainStatus],
     idle: Sequence[Candidate],

@@ -159,6 +159,20 @@ def another_step(
     return elapsed_s + step_s <= budget_s
 
 
+def round_budget_left(
+    budget_s: float | None, began: float, round_: int, seal_seen: tuple[int, float] | None
+) -> float | None:
+    """Paced: the budget of round `round_`, begun at `began` (monotonic), counted from that start: its own
+    budget, but ending no later than a budget after the seal of the round before was seen (`seal_seen`:
+    that round and when, same clock). A replica that starts late (a chain formed again mid-round, a stage
+    that caught up) then ends with the swarm's round and is sealed in it, instead of ending a budget after
+    the others and missing it, and the round after it too (measured: a chain re-formed around a spare lost
+    5 rounds of 6 s). No effect on a replica that started on time."""
+    if budget_s is None or seal_seen is None or seal_seen[0] != round_ - 1:
+        return budget_s
+    return max(0.0, min(budget_s, seal_seen[1] + budget_s - began))
+
+
 @dataclass(frozen=True)
 class Announcement:
     """A replica's claim that its payload for `round` is ready: one sha256 per shard it contributes."""

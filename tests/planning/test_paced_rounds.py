@@ -15,6 +15,7 @@ from hetnode.planning.rounds import (
     busy_floor,
     floor_seconds,
     paced_deadline,
+    round_budget_left,
     sits_out,
 )
 from hetnode.training.schedule import schedule_position
@@ -154,3 +155,16 @@ def test_a_paced_seal_waits_no_longer_than_its_budget_allows_whatever_the_deadli
     assert paced_deadline(2.5, 2.0, 3.0) == 2.5  # a shorter learned deadline stays
     assert paced_deadline(40.0, 2.0, 0.5) == 2.0  # never below the floor
     assert paced_deadline(40.0, 2.0, None) == 40.0  # steps rounds, or no budget yet: as learned
+
+
+def test_a_late_start_ends_with_the_swarms_round():
+    # the seal of round 6 seen at t = 100 s, budget 6 s: the swarm's round 7 ends near 106 s
+    assert round_budget_left(6.0, 103.0, 7, (6, 100.0)) == 3.0  # began 3 s late: 3 s left
+    assert round_budget_left(6.0, 99.0, 7, (6, 100.0)) == 6.0  # began before that seal (overlap): its own
+    assert round_budget_left(6.0, 108.0, 7, (6, 100.0)) == 0.0  # past it: the floor's steps only
+    assert round_budget_left(6.0, 103.0, 7, (5, 90.0)) == 6.0  # no seal of the round before yet
+    assert round_budget_left(6.0, 103.0, 7, None) == 6.0
+    assert round_budget_left(None, 103.0, 7, (6, 100.0)) is None  # no budget: the nominal H
+    # with the floor, a replica that is out of time still takes its floor's steps and announces
+    assert another_step(0, 0.0, 0.5, round_budget_left(6.0, 108.0, 7, (6, 100.0)), 1, 10, 5)
+    assert not another_step(1, 0.5, 0.5, round_budget_left(6.0, 108.0, 7, (6, 100.0)), 1, 10, 5)

@@ -21,6 +21,7 @@ from hetnode.planning.roles import (
     plan_successors,
     stage_of,
     stage_pools,
+    stepped_in_successor,
     wanted_role,
 )
 
@@ -515,3 +516,27 @@ def test_members_follow_the_chain_their_spares_claim_whatever_boundary_named_it(
     accusing = Claim("a", plan.chain, 0, (0, 2), plan.stages[0].layout, blame="s")
     [accuser] = chain_status([accusing, _claims(plan)[1]], 2, 4, stage_workers=2)
     assert grown_successor(accuser, statuses, 2) is None
+
+
+def test_a_member_follows_the_successor_a_spare_claimed_a_boundary_before_it_looked():
+    """The spare read the break at boundary 6 and claimed the successor; the members planned boundary 6
+    before the break and see, at 7, no idle spare: they follow the spare's claim instead of dissolving."""
+    plan = _formed_chain()
+    gone, stays = plan.members[1], plan.members[0]
+    ours = _broken(c for c in _claims(plan) if c.peer_id != gone)
+    [status] = chain_status(ours, 3, 6)
+    [successor], _ = plan_successors([status], [Candidate("spare", 5.0)], 3, 6, boundary=6)
+    spare_claim = [c for c in _successor_claims(successor) if c.peer_id == "spare"]
+    chains = chain_status(ours + spare_claim, 3, 6)
+    mine = next(c for c in chains if c.chain == plan.chain)
+    found = stepped_in_successor(mine, chains, stays)
+    assert found is not None and found.chain == successor.chain and found.lineage == plan.chain
+    # the peer that left is in no successor's stage of ours
+    assert stepped_in_successor(mine, chains, gone) is None
+    # not a chain under another lineage
+    stranger = [
+        Claim(c.peer_id, c.chain, c.stage, c.layers, c.layout, "c1-other", False) for c in spare_claim
+    ]
+    assert stepped_in_successor(mine, chain_status(ours + stranger, 3, 6), stays) is None
+    # nor one whose newcomer does not claim it (yet)
+    assert stepped_in_successor(mine, chain_status(ours, 3, 6), stays) is None
