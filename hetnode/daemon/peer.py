@@ -1,11 +1,10 @@
 """`hetnode join`: a participant. It finds the run through one known peer, measures its link, advertises
-its class and takes a role: anchor at once, or a stage in a chain assembled at a boundary.
+its class and takes a role at each boundary: anchor at once, or a stage in a chain, and runs the role's
+training (`AnchorLoop`, `ChainLoop`).
 
-Chain assembly at boundary t (docs/swarm.md): every idle stage candidate reads the idle set, computes the
-same packing (`pack_chains`), writes its claim into its own record and waits until all members' records
-confirm the same assignment before the confirmation deadline; otherwise it returns to the pool and
-tries again at the next boundary. A live chain that loses a member goes on at the next boundary with a
-spare in the empty stage (`plan_successors`), or dissolves when there is none.
+Which chain a stage peer is in, and how it forms, grows, continues with a spare or dissolves at a boundary
+(docs/swarm.md, docs/chains.md), is `chain_membership.py`'s; this module decides the role and starts and
+stops the training that goes with it.
 """
 
 from __future__ import annotations
@@ -24,6 +23,7 @@ from hetnode.config import Config
 from hetnode.daemon.anchor import AnchorLoop
 from hetnode.daemon.chain import ChainLoop
 from hetnode.daemon.chain_links import ChainLayout
+from hetnode.daemon.chain_membership import ChainMembership
 from hetnode.daemon.faults.factory import faults_named
 from hetnode.daemon.peer_address import is_url, resolve_peer
 from hetnode.daemon.reach import reach_swarm
@@ -40,19 +40,12 @@ from hetnode.net.records import NO_CHAIN, new_peer_record
 from hetnode.net.streams import PeerRequestError
 from hetnode.planning.reachability import Reachability, assess
 from hetnode.planning.roles import (
-    ChainPlan,
     ClassThresholds,
     LinkClass,
     Role,
     RoleRequest,
-    StageAssignment,
-    assignment_for,
     classify_link,
-    format_layout,
-    grown_successor,
     next_role,
-    plan_boundary,
-    stepped_in_successor,
     wanted_role,
 )
 from hetnode.protocol.membership import Membership
@@ -72,8 +65,6 @@ log = logging.getLogger(__name__)
 MAX_PROBE_ANCHORS = 3
 PIN_FILE = "coordinator.json"  # the coordinator this data dir follows, once it joined
 REMEASURE_EVERY_BOUNDARIES = 20
-# the spares of a grown (or continued) chain wait this many confirm_s for its members to claim it too
-GROWTH_PATIENCE = 6
 
 
 @dataclass(frozen=True)
@@ -108,9 +99,7 @@ class PeerDaemon:
         self.contact: RunContact | None = None
         self.presence: Presence | None = None
         self.link_class: LinkClass = "slow"
-        self.assignment: StageAssignment | None = None
-        self.chain_live = False
-        self.chain_broken = False  # our chain's training ended: continue or leave it at the next boundary
+        self.chains: ChainMembership | None = None  # our chain, once we joined (`chain_membership.py`)
         self._measuring: asyncio.Task | None = None
         self._role_task: asyncio.Task | None = None  # the anchor loop or our chain stage
         self._role_key: str | None = None  # "anchor" or the chain id
@@ -291,7 +280,7 @@ class PeerDaemon:
             if not task.cancelled() and task.exception() is not None:
                 raise task.exception()
             if self._role_key != "anchor" and task.result() != "stopped":
-                self.chain_broken = True
+                self.chains.broken = True
 
     def _run_role(self, stop: asyncio.Event, view: SwarmView | None = None) -> None:
         """Run the training of the current role (the anchor loop, or our stage of a live chain) and stop
@@ -302,8 +291,8 @@ class PeerDaemon:
         wanted: str | None = None
         if record["role"] == "anchor":
             wanted = "anchor"
-        elif record["role"] == "stage" and self.chain_live and self.assignment and not self.chain_broken:
-            wanted = self.assignment.chain
+        elif record["role"] == "stage":
+            wanted = self.chains.working
         if task is not None and self._role_key != wanted:
             log.info("leaving %s: its training stops (local state is kept)", self._role_key)
             task.cancel()
@@ -350,8 +339,8 @@ class PeerDaemon:
         at our stage and finds a spare for the empty one (`plan_successors`), whoever reads it first."""
         if task.cancelled() or task.exception() is not None or task.result() == "stopped":
             return
-        if task is self._role_task and not self.chain_broken:
-            self.chain_broken = True
+        if task is self._role_task and not self.chains.broken:
+            self.chains.broken = True
             blame = self._role_loop.blamed if isinstance(self._role_loop, ChainLoop) else None
             self._saying_broken = asyncio.get_running_loop().create_task(
                 self.presence.update(chain_broken=True, chain_blame=blame), name="chain-broken"
@@ -383,6 +372,9 @@ class PeerDaemon:
         )
         n = self.config.network
         self.presence = Presence(self.node, record, n.heartbeat_s, n.record_ttl_s, n.stable_heartbeat_s)
+        self.chains = ChainMembership(
+            self.config, self.node.identity.peer_id, self.presence, self._view, self._run_role
+        )
         await self.presence.publish()
         link = await self._measure_link(patient=True)
         self.link_class = self._classify(link, mem_gb)
@@ -473,28 +465,19 @@ class PeerDaemon:
         await self._apply_remeasurement(boundary)
         self._reap_role_task()  # before deciding: a chain that broke since the last boundary is left now
         view = await self._view()
-        held = self.assignment
-        if (
-            held is not None
-            and record["wants"] == "stage"
-            and await self._follow_growth(boundary, view, stop)
-        ):
-            return
-        lost = held is not None and (self.chain_broken or not view.chain_is_live(held.chain))
-        if lost and record["wants"] == "stage":
-            if await self._continue_chain(boundary, stop):
+        chains = self.chains
+        if record["wants"] == "stage":
+            view = await chains.keep_or_move(boundary, view, stop)
+            if view is None:
                 return
-            view = await self._view()
-        in_live_chain = (
-            self.assignment is not None
-            and view.chain_is_live(self.assignment.chain)
-            and not self.chain_broken
-        )
+        in_live_chain = chains.in_live_chain(view)
         role = next_role(record["role"], in_live_chain, record["wants"])
-        if self.assignment is not None and not in_live_chain:
-            log.info("chain %s is not complete any more: dissolving, back to the pool", self.assignment.chain)
-        if role != record["role"] or (role != "stage" and self.assignment is not None):
-            self.assignment, self.chain_live, self.chain_broken = None, False, False
+        if chains.assignment is not None and not in_live_chain:
+            log.info(
+                "chain %s is not complete any more: dissolving, back to the pool", chains.assignment.chain
+            )
+        if role != record["role"] or (role != "stage" and chains.assignment is not None):
+            chains.leave()
             layers = [0, self.config.model.n_layers - 1] if role == "anchor" else None
             await self.presence.update(
                 **(NO_CHAIN | {"role": role, "layers": layers, "outer_step": boundary})
@@ -502,171 +485,7 @@ class PeerDaemon:
             log.info("boundary %d: role %s", boundary, role)
         self._run_role(stop, view)
         if role == "idle" and record["wants"] == "stage":
-            await self._try_to_form_chain(boundary, stop)
-
-    async def _try_to_form_chain(self, boundary: int, stop: asyncio.Event) -> None:
-        n = self.config.network
-        opened = time.monotonic()
-        # let members of chains that dissolved at this boundary publish "idle" before we read the pool
-        if await sleep_or_stop(stop, min(0.5, n.confirm_s / 3)):
-            return
-        plan = await self._plan(boundary)
-        if plan is None:
-            return
-        await self._claim(plan, boundary, opened, stop)
-
-    async def _continue_chain(self, boundary: int, stop: asyncio.Event) -> bool:
-        """Our chain lost a member or broke: keep our stage in its successor if the boundary's plan has one
-        (a spare steps in, or the members re-form in place). We claim the successor once every newcomer
-        has, so that a spare reading the pool late still finds our chain as it was. False: no successor
-        confirmed, we leave the chain as before."""
-        n = self.config.network
-        opened = time.monotonic()
-        self.chain_live = False
-        self._run_role(stop)  # our stage stops; its local state on disk goes on in a successor
-        if not self.chain_broken:  # say so first: the plan keeps only the members that say the chain broke
-            self.chain_broken = True
-            await self.presence.update(chain_broken=True)
-        # let the other members' records say whether they are still in the chain before we read them
-        if await sleep_or_stop(stop, min(0.5, n.confirm_s / 3)):
-            return True
-        plan = await self._plan(boundary)
-        own = self.node.identity.peer_id
-        if plan is None or not plan.lineage or own not in plan.survivors:
-            plan = await self._stepped_in(own)
-        if plan is None:
-            log.info("boundary %d: no successor for our chain (no spare for its empty stages)", boundary)
-            return False
-        log.info(
-            "boundary %d: chain %s goes on as %s (%s)",
-            boundary,
-            self.assignment.chain if self.assignment else "?",
-            plan.chain,
-            "spares " + ", ".join(p[-6:] for p in plan.newcomers) if plan.newcomers else "re-formed in place",
-        )
-        deadline = opened + n.confirm_s
-        while time.monotonic() < deadline:
-            view = await self._view(max_age_s=0)
-            if all((view.peers.get(p) or {}).get("chain") == plan.chain for p in plan.newcomers):
-                return await self._claim(plan, boundary, time.monotonic(), stop)
-            if await sleep_or_stop(stop, 0.2):
-                return True
-        log.info("chain %s: the spares did not step in within %.1f s", plan.chain, n.confirm_s)
-        return False
-
-    async def _stepped_in(self, own: str) -> ChainPlan | None:
-        """The successor a spare already claimed for our chain (`stepped_in_successor`), as a plan."""
-        held = self.assignment
-        if held is None:
-            return None
-        chains = (await self._view(max_age_s=0)).chains()
-        ours = next((c for c in chains if c.chain == held.chain), None)
-        found = stepped_in_successor(ours, chains, own) if ours is not None else None
-        if found is None:
-            return None
-        members = {peer for peer, _, _ in ours.layout}
-        survivors = members & {peer for peer, _, _ in found.layout}
-        return ChainPlan.of_layout(found.chain, found.layout, found.lineage, survivors)
-
-    async def _follow_growth(self, boundary: int, view: SwarmView, stop: asyncio.Event) -> bool:
-        """Our chain grew (`plan_boundary` step 2): its spares claim the grown chain at the boundary they
-        read, and we follow it once the records show it (`grown_successor`), keeping our stage and local
-        state; our stage trains until then. False: nothing to follow."""
-        p = self.config.pipeline
-        held = self.assignment
-        if p.stage_workers <= 1 or held is None:
-            return False
-        chains = view.chains()
-        ours = next((c for c in chains if c.chain == held.chain), None)
-        grown = grown_successor(ours, chains, p.stage_workers) if ours is not None else None
-        if grown is None:
-            return False
-        own = self.node.identity.peer_id
-        members = {peer for peer, _, _ in ours.layout}
-        plan = ChainPlan.of_layout(
-            grown.chain, grown.layout, grown.lineage, members & {peer for peer, _, _ in grown.layout}
-        )
-        if own not in plan.survivors:
-            return False
-        log.info(
-            "boundary %d: chain %s took %s into its pools: goes on as %s",
-            boundary,
-            held.chain,
-            ", ".join(peer[-6:] for peer in plan.newcomers) or "nobody new",
-            plan.chain,
-        )
-        self.chain_live = False
-        self._run_role(stop)  # our stage stops; its local state on disk goes on in the grown chain
-        return await self._claim(plan, boundary, time.monotonic(), stop)
-
-    async def _plan(self, boundary: int) -> ChainPlan | None:
-        """The boundary's plan (`plan_boundary`) from the records as they are now: the chain it puts us in."""
-        view = await self._view(max_age_s=0)
-        pool = view.idle_candidates(boundary)
-        p = self.config.pipeline
-        plans = plan_boundary(
-            view.chains(),
-            pool,
-            p.stages,
-            self.config.model.n_layers,
-            boundary,
-            p.stage_workers,
-            {peer: record["tflops"] for peer, record in view.peers.items()},
-        )
-        log.debug(
-            "boundary %d: idle pool %s -> chains %s",
-            boundary,
-            sorted(c.peer_id[-6:] for c in pool),
-            [[m[-6:] for m in p.members] for p in plans],
-        )
-        own = self.node.identity.peer_id
-        return next((p for p in plans if own in p.members), None)
-
-    async def _claim(self, plan: ChainPlan, boundary: int, opened: float, stop: asyncio.Event) -> bool:
-        """Claim our stage of `plan` in our record and wait, until `confirm_s` after `opened`, for every
-        member to claim it; then train. False (and back to the pool) when the chain is not confirmed.
-        A successor's newcomers wait twice as long: its survivors claim only once they saw them, up to
-        `confirm_s` after they noticed the boundary, which may be later than we did."""
-        n = self.config.network
-        own = self.node.identity.peer_id
-        # a successor's newcomers claim first and wait for its members, who claim once they see them
-        patience = (
-            (GROWTH_PATIENCE + 1) * n.confirm_s if plan.lineage and own in plan.newcomers else n.confirm_s
-        )
-        mine = assignment_for([plan], own)
-        assert mine is not None
-        self.assignment, self.chain_live, self.chain_broken = mine, False, False
-        await self.presence.update(
-            role="stage",
-            chain=mine.chain,
-            stage=mine.stage,
-            layers=list(mine.layers),
-            chain_layout=format_layout(mine.layout),
-            chain_lineage=plan.lineage or None,
-            chain_broken=None,
-            outer_step=boundary,
-        )
-        deadline = opened + patience
-        view: SwarmView | None = None
-        while time.monotonic() < deadline:
-            view = await self._view(max_age_s=0)
-            if view.chain_is_live(mine.chain):
-                self.chain_live = True
-                log.info("chain %s live: stage %d, layers %d..%d", mine.chain, mine.stage, *mine.layers)
-                self._run_role(stop, view)
-                return True
-            if await sleep_or_stop(stop, 0.2):
-                return True
-        problems = [c.problem for c in view.chains() if c.chain == mine.chain] if view else []
-        log.info(
-            "chain %s not confirmed in %.1f s (%s): back to the pool",
-            mine.chain,
-            patience,
-            problems[0] if problems else "no claims seen",
-        )
-        self.assignment, self.chain_live = None, False
-        await self.presence.update(role="idle", **NO_CHAIN)
-        return False
+            await chains.try_to_form(boundary, stop)
 
     async def _apply_remeasurement(self, boundary: int) -> None:
         """Re-measure now and then (auto bandwidth only); a new class changes the role at a boundary."""
