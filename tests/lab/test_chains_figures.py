@@ -175,7 +175,7 @@ def test_the_plan_refuses_what_cannot_measure_the_chain():
     with pytest.raises(ConfigError, match="--inner-steps"):
         chains_plan.check_plan(config, dataclasses.replace(plan, inner_steps=0), cores=2)
     with pytest.raises(HetnodeError, match="not below the first stage"):
-        chains_plan.check_plan(config, dataclasses.replace(plan, worker_cpu=0.4), cores=2)
+        chains_plan.check_plan(config, dataclasses.replace(plan, worker_cpu=0.5), cores=4)
     with pytest.raises(HetnodeError, match="quotas add up"):
         chains_plan.check_plan(config, plan, cores=1)
     # one_worker alone needs a stage peer fewer
@@ -210,7 +210,11 @@ def test_each_case_runs_its_layout_with_fixed_compute_and_the_liar_only_where_it
     assert {2 * (a.delay_ms + b.delay_ms) for a in links.values() for b in links.values()} == {40.0}
     assert links["stage-1b"].up_mbit == 8.0 and links["anchor"].down_mbit == 50.0
     shares = chains_plan.shares(plan, "two_workers")
-    assert shares["stage-0"] == 2 * shares["stage-1a"] == 2 * shares["stage-1b"]
+    # the pool is the bottleneck with one worker and with two: its workers share less than the first stage
+    assert (
+        shares["stage-1a"] == shares["stage-1b"]
+        and shares["stage-1a"] + shares["stage-1b"] < shares["stage-0"]
+    )
 
 
 # --- the report ---------------------------------------------------------------------------------------------

@@ -88,6 +88,9 @@ def test_a_pool_shares_the_micro_batches_and_the_chain_keeps_its_rounds_when_a_w
     while dead.tail(400).count("applied") == applied and time.monotonic() < deadline:
         time.sleep(0.2)
     time.sleep(1.0)  # the first micro-batches of the next round are on their way
+    # the growth may have stopped the chain's old stage under a neighbour's feet (it logs a drop then):
+    # what counts is that the kill drops nothing
+    drops_before = first.tail(100_000).count("in-flight work dropped")
     dead.proc.send_signal(signal.SIGKILL)
     dead.proc.wait(10)
     killed_at = swarm.history()[-1]["round"]
@@ -102,8 +105,8 @@ def test_a_pool_shares_the_micro_batches_and_the_chain_keeps_its_rounds_when_a_w
     document = swarm.status(boot.maddr)
     [now] = [c for c in document["chains"] if c["live"]]
     assert now["id"] == chain["id"] and now["workers"] == [[first.peer_id], [alive.peer_id]]
-    logs = first.tail(3000)
-    assert "in-flight work dropped" not in logs  # the chain never broke
+    logs = first.tail(100_000)
+    assert logs.count("in-flight work dropped") == drops_before  # the chain never broke
     assert f"lost {dead.peer_id[-8:]} of the next stage" in logs
     # (whether it held a micro-batch at that instant is chance: test_chain_links.py sends one on for sure)
     swarm.replicas_agree_at(boot.maddr, history[-1]["round"], {"anchor", first.name, alive.name})
