@@ -34,6 +34,8 @@ log = logging.getLogger(__name__)
 # the claims: this many confirmation windows more than a new chain's members wait
 GROWTH_PATIENCE = 6
 
+RECORD_WAITS = 2  # boundaries a broken chain's member waits for its record to show the break before leaving
+
 ReadView = Callable[..., Awaitable[SwarmView]]  # (max_age_s=None) -> the records
 RunRole = Callable[..., None]  # (stop, view=None): start or stop our role's training as the state says
 
@@ -50,6 +52,7 @@ class ChainMembership:
         self.assignment: StageAssignment | None = None
         self.live = False
         self.broken = False  # our chain's training ended: continue or leave it at the next boundary
+        self._waited_for_records = 0  # boundaries waited for the records to show our chain's break
 
     @property
     def working(self) -> str | None:
@@ -60,6 +63,7 @@ class ChainMembership:
 
     def leave(self) -> None:
         self.assignment, self.live, self.broken = None, False, False
+        self._waited_for_records = 0
 
     async def keep_or_move(self, boundary: int, view: SwarmView, stop: asyncio.Event) -> SwarmView | None:
         """At a boundary, for a peer that wants a stage: follow our chain's growth, or continue it after a
@@ -107,6 +111,13 @@ class ChainMembership:
         plan = await self._plan(boundary)
         if plan is None or not plan.lineage or self.own not in plan.survivors:
             plan = await self._stepped_in()
+        if plan is None and self._waited_for_records < RECORD_WAITS and not await self._break_in_records():
+            # the plan is read from the records, and ours does not say the break yet (a store that no DHT
+            # node took at once, after a member died): every peer still sees the chain whole. Leaving it
+            # now would end its lineage; the next boundary reads the break
+            self._waited_for_records += 1
+            log.info("boundary %d: the records do not show our chain's break yet: next boundary", boundary)
+            return True
         if plan is None:
             log.info("boundary %d: no successor for our chain (no spare for its empty stages)", boundary)
             return False
@@ -126,6 +137,11 @@ class ChainMembership:
                 return True
         log.info("chain %s: the spares did not step in within %.1f s", plan.chain, n.confirm_s)
         return False
+
+    async def _break_in_records(self) -> bool:
+        """Whether our record, as the others read it, says our chain broke."""
+        record = (await self._view(max_age_s=0)).peers.get(self.own) or {}
+        return bool(record.get("chain_broken"))
 
     async def _stepped_in(self) -> ChainPlan | None:
         """The successor a spare already claimed for our chain (`stepped_in_successor`), as a plan."""
@@ -206,6 +222,7 @@ class ChainMembership:
         mine = assignment_for([plan], self.own)
         assert mine is not None
         self.assignment, self.live, self.broken = mine, False, False
+        self._waited_for_records = 0
         await self.presence.update(
             role="stage",
             chain=mine.chain,

@@ -120,6 +120,9 @@ def test_a_pool_worker_that_turns_to_lying_is_dropped_and_never_sealed_again(swa
         swarm, pool_extra=["--fault", "grad-scaled", "--fault-after", "60"]
     )
     honest, liar = pool
+    # the growth may have stopped the chain's old stage under a neighbour's feet (it logs a drop then):
+    # what counts is that the liar's blame drops nothing
+    drops_before = first.tail(100_000).count("in-flight work dropped")
     document = swarm.wait_for(
         boot.maddr, lambda d: liar.peer_id in d["chains"][0]["blamed"], 240, "the liar is caught"
     )
@@ -127,9 +130,9 @@ def test_a_pool_worker_that_turns_to_lying_is_dropped_and_never_sealed_again(swa
     [now] = document["chains"]
     assert now["live"] and now["id"] == chain["id"]
     assert now["workers"] == [[first.peer_id], [honest.peer_id]]
-    logs = first.tail(3000)
+    logs = first.tail(100_000)
     assert f"{liar.peer_id} sent what no honest stage sends" in logs and "off the" in logs
-    assert "in-flight work dropped" not in logs  # the chain never broke
+    assert logs.count("in-flight work dropped") == drops_before  # the chain never broke
     chain_peers = {first.peer_id, honest.peer_id}
     history = swarm.wait_for_history(
         lambda h: sum(chain_peers <= set(e["contributors"]) for e in h[caught_at + 1 :]) >= 2,
