@@ -41,7 +41,15 @@ from bootstrap.verifier import replica_of
 from hetnode.config import Config
 from hetnode.net.node import SwarmNode
 from hetnode.net.records import new_head_record
-from hetnode.planning.rounds import Announcement, lost_records, replica_tokens, shard_order
+from hetnode.planning.rounds import (
+    Announcement,
+    ChainsAtOpen,
+    chains_at_open,
+    lost_records,
+    replica_tokens,
+    restarted_chains,
+    shard_order,
+)
 from hetnode.protocol.payload_opener import payload_opener
 from hetnode.protocol.sealing import SealedRound, Sealer
 from hetnode.protocol.swarm_view import SwarmView
@@ -123,6 +131,7 @@ class RoundKeeper:
         self._directory_changed = asyncio.Event()
         self._sealed = -1  # the newest round we sealed, in the head as soon as the seal is out
         self._expected_before: set[str] = set()  # whom the last look expected (`_expected`)
+        self._opened: tuple[int, ChainsAtOpen] | None = None  # the live chains as a round opened
         self._load_checkpoint(restored)
         node.set_payloads(self.sealer.serve)
         node.set_state(self._serve_state)
@@ -224,7 +233,8 @@ class RoundKeeper:
         whose record the view lost without a word of leaving (a DHT that hid or dropped it: its records
         live seconds, its announcements come straight to us). One that is really gone misses this round
         and is not waited for again (`Sealer.waiting_for`); a pool's worker that its live chain goes on
-        without is not waited for at all."""
+        without is not waited for at all, nor a chain that dropped the round in flight
+        (`restarted_chains`)."""
         expected = view.expected_contributors(round_, self.config.outer.overlap)
         # a pool's worker whose record is gone while its chain lives on without it is gone: the members
         # that still claim the chain commit to it and work without it (docs/chains.md, "Pools")
@@ -237,6 +247,8 @@ class RoundKeeper:
         }
         lost = lost_records(self._expected_before, view.peers, view.departed, self.sealer.missed)
         expected |= lost - left_pools
+        if self._opened is not None and self._opened[0] == round_:
+            expected -= restarted_chains(self._opened[1], view.chains())
         self._expected_before = expected
         return expected
 
@@ -277,6 +289,7 @@ class RoundKeeper:
         await self.sealer.publish(sealed, seen)
         self.node.prefer(self.sealer.trusted())  # replicas fetch the round from us: slots kept for them
         self._sealed = round_
+        self._opened = (round_ + 1, chains_at_open(view.chains()))
         await self._publish_theta(round_, entry["layer_digests"])  # the head: replicas poll it, not the seal
         self.sealer.observe_arrivals(expected, seen)
         if self.metrics is not None:

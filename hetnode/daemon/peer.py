@@ -58,6 +58,7 @@ from hetnode.service.lifecycle import Stopped, print_ready, sleep_or_stop, stop_
 from hetnode.service.limits import limits_of
 from hetnode.service.metrics import PeerMetrics
 from hetnode.service.presence import Presence, keep_in_dht
+from hetnode.training.warm_up import warm_up_torch
 from hetnode.wire.manifest import PROTOCOL_VERSION
 
 log = logging.getLogger(__name__)
@@ -101,6 +102,7 @@ class PeerDaemon:
         self.link_class: LinkClass = "slow"
         self.chains: ChainMembership | None = None  # our chain, once we joined (`chain_membership.py`)
         self._measuring: asyncio.Task | None = None
+        self._warming: asyncio.Task | None = None  # torch's one-time costs (`warm_up_torch`)
         self._role_task: asyncio.Task | None = None  # the anchor loop or our chain stage
         self._role_key: str | None = None  # "anchor" or the chain id
         self._saying_broken: asyncio.Task | None = None  # our record says our chain broke
@@ -381,6 +383,8 @@ class PeerDaemon:
         await self.node.serve_dht(self.link_class != "slow")  # a slow link cannot carry others' reads
         wants = wanted_role(self.link_class, self.options.role)
         role: Role = next_role("idle", False, wants)
+        if wants == "stage":  # while idle: a spare stepping in must not pay them in the round it saves
+            self._warming = asyncio.create_task(asyncio.to_thread(warm_up_torch), name="warm-up")
         log.info(
             "link up %.1f / down %.1f Mbit/s, %.1f GB free, %.2g TFLOP/s: class %s, role %s",
             link.up_mbps,

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 
 from hetnode.algo.quantiles import weighted_quantile
 from hetnode.config import Config
+from hetnode.planning.roles import ChainStatus
 
 NUM_DATA_SLOTS = 256  # replicas pick a slot from their peer id; slots are disjoint slices of the data
 BATCH_OFFSETS = 2**20  # replicas that share a data slot start this far apart in its stream of batches
@@ -273,6 +274,41 @@ def lost_records(
     costs one deadline."""
     gone = set(in_view) | set(departed) | set(missed)
     return {peer for peer in expected_before if peer not in gone}
+
+
+# lineage -> (the live chain's name, the members its layout names)
+ChainsAtOpen = dict[str, tuple[str, frozenset[str]]]
+
+
+def chains_at_open(chains: Iterable[ChainStatus]) -> ChainsAtOpen:
+    """The live chains as a round opens (the view at the seal before it), by lineage."""
+    return {
+        c.lineage or c.chain: (c.chain, frozenset(peer for peer, _, _ in c.layout)) for c in chains if c.live
+    }
+
+
+def restarted_chains(at_open: ChainsAtOpen, chains_now: Iterable[ChainStatus]) -> set[str]:
+    """The peers of the chains that dropped the round in flight: a chain live when the round opened that is
+    neither live now nor grown into a live chain of its lineage holding all its members (a member left or
+    broke: its in-flight work is gone). Their members, and those of their lineage's successor (a spare
+    stepping in restarts the round from nothing), are not waited for in this round: the round in flight
+    is the one a break may cost (docs/chains.md, "Spares"), and a seal that waited for it would delay
+    every replica's next round and the successor's first."""
+    chains_now = list(chains_now)
+    live = [c for c in chains_now if c.live]
+    peers: set[str] = set()
+    for lineage, (chain, members) in at_open.items():
+        if any(c.chain == chain for c in live):
+            continue
+        if any(
+            (c.lineage or c.chain) == lineage and members <= {peer for peer, _, _ in c.layout} for c in live
+        ):
+            continue  # it grew: the same members, more workers, the round goes on
+        peers |= members
+        for c in chains_now:
+            if (c.lineage or c.chain) == lineage:
+                peers |= {peer for peer, _, _ in c.layout}
+    return peers
 
 
 @dataclass

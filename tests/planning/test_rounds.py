@@ -2,12 +2,15 @@
 
 import pytest
 
+from hetnode.planning.roles import ChainStatus
 from hetnode.planning.rounds import (
     Announcement,
     ArrivalDeadline,
     FetchDeadline,
+    chains_at_open,
     held_back_s,
     lost_records,
+    restarted_chains,
     seal_now,
     sealed_order,
 )
@@ -109,3 +112,24 @@ def test_a_replica_whose_record_the_dht_lost_is_still_waited_for_until_it_misses
     # b's record is gone without a word (hidden or dropped), c left (offline record), d missed a round
     assert lost_records(before, in_view={"a"}, departed={"c"}, missed={"d"}) == {"b"}
     assert lost_records(before, in_view=before, departed=(), missed=()) == set()  # all there: none lost
+
+
+def chain(name, *members, live=True, lineage=""):
+    layout = tuple((peer, 2 * i, 2 * i + 1) for i, peer in enumerate(members))
+    return ChainStatus(name, live, tuple(members), "" if live else "broken", lineage or name, layout)
+
+
+def test_a_chain_that_dropped_its_round_in_flight_is_not_waited_for():
+    opened = chains_at_open([chain("c3", "s0", "s1"), chain("c5", "t0", "t1"), chain("c7", "u0", live=False)])
+    assert set(opened) == {"c3", "c5"}  # a chain not live as the round opened is not waited for anyway
+    # nothing happened: nobody's round is dropped
+    assert restarted_chains(opened, [chain("c3", "s0", "s1"), chain("c5", "t0", "t1")]) == set()
+    # c3's second member left and a spare stepped in: a successor of c3's lineage restarts the round
+    now = [chain("c9", "s0", "spare", lineage="c3"), chain("c5", "t0", "t1")]
+    assert restarted_chains(opened, now) == {"s0", "s1", "spare"}
+    # c3 broke and nobody stepped in yet
+    broke = [chain("c3", "s0", "s1", live=False), chain("c5", "t0", "t1")]
+    assert restarted_chains(opened, broke) == {"s0", "s1"}
+    # c3 grew a pool: all its members go on, the round too
+    grown = [chain("c9", "s0", "s1", "w", lineage="c3"), chain("c5", "t0", "t1")]
+    assert restarted_chains(opened, grown) == set()
