@@ -447,21 +447,32 @@ def _successor_drafts(
     compute: Mapping[str, float],
 ) -> tuple[list[_Draft], list[Candidate]]:
     chains = list(chains)
-    running = {status.lineage for status in chains if status.live}
-    # one successor per lineage: of its chains, the one whose members say it broke (they are there to
-    # say so), then the newest (an older one's claims are a straggler's, or a departed member's record)
-    chosen: dict[str, ChainStatus] = {}
-    for status in chains:
-        formed = _boundary_of(status.chain)
-        if status.live or formed is None or formed >= boundary or status.lineage in running:
+    live = [status for status in chains if status.live]
+    candidates = [
+        status
+        for status in chains
+        if not status.live and (formed := _boundary_of(status.chain)) is not None and formed < boundary
+    ]
+    # one successor per chain of a lineage: of the chains that share members, the one whose members say it
+    # broke (they are there to say so), then the newest (an older one's claims are a straggler's, or a
+    # departed member's record); none while a live chain of the lineage holds one of its members (its
+    # successor runs: a member that noticed the break late is left behind). A lineage is a bare claim that
+    # any identity can make for a chain of its own: a chain of the lineage with none of our members neither
+    # takes our place nor stops us (docs/security.md, "Claiming a broken chain's successor")
+    chosen: list[ChainStatus] = []
+    for status in candidates:
+        mine = _members(status)
+        if any(c.lineage == status.lineage and _members(c) & mine for c in live):
             continue
-        rank = (bool(status.broken), formed, status.chain)
-        best = chosen.get(status.lineage)
-        if best is None or rank > (bool(best.broken), _boundary_of(best.chain) or 0, best.chain):
-            chosen[status.lineage] = status
+        if any(
+            other.lineage == status.lineage and _members(other) & mine and _rank(other) > _rank(status)
+            for other in candidates
+        ):
+            continue
+        chosen.append(status)
     pool = sorted({c.peer_id: c for c in idle}.values(), key=lambda c: (-c.tflops, c.peer_id))
     drafts = []
-    for status in sorted(chosen.values(), key=lambda c: c.chain):
+    for status in sorted(chosen, key=lambda c: c.chain):
         if _layout_problem(status.layout, stages_per_chain, n_layers, len(status.layout)):
             continue
         survivors = set(status.broken) - set(status.blamed)
@@ -624,6 +635,15 @@ def _layout_problem(layout: Layout, stages_per_chain: int, n_layers: int, stage_
 def formed_at(name: str) -> int | None:
     """The boundary a chain was formed at, from its name (None: not a chain's name)."""
     return _boundary_of(name)
+
+
+def _members(status: ChainStatus) -> set[str]:
+    return {peer for peer, _, _ in status.layout}
+
+
+def _rank(status: ChainStatus) -> tuple[bool, int, str]:
+    """Which of a lineage's broken chains is continued: one whose members say it broke, then the newest."""
+    return bool(status.broken), _boundary_of(status.chain) or 0, status.chain
 
 
 def _boundary_of(name: str) -> int | None:

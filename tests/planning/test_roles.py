@@ -320,6 +320,36 @@ def test_a_lineage_is_continued_once_from_the_chain_whose_members_say_it_broke()
     assert successor.lineage == plan.chain
 
 
+def _strangers_chain(lineage, strangers, layers, boundary, broken=()):
+    """Claims of a chain of `strangers` only, naming someone else's lineage (a bare claim anyone can make)."""
+    layout = tuple((peer, first, last) for peer, (first, last) in zip(strangers, layers, strict=True))
+    name = chain_id(boundary, [(p, (f, last)) for p, f, last in layout], lineage)
+    return [
+        Claim(p, name, i, (f, last), layout, lineage, p in broken) for i, (p, f, last) in enumerate(layout)
+    ]
+
+
+def test_strangers_claiming_a_lineage_neither_take_a_broken_chains_place_nor_stop_it():
+    """Identities that claim a chain of their own under a victim's lineage: live (it would have stopped the
+    lineage being continued) or newer and broken (it would have been continued in the victim's place)."""
+    plan = _formed_chain(stages=2, n_layers=4)
+    first, second = plan.members
+    layers = [s.layers for s in plan.stages]
+    survivor = _broken(_claims(plan)[:1])
+    spares = [Candidate("spare", 1.0), Candidate("spare-2", 0.5)]
+    live_fake = _strangers_chain(plan.chain, ["sybil-1", "sybil-2"], layers, boundary=6)
+    newer_fake = _strangers_chain(plan.chain, ["sybil-3", "sybil-4"], layers, boundary=7, broken={"sybil-3"})
+    statuses = chain_status(survivor + live_fake + newer_fake, 2, 4)
+    assert any(c.live and c.lineage == plan.chain for c in statuses)  # the strangers' chain is live
+    successors, _ = plan_successors(statuses, spares, 2, 4, boundary=8)
+    ours = [p for p in successors if first in p.members]
+    assert len(ours) == 1 and ours[0].members == (first, "spare") and ours[0].lineage == plan.chain
+    assert ours[0].survivors == (first,)
+    # the strangers' broken chain is only ever continued with its own members: never with ours
+    for other in successors:
+        assert other is ours[0] or first not in other.members
+
+
 def test_a_member_that_says_nothing_is_not_a_survivor():
     """A departed peer's record outlives it (up to its lifetime): a chain whose only claims come from members
     that do not say it broke is not continued, so nobody is planned into a chain with a dead peer."""

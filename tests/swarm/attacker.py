@@ -41,6 +41,7 @@ from hetnode.net.records import (  # noqa: E402
 )
 from hetnode.net.signing import sign_payload  # noqa: E402
 from hetnode.net.streams import PeerRequestError, open_stream, request  # noqa: E402
+from hetnode.planning.roles import chain_id, format_layout  # noqa: E402
 from hetnode.protocol.swarm_view import SwarmView  # noqa: E402
 from hetnode.replica.global_model import GlobalModel, sha256_hex  # noqa: E402
 from hetnode.wire.control import encode_request, frame_header  # noqa: E402
@@ -458,6 +459,51 @@ async def duplicates(a: Attacker) -> None:
     a.result.update(identities=[node.identity.peer_id for node in nodes], rounds_announced=rounds)
 
 
+async def lineage(a: Attacker) -> None:
+    """claim a live chain's lineage for chains of our own (`--identities` 4): two identities hold a live
+    chain under it (which stopped the lineage being continued after a break), two more a newer one whose
+    members say it broke (which was continued in the broken chain's place). Claims are renewed each second
+    under the round before the coordinator's, so they are always older than the boundary that plans."""
+    more = nodes_on_loopback(3, a.node.run or "", initial_peers=[a.peer_maddr], coordinator=a.coordinator)
+    async with more as others:
+        nodes = [a.node, *others]
+        victim = None
+        while victim is None and time.monotonic() < a.until:
+            chains = (await SwarmView.read(a.node, a.config)).chains()
+            victim = next((c for c in chains if c.live), None)
+            await asyncio.sleep(0.5)
+        if victim is None:
+            a.result["victim"] = None
+            return
+        layers = [(first, last) for _, first, last in victim.layout]
+        a.result.update(victim=victim.chain, lineage=victim.lineage)
+        stored, names = 0, set()
+        while time.monotonic() < a.until:
+            formed = max(await a.coordinator_round() - 1, 0)
+            for pair, broken in ((nodes[:2], False), (nodes[2:], True)):
+                layout = tuple((n.identity.peer_id, f, la) for n, (f, la) in zip(pair, layers, strict=True))
+                name = chain_id(formed, [(p, (f, la)) for p, f, la in layout], victim.lineage)
+                names.add(name)
+                for i, node in enumerate(pair):
+                    record = a.record(
+                        name=f"{a.name}-{nodes.index(node)}",
+                        link_class="low",
+                        wants="stage",
+                        role="stage",
+                        chain=name,
+                        stage=i,
+                        layers=list(layout[i][1:]),
+                        chain_layout=format_layout(layout),
+                        chain_lineage=victim.lineage,
+                        chain_broken=True if broken else None,
+                    )
+                    stored += await node.store_own("peers", record, 10.0)
+            await asyncio.sleep(1.0)
+        a.result.update(
+            identities=[node.identity.peer_id for node in nodes], claims_stored=stored, chains=sorted(names)
+        )
+
+
 ATTACKS = {
     f.__name__: f
     for f in (
@@ -472,6 +518,7 @@ ATTACKS = {
         eclipse,
         crowd,
         duplicates,
+        lineage,
     )
 }
 

@@ -4,8 +4,12 @@ over P2P streams, each syncs its own layers in the sealed rounds, and every repl
 from __future__ import annotations
 
 import ast
+import json
 import signal
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -14,6 +18,8 @@ from hetnode.service.round_log import read_rounds
 
 pytestmark = pytest.mark.slow
 
+ROOT = Path(__file__).resolve().parents[2]
+ATTACKER = [sys.executable, str(ROOT / "tests" / "swarm" / "attacker.py")]
 FAST_ROUNDS = {"inner_steps": 10}
 TOKENS_PER_REPLICA = 10 * 16 * 128  # H micro-batches x batch x sequence
 
@@ -192,8 +198,9 @@ def test_the_chain_goes_on_when_the_anchor_dies_and_the_anchor_catches_up(swarm)
 
 def test_a_spare_steps_in_for_a_member_that_left_and_without_one_the_chain_dissolves(swarm):
     """A chain outlives a member: the survivor keeps its stage and local state, the idle spare takes the
-    empty stage at the next boundary, and the chain keeps its lineage (its data slot). Once no spare is
-    left, a chain that loses a member is left out of the seals and dissolves."""
+    empty stage at the next boundary, and the chain keeps its lineage (its data slot), though strangers
+    claim the lineage for chains of their own (`attacker.py lineage`). Once no spare is left, a chain that
+    loses a member is left out of the seals and dissolves."""
     # (a wider in-flight window than the schedule's, to hide latency: its extra staleness is logged)
     config = swarm.config(
         outer={**FAST_ROUNDS, "verify": True},
@@ -225,6 +232,26 @@ def test_a_spare_steps_in_for_a_member_that_left_and_without_one_the_chain_disso
     delays = weight_delays(swarm, [first, second])
     assert 1 < delays[0] <= 3 and delays[1] == 0  # up to W − 1 = 3 updates old on the first stage, not P − 1
 
+    # strangers claim the chain's lineage for chains of their own: a live one, and a newer one said broken
+    attacker = subprocess.Popen(
+        [*ATTACKER, "lineage", "--peer", boot.maddr, "--seconds", "60"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=ROOT,
+    )
+    try:
+        swarm.wait_for(
+            boot.maddr,
+            lambda d: any(
+                c["live"] and c["lineage"] == founded["id"] and c["id"] != founded["id"] for c in d["chains"]
+            ),
+            timeout=60,
+            what="the strangers' live chain under the chain's lineage",
+        )
+    except BaseException:
+        attacker.kill()
+        raise
     # the second stage dies: the first keeps its stage, the spare takes the empty one, same lineage
     second.proc.send_signal(signal.SIGKILL)
     second.proc.wait(10)
@@ -252,6 +279,10 @@ def test_a_spare_steps_in_for_a_member_that_left_and_without_one_the_chain_disso
     for entry in history[killed_at + 1 :]:
         assert second.peer_id not in entry["contributors"]  # the dead member's partial work is never sealed
     swarm.replicas_agree_at(boot.maddr, history[-1]["round"], {"anchor", first.name, spare.name})
+    out, err = attacker.communicate(timeout=120)  # its claims lasted past the step-in: it ends by itself
+    [line] = [line for line in out.splitlines() if line.startswith("RESULT ")]
+    result = json.loads(line.removeprefix("RESULT "))
+    assert result["lineage"] == founded["id"] and result["claims_stored"] > 0, err[-2000:]
 
     # no spare left: the chain that loses its second stage is left out, and its survivor goes back to the pool
     spare.proc.send_signal(signal.SIGKILL)
