@@ -14,7 +14,7 @@ import time
 from collections.abc import Awaitable, Callable
 
 from hetnode.config import Config
-from hetnode.net.records import NO_CHAIN
+from hetnode.net.records import MAX_NOSHOWS, NO_CHAIN
 from hetnode.planning.roles import (
     ChainPlan,
     StageAssignment,
@@ -35,6 +35,7 @@ log = logging.getLogger(__name__)
 GROWTH_PATIENCE = 6
 
 RECORD_WAITS = 2  # boundaries a broken chain's member waits for its record to show the break before leaving
+NOSHOW_RETRIES = 3  # boundaries a broken chain's member plans another spare after one never stepped in
 
 ReadView = Callable[..., Awaitable[SwarmView]]  # (max_age_s=None) -> the records
 RunRole = Callable[..., None]  # (stop, view=None): start or stop our role's training as the state says
@@ -53,6 +54,8 @@ class ChainMembership:
         self.live = False
         self.broken = False  # our chain's training ended: continue or leave it at the next boundary
         self._waited_for_records = 0  # boundaries waited for the records to show our chain's break
+        self._noshows: list[str] = []  # spares planned into our successor that never claimed it
+        self._noshow_boundaries = 0  # boundaries that planned a successor a spare did not step into
 
     @property
     def working(self) -> str | None:
@@ -64,6 +67,7 @@ class ChainMembership:
     def leave(self) -> None:
         self.assignment, self.live, self.broken = None, False, False
         self._waited_for_records = 0
+        self._noshows, self._noshow_boundaries = [], 0
 
     async def keep_or_move(self, boundary: int, view: SwarmView, stop: asyncio.Event) -> SwarmView | None:
         """At a boundary, for a peer that wants a stage: follow our chain's growth, or continue it after a
@@ -129,12 +133,27 @@ class ChainMembership:
             "spares " + ", ".join(p[-6:] for p in plan.newcomers) if plan.newcomers else "re-formed in place",
         )
         deadline = opened + n.confirm_s
+        missing = list(plan.newcomers)
         while time.monotonic() < deadline:
             view = await self._view(max_age_s=0)
-            if all((view.peers.get(p) or {}).get("chain") == plan.chain for p in plan.newcomers):
+            missing = [p for p in plan.newcomers if (view.peers.get(p) or {}).get("chain") != plan.chain]
+            if not missing:
                 return await self._claim(plan, boundary, time.monotonic(), stop)
             if await sleep_or_stop(stop, 0.2):
                 return True
+        if self._noshow_boundaries < NOSHOW_RETRIES:
+            self._noshow_boundaries += 1
+            # an identity can say it is idle and fast and never step in: the plan, which takes the fastest
+            # spare, would pick it at every boundary. Named in our record, the next plan passes it over
+            self._noshows = (self._noshows + missing)[-MAX_NOSHOWS:]
+            await self.presence.update(chain_noshows=list(self._noshows))
+            log.info(
+                "chain %s: %s did not step in within %.1f s: the next boundary plans without them",
+                plan.chain,
+                ", ".join(p[-6:] for p in missing),
+                n.confirm_s,
+            )
+            return True
         log.info("chain %s: the spares did not step in within %.1f s", plan.chain, n.confirm_s)
         return False
 
@@ -223,6 +242,7 @@ class ChainMembership:
         assert mine is not None
         self.assignment, self.live, self.broken = mine, False, False
         self._waited_for_records = 0
+        self._noshows, self._noshow_boundaries = [], 0
         await self.presence.update(
             role="stage",
             chain=mine.chain,
@@ -231,6 +251,7 @@ class ChainMembership:
             chain_layout=format_layout(mine.layout),
             chain_lineage=plan.lineage or None,
             chain_broken=None,
+            chain_noshows=None,
             outer_step=boundary,
         )
         deadline = opened + patience

@@ -114,6 +114,8 @@ class RoundRecord(pydantic.BaseModel):
 
 # "peer:first-last" (a string: hivemind's schema check refuses any type conversion, list -> tuple included)
 ChainMember = pydantic.constr(strict=True, regex=r"^[1-9A-HJ-NP-Za-km-z]{1,128}:[0-9]{1,4}-[0-9]{1,4}$")
+PeerIdText = pydantic.constr(strict=True, regex=r"^[1-9A-HJ-NP-Za-km-z]{1,128}$")
+MAX_NOSHOWS = 8  # spares a broken chain's member names as planned into its successor and never claiming it
 MAX_TOKENS = (
     2**40
 )  # per record or announcement: far above any round (H × batch × sequence), far below overflow
@@ -143,6 +145,8 @@ class PeerRecord(pydantic.BaseModel):
     chain_broken: pydantic.StrictBool | None = None
     # the member whose frame failed our checks (no honest stage sends it): the chain goes on without it
     chain_blame: pydantic.constr(strict=True, max_length=128) | None = None  # type: ignore[valid-type]
+    # spares the plan put into our broken chain's successor that never claimed it: not planned there again
+    chain_noshows: pydantic.conlist(PeerIdText, max_items=MAX_NOSHOWS) | None = None  # type: ignore[valid-type]
     # a closed run: the coordinator's signed admission of this peer (`hetnode.wire.admission`)
     admission: pydantic.constr(strict=True, max_length=2048) | None = None  # type: ignore[valid-type]
     outer_step: pydantic.conint(strict=True, ge=0)  # type: ignore[valid-type]
@@ -397,6 +401,7 @@ NO_CHAIN: dict[str, Any] = {
     "chain_lineage": None,
     "chain_broken": None,
     "chain_blame": None,
+    "chain_noshows": None,
 }
 
 

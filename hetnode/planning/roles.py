@@ -293,6 +293,7 @@ class Claim:
     lineage: str = ""  # a successor's lineage, which its name commits to
     broken: bool = False  # the claimer's training in this chain ended (a neighbour left or misbehaved)
     blame: str = ""  # the member whose frame failed the claimer's checks
+    noshows: tuple[str, ...] = ()  # spares planned into the claimer's successor that never claimed it
 
 
 @dataclass(frozen=True)
@@ -310,6 +311,9 @@ class ChainStatus:
     # every peer a member's record names as caught lying, in or out of the layout: the chain takes none
     # of them into its pools (a liar dropped from a chain does not come back to it as a spare)
     accused: tuple[str, ...] = ()
+    # spares a member named as planned into its successor and never claiming it (an identity that says it
+    # is idle and fast and never steps in): the chain's successors are planned without them
+    noshows: tuple[str, ...] = ()
 
     @property
     def dropped(self) -> dict[str, str]:
@@ -404,8 +408,11 @@ def chain_status(
             elif empty:
                 problem = f"stage {empty[0]} has no member"
         accused = tuple(sorted({c.blame for c in valid if c.blame and c.blame != c.peer_id}))
+        noshows = tuple(sorted({p for c in valid for p in c.noshows} - members))
         result.append(
-            ChainStatus(name, not problem, slots, problem, lineage, layout, broken, blamed, workers, accused)
+            ChainStatus(
+                name, not problem, slots, problem, lineage, layout, broken, blamed, workers, accused, noshows
+            )
         )
     return result
 
@@ -481,7 +488,8 @@ def _successor_drafts(
         stages = stage_pools(status.layout)
         kept = [[p for p in workers if p in survivors] for workers, _, _ in stages]
         vacant = [i for i, workers in enumerate(kept) if not workers]
-        spares = [c for c in pool if c.peer_id not in survivors and c.peer_id not in status.accused]
+        passed_over = set(survivors) | set(status.accused) | set(status.noshows)
+        spares = [c for c in pool if c.peer_id not in passed_over]
         spares = spares[: len(vacant)]
         if len(spares) < len(vacant):
             continue

@@ -94,6 +94,7 @@ class SwarmView:
                 record.get("chain_lineage") or "",
                 bool(record.get("chain_broken")),
                 record.get("chain_blame") or "",
+                tuple(record.get("chain_noshows") or ()),
             )
             for peer_id, record in self.peers.items()
             if record["role"] == "stage"
@@ -153,6 +154,7 @@ class SwarmView:
             r.get("chain_lineage"),
             r.get("chain_broken"),
             r.get("chain_blame"),
+            r.get("chain_noshows"),
             r["link_class"],
             r["tflops"],
         ]

@@ -32,6 +32,7 @@ EVENT_FIELDS = (
     "chain_lineage",
     "chain_broken",
     "chain_blame",
+    "chain_noshows",
     "link_class",
     "admission",
 )

@@ -1,5 +1,6 @@
 """Roles and chain packing: same inputs in any order give the same plan; confirmation catches disagreement."""
 
+import dataclasses
 import random
 
 import pytest
@@ -348,6 +349,26 @@ def test_strangers_claiming_a_lineage_neither_take_a_broken_chains_place_nor_sto
     # the strangers' broken chain is only ever continued with its own members: never with ours
     for other in successors:
         assert other is ours[0] or first not in other.members
+
+
+def test_a_spare_that_never_stepped_in_is_passed_over_by_the_next_plan():
+    """An identity that says it is idle and the fastest is the plan's first spare at every boundary; once a
+    survivor names it as planned and never claiming, the chain's next plan takes the next spare."""
+    plan = _formed_chain(stages=2, n_layers=4)
+    first = plan.members[0]
+    spares = [Candidate("sybil", 1000.0), Candidate("spare", 1.0)]
+    [survivor] = _broken(_claims(plan)[:1])
+    [status] = chain_status([survivor], 2, 4)
+    [successor], _ = plan_successors([status], spares, 2, 4, boundary=6)
+    assert successor.members == (first, "sybil")
+    named = dataclasses.replace(survivor, noshows=("sybil",))
+    [status] = chain_status([named], 2, 4)
+    assert status.noshows == ("sybil",) and status.live is False
+    [successor], left = plan_successors([status], spares, 2, 4, boundary=7)
+    assert successor.members == (first, "spare") and [c.peer_id for c in left] == ["sybil"]
+    # a member cannot pass over its own chain's members: a name in the layout is no spare anyway
+    [status] = chain_status([dataclasses.replace(survivor, noshows=(first,))], 2, 4)
+    assert status.noshows == ()
 
 
 def test_a_member_that_says_nothing_is_not_a_survivor():

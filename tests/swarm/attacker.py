@@ -459,12 +459,14 @@ async def duplicates(a: Attacker) -> None:
     a.result.update(identities=[node.identity.peer_id for node in nodes], rounds_announced=rounds)
 
 
-async def lineage(a: Attacker) -> None:
-    """claim a live chain's lineage for chains of our own (`--identities` 4): two identities hold a live
-    chain under it (which stopped the lineage being continued after a break), two more a newer one whose
-    members say it broke (which was continued in the broken chain's place). Claims are renewed each second
-    under the round before the coordinator's, so they are always older than the boundary that plans."""
-    more = nodes_on_loopback(3, a.node.run or "", initial_peers=[a.peer_maddr], coordinator=a.coordinator)
+async def successor(a: Attacker) -> None:
+    """strangers around a live chain's successor, five identities: two hold a live chain under the chain's
+    lineage (which stopped the lineage being continued after a break), two more a newer one under it whose
+    members say it broke (which was continued in the broken chain's place), and the fifth says it is an
+    idle spare a thousand times faster than anyone and never steps in (the plan's first spare, always).
+    Claims are renewed each second under the round before the coordinator's: always older than the boundary
+    that plans."""
+    more = nodes_on_loopback(4, a.node.run or "", initial_peers=[a.peer_maddr], coordinator=a.coordinator)
     async with more as others:
         nodes = [a.node, *others]
         victim = None
@@ -476,11 +478,12 @@ async def lineage(a: Attacker) -> None:
             a.result["victim"] = None
             return
         layers = [(first, last) for _, first, last in victim.layout]
-        a.result.update(victim=victim.chain, lineage=victim.lineage)
+        a.result.update(victim=victim.chain, lineage=victim.lineage, noshow=nodes[4].identity.peer_id)
+        idle = a.record(name=f"{a.name}-4", link_class="low", wants="stage", role="idle", layers=None)
         stored, names = 0, set()
         while time.monotonic() < a.until:
             formed = max(await a.coordinator_round() - 1, 0)
-            for pair, broken in ((nodes[:2], False), (nodes[2:], True)):
+            for pair, broken in ((nodes[:2], False), (nodes[2:4], True)):
                 layout = tuple((n.identity.peer_id, f, la) for n, (f, la) in zip(pair, layers, strict=True))
                 name = chain_id(formed, [(p, (f, la)) for p, f, la in layout], victim.lineage)
                 names.add(name)
@@ -498,6 +501,7 @@ async def lineage(a: Attacker) -> None:
                         chain_broken=True if broken else None,
                     )
                     stored += await node.store_own("peers", record, 10.0)
+            stored += await nodes[4].store_own("peers", idle, 10.0)
             await asyncio.sleep(1.0)
         a.result.update(
             identities=[node.identity.peer_id for node in nodes], claims_stored=stored, chains=sorted(names)
@@ -518,7 +522,7 @@ ATTACKS = {
         eclipse,
         crowd,
         duplicates,
-        lineage,
+        successor,
     )
 }
 

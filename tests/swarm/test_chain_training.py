@@ -199,8 +199,9 @@ def test_the_chain_goes_on_when_the_anchor_dies_and_the_anchor_catches_up(swarm)
 def test_a_spare_steps_in_for_a_member_that_left_and_without_one_the_chain_dissolves(swarm):
     """A chain outlives a member: the survivor keeps its stage and local state, the idle spare takes the
     empty stage at the next boundary, and the chain keeps its lineage (its data slot), though strangers
-    claim the lineage for chains of their own (`attacker.py lineage`). Once no spare is left, a chain that
-    loses a member is left out of the seals and dissolves."""
+    claim the lineage for chains of their own and a fast "spare" never steps in (`attacker.py
+    successor`). Once no spare is left, a chain that loses a member is left out of the seals and
+    dissolves."""
     # (a wider in-flight window than the schedule's, to hide latency: its extra staleness is logged)
     config = swarm.config(
         outer={**FAST_ROUNDS, "verify": True},
@@ -232,9 +233,10 @@ def test_a_spare_steps_in_for_a_member_that_left_and_without_one_the_chain_disso
     delays = weight_delays(swarm, [first, second])
     assert 1 < delays[0] <= 3 and delays[1] == 0  # up to W − 1 = 3 updates old on the first stage, not P − 1
 
-    # strangers claim the chain's lineage for chains of their own: a live one, and a newer one said broken
+    # strangers claim the chain's lineage for chains of their own (a live one, and a newer one said broken),
+    # and one says it is an idle spare far faster than anyone and never steps in
     attacker = subprocess.Popen(
-        [*ATTACKER, "lineage", "--peer", boot.maddr, "--seconds", "60"],
+        [*ATTACKER, "successor", "--peer", boot.maddr, "--seconds", "60"],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -264,7 +266,8 @@ def test_a_spare_steps_in_for_a_member_that_left_and_without_one_the_chain_disso
         )
 
     document = swarm.wait_for(boot.maddr, continued, timeout=90, what="the spare steps in")
-    successor = next(c for c in document["chains"] if c["live"])
+    ours = [first.peer_id, spare.peer_id]
+    successor = next(c for c in document["chains"] if c["live"] and c["stages"] == ours)
     assert successor["id"] != founded["id"]
     history = swarm.wait_for_history(
         lambda h: any(sealed_with({first.peer_id, spare.peer_id})(e) for e in h[killed_at + 1 :]),
@@ -283,6 +286,8 @@ def test_a_spare_steps_in_for_a_member_that_left_and_without_one_the_chain_disso
     [line] = [line for line in out.splitlines() if line.startswith("RESULT ")]
     result = json.loads(line.removeprefix("RESULT "))
     assert result["lineage"] == founded["id"] and result["claims_stored"] > 0, err[-2000:]
+    # the plan's first spare was the fast liar; passed over once the survivor named it
+    assert f"{result['noshow'][-6:]} did not step in" in logs
 
     # no spare left: the chain that loses its second stage is left out, and its survivor goes back to the pool
     spare.proc.send_signal(signal.SIGKILL)
