@@ -27,6 +27,7 @@ from hetnode.wire.round_history import merge_history
 ROOT = Path(__file__).resolve().parents[2]
 LOOPBACK = "/ip4/127.0.0.1/tcp/0"
 HETNODE = [sys.executable, "-m", "hetnode.cli.main"]
+ATTACKER = [sys.executable, str(ROOT / "tests" / "swarm" / "attacker.py")]  # the hostile peer
 STOP_TIMEOUT_S = 30.0  # a daemon that has not exited by then is killed
 
 
@@ -89,6 +90,32 @@ class Swarm:
         path = self.tmp_path / "swarm.toml"
         path.write_text(dump_config(config))
         return path
+
+    def start_attack(
+        self, name: str, seconds: float, *extra: str, stdout=subprocess.PIPE, stderr=subprocess.PIPE
+    ) -> subprocess.Popen:
+        """The hostile peer (`attacker.py`) runs attack `name` on the swarm for `seconds`, in the background
+        (it joins through the first daemon started: the coordinator)."""
+        return subprocess.Popen(
+            [*ATTACKER, name, "--peer", self.daemons[0].maddr, "--seconds", str(seconds), *extra],
+            stdout=stdout,
+            stderr=stderr,
+            text=True,
+            cwd=ROOT,
+        )
+
+    @staticmethod
+    def attack_result(attacker: subprocess.Popen, timeout: float) -> dict:
+        """Wait for an attack to end by itself: what its `RESULT` line says the swarm let it do."""
+        try:
+            out, err = attacker.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            attacker.kill()
+            attacker.communicate()
+            raise
+        lines = [line for line in out.splitlines() if line.startswith("RESULT ")]
+        assert attacker.returncode == 0 and lines, f"the attacker failed:\n{err[-3000:]}"
+        return json.loads(lines[-1].removeprefix("RESULT "))
 
     def start(
         self, name: str, args: list[str], prefix: list[str] | None = None, command: list[str] | None = None

@@ -29,7 +29,6 @@ pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[2]
 
-ATTACKER = [sys.executable, str(ROOT / "tests" / "swarm" / "attacker.py")]
 HONEST = {"anchor-a", "anchor-b"}
 
 
@@ -48,17 +47,7 @@ def live(module_swarm):
 
 
 def attack(swarm, name: str, seconds: float = 15.0, extra: tuple[str, ...] = ()) -> dict:
-    boot = swarm.daemons[0]
-    result = subprocess.run(
-        [*ATTACKER, name, "--peer", boot.maddr, "--seconds", str(seconds), *extra],
-        capture_output=True,
-        text=True,
-        timeout=seconds + 120,
-        cwd=ROOT,
-    )
-    lines = [line for line in result.stdout.splitlines() if line.startswith("RESULT ")]
-    assert result.returncode == 0 and lines, f"attacker {name} failed:\n{result.stderr[-3000:]}"
-    return json.loads(lines[-1].removeprefix("RESULT "))
+    return swarm.attack_result(swarm.start_attack(name, seconds, *extra), timeout=seconds + 120)
 
 
 def http(boot, path: str) -> bytes:
@@ -188,13 +177,7 @@ def test_exhaust_streams_probes_and_state_requests_are_budgeted(live):
 def test_redirect_a_volunteer_is_refused_without_its_pinned_coordinator(live, tmp_path):
     swarm, boot, config = live
     since = current_round(swarm)
-    rogue = subprocess.Popen(
-        [*ATTACKER, "redirect", "--peer", boot.maddr, "--seconds", "40"],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.DEVNULL,
-        text=True,
-        cwd=ROOT,
-    )
+    rogue = swarm.start_attack("redirect", 40, stderr=subprocess.DEVNULL)
     try:
         maddr = next(line.split()[1] for line in rogue.stdout if line.startswith("MADDR "))
         base = [sys.executable, "-m", "hetnode.cli.main", "join", "--peer", maddr, "--bandwidth", "1000"]

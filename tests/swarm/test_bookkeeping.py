@@ -20,7 +20,6 @@ pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[2]
 SLOW_EVAL_S = 20.0  # each evaluation, on top of its own time: several rounds are sealed meanwhile
 HOOKS = ROOT / "tests" / "swarm" / "coordinator_hooks.py"
-ATTACKER = [sys.executable, str(ROOT / "tests" / "swarm" / "attacker.py")]
 FAST_ROUNDS = {"inner_steps": 5}
 
 
@@ -45,12 +44,7 @@ def test_seals_go_on_while_a_round_is_evaluated_and_a_crash_before_a_seal_goes_o
 
     # identities that claim θ of every newest round and answer a catch-up as slowly as the timeouts allow
     liars = [
-        subprocess.Popen(
-            [*ATTACKER, "liar_holder", "--peer", boot.maddr, "--seconds", "240"],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-            cwd=ROOT,
-        )
+        swarm.start_attack("liar_holder", 240, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         for _ in range(2)
     ]
     try:

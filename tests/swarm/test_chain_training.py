@@ -4,12 +4,8 @@ over P2P streams, each syncs its own layers in the sealed rounds, and every repl
 from __future__ import annotations
 
 import ast
-import json
 import signal
-import subprocess
-import sys
 import time
-from pathlib import Path
 
 import pytest
 
@@ -18,8 +14,6 @@ from hetnode.service.round_log import read_rounds
 
 pytestmark = pytest.mark.slow
 
-ROOT = Path(__file__).resolve().parents[2]
-ATTACKER = [sys.executable, str(ROOT / "tests" / "swarm" / "attacker.py")]
 FAST_ROUNDS = {"inner_steps": 10}
 TOKENS_PER_REPLICA = 10 * 16 * 128  # H micro-batches x batch x sequence
 
@@ -235,13 +229,7 @@ def test_a_spare_steps_in_for_a_member_that_left_and_without_one_the_chain_disso
 
     # strangers claim the chain's lineage for chains of their own (a live one, and a newer one said broken),
     # and one says it is an idle spare far faster than anyone and never steps in
-    attacker = subprocess.Popen(
-        [*ATTACKER, "successor", "--peer", boot.maddr, "--seconds", "60"],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        cwd=ROOT,
-    )
+    attacker = swarm.start_attack("successor", 60)
     try:
         swarm.wait_for(
             boot.maddr,
@@ -282,10 +270,10 @@ def test_a_spare_steps_in_for_a_member_that_left_and_without_one_the_chain_disso
     for entry in history[killed_at + 1 :]:
         assert second.peer_id not in entry["contributors"]  # the dead member's partial work is never sealed
     swarm.replicas_agree_at(boot.maddr, history[-1]["round"], {"anchor", first.name, spare.name})
-    out, err = attacker.communicate(timeout=120)  # its claims lasted past the step-in: it ends by itself
-    [line] = [line for line in out.splitlines() if line.startswith("RESULT ")]
-    result = json.loads(line.removeprefix("RESULT "))
-    assert result["lineage"] == founded["id"] and result["claims_stored"] > 0, err[-2000:]
+    result = swarm.attack_result(
+        attacker, timeout=120
+    )  # its claims lasted past the step-in: it ends by itself
+    assert result["lineage"] == founded["id"] and result["claims_stored"] > 0
     # the plan's first spare was the fast liar; passed over once the survivor named it
     assert f"{result['noshow'][-6:]} did not step in" in logs
 
