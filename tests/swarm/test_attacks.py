@@ -225,11 +225,16 @@ def attack_at_pace(swarm, boot, name: str, extra: tuple[str, ...] = ()) -> tuple
 
 
 def left_out(attacked: list[dict], honest: set[str]) -> list[int]:
-    """Rounds sealed (not caught up) without every honest replica."""
+    """Rounds sealed (not caught up) without every honest replica, for what these attacks aim at (the seal's
+    waits and fetches): not the verifier's score screen, which judges the work itself and on `tiny` late in
+    training now and then scores an honest anchor's round below the margin (seen once in CI during the
+    eclipse: one round of 11; the verifier's own attacks: `tests/lab/experiments/test_sybil_attacks.py`)."""
     return [
         h["round"]
         for h in attacked
-        if h.get("caught_up_from") is None and not honest <= set(h["contributors"])
+        if h.get("caught_up_from") is None
+        and not honest - {p for p, why in (h.get("rejected") or {}).items() if why == "score"}
+        <= set(h["contributors"])
     ]
 
 
