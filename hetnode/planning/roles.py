@@ -316,6 +316,11 @@ class ChainStatus:
     noshows: tuple[str, ...] = ()
 
     @property
+    def members(self) -> set[str]:
+        """Every peer its layout names."""
+        return {peer for peer, _, _ in self.layout}
+
+    @property
     def dropped(self) -> dict[str, str]:
         """The members of the layout that no longer work in the chain, and why (for people to read)."""
         working = {p for workers in self.workers for p in workers}
@@ -468,11 +473,11 @@ def _successor_drafts(
     # takes our place nor stops us (docs/security.md, "Claiming a broken chain's successor")
     chosen: list[ChainStatus] = []
     for status in candidates:
-        mine = _members(status)
-        if any(c.lineage == status.lineage and _members(c) & mine for c in live):
+        mine = status.members
+        if any(c.lineage == status.lineage and c.members & mine for c in live):
             continue
         if any(
-            other.lineage == status.lineage and _members(other) & mine and _rank(other) > _rank(status)
+            other.lineage == status.lineage and other.members & mine and _rank(other) > _rank(status)
             for other in candidates
         ):
             continue
@@ -571,7 +576,7 @@ def stepped_in_successor(ours: ChainStatus, chains: Iterable[ChainStatus], own: 
     successor follows it: a spare that read the break a boundary before us claimed it then, and is no
     spare in the records we read (measured: the chain dissolved and lost three more rounds)."""
     mine = stage_pools(ours.layout)
-    ours_members = {p for p, _, _ in ours.layout}
+    ours_members = ours.members
     our_stage = stage_of(ours.layout, own)
     since = _boundary_of(ours.chain)
     best: ChainStatus | None = None
@@ -583,7 +588,7 @@ def stepped_in_successor(ours: ChainStatus, chains: Iterable[ChainStatus], own: 
         if our_stage is None or [(f, la) for _, f, la in pools] != [(f, la) for _, f, la in mine]:
             continue
         claimed = {p for workers in status.workers for p in workers}
-        newcomers = {p for p, _, _ in status.layout} - ours_members
+        newcomers = status.members - ours_members
         if (
             stage_of(status.layout, own) != our_stage
             or not newcomers
@@ -643,10 +648,6 @@ def _layout_problem(layout: Layout, stages_per_chain: int, n_layers: int, stage_
 def formed_at(name: str) -> int | None:
     """The boundary a chain was formed at, from its name (None: not a chain's name)."""
     return _boundary_of(name)
-
-
-def _members(status: ChainStatus) -> set[str]:
-    return {peer for peer, _, _ in status.layout}
 
 
 def _rank(status: ChainStatus) -> tuple[bool, int, str]:

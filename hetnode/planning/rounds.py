@@ -282,9 +282,7 @@ ChainsAtOpen = dict[str, tuple[str, frozenset[str]]]
 
 def chains_at_open(chains: Iterable[ChainStatus]) -> ChainsAtOpen:
     """The live chains as a round opens (the view at the seal before it), by lineage."""
-    return {
-        c.lineage or c.chain: (c.chain, frozenset(peer for peer, _, _ in c.layout)) for c in chains if c.live
-    }
+    return {c.lineage or c.chain: (c.chain, frozenset(c.members)) for c in chains if c.live}
 
 
 def restarted_chains(at_open: ChainsAtOpen, chains_now: Iterable[ChainStatus]) -> set[str]:
@@ -300,14 +298,12 @@ def restarted_chains(at_open: ChainsAtOpen, chains_now: Iterable[ChainStatus]) -
     for lineage, (chain, members) in at_open.items():
         if any(c.chain == chain for c in live):
             continue
-        if any(
-            (c.lineage or c.chain) == lineage and members <= {peer for peer, _, _ in c.layout} for c in live
-        ):
+        if any((c.lineage or c.chain) == lineage and members <= c.members for c in live):
             continue  # it grew: the same members, more workers, the round goes on
         peers |= members
         for c in chains_now:
             if (c.lineage or c.chain) == lineage:
-                peers |= {peer for peer, _, _ in c.layout}
+                peers |= c.members
     return peers
 
 
