@@ -270,8 +270,10 @@ def test_a_spare_steps_in_for_a_member_that_left_and_without_one_the_chain_disso
     # the survivor's stage resumed its slice of θ, error feedback and optimiser from its local state
     assert "resumed local state (θ, error feedback and optimiser)" in logs
     assert "stage 1 of 2 connected" in spare.tail(400)
-    for entry in history[killed_at + 1 :]:
-        assert second.peer_id not in entry["contributors"]  # the dead member's partial work is never sealed
+    # the dead member's partial work is never sealed (the round after `killed_at` may hold its whole round:
+    # under overlap its payload can be out before the kill and sealed after it)
+    for entry in history[killed_at + 2 :]:
+        assert second.peer_id not in entry["contributors"]
     swarm.replicas_agree_at(boot.maddr, history[-1]["round"], {"anchor", first.name, spare.name})
     result = swarm.attack_result(
         attacker, timeout=120
