@@ -35,7 +35,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -49,6 +49,7 @@ from hetnode.daemon.chain_links import (
     Routed,
 )
 from hetnode.daemon.faults.strategy import HONEST, Faults
+from hetnode.daemon.feedback_handoff import FeedbackHandoff, ReadView, take_feedback
 from hetnode.daemon.participant import RoundParticipant
 from hetnode.daemon.rounds import write_state
 from hetnode.daemon.stage_training import StageTraining, drift_refusal
@@ -98,10 +99,13 @@ class ChainLoop:
         metrics: PeerMetrics | None = None,
         directory: PeerDirectory | None = None,
         faults: Faults = HONEST,
+        predecessors: Sequence[str] = (),
     ) -> None:
         """`data_dir` gets the round log; `directory`: the daemon's shared reads of the peer records;
-        `faults`: tests only, a stage whose frames are hostile (`hetnode.daemon.faults`)."""
+        `faults`: tests only, a stage whose frames are hostile (`hetnode.daemon.faults`); `predecessors`:
+        a spare's, who held our stage and left, and may hand us its error feedback."""
         self.config = config
+        self.predecessors = tuple(predecessors)
         self.node = node
         self.presence = presence
         self.layout = layout
@@ -194,6 +198,10 @@ class ChainLoop:
         if not layout.first:
             self.node.set_stage_acceptor(self._accept_upstream)
         tasks: list[asyncio.Task] = []
+        # a spare: beside the catch-up and the rounds (nothing waits for it), cancelled when we stop
+        taking = None
+        if self.predecessors:
+            taking = asyncio.create_task(self._take_feedback(), name="chain-feedback")
         try:
             await self.rounds.catch_up(stop)
             await self._rebase(())
@@ -225,6 +233,8 @@ class ChainLoop:
             self._closing.set()
             if not layout.first:
                 self.node.set_stage_acceptor(None)
+            if taking is not None:
+                tasks.append(taking)
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
@@ -236,6 +246,47 @@ class ChainLoop:
         if reason != "stopped":
             log.warning("chain %s: %s; in-flight work dropped, θ untouched", layout.chain, reason)
         return reason
+
+    async def _take_feedback(self) -> None:
+        """A spare: the error feedback our stage's predecessor left (`feedback_handoff`), added to ours at
+        our next round's end; without it we start from zero, as a new chain does."""
+        training = self.training
+        names = {name for names in training.shards.values() for name in names}
+        theta = {name: self.global_model.params[name] for name in names}
+        taken = await take_feedback(self.node, self.config, self.predecessors, training.shards, theta)
+        if taken is None:
+            log.info("chain %s: our stage starts with no error feedback", self.layout.chain)
+            return
+        peer, feedback = taken
+        training.hand_over(feedback)
+        norm = sum(float(t.double().pow(2).sum()) for t in feedback.values()) ** 0.5
+        slice_norm = sum(float(t.double().pow(2).sum()) for t in theta.values()) ** 0.5
+        log.info(
+            "took our stage's error feedback from %s (norm %.6f, %.4f of our slice of θ's)",
+            peer[-8:],
+            norm,
+            norm / max(slice_norm, 1e-30),
+        )
+
+    def handoff(self, read_view: ReadView) -> FeedbackHandoff | None:
+        """What we leave to the spare that takes our stage (None: nothing trained yet)."""
+        training = self.training
+        names = {name for names in training.shards.values() for name in names} if training else set()
+        if training is None or not names or not names <= set(training.feedback.buffers):
+            return None  # no round compressed yet: nothing owed
+        layout = self.layout
+        split = layout.splits[layout.index]
+        return FeedbackHandoff(
+            self.peer_id,
+            layout.index,
+            (split.start, split.stop - 1),
+            [peer for workers in layout.pools for peer in workers],
+            layout.lineage or layout.chain,
+            dict(training.feedback.buffers),
+            training.shards,
+            self.global_model.params_round,
+            read_view,
+        )
 
     def _fail(self, reason: str) -> None:
         if self.failed is not None and not self.failed.done():

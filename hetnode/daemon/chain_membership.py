@@ -56,6 +56,8 @@ class ChainMembership:
         self._waited_for_records = 0  # boundaries waited for the records to show our chain's break
         self._noshows: list[str] = []  # spares planned into our successor that never claimed it
         self._noshow_boundaries = 0  # boundaries that planned a successor a spare did not step into
+        # a spare in a successor: who held our stage before and left (may hand us its error feedback)
+        self.predecessors: tuple[str, ...] = ()
 
     @property
     def working(self) -> str | None:
@@ -66,6 +68,7 @@ class ChainMembership:
 
     def leave(self) -> None:
         self.assignment, self.live, self.broken = None, False, False
+        self.predecessors = ()
         self._waited_for_records = 0
         self._noshows, self._noshow_boundaries = [], 0
 
@@ -241,6 +244,7 @@ class ChainMembership:
         mine = assignment_for([plan], self.own)
         assert mine is not None
         self.assignment, self.live, self.broken = mine, False, False
+        self.predecessors = plan.predecessors_of(self.own)
         self._waited_for_records = 0
         self._noshows, self._noshow_boundaries = [], 0
         await self.presence.update(

@@ -25,6 +25,7 @@ from hetnode.daemon.chain import ChainLoop
 from hetnode.daemon.chain_links import ChainLayout
 from hetnode.daemon.chain_membership import ChainMembership
 from hetnode.daemon.faults.factory import faults_named
+from hetnode.daemon.feedback_handoff import handoff_window_s
 from hetnode.daemon.peer_address import is_url, resolve_peer
 from hetnode.daemon.reach import reach_swarm
 from hetnode.daemon.resources import available_memory_gb, measure_tflops
@@ -165,6 +166,8 @@ class PeerDaemon:
                     self._measuring.cancel()
                 if self.presence is not None:
                     await self.presence.announce_offline()
+                    if stop.signalled:
+                        await self._hand_off_feedback(stop.again)
                 await self.node.shutdown()
         return 0
 
@@ -273,6 +276,31 @@ class PeerDaemon:
                 tasks.append(self._role_task)
             await asyncio.gather(*tasks, return_exceptions=True)
 
+    async def _hand_off_feedback(self, quit_now: asyncio.Event) -> None:
+        """A chain stage stopped while it trained: say we are offline (done: the boundary plans our
+        successor) and serve our error feedback to the spare that takes our stage (`feedback_handoff`)."""
+        task, loop = self._role_task, self._role_loop
+        if task is None or not task.done() or task.cancelled() or task.exception() is not None:
+            return
+        if not isinstance(loop, ChainLoop) or task.result() != "stopped":
+            return
+        handoff = loop.handoff(self._view)
+        if handoff is None:
+            return
+        window = handoff_window_s(self.config)
+        log.info(
+            "handing our stage's error feedback (norm %.6f) to the spare that takes it: up to %.0f s "
+            "(stop again to quit now)",
+            handoff.norm,
+            window,
+        )
+        self.node.set_feedback(handoff.serve)
+        try:
+            outcome = await handoff.wait(window, quit_now)
+        finally:
+            self.node.set_feedback(None)
+        log.info("error feedback handoff over: %s", outcome)
+
     def _reap_role_task(self) -> None:
         """Note how our role's training ended, if it has: a chain's that ended other than by our stop (a
         member died, its stream broke) is broken, and the boundary that notices continues or dissolves it."""
@@ -329,6 +357,7 @@ class PeerDaemon:
                 self.metrics,
                 self.directory,
                 faults_named(self.options.fault, self._fault_begins_at),
+                self.chains.predecessors,
             )
         self._role_task = asyncio.create_task(loop.run(stop), name=f"role-{wanted}")
         self._role_loop = loop

@@ -38,6 +38,14 @@ InfoProvider = Callable[[], dict[str, Any]]  # -> {"run", "protocol", "coordinat
 PayloadProvider = Callable[[int, str, str, str], bytes | None | Awaitable[bytes | None]]
 InclusionProvider = Callable[[int, str], bool | None]  # (round, replica) -> in that seal (None: unknown)
 OwnEntryProvider = Callable[[str], bytes | None]  # field -> our own entry of it, encoded; None: none now
+# (shard, asker) -> a leaving stage's error feedback for its successor (None: none; Refused: not for asker)
+FeedbackProvider = Callable[[str, str], Awaitable[bytes | None]]
+
+
+async def _no_feedback(shard: str, asker: str) -> bytes | None:
+    return None
+
+
 NudgeHandler = Callable[[str, str, int], None]  # (peer, topic, round): look at the DHT now
 ProbePolicy = Callable[[str], bool]  # peer -> may it probe us (daemons: "it has a live record")
 MemberPolicy = Callable[[str], bool]  # peer -> is it a member of the run (closed runs)
@@ -69,6 +77,7 @@ class ControlServer:
         self.inclusion: InclusionProvider = lambda round_, replica: None
         self.own_entry: OwnEntryProvider = lambda field: None
         self.state = StateCache(lambda round_, shard: None)
+        self.feedback: FeedbackProvider = _no_feedback
         self.nudged: NudgeHandler = lambda peer, topic, round_: None
         self.probe_policy: ProbePolicy = lambda peer: True
         self.member_policy: MemberPolicy = lambda peer: True
@@ -117,6 +126,8 @@ class ControlServer:
             await self._serve_own_entry(message, stream)
         elif message.type == "state":
             await self._serve_state(message, stream)
+        elif message.type == "feedback":
+            await self._serve_feedback(message, stream)
 
     def allow_probe(self, peer: str, n_bytes: int) -> None:
         """Raise `Refused` unless the policy lets `peer` probe and the probe budget covers `n_bytes`:
@@ -144,6 +155,15 @@ class ControlServer:
         data = await self.state.get(message["round"], message["shard"])
         if data is None:
             raise WireError("round", f"no state for round {message['round']} shard {message['shard']!r}")
+        self.budgets.spend("state", stream.peer, len(data))
+        await stream.send(encode_reply("payload_ready", bytes=len(data)))
+        await write_frame(stream.writer, data, timeout=PAYLOAD_TIMEOUT_S)
+        self.traffic["sent", "state"] += len(data)
+
+    async def _serve_feedback(self, message: ControlMessage, stream: OpenStream) -> None:
+        data = await self.feedback(message["shard"], stream.peer)  # raises Refused to all but the taker
+        if data is None:
+            raise WireError("shard", f"no error feedback for shard {message['shard']!r} here")
         self.budgets.spend("state", stream.peer, len(data))
         await stream.send(encode_reply("payload_ready", bytes=len(data)))
         await write_frame(stream.writer, data, timeout=PAYLOAD_TIMEOUT_S)

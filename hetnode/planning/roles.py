@@ -127,6 +127,9 @@ class ChainPlan:
     stages: tuple[StageAssignment, ...]
     lineage: str = ""  # a successor's: the name its chain was founded under ("" for a new chain)
     survivors: tuple[str, ...] = ()  # a successor's members that held their stage before
+    # a successor's newcomers, each with the members that held its stage before and may hand over the
+    # stage's error feedback (left, not caught lying: `feedback_handoff`)
+    predecessors: tuple[tuple[str, tuple[str, ...]], ...] = ()
 
     @classmethod
     def of_layout(cls, chain: str, layout: Layout, lineage: str, survivors: Iterable[str]) -> ChainPlan:
@@ -147,6 +150,9 @@ class ChainPlan:
     @property
     def members(self) -> tuple[str, ...]:
         return tuple(s.peer_id for s in self.stages)
+
+    def predecessors_of(self, peer_id: str) -> tuple[str, ...]:
+        return next((former for newcomer, former in self.predecessors if newcomer == peer_id), ())
 
 
 def chain_id(boundary: int, assignments: Sequence[tuple[str, tuple[int, int]]], lineage: str = "") -> str:
@@ -196,6 +202,7 @@ class _Draft:
     lineage: str = ""
     survivors: tuple[str, ...] = ()
     refused: frozenset[str] = frozenset()  # peers this chain takes no more (`ChainStatus.accused`)
+    former: tuple[tuple[str, ...], ...] = ()  # a successor's: who held each stage before and left
 
     def per_layer(self, stage: int) -> float:
         """The stage's compute per layer: where a spare helps most is where this is least."""
@@ -220,7 +227,18 @@ class _Draft:
             ),
             lineage=self.lineage,
             survivors=self.survivors,
+            predecessors=self._predecessors(),
         )
+
+    def _predecessors(self) -> tuple[tuple[str, tuple[str, ...]], ...]:
+        """Each stage's first newcomer, with who held the stage before: one taker per stage, or a pool
+        of newcomers would send the same feedback twice."""
+        taken = []
+        for workers, former in zip(self.pools, self.former, strict=False):
+            newcomers = [peer for peer in workers if peer not in self.survivors]
+            if newcomers and former:
+                taken.append((newcomers[0], former))
+        return tuple(taken)
 
 
 def _pack_drafts(
@@ -506,7 +524,12 @@ def _successor_drafts(
         speeds |= {c.peer_id: c.tflops for c in spares}
         layers = [(f, la) for _, f, la in stages]
         refused = frozenset(status.accused)
-        drafts.append(_Draft(kept, layers, speeds, status.lineage, tuple(sorted(survivors)), refused))
+        # who may hand a newcomer its stage's error feedback: a member that left, never one caught lying
+        liars = set(status.blamed) | refused
+        former = tuple(
+            tuple(p for p in workers if p not in survivors and p not in liars) for workers, _, _ in stages
+        )
+        drafts.append(_Draft(kept, layers, speeds, status.lineage, tuple(sorted(survivors)), refused, former))
     return drafts, pool
 
 

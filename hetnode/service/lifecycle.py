@@ -16,14 +16,28 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
-def stop_on_signals() -> asyncio.Event:
+class SignalStop(asyncio.Event):
+    """Set by the first SIGINT or SIGTERM (`signalled`); `again` by a second one: what shutdown still
+    waits for (a leaving stage's handoff) ends at once."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.signalled = False
+        self.again = asyncio.Event()
+
+
+def stop_on_signals() -> SignalStop:
     """An event set by SIGINT or SIGTERM; the daemon then shuts down in order and exits 0."""
-    stop = asyncio.Event()
+    stop = SignalStop()
     loop = asyncio.get_running_loop()
 
     def request_stop(signum: int) -> None:
-        if not stop.is_set():
+        if stop.signalled:
+            log.info("%s received again: quitting now", signal.Signals(signum).name)
+            stop.again.set()
+        elif not stop.is_set():
             log.info("%s received: shutting down", signal.Signals(signum).name)
+        stop.signalled = True
         stop.set()
 
     for signum in (signal.SIGINT, signal.SIGTERM):

@@ -110,6 +110,7 @@ class StageRound:
             None  # the round's T_S − P(T_S), from θ's embedding after `drift_base`
         )
         self.drift_base: int | None = None
+        self._handed: dict[str, torch.Tensor] | None = None  # a predecessor's feedback, not yet added
         # θ's embedding after each of the newest θ rounds stood on: a stage ahead of the first by a round
         # still builds the round's T_fix' from the θ the first stage names
         self.embeddings: dict[int, torch.Tensor] = {}
@@ -231,7 +232,26 @@ class StageRound:
                 round_,
                 refused,
             )
+        if (handed := self._handed) is not None:
+            self._handed = None
+            self._add_feedback(handed)
         return self.local.compress(round_)
+
+    def hand_over(self, feedback: dict[str, torch.Tensor]) -> None:
+        """The error feedback a predecessor at our stage left (`daemon.feedback_handoff`, checked there):
+        what its rounds still owe θ, added to ours by the next `compress`, in the training thread that
+        owns the buffers (so it may be handed over while a round trains)."""
+        self._handed = feedback
+
+    def _add_feedback(self, feedback: dict[str, torch.Tensor]) -> None:
+        buffers = self.feedback.buffers
+        for name, tensor in feedback.items():
+            held = buffers.get(name)
+            if held is None:
+                device = next(t.device for n, t in self.worker.stage.named_parameters() if n == name)
+                buffers[name] = tensor.to(device, torch.float32).clone()
+            else:
+                buffers[name] = held + tensor.to(held.device, held.dtype)
 
     def feedback_norm(self) -> float:
         buffers = self.feedback.buffers.values()

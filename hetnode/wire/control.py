@@ -48,6 +48,9 @@ _REQUESTS: dict[str, _Schema] = {
     "probe_down": {"bytes": (int, 1), "seconds": (float, 0.0)},
     "payload": {"round": (int, 0), "shard": (str, None), "replica": (str, None)},
     "state": {"round": (int, 0), "shard": (str, None)},
+    # a leaving stage's error feedback for `shard`, asked by the spare that took its stage (answered with
+    # payload_ready and one dense fp32 payload frame, or refused to anyone else)
+    "feedback": {"shard": (str, None)},
     # was the asker's payload in the seal of `round`? (a replica that missed that seal settles its
     # error feedback: a payload that never reached θ goes back into it)
     "included": {"round": (int, 0)},

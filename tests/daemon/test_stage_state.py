@@ -137,3 +137,30 @@ def test_a_first_stage_defers_refusals_only_on_an_accelerator_and_reports_them_o
         _train_round(stages, models, 2)
     assert "2 micro-batches had gradients that were not finite" in caplog.text
     assert stages[0].worker.take_refusals() == 0  # read once, at the round's end
+
+
+def test_a_spare_adds_the_feedback_its_predecessor_left_at_its_next_round_end(tiny_config):
+    """A predecessor's error feedback, handed over while the spare's round trains, goes out with the
+    spare's next payload exactly as if the spare had held it all along."""
+    config = replace(tiny_config, "outer", inner_steps=2)
+    n = config.model.n_layers
+    splits = (range(0, n // 2), range(n // 2, n))
+    dataset = TokenDataset.build(config.data, config.model.vocab_size, config.run.seed)
+    stages, models = _chain(config, splits, dataset)
+    _train_round(stages, models, 2)
+    left = {name: buffer.clone() for name, buffer in stages[1].feedback.buffers.items()}
+    assert left and stages[1].feedback_norm() > 0
+    spare, holder = (StageTraining(config, splits, 1, "chain-y", None) for _ in range(2))
+    spare.hand_over(left)
+    holder.feedback.buffers.update({name: t.clone() for name, t in left.items()})
+    assert spare.feedback_norm() == 0  # not yet: its training thread adds it, at the round's end
+    payloads = []
+    for stage in (spare, holder):
+        model = GlobalModel(config, part=stage_part(splits, 1, compressed=True))
+        stage.rebase(stage.rebase_from(model))
+        stage.begin_round(0, stages[0].drift_base)
+        payloads.append(stage.end_round(0, "peer-y"))
+    assert payloads[0] == payloads[1]
+    for name, buffer in holder.feedback.buffers.items():
+        assert torch.equal(spare.feedback.buffers[name], buffer)
+    assert spare.feedback_norm() > 0

@@ -212,6 +212,11 @@ def test_a_spare_takes_the_empty_stage_and_the_chain_keeps_its_lineage():
     assert successor.members == (plan.members[0], "spare-fast", plan.members[2])
     assert successor.survivors == tuple(sorted(set(plan.members) - {gone}))
     assert successor.newcomers == ("spare-fast",)
+    # the member that left may hand the newcomer its stage's error feedback; nobody else is asked
+    assert successor.predecessors == (("spare-fast", (gone,)),)
+    assert (
+        successor.predecessors_of("spare-fast") == (gone,) and successor.predecessors_of("spare-slow") == ()
+    )
     # every stage keeps its layers (the survivors' local state stays valid), the lineage is the founder's
     assert [s.layers for s in successor.stages] == [s.layers for s in plan.stages]
     assert successor.lineage == plan.chain and successor.chain != plan.chain
@@ -395,6 +400,7 @@ def test_a_member_caught_lying_to_its_neighbour_is_left_behind():
     assert status.blamed == (liar,) and "broken" in status.problem
     [successor], _ = plan_successors([status], [Candidate("spare", 1.0)], 3, 6, boundary=6)
     assert successor.members == (first, "spare", last) and successor.newcomers == ("spare",)
+    assert successor.predecessors == ()  # a liar's error feedback is never taken
     # blaming back: both leave, two spares step in
     statuses = chain_status([claim(0), claim(1, blame=last), claim(2, blame=liar)], 3, 6)
     spares = [Candidate("spare-1", 2.0), Candidate("spare-2", 1.0)]

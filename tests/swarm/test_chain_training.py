@@ -4,6 +4,7 @@ over P2P streams, each syncs its own layers in the sealed rounds, and every repl
 from __future__ import annotations
 
 import ast
+import re
 import signal
 import time
 
@@ -194,7 +195,8 @@ def test_a_spare_steps_in_for_a_member_that_left_and_without_one_the_chain_disso
     """A chain outlives a member: the survivor keeps its stage and local state, the idle spare takes the
     empty stage at the next boundary, and the chain keeps its lineage (its data slot), though strangers
     claim the lineage for chains of their own and a fast "spare" never steps in (`attacker.py
-    successor`). Once no spare is left, a chain that loses a member is left out of the seals and
+    successor`). A spare that is stopped hands its stage's error feedback to the next spare, which adds
+    it to its own. Once no spare is left, a chain that loses a member is left out of the seals and
     dissolves."""
     # (a wider in-flight window than the schedule's, to hide latency: its extra staleness is logged; every
     # replica constrained: under `selective` the verifier scores a chain's late rounds out, docs/chains.md
@@ -257,6 +259,7 @@ def test_a_spare_steps_in_for_a_member_that_left_and_without_one_the_chain_disso
         )
 
     document = swarm.wait_for(boot.maddr, continued, timeout=90, what="the spare steps in")
+    fourth = swarm.join("edge-4", boot.maddr, "20")  # idle beside the chain: the next spare
     ours = [first.peer_id, spare.peer_id]
     successor = next(c for c in document["chains"] if c["live"] and c["stages"] == ours)
     assert successor["id"] != founded["id"]
@@ -282,9 +285,33 @@ def test_a_spare_steps_in_for_a_member_that_left_and_without_one_the_chain_disso
     # the plan's first spare was the fast liar; passed over once the survivor named it
     assert f"{result['noshow'][-6:]} did not step in" in logs
 
+    # the spare is stopped: it says it is offline and hands its stage's error feedback to the next spare
+    fourth.wait_ready()
+    spare.proc.send_signal(signal.SIGTERM)
+    swarm.wait_for(
+        boot.maddr,
+        lambda d: any(
+            c["live"] and c["lineage"] == founded["id"] and c["stages"] == [first.peer_id, fourth.peer_id]
+            for c in d["chains"]
+        ),
+        timeout=90,
+        what="the next spare steps in for the stopped one",
+    )
+    assert spare.proc.wait(60) == 0  # it left once its feedback was taken, long before its window ended
+    [handed] = re.findall(r"handed error feedback \(norm ([0-9.]+)\) to (\w+)", spare.tail(100))
+    assert handed[1] == fourth.peer_id[-8:] and float(handed[0]) > 0
+    taken_from = re.findall(r"took our stage's error feedback from (\w+) \(norm ([0-9.]+),", fourth.tail(200))
+    assert taken_from == [(spare.peer_id[-8:], handed[0])]  # all of it, bit for bit in its norm
+    stopped_at = swarm.history()[-1]["round"]
+    history = swarm.wait_for_history(
+        lambda h: any(sealed_with({first.peer_id, fourth.peer_id})(e) for e in h[stopped_at + 1 :]),
+        240,
+        "a round sealed with the survivor and the next spare",
+    )
+
     # no spare left: the chain that loses its second stage is left out, and its survivor goes back to the pool
-    spare.proc.send_signal(signal.SIGKILL)
-    spare.proc.wait(10)
+    fourth.proc.send_signal(signal.SIGKILL)
+    fourth.proc.wait(10)
     killed_at = swarm.history()[-1]["round"]
     history = swarm.wait_for_history(
         lambda h: len(h) > killed_at + 3, 240, "three rounds after the stage died"

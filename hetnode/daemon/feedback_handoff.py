@@ -1,0 +1,210 @@
+"""A chain stage that leaves hands its error feedback to the spare that takes its stage (docs/chains.md, "A
+spare steps in").
+
+A stage's error feedback is what its earlier rounds still owe θ: the part of each Δ that top-k left unsent.
+A stage stopped by a signal (`hetnode join` gets SIGINT or SIGTERM) says it is offline, so its chain's
+successor is planned at the next boundary, and stays up to serve that feedback, shard by shard, as dense
+fp32 payloads (`FeedbackHandoff`), until the spare has taken it, nobody is left to take it, or
+`handoff_window_s` is over (a second signal ends it at once). A stage that was killed takes its feedback
+with it: the spare starts from zero, as a new chain does.
+
+Only the spare that took the stage may ask: a peer that works at the leaver's stage and layers in a live
+chain of its lineage holding one of its old members. A claim in a record is free to make, but a chain is
+live only once every member claims it, the old member included. One taker: a second asker is refused.
+
+The spare (`take_feedback`) asks the members the plan names as the stage's predecessors (`ChainPlan.
+predecessors`: left, never caught lying), checks every shard (`decode_payload`: names, shapes, finite in
+fp32) and the whole (`feedback_refusal`), and hands it to its stage, which adds it to its own at its next
+`compress`. Its training does not wait: a predecessor that is gone, slow or lying costs the feedback, never
+the round.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import time
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+
+import torch
+
+from hetnode.algo.sparseloco import DenseCodec
+from hetnode.config import Config
+from hetnode.errors import WireError
+from hetnode.net.budgets import Refused
+from hetnode.net.node import SwarmNode
+from hetnode.net.streams import PeerRequestError
+from hetnode.planning.roles import stage_pools
+from hetnode.protocol.swarm_view import SwarmView
+from hetnode.wire.sync_payload import ShardSpec, SyncPayload, decode_payload, encode_payload
+
+log = logging.getLogger(__name__)
+
+# an honest stage's feedback is a residual of its rounds' Δ, a small fraction of the weights it corrects
+# (measured in the spare test: about 2 % of the slice's norm); one larger than this is not taken
+MAX_FEEDBACK_RATIO = 0.5
+TAKE_TIMEOUT_S = 30.0  # the most one shard's transfer may take before the spare goes on without it
+# how often a leaving stage reads the records for whether anyone is left to take its feedback (read now,
+# not vouched for by the coordinator's digest, which lags: when a whole swarm stops, its stages exit soon)
+CHECK_EVERY_S = 1.0
+
+ReadView = Callable[..., Awaitable[SwarmView]]  # (max_age_s=None) -> the records
+
+
+def handoff_window_s(config: Config) -> float:
+    """How long a leaving stage waits for its successor: the next boundary, the claims' confirmation and
+    the spare's start, with a boundary to spare."""
+    n = config.network
+    return 2 * n.boundary_s + n.confirm_s
+
+
+def feedback_refusal(feedback: Mapping[str, torch.Tensor], theta: Mapping[str, torch.Tensor]) -> str | None:
+    """Why a predecessor's (decoded, finite) feedback is not taken (None: taken): it must cover exactly
+    the tensors of our stage, and its norm be at most MAX_FEEDBACK_RATIO of our slice of θ's. A larger one
+    would be sent out over many rounds as oversized payloads, which the verifier screens out."""
+    if set(feedback) != set(theta):
+        missing, extra = sorted(set(theta) - set(feedback)), sorted(set(feedback) - set(theta))
+        return f"not our stage's tensors (missing {missing[:3]}, extra {extra[:3]})"
+    norm = math.sqrt(sum(float(t.double().pow(2).sum()) for t in feedback.values()))
+    bound = MAX_FEEDBACK_RATIO * math.sqrt(sum(float(t.double().pow(2).sum()) for t in theta.values()))
+    if not norm <= bound:
+        return f"norm {norm:.4g} is more than {MAX_FEEDBACK_RATIO:g} of our slice of θ's ({bound:.4g})"
+    return None
+
+
+class FeedbackHandoff:
+    """A leaving stage's error feedback, served to the spare that took its stage (see the module)."""
+
+    def __init__(
+        self,
+        own: str,
+        stage: int,
+        layers: tuple[int, int],
+        members: Sequence[str],
+        lineage: str,
+        feedback: Mapping[str, torch.Tensor],
+        shards: Mapping[str, Sequence[str]],
+        params_round: int,
+        read_view: ReadView,
+    ) -> None:
+        """`members`: the chain's other members as we left it; `feedback`: our buffers (copied here);
+        `shards`: shard -> the names of our stage's tensors in it; `params_round`: the θ they stand on."""
+        self.own = own
+        self.stage = stage
+        self.layers = layers
+        self.members = frozenset(members) - {own}
+        self.lineage = lineage
+        self.feedback = {n: t.detach().to("cpu", torch.float32).clone() for n, t in feedback.items()}
+        self.shards = {shard: list(names) for shard, names in shards.items()}
+        self.params_round = max(params_round, 0)
+        self._view = read_view
+        self.taker: str | None = None
+        self._served: set[str] = set()
+        self.done = asyncio.Event()
+
+    @property
+    def norm(self) -> float:
+        return math.sqrt(sum(float(t.double().pow(2).sum()) for t in self.feedback.values()))
+
+    async def serve(self, shard: str, asker: str) -> bytes | None:
+        """Our feedback for `shard`, for the spare that took our stage; `Refused` for anyone else."""
+        if shard not in self.shards:
+            return None
+        if self.taker not in (None, asker):
+            raise Refused("taken", "this stage's error feedback went to its successor already")
+        if self.taker is None:
+            problem = self.taker_problem(await self._view(max_age_s=1.0), asker)
+            if problem is not None:  # the successor may be newer than our last read
+                problem = self.taker_problem(await self._view(max_age_s=0), asker)
+            if problem is not None:
+                log.info("error feedback refused to %s: %s", asker[-8:], problem)
+                raise Refused("not_successor", f"only the spare that took this stage may ask: {problem}")
+            self.taker = asker
+        data = await asyncio.to_thread(self._encode, shard)
+        self._served.add(shard)
+        if self._served == set(self.shards):
+            log.info("handed error feedback (norm %.6f) to %s", self.norm, asker[-8:])
+            self.done.set()
+        return data
+
+    def taker_problem(self, view: SwarmView, asker: str) -> str | None:
+        """Why `asker` may not take our feedback (None: it may)."""
+        record = view.peers.get(asker) or {}
+        status = next((c for c in view.chains() if c.live and c.chain == record.get("chain")), None)
+        if status is None:
+            return "not in a live chain"
+        if status.lineage != self.lineage:
+            return "not in a chain of our lineage"
+        pools = stage_pools(status.layout)
+        if self.stage >= len(pools) or asker not in pools[self.stage][0]:
+            return f"not at stage {self.stage}"
+        if (pools[self.stage][1], pools[self.stage][2]) != self.layers:
+            return "not holding our layers"
+        if not status.members & self.members:
+            return "its chain holds none of our chain's members"
+        return None
+
+    def _encode(self, shard: str) -> bytes:
+        codec = DenseCodec("fp32")
+        tensors = {name: codec.compress(self.feedback[name]) for name in self.shards[shard]}
+        return encode_payload(SyncPayload(self.own, self.params_round, shard, "fp32", tensors))
+
+    def anyone_to_take(self, view: SwarmView) -> bool:
+        """Whether a successor may still come: one of our old members still works at a stage (the
+        survivor, waiting for a spare or already in the successor)."""
+        return any((view.peers.get(peer) or {}).get("role") == "stage" for peer in self.members)
+
+    async def wait(self, window_s: float, quit_now: asyncio.Event) -> str:
+        """Until the feedback is taken, nobody is left to take it, `window_s` is over or `quit_now`."""
+        deadline = time.monotonic() + window_s
+        while not self.done.is_set():
+            if quit_now.is_set():
+                return "stopped again"
+            if time.monotonic() >= deadline:
+                return f"not taken within {window_s:.0f} s"
+            if self.taker is None:
+                try:
+                    if not self.anyone_to_take(await self._view(max_age_s=0)):
+                        return "nobody left to take it"
+                except Exception as exc:  # the records could not be read: look again
+                    log.debug("records unreadable while handing off: %r", exc)
+            waiters = [asyncio.ensure_future(e.wait()) for e in (self.done, quit_now)]
+            await asyncio.wait(waiters, timeout=CHECK_EVERY_S, return_when=asyncio.FIRST_COMPLETED)
+            for waiter in waiters:
+                waiter.cancel()
+        return "taken"
+
+
+async def take_feedback(
+    node: SwarmNode,
+    config: Config,
+    predecessors: Sequence[str],
+    shards: Mapping[str, Sequence[str]],
+    theta: Mapping[str, torch.Tensor],
+) -> tuple[str, dict[str, torch.Tensor]] | None:
+    """The error feedback one of `predecessors` (who held our stage and left) serves us, checked: (its
+    peer id, name -> tensor), or None when none served it."""
+    max_bytes = int(config.network.max_frame_mb * 2**20)
+    o = config.outer
+    for peer in predecessors:
+        try:
+            feedback: dict[str, torch.Tensor] = {}
+            for shard, names in shards.items():
+                spec = ShardSpec(
+                    shard, {n: tuple(theta[n].shape) for n in names}, "fp32", o.topk, o.tile, max_bytes
+                )
+                data = await asyncio.wait_for(node.fetch_feedback(peer, shard, max_bytes), TAKE_TIMEOUT_S)
+                decoded = await asyncio.to_thread(decode_payload, data, spec)
+                if decoded.replica != peer:
+                    raise WireError("replica", f"feedback signed as {decoded.replica[-8:]}")
+                feedback.update(decoded.dense)
+        except (PeerRequestError, WireError, OSError, TimeoutError) as exc:
+            log.info("no error feedback from our stage's predecessor %s: %s", peer[-8:], exc)
+            continue
+        problem = feedback_refusal(feedback, theta)
+        if problem is not None:
+            log.warning("error feedback from %s refused: %s", peer[-8:], problem)
+            continue
+        return peer, feedback
+    return None
