@@ -49,7 +49,7 @@ from hetnode.daemon.chain_links import (
     Routed,
 )
 from hetnode.daemon.faults.strategy import HONEST, Faults
-from hetnode.daemon.feedback_handoff import FeedbackHandoff, ReadView, take_feedback
+from hetnode.daemon.feedback_handoff import FeedbackHandoff, ReadView, take_feedback, tensors_norm
 from hetnode.daemon.participant import RoundParticipant
 from hetnode.daemon.rounds import write_state
 from hetnode.daemon.stage_training import StageTraining, drift_refusal
@@ -259,8 +259,7 @@ class ChainLoop:
             return
         peer, feedback = taken
         training.hand_over(feedback)
-        norm = sum(float(t.double().pow(2).sum()) for t in feedback.values()) ** 0.5
-        slice_norm = sum(float(t.double().pow(2).sum()) for t in theta.values()) ** 0.5
+        norm, slice_norm = await asyncio.to_thread(lambda: (tensors_norm(feedback), tensors_norm(theta)))
         log.info(
             "took our stage's error feedback from %s (norm %.6f, %.4f of our slice of θ's)",
             peer[-8:],

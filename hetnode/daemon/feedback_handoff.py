@@ -5,8 +5,10 @@ A stage's error feedback is what its earlier rounds still owe θ: the part of ea
 A stage stopped by a signal (`hetnode join` gets SIGINT or SIGTERM) says it is offline, so its chain's
 successor is planned at the next boundary, and stays up to serve that feedback, shard by shard, as dense
 fp32 payloads (`FeedbackHandoff`), until the spare has taken it, nobody is left to take it, or
-`handoff_window_s` is over (a second signal ends it at once). A stage that was killed takes its feedback
-with it: the spare starts from zero, as a new chain does.
+`handoff_window_s` is over (a second signal ends it at once). It serves the feedback as it holds it when it
+stops: every payload it announced counts as sent (one its round's seal leaves out is lost, as the round in
+flight is). A stage that was killed takes its feedback with it: the spare starts from zero, as a new chain
+does.
 
 Only the spare that took the stage may ask: a peer that works at the leaver's stage and layers in a live
 chain of its lineage holding one of its old members. A claim in a record is free to make, but a chain is
@@ -59,6 +61,10 @@ def handoff_window_s(config: Config) -> float:
     return 2 * n.boundary_s + n.confirm_s
 
 
+def tensors_norm(tensors: Mapping[str, torch.Tensor]) -> float:
+    return math.sqrt(sum(float(t.double().pow(2).sum()) for t in tensors.values()))
+
+
 def feedback_refusal(feedback: Mapping[str, torch.Tensor], theta: Mapping[str, torch.Tensor]) -> str | None:
     """Why a predecessor's (decoded, finite) feedback is not taken (None: taken): it must cover exactly
     the tensors of our stage, and its norm be at most MAX_FEEDBACK_RATIO of our slice of θ's. A larger one
@@ -66,8 +72,7 @@ def feedback_refusal(feedback: Mapping[str, torch.Tensor], theta: Mapping[str, t
     if set(feedback) != set(theta):
         missing, extra = sorted(set(theta) - set(feedback)), sorted(set(feedback) - set(theta))
         return f"not our stage's tensors (missing {missing[:3]}, extra {extra[:3]})"
-    norm = math.sqrt(sum(float(t.double().pow(2).sum()) for t in feedback.values()))
-    bound = MAX_FEEDBACK_RATIO * math.sqrt(sum(float(t.double().pow(2).sum()) for t in theta.values()))
+    norm, bound = tensors_norm(feedback), MAX_FEEDBACK_RATIO * tensors_norm(theta)
     if not norm <= bound:
         return f"norm {norm:.4g} is more than {MAX_FEEDBACK_RATIO:g} of our slice of θ's ({bound:.4g})"
     return None
@@ -105,7 +110,7 @@ class FeedbackHandoff:
 
     @property
     def norm(self) -> float:
-        return math.sqrt(sum(float(t.double().pow(2).sum()) for t in self.feedback.values()))
+        return tensors_norm(self.feedback)
 
     async def serve(self, shard: str, asker: str) -> bytes | None:
         """Our feedback for `shard`, for the spare that took our stage; `Refused` for anyone else."""
@@ -202,7 +207,7 @@ async def take_feedback(
         except (PeerRequestError, WireError, OSError, TimeoutError) as exc:
             log.info("no error feedback from our stage's predecessor %s: %s", peer[-8:], exc)
             continue
-        problem = feedback_refusal(feedback, theta)
+        problem = await asyncio.to_thread(feedback_refusal, feedback, theta)  # a slice's norms: off the loop
         if problem is not None:
             log.warning("error feedback from %s refused: %s", peer[-8:], problem)
             continue
