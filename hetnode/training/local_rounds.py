@@ -213,6 +213,18 @@ class LocalRounds:
         for name, param in self.params.items():
             param.copy_(self.start[name].to(param.device))
 
+    def add_feedback(self, feedback: Params) -> None:
+        """Another replica's error feedback for our tensors (a stage's predecessor's): what its rounds still
+        owe θ, owed by ours from now on."""
+        with self._feedback_lock:
+            buffers = self.feedback.buffers
+            for name, tensor in feedback.items():
+                held = buffers.get(name)
+                if held is None:
+                    buffers[name] = tensor.to(self.params[name].device, torch.float32).clone()
+                else:
+                    buffers[name] = held + tensor.to(held.device, held.dtype)
+
     def restore(self, rounds: Iterable[int]) -> None:
         """These rounds' payloads did not reach θ: back into error feedback (nothing is lost)."""
         for round_ in rounds:

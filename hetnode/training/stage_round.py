@@ -234,7 +234,7 @@ class StageRound:
             )
         if (handed := self._handed) is not None:
             self._handed = None
-            self._add_feedback(handed)
+            self.local.add_feedback(handed)
         return self.local.compress(round_)
 
     def hand_over(self, feedback: dict[str, torch.Tensor]) -> None:
@@ -242,16 +242,6 @@ class StageRound:
         what its rounds still owe θ, added to ours by the next `compress`, in the training thread that
         owns the buffers (so it may be handed over while a round trains)."""
         self._handed = feedback
-
-    def _add_feedback(self, feedback: dict[str, torch.Tensor]) -> None:
-        buffers = self.feedback.buffers
-        for name, tensor in feedback.items():
-            held = buffers.get(name)
-            if held is None:
-                device = next(t.device for n, t in self.worker.stage.named_parameters() if n == name)
-                buffers[name] = tensor.to(device, torch.float32).clone()
-            else:
-                buffers[name] = held + tensor.to(held.device, held.dtype)
 
     def feedback_norm(self) -> float:
         buffers = self.feedback.buffers.values()
