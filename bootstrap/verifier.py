@@ -14,8 +14,9 @@ Two passes per round:
   the round's step: each drawn replica's update is applied alone at a reduced step, clipped to the round's
   weighted median norm, and the loss change is measured on one of the batches it was assigned this round
   and on a held-out batch, both drawn from our secret. A chain's stages take the chain's score, and each
-  stage's part is also tried alone: a stage whose part hurts is judged by it, a stage whose part helps is
-  never judged negative for a neighbour's (no framing). A chain with a pool (several workers on one
+  stage's part is also tried alone, and where that hurts, the chain without it (`stage_score`): a stage
+  whose part hurts its chain is judged by it, a stage whose part helps is never judged negative for a
+  neighbour's (no framing). A chain with a pool (several workers on one
   stage, each its own copy of the slice) is tried per combination of one worker a stage, and each worker
   takes the best combination it is in. Improvements become relative scores
   (`hetnode.algo.scoring`), an exponential average per peer and the weight it earns. The score of round t
@@ -72,6 +73,7 @@ from hetnode.algo.scoring import (
     index_overlap,
     loss_improvement,
     relative_scores,
+    stage_score,
     update_norm,
 )
 from hetnode.config import Config
@@ -349,10 +351,11 @@ class Verifier:
             self.recent_scale = scale
             relative = {key: value / scale - SCORE_MARGIN for key, value in whole.items()}
             scores |= {key: relative[key] for key in anchors}
-            # a chain's stages take the chain's score, but each is also tried alone on its own layers: a
-            # stage whose part hurts is judged by it, and a stage whose part helps is never judged
-            # negative for a neighbour's (no framing). A pool's worker takes the best score of the
-            # combinations it is in: a pool-mate's or a neighbour's bad part does not frame it either.
+            # a chain's stages take the chain's score, but each is also tried alone on its own layers, and
+            # where that hurts, the chain without it (`stage_score`): a stage whose part helps is never
+            # judged negative for a neighbour's (no framing), one whose part hurts the chain is judged by
+            # it. A pool's worker takes the best score of the combinations it is in: a pool-mate's or a
+            # neighbour's bad part does not frame it either.
             best: dict[str, str] = {}
             for key in chains:
                 for peer in trial.members[key]:
@@ -360,10 +363,11 @@ class Verifier:
                         best[peer] = key
             for peer, key in best.items():
                 alone = improvement(trial.updates[peer], key)
-                if alone < 0:
-                    scores[peer] = min(relative[key], alone / scale - SCORE_MARGIN)
-                else:
-                    scores[peer] = max(relative[key], 0.0)
+                marginal = None
+                rest = {n: u for n, u in trial.merged[key].items() if n not in trial.updates[peer]}
+                if alone < 0 and rest:  # what its part adds to the rest of its chain
+                    marginal = whole[key] - improvement(rest, key)
+                scores[peer] = stage_score(relative[key], alone, marginal, scale)
         for peer, score in scores.items():
             previous = self.averages.get(peer, 0.0)
             self.averages[peer] = (1 - AVERAGE_WEIGHT) * previous + AVERAGE_WEIGHT * score

@@ -9,6 +9,7 @@ that helps? Pure math over tensors.
 - `relative_scores`: improvements made comparable across rounds (the loss falls as training goes on): each
   divided by the round's median magnitude, minus a margin, so that work which helps far less than the
   typical contribution scores below zero.
+- `stage_score`: a chain stage's score from its chain's, its part alone and what its part adds to the chain.
 - `steps_shown`: paced rounds: how many inner steps an update's norm shows, against the round's others (a
   claim of steps is checked against it).
 """
@@ -32,6 +33,25 @@ SCORE_MARGIN = 0.1  # a contribution must help at least this fraction of the rou
 # swarm's k ≈ 0.7 against a guess of 0.84 counted 20 honest steps as 13), and a claim no k in the range
 # supports is still refused.
 UNMEASURED_EXPONENTS = (0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
+
+
+def stage_score(chain: float, alone: float, marginal: float | None, scale: float) -> float:
+    """A chain stage's score: `chain` its chain's relative score; `alone` and `marginal` improvements (as
+    `loss_improvement`, over the round's `scale`) of its part applied alone and of the chain's update
+    less what the rest of the chain does without it (None: not measured; only needed when `alone` < 0).
+
+    A part that helps alone is never judged negative for a neighbour's (no framing). A part that hurts alone
+    may still help its chain: a first stage's layers change what the later layers, trained on top of them,
+    read, and alone they hurt (measured: an honest first stage's part alone scored below the margin from a
+    dozen rounds in, its chain's whole update above it; it was left out, its payloads went back into error
+    feedback, and later its chain's scores fell too). Such a part takes its chain's score; a part that hurts
+    alone and makes its chain worse is judged by what it costs the chain."""
+    if alone >= 0:
+        return max(chain, 0.0)
+    if marginal is not None and marginal >= 0:
+        return chain
+    cost = alone if marginal is None else marginal
+    return min(chain, cost / scale - SCORE_MARGIN)
 
 
 def update_norm(update: Mapping[str, SparseValues]) -> float:
