@@ -155,15 +155,16 @@ class ControlServer:
         data = await self.state.get(message["round"], message["shard"])
         if data is None:
             raise WireError("round", f"no state for round {message['round']} shard {message['shard']!r}")
-        self.budgets.spend("state", stream.peer, len(data))
-        await stream.send(encode_reply("payload_ready", bytes=len(data)))
-        await write_frame(stream.writer, data, timeout=PAYLOAD_TIMEOUT_S)
-        self.traffic["sent", "state"] += len(data)
+        await self._send_state(data, stream)
 
     async def _serve_feedback(self, message: ControlMessage, stream: OpenStream) -> None:
         data = await self.feedback(message["shard"], stream.peer)  # raises Refused to all but the taker
         if data is None:
             raise WireError("shard", f"no error feedback for shard {message['shard']!r} here")
+        await self._send_state(data, stream)
+
+    async def _send_state(self, data: bytes, stream: OpenStream) -> None:
+        """A state frame (θ or a stage's error feedback), charged to the asker's state budget first."""
         self.budgets.spend("state", stream.peer, len(data))
         await stream.send(encode_reply("payload_ready", bytes=len(data)))
         await write_frame(stream.writer, data, timeout=PAYLOAD_TIMEOUT_S)

@@ -38,13 +38,20 @@ def _micro_batch(first, last) -> None:
     first.backward(mb, last.backward(mb))
 
 
-def test_a_stage_resumes_error_feedback_optimiser_and_round(tiny_config, tmp_path):
+def _trained_chain(tiny_config):
+    """A chain of two stages after one round of 2 micro-batches: (config, splits, stages, models)."""
     config = replace(tiny_config, "outer", inner_steps=2)
     n = config.model.n_layers
     splits = (range(0, n // 2), range(n // 2, n))
     dataset = TokenDataset.build(config.data, config.model.vocab_size, config.run.seed)
     stages, models = _chain(config, splits, dataset)
     _train_round(stages, models, 2)
+    return config, splits, stages, models
+
+
+def test_a_stage_resumes_error_feedback_optimiser_and_round(tiny_config, tmp_path):
+    config, splits, stages, models = _trained_chain(tiny_config)
+    n = config.model.n_layers
     models[1].params_round, models[1].seal_hash = 0, "ab" * 32
     stages[1].rebase(stages[1].rebase_from(models[1]))  # round 0 applied: its payload settled
     path = tmp_path / "stage-state.pt"
@@ -142,12 +149,7 @@ def test_a_first_stage_defers_refusals_only_on_an_accelerator_and_reports_them_o
 def test_a_spare_adds_the_feedback_its_predecessor_left_at_its_next_round_end(tiny_config):
     """A predecessor's error feedback, handed over while the spare's round trains, goes out with the
     spare's next payload exactly as if the spare had held it all along."""
-    config = replace(tiny_config, "outer", inner_steps=2)
-    n = config.model.n_layers
-    splits = (range(0, n // 2), range(n // 2, n))
-    dataset = TokenDataset.build(config.data, config.model.vocab_size, config.run.seed)
-    stages, models = _chain(config, splits, dataset)
-    _train_round(stages, models, 2)
+    config, splits, stages, _ = _trained_chain(tiny_config)
     left = {name: buffer.clone() for name, buffer in stages[1].feedback.buffers.items()}
     assert left and stages[1].feedback_norm() > 0
     spare, holder = (StageTraining(config, splits, 1, "chain-y", None) for _ in range(2))
