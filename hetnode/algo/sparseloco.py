@@ -10,6 +10,7 @@ EF-SGD, Karimireddy et al. 2019).
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Literal
 
@@ -283,3 +284,27 @@ def pseudo_gradient(
         - local_params[name].detach().to(device=g.device, dtype=torch.float32)
         for name, g in global_params.items()
     }
+
+
+# a leaving chain stage hands its error feedback to its successor (`hetnode.daemon.feedback_handoff`). An
+# honest one is a residual of its rounds' Δ (at most their norm / (1 − β)): measured in the spare test
+# (tiny, a dozen rounds in) at 0.53–0.58 of its slice of θ's norm. One more than 2× that slice is not
+# taken: sent out over many rounds, it would be screened out by the verifier
+MAX_FEEDBACK_RATIO = 2.0
+
+
+def tensors_norm(tensors: Mapping[str, torch.Tensor]) -> float:
+    return math.sqrt(sum(float(t.double().pow(2).sum()) for t in tensors.values()))
+
+
+def feedback_refusal(feedback: Mapping[str, torch.Tensor], theta: Mapping[str, torch.Tensor]) -> str | None:
+    """Why a predecessor's (decoded, finite) feedback is not taken (None: taken): it must cover exactly
+    the tensors of our stage, and its norm be at most MAX_FEEDBACK_RATIO of our slice of θ's. A larger one
+    would be sent out over many rounds as oversized payloads, which the verifier screens out."""
+    if set(feedback) != set(theta):
+        missing, extra = sorted(set(theta) - set(feedback)), sorted(set(feedback) - set(theta))
+        return f"not our stage's tensors (missing {missing[:3]}, extra {extra[:3]})"
+    norm, bound = tensors_norm(feedback), MAX_FEEDBACK_RATIO * tensors_norm(theta)
+    if not norm <= bound:
+        return f"norm {norm:.4g} is more than {MAX_FEEDBACK_RATIO:g} of our slice of θ's ({bound:.4g})"
+    return None

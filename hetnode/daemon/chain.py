@@ -39,6 +39,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from hetnode.algo.sparseloco import tensors_norm
 from hetnode.config import Config
 from hetnode.daemon.chain_links import (
     ChainBroken,
@@ -49,7 +50,7 @@ from hetnode.daemon.chain_links import (
     Routed,
 )
 from hetnode.daemon.faults.strategy import HONEST, Faults
-from hetnode.daemon.feedback_handoff import FeedbackHandoff, ReadView, take_feedback, tensors_norm
+from hetnode.daemon.feedback_handoff import FeedbackHandoff, ReadView, take_feedback
 from hetnode.daemon.participant import RoundParticipant
 from hetnode.daemon.rounds import write_state
 from hetnode.daemon.stage_training import StageTraining, drift_refusal

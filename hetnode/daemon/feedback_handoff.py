@@ -25,13 +25,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import math
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 
 import torch
 
-from hetnode.algo.sparseloco import DenseCodec
+from hetnode.algo.sparseloco import DenseCodec, feedback_refusal, tensors_norm
 from hetnode.config import Config
 from hetnode.errors import WireError
 from hetnode.net.budgets import Refused
@@ -43,10 +42,6 @@ from hetnode.wire.sync_payload import ShardSpec, SyncPayload, decode_payload, en
 
 log = logging.getLogger(__name__)
 
-# an honest stage's feedback is a residual of its rounds' Δ (at most their norm / (1 − β)): measured in the
-# spare test (tiny, a dozen rounds in, the inner schedule at its peak) at 0.53 of its slice of θ's norm.
-# One more than 4× that is not taken: sent out over many rounds, it would be screened out by the verifier
-MAX_FEEDBACK_RATIO = 2.0
 TAKE_TIMEOUT_S = 30.0  # the most one shard's transfer may take before the spare goes on without it
 TAKE_TRIES, TAKE_RETRY_S = 3, 2.0  # a predecessor that refused or did not answer is asked again
 # how often a leaving stage reads the records for whether anyone is left to take its feedback (read now,
@@ -61,23 +56,6 @@ def handoff_window_s(config: Config) -> float:
     the spare's start, with a boundary to spare."""
     n = config.network
     return 2 * n.boundary_s + n.confirm_s
-
-
-def tensors_norm(tensors: Mapping[str, torch.Tensor]) -> float:
-    return math.sqrt(sum(float(t.double().pow(2).sum()) for t in tensors.values()))
-
-
-def feedback_refusal(feedback: Mapping[str, torch.Tensor], theta: Mapping[str, torch.Tensor]) -> str | None:
-    """Why a predecessor's (decoded, finite) feedback is not taken (None: taken): it must cover exactly
-    the tensors of our stage, and its norm be at most MAX_FEEDBACK_RATIO of our slice of θ's. A larger one
-    would be sent out over many rounds as oversized payloads, which the verifier screens out."""
-    if set(feedback) != set(theta):
-        missing, extra = sorted(set(theta) - set(feedback)), sorted(set(feedback) - set(theta))
-        return f"not our stage's tensors (missing {missing[:3]}, extra {extra[:3]})"
-    norm, bound = tensors_norm(feedback), MAX_FEEDBACK_RATIO * tensors_norm(theta)
-    if not norm <= bound:
-        return f"norm {norm:.4g} is more than {MAX_FEEDBACK_RATIO:g} of our slice of θ's ({bound:.4g})"
-    return None
 
 
 class FeedbackHandoff:
@@ -109,10 +87,7 @@ class FeedbackHandoff:
         self.taker: str | None = None
         self._served: set[str] = set()
         self.done = asyncio.Event()
-
-    @property
-    def norm(self) -> float:
-        return tensors_norm(self.feedback)
+        self.norm = tensors_norm(self.feedback)
 
     async def serve(self, shard: str, asker: str) -> bytes | None:
         """Our feedback for `shard`, for the spare that took our stage; `Refused` for anyone else."""

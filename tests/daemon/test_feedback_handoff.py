@@ -8,12 +8,8 @@ import time
 import pytest
 import torch
 
-from hetnode.daemon.feedback_handoff import (
-    MAX_FEEDBACK_RATIO,
-    FeedbackHandoff,
-    feedback_refusal,
-    take_feedback,
-)
+from hetnode.algo.sparseloco import MAX_FEEDBACK_RATIO, feedback_refusal
+from hetnode.daemon.feedback_handoff import FeedbackHandoff, take_feedback
 from hetnode.net import loop
 from hetnode.planning.roles import (
     Candidate,
