@@ -60,13 +60,24 @@ class Attacker:
         self.coordinator = coordinator
         self.model = model
         self.config = model.config
+        self.seconds = seconds
         self.until = time.monotonic() + seconds
+        self.begun = False
         self.served: dict[tuple[int, str], bytes] = {}
         self.peer_maddr = ""  # the swarm's address we joined through
         self.targets: list[str] = []  # honest peers' multiaddrs (crowd)
         self.identities = 0
         self.result: dict[str, Any] = {"peer_id": node.identity.peer_id}
         node.set_payloads(lambda round_, shard, replica, asker: self.served.get((round_, shard)))
+
+    def begin(self) -> None:
+        """The attack proper starts now (its `--seconds` from here): an `ATTACKING` line says so, once. An
+        attack that sets up first (a crowd's p2pd daemons) calls it when set up, so that a test can tell the
+        attack's effect from the set-up's CPU, which a real attacker spends on its own machines."""
+        if not self.begun:
+            self.begun = True
+            self.until = time.monotonic() + self.seconds
+            print("ATTACKING", flush=True)
 
     def record(self, **changes: Any) -> dict[str, Any]:
         """A schema-valid peer record claiming to be a fast anchor."""
@@ -398,6 +409,7 @@ async def crowd(a: Attacker) -> None:
         *(P2P.create(initial_peers=a.targets, host_maddrs=[LOOPBACK]) for _ in range(a.identities))
     )
     opened = [0]
+    a.begin()
 
     async def hold(p2p: P2P, target: str) -> None:
         while time.monotonic() < a.until:
@@ -508,6 +520,7 @@ async def successor(a: Attacker) -> None:
         )
 
 
+SETS_UP_FIRST = {"crowd"}  # these call `Attacker.begin` themselves
 ATTACKS = {
     f.__name__: f
     for f in (
@@ -534,6 +547,8 @@ async def main(args: argparse.Namespace) -> None:
         attacker = Attacker(node, contact.coordinator, model, args.seconds, f"attacker-{args.attack}")
         attacker.peer_maddr = args.peer
         attacker.targets, attacker.identities = args.target, args.identities
+        if args.attack not in SETS_UP_FIRST:
+            attacker.begin()
         await ATTACKS[args.attack](attacker)
         print("RESULT " + json.dumps(attacker.result), flush=True)
 

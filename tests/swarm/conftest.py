@@ -105,6 +105,15 @@ class Swarm:
         )
 
     @staticmethod
+    def wait_attacking(attacker: subprocess.Popen) -> None:
+        """Wait for the attacker to be set up and attacking (its `ATTACKING` line)."""
+        for line in attacker.stdout:
+            if line.startswith("ATTACKING"):
+                return
+        attacker.wait(10)
+        raise AssertionError(f"the attacker ended before attacking:\n{attacker.stderr.read()[-3000:]}")
+
+    @staticmethod
     def attack_result(attacker: subprocess.Popen, timeout: float) -> dict:
         """Wait for an attack to end by itself: what its `RESULT` line says the swarm let it do."""
         try:
