@@ -111,6 +111,13 @@ def register(commands: argparse._SubParsersAction) -> None:
     chain_score.add_argument("--quick", action="store_true", help="one warm-up length (~1 min)")
     chain_score.add_argument("--config", type=Path, default=None, help="run config (default tiny)")
     chain_score.add_argument("--out", type=Path, default=Path("benchmarks/results"), help="output folder")
+    chain_score.add_argument(
+        "--rounds",
+        type=int,
+        default=0,
+        help="instead: a chain and three anchors over this many rounds, sealed by the verifier's score, "
+        "always, or without the chain, per compression mode (chain_rounds.json)",
+    )
     chain_score.add_argument("--no-progress", action="store_true")
     chain_score.set_defaults(handler=run_chain_score)
     network = benches.add_parser(
@@ -473,6 +480,8 @@ def run_chain_score(args: argparse.Namespace) -> int:
     from hetnode.lab.experiments import chain_score_bench  # the coordinator's verifier, measured in process
 
     config = load_config(args.config or CONFIG_DIR / "tiny.toml")
+    if args.rounds:
+        return run_chain_rounds(args, config)
     plan = chain_score_bench.plan_for(args.quick)
     report = chain_score_bench.run_benchmark(config, plan, args.out, progress=not args.no_progress)
     print(f"{'mode/chain optimiser':<28} {'least score':>11} {'median share of an anchor':>26}")
@@ -481,6 +490,27 @@ def run_chain_score(args: argparse.Namespace) -> int:
         print(f"{key:<28} {entry['least_score']:>11.3f} {'n/a' if share is None else f'{share:.2f}':>26}")
     print(f"(a chain scoring below 0 is left out of the seal; margin {report['margin']})")
     print(f"wrote {args.out / 'chain_score.json'} and {args.out / 'chain_score.png'}")
+    return 0
+
+
+def run_chain_rounds(args: argparse.Namespace, config) -> int:  # noqa: ANN001
+    if args.rounds < 2:
+        raise SystemExit(f"--rounds must be at least 2, got {args.rounds}")
+    from hetnode.lab.experiments import chain_rounds_bench
+
+    plan = chain_rounds_bench.ChainRoundsPlan(rounds=args.rounds)
+    report = chain_rounds_bench.run_benchmark(config, plan, args.out, progress=not args.no_progress)
+    print(
+        f"{'mode/rule':<22} {'final loss':>10} {'loss, 2nd half':>14} {'chain sealed':>12} "
+        f"{'stage score':>11}"
+    )
+    for key, entry in report["summary"].items():
+        sealed, score = entry["chain_sealed_share"], entry["stage_score_median_second_half"]
+        print(
+            f"{key:<22} {entry['final_eval_loss']:>10.4f} {entry['mean_eval_loss_second_half']:>14.4f} "
+            f"{'-' if sealed is None else f'{sealed:.2f}':>12} {'-' if score is None else f'{score:.3f}':>11}"
+        )
+    print(f"wrote {args.out / 'chain_rounds.json'} and {args.out / 'chain_rounds.png'}")
     return 0
 
 
