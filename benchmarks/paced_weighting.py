@@ -9,7 +9,10 @@ R anchors of different speeds (`--speeds`, relative to the median replica) train
 - `paced-steps`: the same rounds, each contribution weighed by its steps (capped at the cap);
 - `paced-steps@q<Q>` (`--budget-quantiles`): rounds sized for H steps of the replica at quantile Q of the
   step-times counted from the fastest (`outer.budget_quantile`; 0.5 is `paced-steps`), run for as many
-  rounds as reach `paced-steps`'s modelled wall time.
+  rounds as reach `paced-steps`'s modelled wall time;
+- `paced-steps@floor` (`--floor`): rounds as long as the slowest replica's floor of steps takes when that is
+  longer than the median replica's H steps, as the sealer's budget rises to the slowest live member's floor
+  (the utilisation lab's slow anchor and chain): the fast replicas train to their cap (`--cap`, in H).
 Eval loss of θ after each round, against rounds, tokens trained and modelled wall time (step-times of the
 median replica; the sync is left out, as overlap hides it).
 
@@ -56,11 +59,19 @@ def quantile_of(rule: str) -> float:
     return float(rule.split("@q")[1]) if "@q" in rule else 0.5
 
 
+def round_length(config, speeds: list[float], rule: str) -> float:
+    """A paced round's length over H median step-times; `@floor`: raised to the slowest one's floor."""
+    length = round_steps(speeds, quantile_of(rule))
+    if rule.endswith("@floor"):
+        length = max(length, config.outer.step_floor / (config.outer.inner_steps * min(speeds)))
+    return length
+
+
 def steps_for(config, speeds: list[float], rule: str) -> list[int]:
     o = config.outer
     if rule == "lockstep":
         return [o.inner_steps] * len(speeds)
-    length = round_steps(speeds, quantile_of(rule))
+    length = round_length(config, speeds, rule)
     return [min(max(round(o.inner_steps * s * length), o.step_floor), o.step_cap) for s in speeds]
 
 
@@ -72,7 +83,7 @@ def run_rule(config, dataset, speeds, rounds, rule, evaluate, progress) -> dict:
     weights = steps if rule.startswith("paced-steps") else dict.fromkeys(peers, 1)
     per_step = config.data.batch_size * config.data.seq_len
     H = config.outer.inner_steps
-    round_wall = H / min(speeds) if rule == "lockstep" else H * round_steps(speeds, quantile_of(rule))
+    round_wall = H / min(speeds) if rule == "lockstep" else H * round_length(config, speeds, rule)
     losses, tokens, wall = [], [], []
     for round_ in range(rounds):
         for training in trainers.values():
@@ -157,6 +168,9 @@ def main() -> None:
         default="0.25",
         help="paced-steps again with rounds sized for these quantiles of the swarm (0.5: paced-steps)",
     )
+    parser.add_argument("--cap", type=int, default=2, help="the paced cap, in H (outer.max_inner_steps)")
+    parser.add_argument("--floor", action="store_true", help="also paced-steps@floor (the lab's budget)")
+    parser.add_argument("--rules", default=None, help="only these rules (comma-separated; default: all)")
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "paced_weighting"))
     args = parser.parse_args()
     torch.set_num_threads(1)
@@ -168,7 +182,7 @@ def main() -> None:
         inner_steps=H,
         schedule="paced",
         min_inner_steps=1,
-        max_inner_steps=2 * H,
+        max_inner_steps=args.cap * H,
     )
     if args.quick:
         config = replace(config, "data", batch_size=4)
@@ -187,6 +201,9 @@ def main() -> None:
 
     quantiles = [float(q) for q in args.budget_quantiles.split(",") if q and float(q) != 0.5]
     rules = ["lockstep", "paced-equal", "paced-steps", *(f"paced-steps@q{q:g}" for q in quantiles)]
+    rules += ["paced-steps@floor"] if args.floor else []
+    if args.rules:
+        rules = [r for r in rules if r in args.rules.split(",")]
     # a shorter round runs more rounds, to the same modelled wall time as `paced-steps`
     rounds_of = {
         rule: max(1, round(rounds * round_steps(speeds, 0.5) / round_steps(speeds, quantile_of(rule))))
@@ -220,7 +237,9 @@ def main() -> None:
     report = {
         "command": "benchmarks/paced_weighting.py"
         + (" --quick" if args.quick else "")
-        + f" --budget-quantiles {args.budget_quantiles}",
+        + f" --budget-quantiles {args.budget_quantiles}"
+        + (f" --speeds {args.speeds} --inner-steps {H} --cap {args.cap}" + (" --floor" if args.floor else ""))
+        + (f" --rules {args.rules}" if args.rules else ""),
         "budget_quantile_rounds": rounds_of,
         "config": Path(args.config).name,
         "speeds": speeds,
