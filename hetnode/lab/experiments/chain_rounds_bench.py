@@ -7,7 +7,8 @@ verifier (`bootstrap/verifier.py`) scores every contribution on θ; θ steps by 
 each replica stands on the new θ, and a payload left out goes back into its error feedback, as in the
 daemon. Per compression mode, three rules for who is sealed:
 
-- `screened`: the verifier's (a stage scoring below 0 is left out),
+- `screened`: the verifier's (a stage scoring below 0 is left out; the anchors are always sealed and no one
+  is on probation: the question is the chain),
 - `always`: the chain is sealed whatever its score,
 - `anchors`: no chain at all (the three anchors alone: what the chain adds or costs).
 
