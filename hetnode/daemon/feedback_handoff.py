@@ -5,7 +5,8 @@ A stage's error feedback is what its earlier rounds still owe θ: the part of ea
 A stage stopped by a signal (`hetnode join` gets SIGINT or SIGTERM) says it is offline, so its chain's
 successor is planned at the next boundary, and stays up to serve that feedback, shard by shard, as dense
 fp32 payloads (`FeedbackHandoff`), until the spare has taken it, nobody is left to take it, or
-`handoff_window_s` is over (a second signal ends it at once). It serves the feedback as it holds it when it
+`handoff_window_s` is over (a second signal ends it at once); taken means the spare said so
+(`feedback_taken`), not that the bytes left us. It serves the feedback as it holds it when it
 stops: every payload it announced counts as sent (one its round's seal leaves out is lost, as the round in
 flight is). A stage that was killed takes its feedback with it: the spare starts from zero, as a new chain
 does.
@@ -15,10 +16,10 @@ chain of its lineage holding one of its old members. A claim in a record is free
 live only once every member claims it, the old member included. One taker: a second asker is refused.
 
 The spare (`take_feedback`) asks the members the plan names as the stage's predecessors (`ChainPlan.
-predecessors`: left, never caught lying), checks every shard (`decode_payload`: names, shapes, finite in
-fp32) and the whole (`feedback_refusal`), and hands it to its stage, which adds it to its own at its next
-`compress`. Its training does not wait: a predecessor that is gone, slow or lying costs the feedback, never
-the round.
+predecessors`: left, never caught lying), checks every shard (`decode_payload`: names, shapes, finite in fp32)
+and the whole (`feedback_refusal`), tells the leaver it has it, and hands it to its stage, which adds it to
+its own at its next `compress`. Its training does not wait: a predecessor that is gone, slow or lying costs
+the feedback, never the round.
 """
 
 from __future__ import annotations
@@ -105,10 +106,18 @@ class FeedbackHandoff:
             self.taker = asker
         data = await asyncio.to_thread(self._encode, shard)
         self._served.add(shard)
-        if self._served == set(self.shards):
+        return data
+
+    def taken(self, asker: str) -> bool:
+        """The spare says it holds every shard, checked. Only its word ends the handoff: bytes handed to
+        our p2pd may still be on their way, and exiting would cut them off (seen: a spare read 131 of 165
+        kB, then found us gone)."""
+        if asker != self.taker or self._served != set(self.shards):
+            return False
+        if not self.done.is_set():
             log.info("handed error feedback (norm %.6f) to %s", self.norm, asker[-8:])
             self.done.set()
-        return data
+        return True
 
     def taker_problem(self, view: SwarmView, asker: str) -> str | None:
         """Why `asker` may not take our feedback (None: it may)."""
@@ -186,6 +195,10 @@ async def take_feedback(
         if problem is not None:
             log.warning("error feedback from %s refused: %s", peer[-8:], problem)
             continue
+        try:  # the leaver stays until we say so
+            await asyncio.wait_for(node.confirm_feedback(peer), TAKE_TIMEOUT_S)
+        except (PeerRequestError, WireError, OSError, TimeoutError) as exc:
+            log.info("could not tell %s that we took its error feedback: %s", peer[-8:], exc)
         return peer, feedback
     return None
 

@@ -294,7 +294,7 @@ class PeerDaemon:
             handoff.norm,
             window,
         )
-        self.node.set_feedback(handoff.serve)
+        self.node.set_feedback(handoff)
         try:
             outcome = await handoff.wait(window, quit_now)
         finally:

@@ -15,7 +15,7 @@ import logging
 import time
 from collections import Counter
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import Any, Protocol
 
 from hetnode.errors import WireError
 from hetnode.net.budgets import Budgets, Refused
@@ -38,12 +38,24 @@ InfoProvider = Callable[[], dict[str, Any]]  # -> {"run", "protocol", "coordinat
 PayloadProvider = Callable[[int, str, str, str], bytes | None | Awaitable[bytes | None]]
 InclusionProvider = Callable[[int, str], bool | None]  # (round, replica) -> in that seal (None: unknown)
 OwnEntryProvider = Callable[[str], bytes | None]  # field -> our own entry of it, encoded; None: none now
-# (shard, asker) -> a leaving stage's error feedback for its successor (None: none; Refused: not for asker)
-FeedbackProvider = Callable[[str, str], Awaitable[bytes | None]]
 
 
-async def _no_feedback(shard: str, asker: str) -> bytes | None:
-    return None
+class FeedbackSource(Protocol):
+    """A leaving stage's error feedback for its successor (`hetnode.daemon.feedback_handoff`)."""
+
+    async def serve(self, shard: str, asker: str) -> bytes | None:
+        """The feedback of `shard` (None: none here); `Refused` to all but the spare that took the stage."""
+
+    def taken(self, asker: str) -> bool:
+        """`asker` says it holds all of it: True when that is the spare it was served to."""
+
+
+class NoFeedback:
+    async def serve(self, shard: str, asker: str) -> bytes | None:
+        return None
+
+    def taken(self, asker: str) -> bool:
+        return False
 
 
 NudgeHandler = Callable[[str, str, int], None]  # (peer, topic, round): look at the DHT now
@@ -77,7 +89,7 @@ class ControlServer:
         self.inclusion: InclusionProvider = lambda round_, replica: None
         self.own_entry: OwnEntryProvider = lambda field: None
         self.state = StateCache(lambda round_, shard: None)
-        self.feedback: FeedbackProvider = _no_feedback
+        self.feedback: FeedbackSource = NoFeedback()
         self.nudged: NudgeHandler = lambda peer, topic, round_: None
         self.probe_policy: ProbePolicy = lambda peer: True
         self.member_policy: MemberPolicy = lambda peer: True
@@ -128,6 +140,10 @@ class ControlServer:
             await self._serve_state(message, stream)
         elif message.type == "feedback":
             await self._serve_feedback(message, stream)
+        elif message.type == "feedback_taken":
+            if not self.feedback.taken(peer):
+                raise Refused("not_successor", "no error feedback of ours was served to you")
+            await stream.send(encode_reply("ack"))
 
     def allow_probe(self, peer: str, n_bytes: int) -> None:
         """Raise `Refused` unless the policy lets `peer` probe and the probe budget covers `n_bytes`:
@@ -158,7 +174,7 @@ class ControlServer:
         await self._send_state(data, stream)
 
     async def _serve_feedback(self, message: ControlMessage, stream: OpenStream) -> None:
-        data = await self.feedback(message["shard"], stream.peer)  # raises Refused to all but the taker
+        data = await self.feedback.serve(message["shard"], stream.peer)  # Refused to all but the taker
         if data is None:
             raise WireError("shard", f"no error feedback for shard {message['shard']!r} here")
         await self._send_state(data, stream)

@@ -35,13 +35,13 @@ from hetnode.net.control_server import (
     MAX_PAYLOADS_PER_STREAM,
     PAYLOAD_TIMEOUT_S,
     ControlServer,
-    FeedbackProvider,
+    FeedbackSource,
     InclusionProvider,
     InfoProvider,
+    NoFeedback,
     NudgeHandler,
     PayloadProvider,
     ProbePolicy,
-    _no_feedback,
 )
 from hetnode.net.dialback import dial_back, libp2p_listens, reachable_through, tcp_host_port
 from hetnode.net.identity import Identity, owner_subkey, peer_id_of_subkey, write_identity_file
@@ -287,15 +287,21 @@ class SwarmNode:
         self._server.state.clear()
         self._server.state = StateCache(provider)
 
-    def set_feedback(self, provider: FeedbackProvider | None) -> None:
-        """A leaving chain stage: serve its error feedback, shard by shard, through `provider(shard,
-        asker)`, which refuses anyone but the spare that took the stage (None: serve nothing)."""
-        self._server.feedback = provider or _no_feedback
+    def set_feedback(self, source: FeedbackSource | None) -> None:
+        """A leaving chain stage: serve its error feedback, shard by shard, from `source`, which refuses
+        anyone but the spare that took the stage, and hear that spare say it has it (None: serve nothing)."""
+        self._server.feedback = source or NoFeedback()
 
     async def fetch_feedback(self, peer: str, shard: str, max_bytes: int) -> bytes:
         data = await self._fetch(peer, encode_request("feedback", shard=shard), max_bytes)
         self.traffic["received", "state"] += len(data)
         return data
+
+    async def confirm_feedback(self, peer: str) -> None:
+        """Tell the leaving stage `peer` that we hold all of its feedback: it may exit now."""
+        reply = await request(self.p2p, peer, CONTROL_HANDLER, encode_request("feedback_taken"))
+        if reply.type != "ack":
+            raise PeerRequestError(peer, f"expected ack, got {reply.type}")
 
     def set_probe_policy(self, policy: ProbePolicy) -> None:
         """Serve bandwidth probes only to peers for which `policy(peer)` is True (default: everyone)."""

@@ -51,6 +51,9 @@ _REQUESTS: dict[str, _Schema] = {
     # a leaving stage's error feedback for `shard`, asked by the spare that took its stage (answered with
     # payload_ready and one dense fp32 payload frame, or refused to anyone else)
     "feedback": {"shard": (str, None)},
+    # the spare has every shard of that feedback, checked (answered with ack): the leaver may exit now;
+    # until then it stays, so that a transfer its exit would cut can be asked again
+    "feedback_taken": {},
     # was the asker's payload in the seal of `round`? (a replica that missed that seal settles its
     # error feedback: a payload that never reached θ goes back into it)
     "included": {"round": (int, 0)},

@@ -11,6 +11,7 @@ import torch
 from hetnode.algo.sparseloco import MAX_FEEDBACK_RATIO, feedback_refusal
 from hetnode.daemon.feedback_handoff import FeedbackHandoff, take_feedback
 from hetnode.net import loop
+from hetnode.net.streams import PeerRequestError
 from hetnode.planning.roles import (
     Candidate,
     Claim,
@@ -104,7 +105,7 @@ def test_only_the_spare_that_took_the_stage_gets_its_feedback_once(nodes_on_loop
                 7,
                 read_view,
             )
-            leaver.set_feedback(handoff.serve)
+            leaver.set_feedback(handoff)
             assert handoff.taker_problem(view, ids[stranger]) == "its chain holds none of our chain's members"
             assert handoff.taker_problem(view, ids[survivor]) == "not at stage 1"
             assert handoff.anyone_to_take(view)
@@ -136,8 +137,15 @@ def test_only_the_spare_that_took_the_stage_gets_its_feedback_once(nodes_on_loop
                 7,
                 read_view,
             )
-            accomplice.set_feedback(liar.serve)
+            accomplice.set_feedback(liar)
             assert await take_feedback(spare, tiny_config, [ids[accomplice]], SHARDS, theta) is None
             assert liar.taker == ids[spare]  # it served: the spare refused what it got
+            # served is not taken: only the taker's word ends a handoff (an exit could cut bytes in flight)
+            assert not liar.done.is_set()
+            with pytest.raises(PeerRequestError):
+                await survivor.confirm_feedback(ids[accomplice])
+            assert not liar.done.is_set()
+            await spare.confirm_feedback(ids[accomplice])
+            assert liar.done.is_set()
 
     loop.run(scenario())
