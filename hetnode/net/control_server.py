@@ -51,6 +51,8 @@ class FeedbackSource(Protocol):
 
 
 class NoFeedback:
+    """No handoff under way: nothing to serve, nobody's word to hear."""
+
     async def serve(self, shard: str, asker: str) -> bytes | None:
         return None
 
