@@ -204,6 +204,11 @@ class PipelineConfig:
     # join the pools of live chains' slowest stages (compute per layer) before another chain forms, and a
     # chain goes on with a worker of a pool gone (docs/chains.md, "Pools and routing").
     stage_workers: int = 1
+    # Of the micro-batches a stage routes to a pool, the share also sent to a second worker, unknown to
+    # both: two honest workers' gradients agree, a gradient sent with its sign flipped does not; of three,
+    # the odd one is caught lying (docs/chains.md, "Second opinions"). Each copy costs the pool a
+    # micro-batch of compute; 0 asks none.
+    audit_share: float = 0.03125
 
 
 @dataclass(frozen=True)
@@ -538,6 +543,7 @@ def validate(config: Config, source: str) -> None:
         f"must be in [1, model.d_model), got {p.subspace_rank}",
     )
     _require(p.stage_workers >= 1, source, "pipeline.stage_workers", "must be >= 1 (1: one peer per stage)")
+    _require(0.0 <= p.audit_share <= 1.0, source, "pipeline.audit_share", "must be within 0..1")
     _require(p.max_in_flight >= 0, source, "pipeline.max_in_flight", "must be >= 0 (0: the 1F1B schedule)")
 
     for key in (

@@ -36,6 +36,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -59,7 +60,7 @@ from hetnode.errors import UpdateRefused, WireError
 from hetnode.net.node import SwarmNode
 from hetnode.net.records import MAX_ROUND_S
 from hetnode.planning.rounds import another_step, floor_seconds, round_budget_left
-from hetnode.planning.routing import NormWatch
+from hetnode.planning.routing import NormWatch, gradients_agree, odd_one_out
 from hetnode.protocol.payload_opener import payload_opener
 from hetnode.protocol.view import PeerDirectory, SwarmView
 from hetnode.replica.global_model import GlobalModel, sha256_hex
@@ -68,11 +69,13 @@ from hetnode.service.metrics import PeerMetrics
 from hetnode.service.presence import Presence
 from hetnode.service.round_log import RoundRecord
 from hetnode.service.state_writer import LatestStateWriter
+from hetnode.training.gradient_checks import agreement, norm_ratio
 from hetnode.training.local_rounds import Rebase
 from hetnode.training.schedule import stage_window
 from hetnode.training.stage_round import stage_part
 from hetnode.training.stage_worker import Frame
 from hetnode.wire.activation_frame import (
+    DecodedFrame,
     FrameKind,
     decode_frame,
     encode_drift,
@@ -141,10 +144,14 @@ class ChainLoop:
         self.drain_s = 0.0  # paced, first stage: from the last micro-batch fed to the round's end, last round
         self.window: asyncio.Semaphore | None = None
         self.failed: asyncio.Future[str] | None = None
-        self.links = Neighbours(node, layout, self._up_mbps, self._say_blame)
+        self.links = Neighbours(
+            node, layout, self._up_mbps, self._say_blame, config.pipeline.audit_share, config.outer.step_cap
+        )
         self.links.on_lost = self._lost_link
         # gradients back from downstream, waiting for an older micro-batch's (`_step_in_order`)
-        self.held_grads: dict[int, tuple[Link, Any, Routed]] = {}
+        self.held_grads: dict[int, tuple[Link, DecodedFrame, Routed]] = {}
+        # held gradients far off the pool's norms, until another worker answered the same micro-batch
+        self.suspects: dict[int, str] = {}
         # a pool's cheap statistical check: each link's frames against the other workers' (`NormWatch`)
         self.norms = {"act": NormWatch(), "grad": NormWatch()}
         self._closing = asyncio.Event()
@@ -377,6 +384,14 @@ class ChainLoop:
     def _lost_link(self, link: Link) -> None:
         self.norms["act"].forget(link.peer)
         self.norms["grad"].forget(link.peer)
+        for mb in list(self.suspects):
+            held = self.held_grads[mb]
+            if held[0] is link:  # its micro-batch goes to another worker with the link's others (`lose`)
+                del self.suspects[mb], self.held_grads[mb]
+                self.links.routed[mb] = held[2]
+            elif mb not in self.links.audits:  # the worker asked for a second opinion was this one
+                task = asyncio.get_running_loop().create_task(self._without_opinion(mb))
+                task.add_done_callback(self._task_ended)
         self._check_done()  # a round may wait for nothing more from a worker upstream that left
 
     # --- rounds ------------------------------------------------------------------------------------
@@ -490,6 +505,7 @@ class ChainLoop:
             started_at=started_at,
             train_wait_s=round(wait_s, 3),
             overlap=self.config.outer.overlap,
+            second_opinions=self.links.copies,
         )
         self._report_compression(record, payloads)
         self.syncing = asyncio.create_task(self._sync(announcement, record, stop), name=f"sync-{round_}")
@@ -701,7 +717,9 @@ class ChainLoop:
             if frame.kind == "end":
                 self._take_round_end(link, frame.round, frame.mb)
                 continue
-            self._judge(link, "act", frame.tensor)
+            off = self._norm_off(link, "act", frame.tensor)
+            if off is not None:
+                raise LinkFailed(f"activation frame from the previous stage: {off}", True)
             link.received += 1
             again = self._sent_again(link, frame.mb)
             if again:
@@ -733,17 +751,15 @@ class ChainLoop:
             return True
         raise LinkFailed(f"micro-batch {mb} arrived twice", blame=True)
 
-    def _judge(self, link: Link, kind: str, tensor: torch.Tensor) -> None:
-        """A pool's statistical check: a frame far off what the stage's other workers send is a lie."""
+    def _norm_off(self, link: Link, kind: str, tensor: torch.Tensor) -> str | None:
+        """A pool's statistical check: why a frame is far off what the stage's other workers send (None:
+        it is not). An activation that is off is a lie; a gradient that is off is asked of another worker
+        first (an honest worker's gradients can jump as far early in training, and the other's answer for
+        the same micro-batch then jumps with it)."""
         links = self.links.ups if kind == "act" else self.links.downs
         if len(self.links.live(links)) < 2:
-            return
-        why = self.norms[kind].judge(link.peer, float(tensor.float().norm()))
-        if why is not None:
-            side = "previous" if kind == "act" else "next"
-            raise LinkFailed(
-                f"{'activation' if kind == 'act' else 'gradient'} frame from the {side} stage: {why}", True
-            )
+            return None
+        return self.norms[kind].judge(link.peer, float(tensor.float().norm()))
 
     async def _take_drift(self, link: Link, round_: int, base: int) -> None:
         """Keep the θ round of the T_fix' of the round about to start and pass it on to every worker
@@ -788,11 +804,111 @@ class ChainLoop:
                 frame = decode_frame(data, limits, expect_kind="grad", expect_round=self.round_)
             except WireError as exc:
                 raise LinkFailed(f"invalid gradient frame from the next stage: {exc}", blame=True) from None
-            self._judge(link, "grad", frame.tensor)
             mb = frame.mb
+            if self.links.is_copy(mb, link):  # a second opinion: compared, never stepped on
+                await self._second_opinion(link, mb, frame)
+                continue
             if not training.in_flight(mb) or not self.links.expects(mb, link) or mb in self.held_grads:
                 raise LinkFailed(f"a gradient for micro-batch {mb}, which is not in flight", blame=True)
-            self.held_grads[mb] = (link, frame, self.links.answered(mb))
+            off = self._norm_off(link, "grad", frame.tensor)
+            sent = self.links.answered(mb)
+            self.held_grads[mb] = (link, frame, sent)
+            if off is not None:  # held until another worker answers the same micro-batch
+                if not await self.links.ask_about(mb, sent.frame, link.peer):
+                    raise LinkFailed(f"gradient frame from the next stage: {off}", True)
+                self.suspects[mb] = off
+            if mb in self.links.audits:
+                await self._second_opinion(link, mb, frame)
+            await self._step_in_order()
+
+    async def _second_opinion(self, link: Link, mb: int, frame: DecodedFrame) -> None:
+        """A gradient for `mb`, asked of more than one worker, is back on `link`; judged once all answered
+        (`gradients_agree`). A worker whose gradient was off the pool's norms (a suspect) and off another's
+        answer for the same micro-batch lies; else two that disagree ask a third, and of three the one
+        that disagrees with both others lies. A liar's link is lost (blamed), and a gradient of its not
+        stepped on yet is replaced by an honest one. Two workers alone cannot tell which of them lies: the
+        chain breaks, blaming nobody (docs/chains.md, "Second opinions")."""
+        links = self.links
+        audit = links.audits[mb]
+        audit.grads[link.peer] = frame.tensor
+        if audit.waiting:
+            return
+        del links.audits[mb]
+        suspect = self.suspects.pop(mb, None)
+        held = self.held_grads.get(mb)
+        if audit.void or len(audit.grads) < 2:  # no other answer to weigh it against
+            if suspect is not None and held is not None:
+                await self._suspect_without_opinion(mb, held, suspect)
+            await self._step_in_order()
+            self._check_done()
+            return
+        peers = list(audit.grads)
+        agree = {}
+        for i, a in enumerate(peers):
+            for b in peers[i + 1 :]:
+                x, y = audit.grads[a], audit.grads[b]
+                cosine, ratio = await asyncio.to_thread(lambda x=x, y=y: (agreement(x, y), norm_ratio(x, y)))
+                agree[frozenset((a, b))] = gradients_agree(cosine, ratio)
+                log.debug(
+                    "micro-batch %d: %s and %s, cosine %.2f, norms %.1f× apart",
+                    mb,
+                    a[-8:],
+                    b[-8:],
+                    cosine,
+                    ratio,
+                )
+        liar = None
+        if suspect is not None and held is not None:
+            if not all(ok for pair, ok in agree.items() if held[0].peer in pair):
+                liar, why = held[0].peer, suspect
+            else:  # another worker's answer jumped with it: honest, and its norm is the pool's now
+                log.info("micro-batch %d: a gradient far off the pool's norms agrees with another's", mb)
+                self.norms["grad"].learn(held[0].peer, float(held[1].tensor.float().norm()))
+        elif len(peers) == 2:
+            if not next(iter(agree.values())):
+                links.audits[mb] = audit
+                if await links.ask_another(mb):
+                    return
+                links.audits.pop(mb, None)
+                raise ChainBroken(
+                    f"two workers of the next stage disagree on micro-batch {mb}'s gradient: one of them "
+                    "lies, and with two this stage cannot tell which"
+                )
+        else:
+            liar = odd_one_out(agree)
+            why = f"micro-batch {mb}'s gradient disagrees with the two other workers'"
+            if liar is None and not all(agree.values()):
+                log.warning(
+                    "chain %s: three workers' gradients for micro-batch %d agree on no majority",
+                    self.layout.chain,
+                    mb,
+                )
+        if liar is not None:
+            if held is not None and held[0].peer == liar:  # not stepped on yet: an honest answer instead
+                honest = next(p for p in peers if p != liar)
+                self.held_grads[mb] = (
+                    links.downs[honest],
+                    replace(held[1], tensor=audit.grads[honest]),
+                    held[2],
+                )
+            await links.lose(links.downs[liar], f"gradient frame from the next stage: {why}", blame=True)
+        await self._step_in_order()
+        self._check_done()
+
+    async def _suspect_without_opinion(self, mb: int, held: tuple, suspect: str) -> None:
+        """A suspect gradient no other worker could answer for: a lie if its worker is still here (what the
+        norm check alone said before second opinions); if it left, its micro-batch goes to another."""
+        link, _, sent = held
+        del self.held_grads[mb]
+        if not link.lost:
+            await self.links.lose(link, f"gradient frame from the next stage: {suspect}", blame=True)
+        await self.links.route(mb, sent.frame)
+
+    async def _without_opinion(self, mb: int) -> None:
+        """Suspect `mb`'s second opinion was lost with the worker asked."""
+        suspect, held = self.suspects.pop(mb, None), self.held_grads.get(mb)
+        if suspect is not None and held is not None:
+            await self._suspect_without_opinion(mb, held, suspect)
             await self._step_in_order()
 
     async def _step_in_order(self) -> None:
@@ -804,7 +920,7 @@ class ChainLoop:
         training = self.training
         while True:
             oldest = next(iter(training.worker.in_flight), None)
-            if oldest is None or oldest not in self.held_grads:
+            if oldest is None or oldest not in self.held_grads or oldest in self.suspects:
                 return
             link, frame, sent = self.held_grads.pop(oldest)
             async with self.compute:
@@ -844,6 +960,8 @@ class ChainLoop:
         """The open round is done here once all its micro-batches are answered: the first stage's, once it
         stopped feeding; a later stage's, once every live link upstream ended the round."""
         if not self.round_open.is_set():
+            return
+        if self.links.audits:  # a second opinion still out: its gradient must not meet the next round
             return
         if self.layout.first:
             done = self.target is not None and self.backwards >= self.target

@@ -7,6 +7,10 @@ frame it sent until the gradient is back: when a worker of the next stage leaves
 lying, its micro-batches go to another worker of its pool and the round goes on. The stage breaks only
 when a whole neighbouring stage is gone.
 
+A share of the micro-batches (`pipeline.audit_share`, drawn so that no neighbour can predict it) also goes
+to a second worker of the pool, which cannot tell it from its own: a second opinion on the gradient the
+first sends back (`Audit`; judged by the stage, `ChainLoop._second_opinion`).
+
 Links are made while the chain starts (every working member of the neighbouring pools that connects
 within `CONNECT_S`) and only lost after, so that every sender ends every round on every link it has
 (`end` frames) and a receiver knows whom it waits for.
@@ -16,9 +20,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import random
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+
+import torch
 
 from hetnode.errors import HetnodeError, WireError
 from hetnode.net.node import SwarmNode
@@ -138,6 +145,21 @@ class Routed:
     queue: int
 
 
+@dataclass
+class Audit:
+    """A micro-batch sent to more than one worker of the next stage's pool: the routed one first, a second
+    (and a third, when two disagree) unknown to them; the gradients each sent back."""
+
+    frame: bytes
+    asked: list[str]  # the workers it went to, its route first
+    grads: dict[str, torch.Tensor] = field(default_factory=dict)
+    void: bool = False  # a worker asked was lost: the copies still out are taken and dropped
+
+    @property
+    def waiting(self) -> list[str]:
+        return [p for p in self.asked if p not in self.grads]
+
+
 class Neighbours:
     """The links of one stage to the workers of the stages before and after it: connecting, routing,
     sending, and losing them (a lost link's micro-batches go to another worker of its pool)."""
@@ -148,9 +170,13 @@ class Neighbours:
         layout: ChainLayout,
         up_mbps: Callable[[], float],
         on_blame: Callable[[str, str], Awaitable[None]],
+        audit_share: float = 0.0,
+        step_cap: int = 0,
     ) -> None:
         """`up_mbps`: our upload rate (write timeouts); `on_blame(peer, why)`: a neighbour was caught sending
-        what no honest stage sends (said in our record)."""
+        what no honest stage sends (said in our record); `audit_share`: of the micro-batches we route, the
+        share a second worker of the pool also gets, never past `step_cap` micro-batches a round to one
+        worker (which refuses more)."""
         self.node = node
         self.layout = layout
         self.up_mbps = up_mbps
@@ -159,6 +185,11 @@ class Neighbours:
         self.downs: dict[str, Link] = {}  # links to the next stage's workers
         self.routed: dict[int, Routed] = {}  # micro-batches down the links, not answered yet
         self.came_from: dict[int, Link] = {}  # the link each micro-batch in flight here arrived on
+        self.audit_share = audit_share
+        self.step_cap = step_cap
+        self.audits: dict[int, Audit] = {}  # micro-batches with a second opinion asked, not judged yet
+        self.copies = 0  # copies sent for second opinions in the open round
+        self._draw = random.SystemRandom()  # which micro-batches get one: nothing a neighbour can predict
         self.blamed: str | None = None  # the first neighbour we caught lying
         self.accepting = True  # links from upstream are taken while the chain starts
         self.bytes_sent = 0
@@ -248,6 +279,7 @@ class Neighbours:
         return [link for link in links.values() if not link.lost]
 
     def new_round(self) -> None:
+        self.copies = 0
         for link in (*self.ups.values(), *self.downs.values()):
             link.served = link.received = link.answered = 0
             link.ended = False
@@ -256,17 +288,29 @@ class Neighbours:
 
     async def route(self, mb: int, frame: bytes) -> None:
         """Send micro-batch `mb`'s activation frame to a worker of the next stage (`pick_worker`); kept
-        until its gradient is back, to go to another worker if this one is lost."""
+        until its gradient is back, to go to another worker if this one is lost. A share of them goes to
+        a second worker too (`Audit`)."""
+        audit = self.audits.get(mb)
         while True:
             links = self.live(self.downs)
             if not links:
                 raise ChainBroken("every worker of the next stage is gone")
+            if audit is not None:  # sent again: never to a worker holding its copy (it would come twice)
+                free = [k for k in links if k.peer not in audit.asked]
+                if not free:  # only they are left: the copy out there becomes its route
+                    self._route_to_copy(mb, audit)
+                    return
+                links = free
             loads = [WorkerLoad(k.peer, k.served, self._queue(k), k.service.per_mb_s) for k in links]
             link = self.downs[pick_worker(loads)]
             self.routed[mb] = Routed(link, frame, time.monotonic(), self._queue(link) + 1)
             log.debug("micro-batch %d -> %s (%d in flight there)", mb, link.peer[-8:], self.routed[mb].queue)
             link.served += 1
             if await self.send(link, frame):
+                drawn = self.audit_share > 0 and self._draw.random() < self.audit_share
+                if audit is None and drawn and len(self.live(self.downs)) > 1:
+                    self.audits[mb] = Audit(frame, [link.peer])
+                    await self.ask_another(mb)
                 return
             # lost: `lose` sent it on already, unless it was our last worker downstream (raised there)
             if mb not in self.routed or self.routed[mb].link is not link:
@@ -274,6 +318,67 @@ class Neighbours:
 
     def _queue(self, link: Link) -> int:
         return sum(1 for r in self.routed.values() if r.link is link)
+
+    # --- second opinions ---------------------------------------------------------------------------------
+
+    async def ask_another(self, mb: int) -> bool:
+        """Send audited `mb` to a live worker not asked yet, the least loaded (False: none is left)."""
+        audit = self.audits[mb]
+        while True:
+            others = [
+                k
+                for k in self.live(self.downs)
+                if k.peer not in audit.asked and (not self.step_cap or k.served < self.step_cap)
+            ]
+            if not others:
+                if not audit.waiting:
+                    del self.audits[mb]
+                return False
+            link = min(others, key=lambda k: (self._queue(k), k.peer))
+            audit.asked.append(link.peer)
+            link.served += 1  # its end frame counts the copy: to the worker it is one more micro-batch
+            if await self.send(link, audit.frame):
+                self.copies += 1
+                log.debug("micro-batch %d also -> %s (a second opinion)", mb, link.peer[-8:])
+                return True
+
+    async def ask_about(self, mb: int, frame: bytes, peer: str) -> bool:
+        """A second opinion on `mb`, which `peer` answered with a gradient far off the pool's (False: no other
+        worker is left to ask)."""
+        if mb in self.audits:
+            return True  # drawn for one already
+        self.audits[mb] = Audit(frame, [peer])
+        if await self.ask_another(mb):
+            return True
+        self.audits.pop(mb, None)
+        return False
+
+    def is_copy(self, mb: int, link: Link) -> bool:
+        """Whether a gradient for `mb` on `link` answers a copy we sent for a second opinion."""
+        audit = self.audits.get(mb)
+        routed = self.routed.get(mb)
+        asked = audit is not None and link.peer in audit.waiting
+        return asked and (routed is None or routed.link is not link)
+
+    def _route_to_copy(self, mb: int, audit: Audit) -> None:
+        """Re-routing `mb`, whose only live workers hold its copy: that copy's gradient is its answer."""
+        peer = next(p for p in audit.waiting if not self.downs[p].lost)
+        link = self.downs[peer]
+        audit.asked.remove(peer)
+        self.routed[mb] = Routed(link, audit.frame, time.monotonic(), self._queue(link) + 1)
+        if not audit.waiting:
+            del self.audits[mb]
+
+    def _void_audits(self, link: Link) -> None:
+        """`link` is lost: the second opinions it was part of cannot be judged (their copies still out are
+        taken and dropped)."""
+        for mb, audit in list(self.audits.items()):
+            if link.peer in audit.asked:
+                audit.void = True
+                audit.asked.remove(link.peer)
+                audit.grads.pop(link.peer, None)
+                if not audit.waiting:
+                    del self.audits[mb]
 
     def expects(self, mb: int, link: Link) -> bool:
         """Whether a gradient for `mb` may come back on `link` (it went down there and is not back)."""
@@ -349,6 +454,8 @@ class Neighbours:
             reason,
             len(self.live(links)),
         )
+        if side == "next":
+            self._void_audits(link)
         if self.on_lost is not None:
             self.on_lost(link)
         if side == "next":

@@ -18,6 +18,11 @@ SERVICE_EMA = 0.3  # weight of the newest observation in a worker's time per mic
 NORM_EMA = 0.1  # weight of the newest frame in a link's typical log-norm
 NORM_FACTOR = 32.0  # a frame this many times off the other workers' typical norm is a lie
 NORM_WARMUP = 8  # frames the other workers must have sent before a norm is judged
+# Two workers' gradients for one micro-batch point this close or closer (cosine) unless one lies. Two honest
+# workers of a pool on tiny, from the same θ: 0.80–1.00 from 80 micro-batches each into a round (in process),
+# but down to 0.02 in a round from a fresh init (daemons, every micro-batch asked twice); a gradient sent with
+# its sign flipped points against the honest one's: −1.00 measured (docs/chains.md, "Second opinions")
+AGREE_COS = -0.5
 
 
 @dataclass(frozen=True)
@@ -90,10 +95,35 @@ class NormWatch:
                     f"{math.exp(abs(value - reference)):.0f}× off the {math.exp(reference):.3g} the "
                     "stage's other workers send"
                 )
+        self.learn(link, norm)
+        return None
+
+    def learn(self, link: str, norm: float) -> None:
+        """Take a frame's norm into its link's typical one (a frame judged off, then found honest)."""
+        value, own = math.log(max(norm, 1e-30)), self.typical.get(link)
         self.typical[link] = value if own is None else (1 - NORM_EMA) * own + NORM_EMA * value
         self.count[link] = self.count.get(link, 0) + 1
-        return None
 
     def forget(self, link: str) -> None:
         self.typical.pop(link, None)
         self.count.pop(link, None)
+
+
+def gradients_agree(cosine: float, norm_ratio: float) -> bool:
+    """Whether two workers' gradients for one micro-batch agree: they point the same way (`AGREE_COS`) and
+    neither is `NORM_FACTOR` times the other (honest pairs on tiny: within 1.5×)."""
+    return cosine >= AGREE_COS and norm_ratio <= NORM_FACTOR
+
+
+def odd_one_out(agree: dict[frozenset[str], bool]) -> str | None:
+    """The worker that lies, from whether each pair of three workers' gradients for one micro-batch agree
+    (`gradients_agree`): the one that disagrees with both others while those two agree; None when no one
+    worker stands alone (all agree, or the others disagree with each other too: no majority)."""
+    peers = sorted({p for pair in agree for p in pair})
+    if len(peers) != 3 or len(agree) != 3:
+        raise ValueError(f"three workers' pairwise verdicts are needed, got {len(agree)} pairs")
+    for odd in peers:
+        others = [p for p in peers if p != odd]
+        if agree[frozenset(others)] and not any(agree[frozenset((odd, o))] for o in others):
+            return odd
+    return None

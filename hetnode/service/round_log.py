@@ -51,6 +51,9 @@ class RoundRecord:
     # the next round's steps, so it delays the announcement, not the training thread
     close_s: float = 0.0
     overlap: bool = False  # trained under `outer.overlap`
+    # a stage before a pool: micro-batches it also sent to a second worker for a second opinion (each
+    # worker's `steps` counts those it answered, so the pool's steps are the stage's plus these)
+    second_opinions: int = 0
 
     @property
     def tokens_per_s(self) -> float:

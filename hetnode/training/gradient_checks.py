@@ -53,3 +53,20 @@ def refusal(mb: int, grads: Sequence[torch.Tensor | None], upstream: bool = Fals
     if upstream and total < NORM_LIMIT:
         return UpdateRefused(f"micro-batch {mb}: the gradient for the previous stage is not finite")
     return UpdateRefused(f"micro-batch {mb}: gradient norm {total:.3g} is not finite or too large")
+
+
+def agreement(a: torch.Tensor, b: torch.Tensor) -> float:
+    """The cosine between two workers' gradients for one micro-batch (host tensors off the wire), in
+    float32: near 1 for two honest workers of a pool, negative when one flipped its sign
+    (`planning.routing.AGREE_COS`); −1 when either has no finite, non-zero norm."""
+    x, y = a.reshape(-1).float(), b.reshape(-1).float()
+    norms = float(torch.linalg.vector_norm(x) * torch.linalg.vector_norm(y))
+    return float(torch.dot(x, y)) / norms if norms > 0 and math.isfinite(norms) else -1.0
+
+
+def norm_ratio(a: torch.Tensor, b: torch.Tensor) -> float:
+    """How many times the larger of two gradients' norms is the smaller's (inf when one is zero or not
+    finite)."""
+    x, y = float(torch.linalg.vector_norm(a.float())), float(torch.linalg.vector_norm(b.float()))
+    low, high = min(x, y), max(x, y)
+    return high / low if low > 0 and math.isfinite(high) else math.inf

@@ -4,7 +4,17 @@ import math
 
 import pytest
 
-from hetnode.planning.routing import NORM_FACTOR, NORM_WARMUP, NormWatch, ServiceTime, WorkerLoad, pick_worker
+from hetnode.planning.routing import (
+    AGREE_COS,
+    NORM_FACTOR,
+    NORM_WARMUP,
+    NormWatch,
+    ServiceTime,
+    WorkerLoad,
+    gradients_agree,
+    odd_one_out,
+    pick_worker,
+)
 
 
 def test_every_worker_is_tried_each_round_before_the_fastest_is_preferred():
@@ -54,6 +64,20 @@ def test_a_worker_that_turns_to_sending_frames_far_off_the_pools_is_caught_at_it
     assert watch.judge("liar", 1e9) is None
 
 
+def test_a_jump_found_honest_is_learned_and_stops_being_judged_off():
+    # an honest gradient far off (early in training), cleared by another worker's answer for the same input
+    watch = NormWatch()
+    for _ in range(NORM_WARMUP):
+        assert watch.judge("a", 1.0) is None and watch.judge("b", 1.0) is None
+    jumped = 50.0
+    assert watch.judge("a", jumped) is not None  # not learned: judged off
+    learned = 0
+    while watch.judge("a", jumped) is not None:
+        watch.learn("a", jumped)
+        learned += 1
+    assert 1 <= learned <= 3  # a few honest answers bring its history to the jump
+
+
 def test_an_honest_worker_is_never_blamed_for_what_a_liar_taught_the_pool():
     # the liar lies from its first frame: the honest worker, steady against its own history, is not blamed
     watch = NormWatch()
@@ -62,3 +86,25 @@ def test_an_honest_worker_is_never_blamed_for_what_a_liar_taught_the_pool():
         assert watch.judge("honest", 1.0) is None
     # and a worker new to the pool is not judged before its own history
     assert watch.judge("newcomer", 1e6) is None
+
+
+def test_gradients_agree_when_they_point_alike_at_a_like_norm():
+    assert gradients_agree(0.9, 1.2) and gradients_agree(0.02, 1.0)  # honest pairs from a fresh init
+    assert not gradients_agree(-0.9, 1.0)  # one sign flipped
+    assert not gradients_agree(0.9, NORM_FACTOR * 2)  # one scaled
+    assert gradients_agree(AGREE_COS, NORM_FACTOR) and not gradients_agree(AGREE_COS - 0.01, 1.0)
+
+
+def test_of_three_workers_the_odd_one_out_is_the_one_against_both_others():
+    a, b, c = "a", "b", "c"
+
+    def verdicts(ab: bool, ac: bool, bc: bool) -> dict[frozenset[str], bool]:
+        return {frozenset((a, b)): ab, frozenset((a, c)): ac, frozenset((b, c)): bc}
+
+    assert odd_one_out(verdicts(True, False, False)) == c
+    assert odd_one_out(verdicts(False, False, True)) == a
+    assert odd_one_out(verdicts(True, True, True)) is None  # all agree
+    assert odd_one_out(verdicts(False, False, False)) is None  # no majority
+    assert odd_one_out(verdicts(True, True, False)) is None  # b and c disagree, both agree with a
+    with pytest.raises(ValueError, match="three workers"):
+        odd_one_out({frozenset((a, b)): False})
