@@ -1,6 +1,6 @@
 """Control messages, frame headers, the manifest envelope: hostile bytes get a WireError naming the field."""
 
-import os
+import random
 import struct
 from pathlib import Path
 
@@ -40,7 +40,7 @@ def _packed(**fields):
 @pytest.mark.parametrize(
     ("data", "field"),
     [
-        (os.urandom(64), "message"),
+        (random.Random(0).randbytes(64), "message"),  # fixed garbage: the same test ids in every process
         (b"", "message"),
         (_packed(type="ping"), "v"),
         (_packed(type="shutdown", v=1), "type"),
