@@ -9,6 +9,7 @@ never disagree; of two, the first stage cannot tell which lies: the chain breaks
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from pathlib import Path
 
@@ -76,32 +77,40 @@ async def until(condition, what: str) -> None:
         await asyncio.sleep(0.2)
 
 
+@contextlib.asynccontextmanager
+async def running(nodes_on_loopback, config: Config, data_dir: Path, workers: int):
+    """A chain of a first stage and a pool of `workers`, the last of them the liar, running until the block
+    ends: yields (its stages, their runs, the nodes)."""
+    async with nodes_on_loopback(1 + workers, f"opinions-{workers}") as nodes:
+        chains = chain_of(config, nodes, data_dir, liar=workers)
+        stop = asyncio.Event()
+        runs = [asyncio.create_task(chain.run(stop)) for chain in chains]
+        try:
+            yield chains, runs, nodes
+        finally:
+            stop.set()
+            await asyncio.wait_for(asyncio.gather(*runs, return_exceptions=True), 60)
+
+
 def test_of_three_workers_the_one_that_flips_its_gradients_is_dropped_and_the_round_goes_on(
     nodes_on_loopback, config, tmp_path
 ):
     async def scenario() -> None:
-        async with nodes_on_loopback(4, "opinions-3") as nodes:
-            chains = chain_of(config, nodes, tmp_path, liar=3)
-            stop = asyncio.Event()
-            runs = [asyncio.create_task(chain.run(stop)) for chain in chains]
+        async with running(nodes_on_loopback, config, tmp_path, 3) as (chains, _, nodes):
             first, liar = chains[0], nodes[3].identity.peer_id
-            try:
-                await until(
-                    lambda: first.blamed is not None or (first.failed is not None and first.failed.done()),
-                    "a blame",
-                )
-                assert first.blamed == liar, (first.blamed, first.failed)
-                # the round goes on with the two honest workers, who audit each other and always agree
-                await until(lambda: first.target is not None and first.backwards >= first.target, "the round")
-                assert not first.failed.done(), first.failed.result()
-                assert first.links.downs[liar].lost
-                honest = [first.links.downs[p.identity.peer_id] for p in nodes[1:3]]
-                assert not any(link.lost for link in honest)
-                assert sum(link.served for link in honest) >= first.target  # all of it, and the copies
-                assert all(chain.blamed is None for chain in chains[1:])
-            finally:
-                stop.set()
-                await asyncio.wait_for(asyncio.gather(*runs, return_exceptions=True), 60)
+            await until(
+                lambda: first.blamed is not None or (first.failed is not None and first.failed.done()),
+                "a blame",
+            )
+            assert first.blamed == liar, (first.blamed, first.failed)
+            # the round goes on with the two honest workers, who audit each other and always agree
+            await until(lambda: first.target is not None and first.backwards >= first.target, "the round")
+            assert not first.failed.done(), first.failed.result()
+            assert first.links.downs[liar].lost
+            honest = [first.links.downs[p.identity.peer_id] for p in nodes[1:3]]
+            assert not any(link.lost for link in honest)
+            assert sum(link.served for link in honest) >= first.target  # all of it, and the copies
+            assert all(chain.blamed is None for chain in chains[1:])
 
     loop.run(scenario())
 
@@ -110,17 +119,9 @@ def test_of_two_workers_one_flipping_its_gradients_breaks_the_chain_and_no_one_i
     nodes_on_loopback, config, tmp_path
 ):
     async def scenario() -> None:
-        async with nodes_on_loopback(3, "opinions-2") as nodes:
-            chains = chain_of(config, nodes, tmp_path, liar=2)
-            stop = asyncio.Event()
-            runs = [asyncio.create_task(chain.run(stop)) for chain in chains]
-            first = chains[0]
-            try:
-                reason = await asyncio.wait_for(runs[0], WITHIN_S)
-                assert "one of them lies, and with two this stage cannot tell which" in reason, reason
-                assert first.blamed is None
-            finally:
-                stop.set()
-                await asyncio.wait_for(asyncio.gather(*runs, return_exceptions=True), 60)
+        async with running(nodes_on_loopback, config, tmp_path, 2) as (chains, runs, _):
+            reason = await asyncio.wait_for(runs[0], WITHIN_S)
+            assert "one of them lies, and with two this stage cannot tell which" in reason, reason
+            assert chains[0].blamed is None
 
     loop.run(scenario())
