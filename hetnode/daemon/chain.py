@@ -148,6 +148,7 @@ class ChainLoop:
             node, layout, self._up_mbps, self._say_blame, config.pipeline.audit_share, config.outer.step_cap
         )
         self.links.on_lost = self._lost_link
+        self.links.on_spare_answer = self._spare_answer
         # gradients back from downstream, waiting for an older micro-batch's (`_step_in_order`)
         self.held_grads: dict[int, tuple[Link, DecodedFrame, Routed]] = {}
         # held gradients far off the pool's norms, until another worker answered the same micro-batch
@@ -393,6 +394,18 @@ class ChainLoop:
                 task = asyncio.get_running_loop().create_task(self._without_opinion(mb))
                 task.add_done_callback(self._task_ended)
         self._check_done()  # a round may wait for nothing more from a worker upstream that left
+
+    def _spare_answer(self, mb: int, link: Link, grad: torch.Tensor) -> None:
+        """Re-routed `mb` is answered by the gradient `link`'s worker sent for its copy (`route`)."""
+        frame = DecodedFrame("grad", self.round_, mb, grad, None, None)
+        task = asyncio.get_running_loop().create_task(self._serve_gradient(link, frame))
+        task.add_done_callback(self._task_ended)
+
+    async def _serve_gradient(self, link: Link, frame: DecodedFrame) -> None:
+        try:
+            await self._take_gradient(link, frame)
+        except LinkFailed as exc:
+            await self.links.lose(link, str(exc), blame=exc.blame)
 
     # --- rounds ------------------------------------------------------------------------------------
 
@@ -804,22 +817,27 @@ class ChainLoop:
                 frame = decode_frame(data, limits, expect_kind="grad", expect_round=self.round_)
             except WireError as exc:
                 raise LinkFailed(f"invalid gradient frame from the next stage: {exc}", blame=True) from None
-            mb = frame.mb
-            if self.links.is_copy(mb, link):  # a second opinion: compared, never stepped on
-                await self._second_opinion(link, mb, frame)
-                continue
-            if not training.in_flight(mb) or not self.links.expects(mb, link) or mb in self.held_grads:
-                raise LinkFailed(f"a gradient for micro-batch {mb}, which is not in flight", blame=True)
-            off = self._norm_off(link, "grad", frame.tensor)
-            sent = self.links.answered(mb)
-            self.held_grads[mb] = (link, frame, sent)
-            if off is not None:  # held until another worker answers the same micro-batch
-                if not await self.links.ask_about(mb, sent.frame, link.peer):
-                    raise LinkFailed(f"gradient frame from the next stage: {off}", True)
-                self.suspects[mb] = off
-            if mb in self.links.audits:
-                await self._second_opinion(link, mb, frame)
-            await self._step_in_order()
+            if self.links.is_copy(frame.mb, link):  # a second opinion: compared, never stepped on
+                await self._second_opinion(link, frame.mb, frame)
+            else:
+                await self._take_gradient(link, frame)
+
+    async def _take_gradient(self, link: Link, frame: DecodedFrame) -> None:
+        """The gradient for a micro-batch routed to `link` is back: held, then stepped on in order (a
+        gradient far off the pool's norms waits for another worker's answer first)."""
+        training, mb = self.training, frame.mb
+        if not training.in_flight(mb) or not self.links.expects(mb, link) or mb in self.held_grads:
+            raise LinkFailed(f"a gradient for micro-batch {mb}, which is not in flight", blame=True)
+        off = self._norm_off(link, "grad", frame.tensor)
+        sent = self.links.answered(mb)
+        self.held_grads[mb] = (link, frame, sent)
+        if off is not None:  # held until another worker answers the same micro-batch
+            if not await self.links.ask_about(mb, sent.frame, link.peer):
+                raise LinkFailed(f"gradient frame from the next stage: {off}", True)
+            self.suspects[mb] = off
+        if mb in self.links.audits:
+            await self._second_opinion(link, mb, frame)
+        await self._step_in_order()
 
     async def _second_opinion(self, link: Link, mb: int, frame: DecodedFrame) -> None:
         """A gradient for `mb`, asked of more than one worker, is back on `link`; judged once all answered

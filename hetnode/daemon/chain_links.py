@@ -143,6 +143,7 @@ class Routed:
     frame: bytes
     sent_at: float
     queue: int
+    timed: bool = True  # False: its answer was already here (a copy's), so its round trip says nothing
 
 
 @dataclass
@@ -189,6 +190,12 @@ class Neighbours:
         self.step_cap = step_cap
         self.audits: dict[int, Audit] = {}  # micro-batches with a second opinion asked, not judged yet
         self.copies = 0  # copies sent for second opinions in the open round
+        # the workers each micro-batch of the open round went to (routed or copied): one never gets the same
+        # micro-batch twice (it would count it twice against its round's cap, and refuse us)
+        self.sent_to: dict[int, set[str]] = {}
+        # a copy's gradient, kept when its audit was voided by the loss of the worker the micro-batch was
+        # routed to: it answers the micro-batch instead of sending it again
+        self.spare_answers: dict[int, tuple[str, torch.Tensor]] = {}
         self._draw = random.SystemRandom()  # which micro-batches get one: nothing a neighbour can predict
         self.blamed: str | None = None  # the first neighbour we caught lying
         self.accepting = True  # links from upstream are taken while the chain starts
@@ -198,6 +205,8 @@ class Neighbours:
         self.attached = asyncio.Event()  # a link from upstream was accepted
         self.on_up_link: Callable[[Link], None] | None = None  # the stage starts reading a new link
         self.on_lost: Callable[[Link], None] | None = None  # the stage recounts its round
+        # a micro-batch whose worker was lost is answered by the gradient another worker sent for its copy
+        self.on_spare_answer: Callable[[int, Link, torch.Tensor], None] | None = None
 
     # --- making links --------------------------------------------------------------------------------
 
@@ -280,6 +289,8 @@ class Neighbours:
 
     def new_round(self) -> None:
         self.copies = 0
+        self.sent_to.clear()
+        self.spare_answers.clear()
         for link in (*self.ups.values(), *self.downs.values()):
             link.served = link.received = link.answered = 0
             link.ended = False
@@ -295,17 +306,24 @@ class Neighbours:
             links = self.live(self.downs)
             if not links:
                 raise ChainBroken("every worker of the next stage is gone")
-            if audit is not None:  # sent again: never to a worker holding its copy (it would come twice)
-                free = [k for k in links if k.peer not in audit.asked]
-                if not free:  # only they are left: the copy out there becomes its route
+            if self._answer_from_spare(mb, frame):
+                return
+            taken = self.sent_to.get(mb, set())
+            free = [k for k in links if k.peer not in taken]
+            if not free:  # each live worker had it: a copy still out there becomes its route
+                if audit is not None and any(not self.downs[p].lost for p in audit.waiting):
                     self._route_to_copy(mb, audit)
                     return
-                links = free
+                free = [k for k in links if not self.step_cap or k.served < self.step_cap]
+                if not free:  # again to one of them, which then steps on it twice, if under its cap
+                    raise ChainBroken(f"micro-batch {mb} went to every worker left of the next stage")
+            links = free
             loads = [WorkerLoad(k.peer, k.served, self._queue(k), k.service.per_mb_s) for k in links]
             link = self.downs[pick_worker(loads)]
             self.routed[mb] = Routed(link, frame, time.monotonic(), self._queue(link) + 1)
             log.debug("micro-batch %d -> %s (%d in flight there)", mb, link.peer[-8:], self.routed[mb].queue)
             link.served += 1
+            self.sent_to.setdefault(mb, set()).add(link.peer)
             if await self.send(link, frame):
                 drawn = self.audit_share > 0 and self._draw.random() < self.audit_share
                 if audit is None and drawn and len(self.live(self.downs)) > 1:
@@ -336,6 +354,7 @@ class Neighbours:
                 return False
             link = min(others, key=lambda k: (self._queue(k), k.peer))
             audit.asked.append(link.peer)
+            self.sent_to.setdefault(mb, set()).add(link.peer)
             link.served += 1  # its end frame counts the copy: to the worker it is one more micro-batch
             if await self.send(link, audit.frame):
                 self.copies += 1
@@ -369,14 +388,31 @@ class Neighbours:
         if not audit.waiting:
             del self.audits[mb]
 
+    def _answer_from_spare(self, mb: int, frame: bytes) -> bool:
+        """Answer re-routed `mb` with the gradient a live worker already sent for its copy (True)."""
+        spare = self.spare_answers.pop(mb, None)
+        if spare is None or self.downs[spare[0]].lost or self.on_spare_answer is None:
+            return False
+        link = self.downs[spare[0]]
+        self.routed[mb] = Routed(link, frame, time.monotonic(), self._queue(link) + 1, timed=False)
+        log.debug("micro-batch %d answered by %s's gradient for its copy", mb, link.peer[-8:])
+        self.on_spare_answer(mb, link, spare[1])
+        return True
+
     def _void_audits(self, link: Link) -> None:
         """`link` is lost: the second opinions it was part of cannot be judged (their copies still out are
-        taken and dropped)."""
+        taken and dropped; a copy's gradient already here is kept if `link` held the micro-batch's route,
+        to answer it: `_answer_from_spare`)."""
         for mb, audit in list(self.audits.items()):
             if link.peer in audit.asked:
                 audit.void = True
                 audit.asked.remove(link.peer)
                 audit.grads.pop(link.peer, None)
+                routed = self.routed.get(mb)
+                if routed is not None and routed.link is link:
+                    kept = [(p, g) for p, g in audit.grads.items() if not self.downs[p].lost]
+                    if kept:
+                        self.spare_answers[mb] = kept[0]
                 if not audit.waiting:
                     del self.audits[mb]
 
@@ -391,7 +427,7 @@ class Neighbours:
         routed = self.routed.pop(mb)
         link = routed.link
         link.answered += 1
-        if link.answered > 1:  # a round's first answer waits for the round to open there: not its pace
+        if link.answered > 1 and routed.timed:  # a round's first answer waits for the round to open there
             link.service.observe(time.monotonic() - routed.sent_at, routed.queue)
         log.debug(
             "micro-batch %d back from %s in %.2f s", mb, link.peer[-8:], time.monotonic() - routed.sent_at

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+import torch
 
 from hetnode.daemon.chain_links import ChainBroken, ChainLayout, Neighbours
 from hetnode.net import loop
@@ -113,6 +114,47 @@ def test_a_copy_for_a_second_opinion_goes_to_the_other_worker_and_answers_for_it
             # one worker left: nothing is asked twice
             await links.route(8, b"frame-8")
             assert 8 not in links.audits and links.copies == 1
+            links.close()
+            holding.set()
+
+    loop.run(scenario())
+
+
+def test_a_copys_gradient_already_back_answers_its_micro_batch_when_the_routed_worker_is_lost(
+    nodes_on_loopback,
+):
+    """Of three workers, micro-batch 7 routed to one and copied to another, whose gradient is back (held by
+    the opinion): the routed worker lost, that gradient answers the micro-batch (`on_spare_answer`), and
+    the frame goes to nobody again (the copy's worker would count it twice against its round's cap)."""
+
+    async def scenario() -> None:
+        async with nodes_on_loopback(4, "spare-answers") as (sender, *workers):
+            ids = [node.identity.peer_id for node in (sender, *workers)]
+            layout = ChainLayout("c1-x", 0, ((ids[0],), tuple(ids[1:])), (range(0, 2), range(2, 4)))
+            holding = asyncio.Event()
+            arrived = silent_workers(workers, holding)
+
+            async def on_blame(peer, why):
+                raise AssertionError(f"nobody lied, {peer} blamed: {why}")
+
+            answers = []
+            links = Neighbours(sender, layout, lambda: 100.0, on_blame, audit_share=1.0, step_cap=10)
+            links.on_spare_answer = lambda mb, link, grad: answers.append((mb, link.peer, grad))
+            await links.connect({*ids}, asyncio.Event())
+            links.new_round()
+            await links.route(7, b"frame-7")
+            routed = links.routed[7].link
+            [copy_peer] = links.audits[7].waiting[1:]
+            gradient = torch.ones(2, 3)
+            links.audits[7].grads[copy_peer] = gradient  # the copy's answer, as `_second_opinion` keeps it
+            await links.lose(routed, "gone")
+            assert len(answers) == 1 and answers[0][:2] == (7, copy_peer) and answers[0][2] is gradient
+            assert links.routed[7].link is links.downs[copy_peer] and not links.routed[7].timed
+            assert 7 not in links.audits
+            await asyncio.sleep(0.5)
+            third = next(p for p in ids[1:] if p not in (routed.peer, copy_peer))
+            assert arrived[third].empty() and arrived[copy_peer].qsize() == 1  # sent again to nobody
+            assert sum(link.served for link in links.live(links.downs)) == 1
             links.close()
             holding.set()
 

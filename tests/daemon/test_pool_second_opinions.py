@@ -104,7 +104,10 @@ def test_of_three_workers_the_one_that_flips_its_gradients_is_dropped_and_the_ro
             )
             assert first.blamed == liar, (first.blamed, first.failed)
             # the round goes on with the two honest workers, who audit each other and always agree
-            await until(lambda: first.target is not None and first.backwards >= first.target, "the round")
+            await until(
+                lambda: first.failed.done() or (first.target is not None and first.backwards >= first.target),
+                "the round",
+            )
             assert not first.failed.done(), first.failed.result()
             assert first.links.downs[liar].lost
             honest = [first.links.downs[p.identity.peer_id] for p in nodes[1:3]]

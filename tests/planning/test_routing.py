@@ -6,6 +6,7 @@ import pytest
 
 from hetnode.planning.routing import (
     AGREE_COS,
+    AGREE_NORM_FACTOR,
     NORM_FACTOR,
     NORM_WARMUP,
     NormWatch,
@@ -91,8 +92,10 @@ def test_an_honest_worker_is_never_blamed_for_what_a_liar_taught_the_pool():
 def test_gradients_agree_when_they_point_alike_at_a_like_norm():
     assert gradients_agree(0.9, 1.2) and gradients_agree(0.02, 1.0)  # honest pairs from a fresh init
     assert not gradients_agree(-0.9, 1.0)  # one sign flipped
-    assert not gradients_agree(0.9, NORM_FACTOR * 2)  # one scaled
-    assert gradients_agree(AGREE_COS, NORM_FACTOR) and not gradients_agree(AGREE_COS - 0.01, 1.0)
+    assert gradients_agree(0.3, 47.2)  # the farthest apart of 287 honest pairs from a fresh init
+    assert not gradients_agree(0.9, 1000.0)  # one scaled by the `grad-scaled` fault
+    assert gradients_agree(AGREE_COS, AGREE_NORM_FACTOR) and not gradients_agree(AGREE_COS - 0.01, 1.0)
+    assert not gradients_agree(0.9, AGREE_NORM_FACTOR * 1.01)
 
 
 def test_of_three_workers_the_odd_one_out_is_the_one_against_both_others():
