@@ -125,11 +125,26 @@ def _measure(watch: Watch, plan: ChainsPlan, record: dict[str, Any]) -> None:
     watch.until(lambda _: time.time() >= record["end"], plan.measure_s + 30, "the measured window")
 
 
+def _planned(record: dict[str, Any]) -> list[list[str]] | None:
+    """The chain's stages by name as the status showed them at the first whole seal (None: not shown). The
+    planner puts the fastest candidate first, but a chain formed before it was ready keeps its order (a
+    working chain is not re-planned): the case then acts on the chain as it is."""
+    chain = record.get("layout_before")
+    names = chain.get("names") if chain is not None else None
+    return names if names and len(names) > 1 else None
+
+
+def _lead(record: dict[str, Any]) -> str:
+    """The chain's first stage by name."""
+    names = _planned(record)
+    return names[0][0] if names else FIRST
+
+
 def _second_stage(watch: Watch, record: dict[str, Any]) -> list[str]:
     """The second stage's workers by name: as the status shows them, else whoever was sealed with stage-0."""
-    chain = record.get("layout_before")
-    if chain is not None and len(chain["names"]) > 1 and chain["names"][0] == [FIRST]:
-        return list(chain["names"][1])
+    names = _planned(record)
+    if names is not None:
+        return list(names[1])
     ids = watch.swarm.ids
     start = next(e for e in watch.swarm.history() if e["round"] == record["start_round"])
     return [n for n in SECOND if n in ids and ids[n] in start["contributors"]]
@@ -138,9 +153,9 @@ def _second_stage(watch: Watch, record: dict[str, Any]) -> list[str]:
 def _kill_a_worker(watch: Watch, plan: ChainsPlan, record: dict[str, Any]) -> None:
     """worker_killed: a few rounds sealed with both workers, one of them killed a second into a round, then
     rounds sealed with the chain until it is back up to speed."""
-    ids = watch.swarm.ids
+    ids, lead = watch.swarm.ids, _lead(record)
     pool = _second_stage(watch, record)
-    both = {ids[FIRST], *(ids[n] for n in pool)}
+    both = {ids[lead], *(ids[n] for n in pool)}
     watch.until(
         lambda h: sum(sealed_with(e, both) for e in h) >= plan.rounds_before_event,
         plan.event_timeout_s,
@@ -152,7 +167,7 @@ def _kill_a_worker(watch: Watch, plan: ChainsPlan, record: dict[str, Any]) -> No
     record["events"] |= {"killed": victim, "killed_at": killed_at, "pool": pool}
     watch.until(
         lambda h: (
-            sum(float(e["time"]) > killed_at and sealed_with(e, {ids[FIRST]}) for e in h)
+            sum(float(e["time"]) > killed_at and sealed_with(e, {ids[lead]}) for e in h)
             >= plan.rounds_after_event
         ),
         plan.event_timeout_s,
@@ -162,18 +177,18 @@ def _kill_a_worker(watch: Watch, plan: ChainsPlan, record: dict[str, Any]) -> No
 
 def _spare_steps_in(watch: Watch, plan: ChainsPlan, record: dict[str, Any]) -> None:
     """spare: the chain's second stage killed; its spare takes the stage (the successor, same lineage)."""
-    ids = watch.swarm.ids
+    ids, lead = watch.swarm.ids, _lead(record)
     member = (_second_stage(watch, record) or list(SECOND))[0]
-    spare = next(n for n in SECOND if n != member)
+    spare = next(n for n in (FIRST, *SECOND) if n in ids and n not in (lead, member))
     watch.until(
-        lambda h: sum(sealed_with(e, {ids[FIRST], ids[member]}) for e in h) >= plan.rounds_before_event,
+        lambda h: sum(sealed_with(e, {ids[lead], ids[member]}) for e in h) >= plan.rounds_before_event,
         plan.event_timeout_s,
         f"{plan.rounds_before_event} rounds sealed with the chain",
     )
     watch.next_round_of(member)
     killed_at = watch.kill(member)
     record["events"] |= {"killed": member, "killed_at": killed_at, "spare": spare}
-    successor = {ids[FIRST], ids[spare]}
+    successor = {ids[lead], ids[spare]}
     history = watch.until(
         lambda h: (
             sum(float(e["time"]) > killed_at and sealed_with(e, successor) for e in h)
@@ -221,14 +236,13 @@ def _catch_the_liar(watch: Watch, plan: ChainsPlan, record: dict[str, Any]) -> N
             )
         time.sleep(plan.status_poll_s)
     seen = record["events"]["dropped_seen_at"]
-    names = (record.get("layout_before") or {}).get("names") or [[FIRST]]
-    log = watch.swarm.work / f"{names[0][0]}.log"  # the first stage's: it caught the lie
+    lead = _lead(record)
+    log = watch.swarm.work / f"{lead}.log"  # the first stage's: it caught the lie
     text = log.read_text(errors="replace") if log.exists() else ""
     record["events"]["blame_logged_at"] = logged_at(text, f"{ids[LIAR]} {BLAME_LINE}", fault_at)
     watch.until(
         lambda h: (
-            sum(float(e["time"]) > seen and sealed_with(e, {ids[FIRST]}) for e in h)
-            >= plan.rounds_after_event
+            sum(float(e["time"]) > seen and sealed_with(e, {ids[lead]}) for e in h) >= plan.rounds_after_event
         ),
         plan.event_timeout_s,
         f"{plan.rounds_after_event} rounds sealed with the chain after the liar was dropped",
