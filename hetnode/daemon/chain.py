@@ -90,6 +90,16 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
+def reason_to_leave(view: SwarmView, chain: str, me: str) -> str | None:
+    """Why the records say our training in `chain` is over (None: it goes on)."""
+    status = next((c for c in view.chains() if c.chain == chain), None)
+    if status is None or not status.live:
+        return "the records say the chain is not live (a member left or says it broke)"
+    if me in status.blamed:
+        return "another member of the chain says we sent what no honest stage sends"
+    return None
+
+
 class ChainLoop:
     def __init__(
         self,
@@ -366,12 +376,16 @@ class ChainLoop:
             await self._closing.wait()  # the stream lives as long as the chain
 
     async def _watch_members(self, stop: asyncio.Event) -> None:
-        """Break the chain when the records say it is not live any more (a whole stage left); lose the links
-        to neighbours that stopped working in it (left, said their training ended, caught lying)."""
+        """Break the chain when the records say it is not live any more (a whole stage left) or that another
+        member caught us lying (its neighbours no longer route to us: only its records tell us so, as
+        the streams it closed may stay open at our end); lose the links to neighbours that stopped working
+        in it (left, said their training ended, caught lying)."""
+        me = self.node.identity.peer_id
         while not await sleep_or_stop(stop, self.config.network.heartbeat_s):
             view = await self.rounds.view.get()
-            if not view.chain_is_live(self.layout.chain):
-                raise ChainBroken("the records say the chain is not live (a member left or says it broke)")
+            why = reason_to_leave(view, self.layout.chain, me)
+            if why is not None:
+                raise ChainBroken(why)
             await self.links.drop_gone(view)
 
     async def _serve(self, link: Link, reader: Callable[[Link], Any]) -> None:
