@@ -5,6 +5,7 @@ before the fastest candidate was ready keeps its order (a working chain is not r
 from __future__ import annotations
 
 from hetnode.lab.runs import chains_cases
+from hetnode.lab.runs.chains_figures import first_stage
 from hetnode.lab.runs.chains_plan import FIRST
 
 
@@ -14,13 +15,13 @@ def record_with(names):
 
 def test_the_pool_and_the_lead_are_read_from_the_chain_as_it_formed():
     planned = record_with([[FIRST], ["stage-1a", "stage-1b"]])
-    assert chains_cases._lead(planned) == FIRST
+    assert first_stage(planned) == FIRST
     assert chains_cases._second_stage(None, planned) == ["stage-1a", "stage-1b"]
     # formed while stage-0 was not ready: stage-1a leads, stage-0 joined the second stage's pool
     reordered = record_with([["stage-1a"], ["stage-1b", FIRST]])
-    assert chains_cases._lead(reordered) == "stage-1a"
+    assert first_stage(reordered) == "stage-1a"
     assert chains_cases._second_stage(None, reordered) == ["stage-1b", FIRST]
 
 
 def test_without_a_status_the_planned_first_stage_leads():
-    assert chains_cases._lead({}) == FIRST and chains_cases._planned(record_with([[FIRST]])) is None
+    assert first_stage({}) == FIRST and first_stage(record_with([])) == FIRST

@@ -18,6 +18,7 @@ from hetnode.lab.runs.chains_figures import (
     BLAME_LINE,
     dropped_by_chain,
     first_seal_with,
+    first_stage,
     logged_at,
     sealed_with,
 )
@@ -125,25 +126,12 @@ def _measure(watch: Watch, plan: ChainsPlan, record: dict[str, Any]) -> None:
     watch.until(lambda _: time.time() >= record["end"], plan.measure_s + 30, "the measured window")
 
 
-def _planned(record: dict[str, Any]) -> list[list[str]] | None:
-    """The chain's stages by name as the status showed them at the first whole seal (None: not shown). The
-    planner puts the fastest candidate first, but a chain formed before it was ready keeps its order (a
-    working chain is not re-planned): the case then acts on the chain as it is."""
-    chain = record.get("layout_before")
-    names = chain.get("names") if chain is not None else None
-    return names if names and len(names) > 1 else None
-
-
-def _lead(record: dict[str, Any]) -> str:
-    """The chain's first stage by name."""
-    names = _planned(record)
-    return names[0][0] if names else FIRST
-
-
 def _second_stage(watch: Watch, record: dict[str, Any]) -> list[str]:
-    """The second stage's workers by name: as the status shows them, else whoever was sealed with stage-0."""
-    names = _planned(record)
-    if names is not None:
+    """The second stage's workers by name: as the status showed them (`first_stage`: the chain as it
+    formed), else whoever was sealed with stage-0."""
+    chain = record.get("layout_before") or {}
+    names = chain.get("names") or []
+    if len(names) > 1:
         return list(names[1])
     ids = watch.swarm.ids
     start = next(e for e in watch.swarm.history() if e["round"] == record["start_round"])
@@ -153,7 +141,7 @@ def _second_stage(watch: Watch, record: dict[str, Any]) -> list[str]:
 def _kill_a_worker(watch: Watch, plan: ChainsPlan, record: dict[str, Any]) -> None:
     """worker_killed: a few rounds sealed with both workers, one of them killed a second into a round, then
     rounds sealed with the chain until it is back up to speed."""
-    ids, lead = watch.swarm.ids, _lead(record)
+    ids, lead = watch.swarm.ids, first_stage(record)
     pool = _second_stage(watch, record)
     both = {ids[lead], *(ids[n] for n in pool)}
     watch.until(
@@ -177,7 +165,7 @@ def _kill_a_worker(watch: Watch, plan: ChainsPlan, record: dict[str, Any]) -> No
 
 def _spare_steps_in(watch: Watch, plan: ChainsPlan, record: dict[str, Any]) -> None:
     """spare: the chain's second stage killed; its spare takes the stage (the successor, same lineage)."""
-    ids, lead = watch.swarm.ids, _lead(record)
+    ids, lead = watch.swarm.ids, first_stage(record)
     member = (_second_stage(watch, record) or list(SECOND))[0]
     spare = next(n for n in (FIRST, *SECOND) if n in ids and n not in (lead, member))
     watch.until(
@@ -236,7 +224,7 @@ def _catch_the_liar(watch: Watch, plan: ChainsPlan, record: dict[str, Any]) -> N
             )
         time.sleep(plan.status_poll_s)
     seen = record["events"]["dropped_seen_at"]
-    lead = _lead(record)
+    lead = first_stage(record)
     log = watch.swarm.work / f"{lead}.log"  # the first stage's: it caught the lie
     text = log.read_text(errors="replace") if log.exists() else ""
     record["events"]["blame_logged_at"] = logged_at(text, f"{ids[LIAR]} {BLAME_LINE}", fault_at)

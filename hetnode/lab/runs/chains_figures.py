@@ -35,6 +35,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from datetime import datetime
 from typing import Any
 
+from hetnode.lab.runs.chains_plan import FIRST
 from hetnode.lab.runs.utilization_figures import (
     loss_at_equal,
     loss_curve,
@@ -46,6 +47,15 @@ from hetnode.lab.runs.utilization_figures import (
 Record = Mapping[str, Any]
 BLAME_LINE = "sent what no honest stage sends"  # hetnode/daemon/chain_links.py, naming the liar first
 DAY_S = 86400.0
+
+
+def first_stage(run: Mapping[str, Any]) -> str:
+    """The chain's first stage by name: as the status showed it at its first whole seal, else the planned
+    one. The planner puts the fastest candidate first, but a chain formed before it was ready keeps its
+    order (a working chain is not re-planned)."""
+    chain = run.get("layout_before") or {}
+    names = chain.get("names") or []
+    return names[0][0] if names and names[0] else FIRST
 
 
 def sealed_with(entry: Record, peers: Iterable[str]) -> bool:

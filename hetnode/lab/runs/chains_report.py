@@ -23,6 +23,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 from hetnode.lab.runs.chains_figures import (  # noqa: E402
     chain_tokens_per_s,
     eval_against_clean,
+    first_stage,
     rate_series,
     recovery,
     rounds_sealed_with,
@@ -68,13 +69,6 @@ KEYS = {
         "fault_clock_from",
     ),
 }  # fmt: skip
-
-
-def first_stage(run: Mapping[str, Any]) -> str:
-    """The chain's first stage by name: as the status showed it, else the planned one."""
-    chain = run.get("layout_before") or {}
-    names = chain.get("names") or []
-    return names[0][0] if names and names[0] else FIRST
 
 
 def throughput(run: Mapping[str, Any], plan: ChainsPlan, until: float | None = None) -> dict[str, Any]:
